@@ -1,0 +1,1 @@
+"""Pipeline steps: plain Python logic with thin Prefect task wrappers."""

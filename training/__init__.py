@@ -1,0 +1,1 @@
+"""Training payload: runs on cluster nodes under torchrun (pure PyTorch, fsspec, numpy, pydantic)."""

@@ -1,0 +1,303 @@
+"""Typed configuration of the training payload.
+
+`TrainConfig` is the training layer's own slice of a deployment spec. It crosses
+to the cluster as JSON (`run.json`) and is read back by the same class, so the
+validation that ran on the operator's machine runs again on every node.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic_core import PydanticCustomError
+
+from training.storage import StorageConfig
+
+
+class StrictModel(BaseModel):
+    """Base for every config model: unknown fields are errors, defaults are validated."""
+
+    model_config = ConfigDict(extra="forbid", validate_default=True, validate_assignment=True)
+
+
+Problem = tuple[tuple[str | int, ...], Any, str]
+"""A cross-field problem: (location, offending value, message that says the fix)."""
+
+
+def raise_problems(title: str, problems: list[Problem]) -> None:
+    """Raise one ValidationError carrying every problem, so users see them all at once."""
+    if not problems:
+        return
+    raise ValidationError.from_exception_data(
+        title,
+        [
+            {"type": PydanticCustomError("spec", message), "loc": loc, "input": value}
+            for loc, value, message in problems
+        ],
+    )
+
+
+def _describe_constraint(err: dict[str, Any]) -> str:
+    ctx = err.get("ctx") or {}
+    kind = err["type"]
+    operators = {
+        "greater_than_equal": (">=", "ge"),
+        "greater_than": (">", "gt"),
+        "less_than_equal": ("<=", "le"),
+        "less_than": ("<", "lt"),
+    }
+    if kind in operators:
+        op, key = operators[kind]
+        return f"must be {op} {ctx[key]}"
+    if kind == "literal_error":
+        return f"must be one of {ctx.get('expected')}"
+    if kind == "missing":
+        return "is required; add it to the spec"
+    if kind == "extra_forbidden":
+        return "is not a known field; remove it or check its spelling"
+    return err["msg"]
+
+
+def format_validation_error(error: ValidationError) -> list[str]:
+    """Render a pydantic error as `field.path=value: what is wrong and the fix` lines."""
+    lines = []
+    for err in error.errors():
+        loc = ".".join(str(part) for part in err["loc"]) or "<spec>"
+        message = _describe_constraint(err)
+        if err["type"] == "missing":
+            lines.append(f"{loc}: {message}")
+        else:
+            value = err.get("input")
+            shown = json.dumps(value, default=str) if not isinstance(value, str) else value
+            if isinstance(value, dict):
+                shown = "{...}"
+            lines.append(f"{loc}={shown}: {message}")
+    return lines
+
+
+class MoEConfig(StrictModel):
+    """Mixture-of-Experts MLP: every block's MLP becomes a routed set of experts."""
+
+    n_experts: int = Field(ge=2, description="Number of experts per MoE layer.")
+    top_k: int = Field(default=2, ge=1, description="Experts each token is routed to.")
+    aux_loss_coef: float = Field(
+        default=0.01, ge=0, description="Weight of the Switch-style load-balancing loss."
+    )
+
+    @model_validator(mode="after")
+    def _top_k_fits(self) -> MoEConfig:
+        if self.top_k > self.n_experts:
+            raise_problems(
+                "MoEConfig",
+                [(("top_k",), self.top_k, f"must be <= n_experts={self.n_experts}")],
+            )
+        return self
+
+
+class ModelConfig(StrictModel):
+    """Decoder-only Transformer architecture."""
+
+    n_layers: int = Field(ge=1, description="Number of Transformer blocks.")
+    d_model: int = Field(ge=1, description="Hidden size.")
+    n_heads: int = Field(ge=1, description="Attention (query) heads.")
+    n_kv_heads: int | None = Field(
+        default=None, ge=1, description="Key/value heads for grouped-query attention; None = n_heads."
+    )
+    ffn_hidden: int = Field(ge=1, description="Hidden size of the MLP (per expert under MoE).")
+    mlp: Literal["swiglu", "gelu"] = Field(default="swiglu", description="MLP kind.")
+    vocab_size: int = Field(ge=2, description="Vocabulary size of the embedding and output layer.")
+    seq_len: int = Field(ge=1, description="Training sequence length in tokens.")
+    tie_embeddings: bool = Field(default=False, description="Share input embedding and output weights.")
+    norm_eps: float = Field(default=1e-5, gt=0, description="RMSNorm epsilon.")
+    rope_theta: float = Field(default=10000.0, gt=0, description="Rotary embedding base.")
+    init_std: float = Field(default=0.02, gt=0, description="Std of the normal weight init.")
+    moe: MoEConfig | None = Field(default=None, description="Mixture-of-Experts MLP; None = dense.")
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads actually used."""
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def head_dim(self) -> int:
+        """Per-head width."""
+        return self.d_model // self.n_heads
+
+    @model_validator(mode="after")
+    def _shapes_agree(self) -> ModelConfig:
+        problems: list[Problem] = []
+        if self.d_model % self.n_heads:
+            divisors = [h for h in range(1, self.d_model + 1) if self.d_model % h == 0 and h <= 128]
+            problems.append(
+                (("n_heads",), self.n_heads, f"must divide d_model={self.d_model}; use one of {divisors[-6:]}")
+            )
+        elif self.head_dim % 2:
+            problems.append(
+                (("d_model",), self.d_model, f"d_model/n_heads={self.head_dim} must be even for rotary embeddings")
+            )
+        if self.n_heads % self.kv_heads:
+            valid = [k for k in range(1, self.n_heads + 1) if self.n_heads % k == 0]
+            problems.append(
+                (("n_kv_heads",), self.n_kv_heads, f"must divide n_heads={self.n_heads}; use one of {valid}")
+            )
+        raise_problems("ModelConfig", problems)
+        return self
+
+
+class ParallelConfig(StrictModel):
+    """How the model and the batch are spread over the training processes."""
+
+    sharding: Literal["ddp", "fsdp", "hsdp"] = Field(
+        default="ddp",
+        description="ddp: replicate; fsdp: FSDP2 full shard (ZeRO-3 style) over all ranks; "
+        "hsdp: shard within a node, replicate across nodes (2-D mesh).",
+    )
+    data_parallel: int | None = Field(
+        default=None,
+        ge=1,
+        description="Data-parallel degree; must equal the number of training processes. None = all of them.",
+    )
+    hsdp_shard_size: int | None = Field(
+        default=None, ge=1, description="hsdp: ranks per shard group; None = processes per node."
+    )
+    micro_batch: int = Field(ge=1, description="Sequences per rank per forward/backward pass.")
+    grad_accum_steps: int = Field(default=1, ge=1, description="Micro-batches accumulated per optimizer step.")
+    activation_recompute: Literal["none", "selective", "full"] = Field(
+        default="none",
+        description="none; selective: recompute attention only; full: recompute every block in backward.",
+    )
+    ddp_grad_compression: Literal["bf16", "fp16"] | None = Field(
+        default=None, description="ddp only: compress gradients for the all-reduce (DDP comm hook)."
+    )
+    ddp_bucket_cap_mb: float = Field(default=25.0, gt=0, description="ddp only: gradient bucket size in MB.")
+
+
+class PrecisionConfig(StrictModel):
+    """Numeric precision of the forward and backward passes (parameters stay fp32)."""
+
+    dtype: Literal["fp32", "bf16", "fp16"] = Field(
+        default="fp32", description="fp32; bf16 autocast; fp16 autocast with dynamic loss scaling."
+    )
+    fp16_init_scale: float = Field(default=2.0**16, gt=0, description="fp16: initial loss scale.")
+    fp16_growth_interval_steps: int = Field(
+        default=2000, ge=1, description="fp16: overflow-free steps before the loss scale doubles."
+    )
+
+
+class OptimConfig(StrictModel):
+    """AdamW with linear warmup and a decay schedule."""
+
+    name: Literal["adamw"] = Field(default="adamw", description="Optimizer.")
+    lr_peak: float = Field(gt=0, description="Learning rate reached after warmup.")
+    lr_min: float = Field(default=0.0, ge=0, description="Learning rate at the end of the decay.")
+    warmup_steps: int = Field(default=0, ge=0, description="Linear warmup steps.")
+    schedule: Literal["cosine", "linear", "constant"] = Field(default="cosine", description="Decay after warmup.")
+    weight_decay: float = Field(default=0.1, ge=0, description="Decoupled weight decay (matrices only).")
+    beta1: float = Field(default=0.9, ge=0, lt=1, description="AdamW beta1.")
+    beta2: float = Field(default=0.95, ge=0, lt=1, description="AdamW beta2.")
+    eps: float = Field(default=1e-8, gt=0, description="AdamW epsilon.")
+    grad_clip_norm: float | None = Field(default=1.0, gt=0, description="Clip the global grad norm; None = off.")
+
+    @model_validator(mode="after")
+    def _lr_range(self) -> OptimConfig:
+        if self.lr_min > self.lr_peak:
+            raise_problems("OptimConfig", [(("lr_min",), self.lr_min, f"must be <= lr_peak={self.lr_peak}")])
+        return self
+
+
+class DataConfig(StrictModel):
+    """Where the tokenized dataset is (format: training/dataset.py)."""
+
+    dataset_url: str = Field(min_length=1, description="Local path or fsspec URL of the tokenized dataset.")
+    train_split: str = Field(default="train", description="Split used for training.")
+    val_split: str = Field(default="val", description="Held-out split used for evaluation.")
+
+
+class CheckpointConfig(StrictModel):
+    """Distributed checkpoints (torch.distributed.checkpoint) on any fsspec URL."""
+
+    url: str = Field(min_length=1, description="Local path or fsspec URL (s3://...) of the checkpoint folder.")
+    save_every_steps: int | None = Field(default=None, ge=1, description="Save every N steps; None = off.")
+    save_at_end: bool = Field(default=True, description="Save after the last step.")
+    keep_last: int = Field(default=3, ge=1, description="Complete checkpoints kept; older ones are deleted.")
+    resume: bool = Field(default=True, description="Resume from the latest complete checkpoint on start.")
+    verify_checksums: bool = Field(default=True, description="Check sha256 of every file before loading.")
+    save_retries: int = Field(default=2, ge=0, description="Retries of a failed save (transient storage errors).")
+    save_retry_backoff_s: float = Field(default=1.0, ge=0, description="First retry delay; doubles each retry.")
+
+
+class RunConfig(StrictModel):
+    """Length, seed, outputs and cadence of the training run."""
+
+    steps: int = Field(ge=1, description="Optimizer steps to train for.")
+    seed: int = Field(default=0, ge=0, description="Seed for init, data order and every RNG.")
+    output_url: str = Field(min_length=1, description="Local folder for metrics, ranks.json and sample records.")
+    log_every_steps: int = Field(default=10, ge=1, description="Rank 0 logs a line every N steps.")
+    eval_every_steps: int | None = Field(default=None, ge=1, description="Validation every N steps; None = end only.")
+    eval_batches: int = Field(default=4, ge=1, description="Validation micro-batches per rank per evaluation.")
+    threads_per_rank: int | None = Field(
+        default=None, ge=1, description="torch intra-op threads per rank; None = CPU cores / local ranks."
+    )
+    record_samples: bool = Field(default=True, description="Record the sample indices each rank consumed.")
+
+
+class TrainConfig(StrictModel):
+    """Everything the training payload needs, and nothing else."""
+
+    model: ModelConfig
+    parallel: ParallelConfig
+    precision: PrecisionConfig = Field(default_factory=PrecisionConfig)
+    optim: OptimConfig
+    data: DataConfig
+    checkpoint: CheckpointConfig
+    run: RunConfig
+    storage: StorageConfig = Field(default_factory=StorageConfig)
+
+    @model_validator(mode="after")
+    def _combinations(self) -> TrainConfig:
+        raise_problems("TrainConfig", training_problems(self))
+        return self
+
+    @classmethod
+    def from_json_file(cls, path: str | Path) -> TrainConfig:
+        """Read the config written by `to_json_file` (the cluster side of the boundary)."""
+        return cls.model_validate_json(Path(path).read_text())
+
+    def to_json_file(self, path: str | Path) -> None:
+        """Write the config as JSON for `torchrun -m training.train --config`."""
+        Path(path).write_text(self.model_dump_json(indent=2))
+
+
+def training_problems(cfg: TrainConfig) -> list[Problem]:
+    """Cross-section checks of a training config."""
+    problems: list[Problem] = []
+    par = cfg.parallel
+    if cfg.precision.dtype == "fp16" and par.sharding != "ddp":
+        problems.append(
+            (
+                ("precision", "dtype"),
+                "fp16",
+                f"fp16 loss scaling is supported with parallel.sharding=ddp only (got {par.sharding}); "
+                "use bf16 with fsdp/hsdp",
+            )
+        )
+    if par.ddp_grad_compression is not None and par.sharding != "ddp":
+        problems.append(
+            (
+                ("parallel", "ddp_grad_compression"),
+                par.ddp_grad_compression,
+                f"only applies to sharding=ddp (got {par.sharding}); remove it",
+            )
+        )
+    if par.hsdp_shard_size is not None and par.sharding != "hsdp":
+        problems.append(
+            (("parallel", "hsdp_shard_size"), par.hsdp_shard_size, f"only applies to sharding=hsdp; remove it")
+        )
+    if cfg.optim.warmup_steps > cfg.run.steps:
+        problems.append(
+            (("optim", "warmup_steps"), cfg.optim.warmup_steps, f"must be <= run.steps={cfg.run.steps}")
+        )
+    return problems

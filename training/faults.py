@@ -1,0 +1,61 @@
+"""TEST-ONLY fault injection, for drills and tests that must prove the checks fail when they should.
+
+Faults are read from the environment variable TDEPLOY_TEST_FAULTS (JSON), never
+from a deployment spec, so a production spec cannot switch them on. Off unless
+that variable is set.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import signal
+import time
+
+import torch.distributed as dist
+from pydantic import BaseModel, ConfigDict, Field
+
+ENV_VAR = "TDEPLOY_TEST_FAULTS"
+log = logging.getLogger(__name__)
+
+
+class TestFaults(BaseModel):
+    """Faults a test can inject into one launch of the trainer."""
+
+    __test__ = False  # not a pytest class
+    model_config = ConfigDict(extra="forbid")
+
+    pause_after_step: int | None = Field(
+        default=None, description="Every rank stops making progress after this step (a hang to kill)."
+    )
+    kill_during_save_step: int | None = Field(
+        default=None, description="Rank 0 SIGKILLs itself after writing checkpoint data, before committing it."
+    )
+
+
+@functools.cache
+def active() -> TestFaults:
+    """The faults of this process (none unless TDEPLOY_TEST_FAULTS is set)."""
+    raw = os.environ.get(ENV_VAR)
+    if not raw:
+        return TestFaults()
+    faults = TestFaults.model_validate_json(raw)
+    log.warning("TEST FAULTS ACTIVE (%s): %s", ENV_VAR, faults.model_dump(exclude_none=True))
+    return faults
+
+
+def maybe_pause(step: int) -> None:
+    """Hang forever after `step` when asked to."""
+    if active().pause_after_step is not None and step >= active().pause_after_step:
+        log.warning("test fault: pausing after step %d", step)
+        while True:
+            time.sleep(60)
+
+
+def maybe_kill_during_save(step: int) -> None:
+    """Die mid-save (data written, commit marker not) when asked to."""
+    if active().kill_during_save_step == step:
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            log.warning("test fault: SIGKILL during the save of step %d", step)
+            os.kill(os.getpid(), signal.SIGKILL)

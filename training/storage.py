@@ -1,0 +1,103 @@
+"""fsspec access to local paths and object stores with the spec's storage settings."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from typing import Any
+
+import fsspec
+from fsspec.core import url_to_fs
+from fsspec.implementations.local import LocalFileSystem
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+_SECRET_WORDS = ("secret", "password", "token", "key")
+
+
+class StorageConfig(BaseModel):
+    """Options for remote URLs. Credentials come from the environment (AWS_ACCESS_KEY_ID, ...), never the spec."""
+
+    model_config = ConfigDict(extra="forbid", validate_default=True)
+
+    s3_endpoint_url: str | None = Field(
+        default=None, description="S3-compatible endpoint, e.g. http://127.0.0.1:9000; None = AWS."
+    )
+    options: dict[str, Any] = Field(
+        default_factory=dict, description="Extra fsspec storage options for remote URLs (no credentials)."
+    )
+
+    @field_validator("options")
+    @classmethod
+    def _no_secrets(cls, value: dict[str, Any]) -> dict[str, Any]:
+        for name in value:
+            if any(word in name.lower() for word in _SECRET_WORDS):
+                raise ValueError(
+                    f"option {name!r} looks like a credential; secrets never sit in specs: "
+                    "set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY (or the backend's variables) instead"
+                )
+        return value
+
+    def fsspec_options(self, url: str) -> dict[str, Any]:
+        """Storage options for `url`'s protocol."""
+        protocol = url.split("://", 1)[0] if "://" in url else "file"
+        if protocol == "file":
+            return {}
+        opts = dict(self.options)
+        if protocol in ("s3", "s3a") and self.s3_endpoint_url:
+            client_kwargs = dict(opts.get("client_kwargs", {}))
+            client_kwargs.setdefault("endpoint_url", self.s3_endpoint_url)
+            opts["client_kwargs"] = client_kwargs
+        return opts
+
+
+def is_local(url: str) -> bool:
+    """True for plain paths and file:// URLs."""
+    return "://" not in url or url.startswith("file://")
+
+
+def local_path(url: str) -> str:
+    """The filesystem path of a local URL."""
+    return url[len("file://") :] if url.startswith("file://") else url
+
+
+def filesystem(url: str, storage: StorageConfig | None = None) -> tuple[fsspec.AbstractFileSystem, str]:
+    """An fsspec filesystem and the protocol-less path for `url`."""
+    storage = storage or StorageConfig()
+    # Each call gets a fresh instance: a cached s3fs instance keeps its event loop and
+    # connections across fork()/torchrun restarts and across endpoint restarts.
+    return url_to_fs(url, skip_instance_cache=True, **storage.fsspec_options(url))
+
+
+def join(url: str, *parts: str) -> str:
+    """Join URL path parts with '/' (works for paths and object-store URLs)."""
+    out = url.rstrip("/")
+    for part in parts:
+        out = f"{out}/{part.strip('/')}"
+    return out
+
+
+def sha256_file(fs: fsspec.AbstractFileSystem, path: str, chunk_bytes: int = 8 << 20) -> str:
+    """Streaming sha256 of one file."""
+    digest = hashlib.sha256()
+    with fs.open(path, "rb") as handle:
+        while chunk := handle.read(chunk_bytes):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def write_bytes_atomic(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> None:
+    """Write a small file so that readers see either nothing or all of it.
+
+    Local files go through a temporary name and `os.replace`; object stores
+    make a single PUT visible atomically already.
+    """
+    if isinstance(fs, LocalFileSystem):
+        tmp = f"{path}.tmp-{os.getpid()}"
+        fs.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(tmp, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    else:
+        fs.pipe_file(path, data)

@@ -1,0 +1,394 @@
+"""The training job: `torchrun ... -m training.train --config run.json`.
+
+Rank 0 logs a line every `run.log_every_steps`; every rank appends one JSON line
+per step to `metrics/rank-NNNNN.jsonl` and its sample indices to
+`samples/rank-NNNNN.jsonl`; `ranks.json` is written at start-up, `eval.jsonl`
+at each evaluation and `result.json` at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import os
+import random
+import socket
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from training import faults
+from training.checkpoint import CheckpointManager
+from training.config import OptimConfig, TrainConfig
+from training.dataset import DatasetError, TokenDataset
+from training.metrics import CommTimer, RunOutput, peak_memory_bytes
+from training.model import Transformer
+from training.parallel import gradient_sync, parallelize
+from training.sampler import GlobalBatchSampler, SamplerState
+
+log = logging.getLogger("training.train")  # not __main__ under `python -m`
+
+_AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """Where this process sits in the job (from torchrun's environment)."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    host: str
+
+    @classmethod
+    def from_environ(cls) -> DistEnv:
+        """Read RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE (a lone process when unset)."""
+        env = os.environ
+        return cls(
+            rank=int(env.get("RANK", 0)),
+            local_rank=int(env.get("LOCAL_RANK", 0)),
+            world_size=int(env.get("WORLD_SIZE", 1)),
+            local_world_size=int(env.get("LOCAL_WORLD_SIZE", 1)),
+            host=socket.gethostname(),
+        )
+
+
+def init_distributed(env: DistEnv) -> tuple[torch.device, str]:
+    """Start the process group: NCCL on GPUs, gloo on CPU."""
+    if torch.cuda.is_available():
+        device, backend = torch.device("cuda", env.local_rank), "nccl"
+        torch.cuda.set_device(device)
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    if not dist.is_initialized():
+        if "MASTER_ADDR" in os.environ:
+            dist.init_process_group(backend, device_id=device if backend == "nccl" else None)
+        else:  # a lone process outside torchrun (benchmarks, notebooks)
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    return device, backend
+
+
+def lr_lambda(cfg: OptimConfig, total_steps: int):  # noqa: ANN201 - returns a float function of the step
+    """Multiplier of lr_peak at a step: linear warmup, then cosine/linear decay to lr_min, or constant."""
+    floor = cfg.lr_min / cfg.lr_peak
+
+    def factor(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        if cfg.schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps))
+        shape = 0.5 * (1 + math.cos(math.pi * progress)) if cfg.schedule == "cosine" else 1 - progress
+        return floor + (1 - floor) * shape
+
+    return factor
+
+
+def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=cfg.lr_peak,
+        betas=(cfg.beta1, cfg.beta2),
+        eps=cfg.eps,
+    )
+
+
+def seed_everything(seed: int) -> None:
+    """Seed python, numpy and torch."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def _to_float(value: torch.Tensor | float) -> float:
+    if isinstance(value, torch.Tensor):
+        value = value.full_tensor() if hasattr(value, "full_tensor") else value
+        return float(value.item())
+    return float(value)
+
+
+class Trainer:
+    """Builds everything from a TrainConfig, resumes if it can, trains, evaluates, checkpoints."""
+
+    def __init__(self, cfg: TrainConfig) -> None:
+        self.cfg = cfg
+        self.env = DistEnv.from_environ()
+        self.device, self.backend = init_distributed(self.env)
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        torch.set_num_threads(cfg.run.threads_per_rank or max(1, (os.cpu_count() or 1) // self.env.local_world_size))
+
+        par, model_cfg = cfg.parallel, cfg.model
+        self.train_data = TokenDataset(cfg.data.dataset_url, cfg.data.train_split, model_cfg.seq_len, cfg.storage)
+        self.val_data = TokenDataset(cfg.data.dataset_url, cfg.data.val_split, model_cfg.seq_len, cfg.storage)
+        if self.train_data.manifest.vocab_size > model_cfg.vocab_size:
+            raise DatasetError(
+                cfg.data.dataset_url,
+                f"dataset vocab_size={self.train_data.manifest.vocab_size} exceeds model.vocab_size={model_cfg.vocab_size}",
+                f"set model.vocab_size >= {self.train_data.manifest.vocab_size} or use a dataset of this vocabulary",
+            )
+        self.sampler = GlobalBatchSampler(
+            len(self.train_data), par.micro_batch, par.grad_accum_steps, self.world, self.rank, cfg.run.seed
+        )
+
+        seed_everything(cfg.run.seed)  # identical initial weights on every rank
+        model = Transformer(model_cfg, recompute=par.activation_recompute).to(self.device)
+        self.n_params = model.num_params()
+        self.comm_timer = CommTimer()
+        self.model = parallelize(model, par, self.device, self.env.local_world_size, self.comm_timer)
+        self.comm_measured = par.sharding == "ddp" and self.world > 1
+        self.optimizer = build_optimizer(self.model, cfg.optim)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg.optim, cfg.run.steps))
+        self.autocast_dtype = _AUTOCAST[cfg.precision.dtype]
+        self.scaler = torch.amp.GradScaler(
+            self.device.type,
+            init_scale=cfg.precision.fp16_init_scale,
+            growth_interval=cfg.precision.fp16_growth_interval_steps,
+            enabled=cfg.precision.dtype == "fp16",
+        )
+        self.checkpoints = CheckpointManager(cfg.checkpoint, cfg.storage)
+        self.out = RunOutput(cfg.run.output_url, cfg.storage)
+
+        self.step, self.tokens_seen, self.skipped_steps = 0, 0, 0
+        self.resumed_from: int | None = None
+        seed_everything(cfg.run.seed + 1 + self.rank)  # per-rank streams from here on (dropout, sampling, ...)
+        if cfg.checkpoint.resume:
+            self._resume()
+        self._write_ranks()
+
+    # ---- state ------------------------------------------------------------------------------
+
+    def _train_state(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "epoch": self.sampler.state.epoch,
+            "sample_offset": self.sampler.state.offset,
+            "tokens_seen": self.tokens_seen,
+            "skipped_steps": self.skipped_steps,
+            "global_batch": self.sampler.global_batch,
+            "world_size": self.world,
+            "scheduler": self.scheduler.state_dict(),
+            "scaler": self.scaler.state_dict(),
+        }
+
+    def _resume(self) -> None:
+        restored = self.checkpoints.load_latest(self.model, self.optimizer)
+        if restored is None:
+            return
+        state = restored.train_state
+        self.step, self.tokens_seen, self.skipped_steps = state["step"], state["tokens_seen"], state["skipped_steps"]
+        self.sampler.state = SamplerState(state["epoch"], state["sample_offset"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        if state["scaler"]:
+            self.scaler.load_state_dict(state["scaler"])
+        self.resumed_from = self.step
+        if self.rank == 0:
+            log.info("resumed from %s at step %d (saved by %d ranks)", restored.path, self.step, restored.saved_world_size)
+
+    def _write_ranks(self) -> None:
+        me = {
+            "rank": self.rank,
+            "local_rank": self.env.local_rank,
+            "world_size": self.world,
+            "local_world_size": self.env.local_world_size,
+            "host": self.env.host,
+            "pid": os.getpid(),
+            "device": str(self.device),
+            "backend": self.backend,
+            "restart_count": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
+            "resumed_from_step": self.resumed_from,
+        }
+        everyone: list[Any] = [None] * self.world
+        dist.all_gather_object(everyone, me)
+        if self.rank == 0:
+            self.out.write_json("ranks.json", {"world_size": self.world, "ranks": everyone})
+            self.out.sync()
+
+    # ---- loop -------------------------------------------------------------------------------
+
+    def _loss(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        inputs, targets = tokens[:, :-1].to(self.device), tokens[:, 1:].to(self.device)
+        with torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
+            logits, aux = self.model(inputs)
+        loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))
+        return loss, aux
+
+    def train_step(self) -> dict[str, Any]:
+        """One optimizer step over grad_accum_steps micro-batches; returns its metrics record."""
+        cfg = self.cfg
+        started = time.perf_counter()
+        data_s = 0.0
+        self.model.train()
+        epoch, micro_batches = self.sampler.next_step()
+        loss_sum = torch.zeros((), device=self.device)
+        aux_sum = torch.zeros((), device=self.device)
+        accum = len(micro_batches)
+        coef = cfg.model.moe.aux_loss_coef if cfg.model.moe else 0.0
+        for m, indices in enumerate(micro_batches):
+            fetch = time.perf_counter()
+            tokens = self.train_data.batch(indices)
+            data_s += time.perf_counter() - fetch
+            with gradient_sync(self.model, enabled=m == accum - 1):
+                loss, aux = self._loss(tokens)
+                self.scaler.scale((loss + coef * aux) / accum).backward()
+            loss_sum += loss.detach()
+            aux_sum += aux.detach()
+        self.scaler.unscale_(self.optimizer)
+        clip = cfg.optim.grad_clip_norm if cfg.optim.grad_clip_norm is not None else float("inf")
+        grad_norm = _to_float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip))
+        scale_before = self.scaler.get_scale()
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        skipped = self.scaler.is_enabled() and self.scaler.get_scale() < scale_before
+        self.skipped_steps += int(skipped)
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+
+        local_loss = loss_sum / accum
+        global_loss = local_loss.clone()
+        dist.all_reduce(global_loss, op=dist.ReduceOp.AVG if self.backend == "nccl" else dist.ReduceOp.SUM)
+        if self.backend != "nccl":
+            global_loss /= self.world
+        self.step += 1
+        tokens_step = self.sampler.global_batch * cfg.model.seq_len
+        self.tokens_seen += tokens_step
+        elapsed = time.perf_counter() - started
+        comm_s = self.comm_timer.take() if self.comm_measured else None
+        record = {
+            "step": self.step,
+            "epoch": epoch,
+            "loss": global_loss.item(),
+            "rank_loss": local_loss.item(),
+            "aux_loss": (aux_sum / accum).item() if cfg.model.moe else None,
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "loss_scale": self.scaler.get_scale() if self.scaler.is_enabled() else None,
+            "skipped": skipped,
+            "tokens_per_s": tokens_step / elapsed,
+            "tokens_per_s_rank": tokens_step / self.world / elapsed,
+            "step_time_s": elapsed,
+            "data_wait_s": data_s,
+            "comm_s": comm_s,
+            "compute_s": max(0.0, elapsed - data_s - (comm_s or 0.0)),
+            "peak_mem_bytes": peak_memory_bytes(self.device),
+            "time_unix_s": time.time(),
+        }
+        self.out.append(f"metrics/rank-{self.rank:05d}.jsonl", {"rank": self.rank, **record})
+        if cfg.run.record_samples:
+            flat = np.concatenate(micro_batches).tolist()
+            self.out.append(
+                f"samples/rank-{self.rank:05d}.jsonl",
+                {"step": self.step, "epoch": epoch, "resumed_from": self.resumed_from, "indices": flat},
+            )
+        return record
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, Any]:
+        """Mean validation loss and perplexity over eval_batches micro-batches per rank, reduced across ranks."""
+        self.model.eval()
+        b, n = self.cfg.parallel.micro_batch, len(self.val_data)
+        totals = torch.zeros(2, dtype=torch.float64, device=self.device)
+        for j in range(self.cfg.run.eval_batches):
+            first = (j * self.world + self.rank) * b
+            tokens = self.val_data.batch([(first + k) % n for k in range(b)])
+            loss, _ = self._loss(tokens)
+            count = tokens[:, 1:].numel()
+            totals += torch.tensor([loss.item() * count, count], dtype=torch.float64, device=self.device)
+        dist.all_reduce(totals)
+        val_loss = (totals[0] / totals[1]).item()
+        result = {"step": self.step, "val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 700.0))}
+        if self.rank == 0:
+            self.out.append("eval.jsonl", result)
+        return result
+
+    def _save(self) -> None:
+        started = time.perf_counter()
+        nbytes = self.checkpoints.save(self.step, self.model, self.optimizer, self._train_state())
+        if self.rank == 0:
+            seconds = time.perf_counter() - started
+            log.info("checkpoint step %d: %.1f MB in %.2fs", self.step, nbytes / 1e6, seconds)
+            self.out.append("checkpoints.jsonl", {"step": self.step, "bytes": nbytes, "seconds": seconds})
+
+    def fit(self) -> dict[str, Any]:
+        """Train until run.steps; returns the result written to result.json."""
+        cfg = self.cfg
+        if self.rank == 0:
+            log.info(
+                "training %.2fM params, world %d (%s, %s), global batch %d x %d tokens, steps %d -> %d",
+                self.n_params / 1e6, self.world, cfg.parallel.sharding, self.backend,
+                self.sampler.global_batch, cfg.model.seq_len, self.step, cfg.run.steps,
+            )  # fmt: skip
+        first_loss = last = None
+        last_eval: dict[str, Any] | None = None
+        while self.step < cfg.run.steps:
+            last = self.train_step()
+            first_loss = first_loss if first_loss is not None else last["loss"]
+            if not math.isfinite(last["loss"]) and not last["skipped"]:
+                log.error("step %d: loss is %s", self.step, last["loss"])
+            if self.rank == 0 and (self.step % cfg.run.log_every_steps == 0 or self.step == cfg.run.steps):
+                log.info(
+                    "step %d/%d loss %.4f lr %.2e grad_norm %.3f tok/s %.0f mem %.0f MiB",
+                    self.step, cfg.run.steps, last["loss"], last["lr"], last["grad_norm"],
+                    last["tokens_per_s"], last["peak_mem_bytes"] / 2**20,
+                )  # fmt: skip
+            if self.step % cfg.run.log_every_steps == 0:
+                self.out.sync()
+            if cfg.run.eval_every_steps and self.step % cfg.run.eval_every_steps == 0:
+                last_eval = self.evaluate()
+            every = cfg.checkpoint.save_every_steps
+            if every and self.step % every == 0 and self.step < cfg.run.steps:
+                self._save()
+            faults.maybe_pause(self.step)
+        if last_eval is None or last_eval["step"] != self.step:
+            last_eval = self.evaluate()
+        if cfg.checkpoint.save_at_end and self.checkpoints.read_commit(self.step) is None:
+            self._save()
+        result = {
+            "steps": self.step,
+            "resumed_from_step": self.resumed_from,
+            "world_size": self.world,
+            "first_loss": first_loss,
+            "final_loss": last["loss"] if last else None,
+            "val_loss": last_eval["val_loss"],
+            "val_ppl": last_eval["val_ppl"],
+            "skipped_steps": self.skipped_steps,
+            "tokens_seen": self.tokens_seen,
+            "n_params": self.n_params,
+        }
+        if self.rank == 0:
+            self.out.write_json("result.json", result)
+            log.info("done: step %d val_loss %.4f val_ppl %.2f", self.step, result["val_loss"], result["val_ppl"])
+        self.out.close()
+        return result
+
+
+@record
+def main(argv: list[str] | None = None) -> None:
+    """Entry point under torchrun."""
+    parser = argparse.ArgumentParser(description="transformer-deploy training payload")
+    parser.add_argument("--config", required=True, help="run.json written from the deployment spec")
+    args = parser.parse_args(argv)
+    rank = os.environ.get("RANK", "0")
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s")
+    cfg = TrainConfig.from_json_file(args.config)
+    try:
+        Trainer(cfg).fit()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Acceptance checks and data expectations over run artifacts (no Prefect)."""
