@@ -58,6 +58,10 @@ def _describe_constraint(err: dict[str, Any]) -> str:
         return "is required; add it to the spec"
     if kind == "extra_forbidden":
         return "is not a known field; remove it or check its spelling"
+    if kind == "string_pattern_mismatch":
+        return f"must match the pattern {ctx.get('pattern')}"
+    if kind == "value_error":
+        return err["msg"].removeprefix("Value error, ")
     return err["msg"]
 
 

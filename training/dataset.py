@@ -28,7 +28,15 @@ import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from training.storage import StorageConfig, filesystem, is_local, join, local_path, sha256_file
+from training.storage import (
+    StorageConfig,
+    filesystem,
+    is_local,
+    join,
+    local_path,
+    sha256_file,
+    write_bytes_atomic,
+)
 
 log = logging.getLogger(__name__)
 
@@ -172,6 +180,8 @@ class DatasetWriter:
         """Flush the last shards and commit the manifest."""
         for split in list(self._open):
             self._flush(split)
+        if not self._done:
+            raise DatasetError(self.url, "no documents were written", "check the sources and the cleaning settings")
         splits = {
             name: SplitInfo(
                 n_tokens=sum(s.n_tokens for s in shards), n_docs=sum(s.n_docs for s in shards), shards=shards
@@ -186,7 +196,7 @@ class DatasetWriter:
             splits=splits,
             meta=self.meta,
         )
-        self.fs.pipe_file(join(self.root, MANIFEST), manifest.model_dump_json(indent=2).encode())
+        write_bytes_atomic(self.fs, join(self.root, MANIFEST), manifest.model_dump_json(indent=2).encode())
         return manifest
 
     def __enter__(self) -> DatasetWriter:

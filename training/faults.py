@@ -2,7 +2,9 @@
 
 Faults are read from the environment variable TDEPLOY_TEST_FAULTS (JSON), never
 from a deployment spec, so a production spec cannot switch them on. Off unless
-that variable is set.
+that variable is set, and only in a job's first attempt: workers that torchrun
+restarts (TORCHELASTIC_RESTART_COUNT > 0) run clean, so a drill can watch the
+job recover by itself.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ class TestFaults(BaseModel):
 def active() -> TestFaults:
     """The faults of this process (none unless TDEPLOY_TEST_FAULTS is set)."""
     raw = os.environ.get(ENV_VAR)
-    if not raw:
+    if not raw or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
         return TestFaults()
     faults = TestFaults.model_validate_json(raw)
     log.warning("TEST FAULTS ACTIVE (%s): %s", ENV_VAR, faults.model_dump(exclude_none=True))

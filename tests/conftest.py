@@ -1,0 +1,109 @@
+"""Shared fixtures: a tiny byte-level dataset, spec factories, and run-output readers."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tasks.data import BootstrapConfig, build_byte_dataset
+from tasks.spec import DeploymentSpec, parse_spec
+from training.storage import StorageConfig
+
+REPO = Path(__file__).resolve().parents[1]
+
+# The smallest model that still learns something in a few dozen CPU steps.
+TINY_SPEC: dict[str, Any] = {
+    "name": "tiny",
+    "cluster": {"scheduler": "local", "nodes": 1, "procs_per_node": 2, "accelerator": "cpu"},
+    "model": {
+        "n_layers": 2,
+        "d_model": 32,
+        "n_heads": 4,
+        "n_kv_heads": 2,
+        "ffn_hidden": 64,
+        "vocab_size": 257,
+        "seq_len": 32,
+    },
+    "parallel": {"sharding": "ddp", "micro_batch": 4, "grad_accum_steps": 1},
+    "precision": {"dtype": "fp32"},
+    "optim": {"lr_peak": 3e-3, "lr_min": 3e-4, "warmup_steps": 2, "schedule": "cosine"},
+    "data": {"dataset_url": "set-by-fixture"},
+    "checkpoint": {"url": "set-by-fixture", "save_every_steps": 10, "keep_last": 3},
+    "run": {"steps": 20, "seed": 7, "output_url": "set-by-fixture", "log_every_steps": 5, "threads_per_rank": 1},
+}
+
+
+def deep_merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """A copy of base with overrides merged in section by section (None deletes a key)."""
+    out = copy.deepcopy(base)
+    for key, value in overrides.items():
+        if value is None:
+            out.pop(key, None)
+        elif isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _quiet_cpu_env() -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+@pytest.fixture(scope="session")
+def tiny_dataset(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A byte-level dataset of about 300 kB of standard-library documentation."""
+    url = str(tmp_path_factory.mktemp("dataset") / "bytes")
+    build_byte_dataset(url, BootstrapConfig(max_bytes=300_000), StorageConfig())
+    return url
+
+
+@pytest.fixture
+def make_spec(tmp_path: Path, tiny_dataset: str) -> Callable[..., DeploymentSpec]:
+    """Build a validated tiny spec; `name` picks a separate output/checkpoint folder under tmp_path."""
+
+    def factory(overrides: dict[str, Any] | None = None, name: str = "run") -> DeploymentSpec:
+        paths = {
+            "data": {"dataset_url": tiny_dataset},
+            "checkpoint": {"url": str(tmp_path / name / "checkpoints")},
+            "run": {"output_url": str(tmp_path / name / "output")},
+        }
+        return parse_spec(deep_merge(deep_merge(TINY_SPEC, paths), overrides or {}), f"tiny:{name}")
+
+    return factory
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """Every JSON line of a file."""
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def metrics_by_step(output_dir: str | Path, rank: int = 0) -> dict[int, dict[str, Any]]:
+    """Per-step metrics of one rank; when a step ran twice (resume), the later attempt wins."""
+    records = read_jsonl(Path(output_dir) / "metrics" / f"rank-{rank:05d}.jsonl")
+    return {r["step"]: r for r in records}
+
+
+def run_lone_process(spec: DeploymentSpec) -> dict[str, Any]:
+    """Run the trainer as one plain process (no torchrun); returns result.json."""
+    cfg = spec.training_config()
+    out = Path(cfg.run.output_url)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg.to_json_file(out / "run.json")
+    proc = subprocess.run(
+        [sys.executable, "-m", "training.train", "--config", str(out / "run.json")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads((out / "result.json").read_text())
