@@ -7,7 +7,7 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -107,3 +107,28 @@ def run_lone_process(spec: DeploymentSpec) -> dict[str, Any]:
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads((out / "result.json").read_text())
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint() -> Iterator[str]:
+    """A real S3-compatible endpoint (moto's server) on 127.0.0.1, with test credentials in the environment."""
+    from moto.server import ThreadedMotoServer
+
+    os.environ.update(
+        {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+    )
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    yield f"http://{host}:{port}"
+    server.stop()
+
+
+@pytest.fixture
+def s3_bucket(s3_endpoint: str, request: pytest.FixtureRequest) -> str:
+    """A fresh bucket on the test endpoint."""
+    import boto3
+
+    name = "t-" + request.node.name.lower().replace("_", "-")[:40].strip("-")
+    boto3.client("s3", endpoint_url=s3_endpoint).create_bucket(Bucket=name)
+    return name

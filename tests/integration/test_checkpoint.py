@@ -1,0 +1,172 @@
+"""Checkpoints under real torchrun: kill and resume bit for bit, partial and corrupt ones skipped,
+resharding 2 -> 1, pruning, and an S3-compatible store."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tasks.torchrun import LocalJob, run_local, start_local
+from tests.conftest import metrics_by_step
+from training.checkpoint import CheckpointManager
+from training.faults import ENV_VAR
+from training.model import Transformer
+from training.storage import StorageConfig, filesystem
+from training.train import build_optimizer
+
+pytestmark = pytest.mark.integration
+
+STEPS_30 = {"run": {"steps": 30}, "checkpoint": {"save_every_steps": 10}}
+
+
+def _wait_for(predicate, what: str, timeout_s: float = 120.0) -> None:  # noqa: ANN001
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out waiting for {what}")
+        time.sleep(0.1)
+
+
+def _paused_job(spec, pause_after_step: int) -> LocalJob:  # noqa: ANN001
+    """Start a job that hangs after `pause_after_step`, and wait until it got there."""
+    job = start_local(spec.cluster, spec.training_config(), {ENV_VAR: json.dumps({"pause_after_step": pause_after_step})})
+    metrics = Path(spec.run.output_url) / "metrics" / "rank-00001.jsonl"
+    _wait_for(lambda: metrics.exists() and f'"step": {pause_after_step},' in metrics.read_text(), "the pause")
+    return job
+
+
+def _kill_rank(output_dir: Path, rank: int) -> None:
+    ranks = json.loads((output_dir / "ranks.json").read_text())["ranks"]
+    os.kill(next(r["pid"] for r in ranks if r["rank"] == rank), signal.SIGKILL)
+
+
+def _assert_identical_after(reference: dict, resumed: dict, first: int, last: int) -> None:
+    for step in range(first, last + 1):
+        assert resumed[step]["loss"] == reference[step]["loss"], f"step {step} differs"
+        assert resumed[step]["grad_norm"] == reference[step]["grad_norm"], f"step {step} differs"
+
+
+def test_killed_rank_relaunch_resumes_bit_identical(make_spec) -> None:
+    reference = make_spec(STEPS_30, name="reference")
+    run_local(reference.cluster, reference.training_config())
+
+    spec = make_spec(STEPS_30, name="killed")
+    job = _paused_job(spec, 25)
+    _kill_rank(job.output_dir, 1)
+    assert job.wait(timeout_s=120) != 0
+    assert "exitcode  : -9" in job.log_tail(200)
+
+    run_local(spec.cluster, spec.training_config())  # the relaunch
+    assert json.loads((job.output_dir / "ranks.json").read_text())["ranks"][0]["resumed_from_step"] == 20
+    _assert_identical_after(metrics_by_step(reference.run.output_url), metrics_by_step(spec.run.output_url), 21, 30)
+
+
+def test_torchrun_restarts_a_killed_rank_and_the_job_recovers_by_itself(make_spec) -> None:
+    reference = make_spec(STEPS_30, name="reference")
+    run_local(reference.cluster, reference.training_config())
+
+    spec = make_spec({**STEPS_30, "cluster": {"max_restarts": 1}}, name="elastic")
+    job = _paused_job(spec, 25)
+    _kill_rank(job.output_dir, 1)
+    assert job.wait(timeout_s=180) == 0
+    ranks = json.loads((job.output_dir / "ranks.json").read_text())["ranks"]
+    assert {r["restart_count"] for r in ranks} == {1} and ranks[0]["resumed_from_step"] == 20
+    _assert_identical_after(metrics_by_step(reference.run.output_url), metrics_by_step(spec.run.output_url), 21, 30)
+
+
+def test_checkpoint_killed_mid_save_is_never_loaded(make_spec) -> None:
+    spec = make_spec(STEPS_30)
+    job = start_local(spec.cluster, spec.training_config(), {ENV_VAR: json.dumps({"kill_during_save_step": 20})})
+    assert job.wait(timeout_s=120) != 0
+    partial = Path(spec.checkpoint.url) / "step-00000020"
+    assert partial.exists() and not (partial / "COMMIT.json").exists()
+
+    again = run_local(spec.cluster, spec.training_config())
+    log = again.log_tail(400)
+    assert f"skipping partial checkpoint {partial}: no COMMIT.json" in log
+    assert json.loads((again.output_dir / "ranks.json").read_text())["ranks"][0]["resumed_from_step"] == 10
+    assert (partial / "COMMIT.json").exists()  # saved properly this time
+
+
+def test_corrupt_checkpoint_is_detected_and_the_previous_one_used(make_spec) -> None:
+    spec = make_spec({"run": {"steps": 20}, "checkpoint": {"save_every_steps": 10}})
+    run_local(spec.cluster, spec.training_config())
+    newest = Path(spec.checkpoint.url) / "step-00000020"
+    shard = sorted(newest.glob("*.distcp"))[0]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+
+    longer = make_spec({"run": {"steps": 25}, "checkpoint": {"save_every_steps": 10}})
+    again = run_local(longer.cluster, longer.training_config())
+    assert f"skipping corrupt checkpoint {newest}: {shard.name} fails its sha256 check" in again.log_tail(400)
+    assert json.loads((again.output_dir / "ranks.json").read_text())["ranks"][0]["resumed_from_step"] == 10
+
+
+def test_only_the_last_k_checkpoints_are_kept(make_spec) -> None:
+    spec = make_spec({"run": {"steps": 40}, "checkpoint": {"save_every_steps": 10, "keep_last": 2}})
+    run_local(spec.cluster, spec.training_config())
+    assert sorted(p.name for p in Path(spec.checkpoint.url).iterdir()) == ["step-00000030", "step-00000040"]
+
+
+def test_two_rank_checkpoint_resumes_on_one_rank_with_model_and_optimizer_state(make_spec) -> None:
+    """Resharding 2 -> 1: with the global batch kept (micro-batch doubled), the loss continues
+    where the two-rank run would have gone; fresh optimizer moments would derail it at once.
+    A constant LR keeps the schedule independent of run.steps (10 for the first leg, 14 after)."""
+    constant = {"optim": {"schedule": "constant"}}
+    plan = {**constant, "run": {"steps": 14}, "checkpoint": {"save_every_steps": 10}}
+    reference = make_spec(plan, name="reference")
+    run_local(reference.cluster, reference.training_config())
+
+    two = make_spec({**constant, "run": {"steps": 10}, "checkpoint": {"save_every_steps": 10}}, name="resharded")
+    run_local(two.cluster, two.training_config())
+    one = make_spec({**plan, "cluster": {"procs_per_node": 1}, "parallel": {"micro_batch": 8}}, name="resharded")
+    job = run_local(one.cluster, one.training_config())
+    assert "was saved by 2 ranks and is loaded by 1: model and optimizer resharded" in job.log_tail(400)
+    ref, got = metrics_by_step(reference.run.output_url), metrics_by_step(one.run.output_url)
+    for step in range(11, 15):
+        assert got[step]["loss"] == pytest.approx(ref[step]["loss"], rel=1e-5), step
+
+    # and the state itself: a lone process loads the newest checkpoint (step 14, after the 2 -> 1 resume)
+    cfg = one.training_config()
+    model = Transformer(cfg.model)
+    optimizer = build_optimizer(model, cfg.optim)
+    manager = CheckpointManager(cfg.checkpoint.model_copy(update={"keep_last": 5}), cfg.storage)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    restored = manager.load_latest(model, optimizer)
+    assert restored is not None and restored.step == 14
+    assert any(not torch.equal(before[n], p) for n, p in model.named_parameters())
+    states = list(optimizer.state.values())
+    assert len(states) == len(list(model.parameters()))
+    assert all(float(s["step"]) == restored.step for s in states)
+    assert all(s["exp_avg_sq"].abs().sum() > 0 for s in states)
+
+
+def test_checkpoints_and_dataset_on_s3(make_spec, s3_endpoint: str, s3_bucket: str, tiny_dataset: str) -> None:
+    storage = StorageConfig(s3_endpoint_url=s3_endpoint)
+    fs, _ = filesystem(f"s3://{s3_bucket}", storage)
+    fs.put(tiny_dataset, f"{s3_bucket}/data", recursive=True)
+    remote = {
+        "storage": {"s3_endpoint_url": s3_endpoint},
+        "data": {"dataset_url": f"s3://{s3_bucket}/data"},
+        "checkpoint": {"url": f"s3://{s3_bucket}/ckpt", "save_every_steps": 5},
+    }
+    spec = make_spec({**remote, "run": {"steps": 10}})
+    run_local(spec.cluster, spec.training_config())
+    commit = json.loads(fs.cat_file(f"{s3_bucket}/ckpt/step-00000010/COMMIT.json"))
+    assert commit["world_size"] == 2 and any(name.endswith(".distcp") for name in commit["files"])
+
+    longer = make_spec({**remote, "run": {"steps": 14}})
+    job = run_local(longer.cluster, longer.training_config())
+    assert json.loads((job.output_dir / "ranks.json").read_text())["ranks"][0]["resumed_from_step"] == 10
+    assert sorted(p.rsplit("/", 1)[-1] for p in fs.ls(f"{s3_bucket}/ckpt")) == [
+        "step-00000005",
+        "step-00000010",
+        "step-00000014",
+    ]
