@@ -159,7 +159,9 @@ def main() -> None:
                 trainer_runs.append(trainer_tokens_per_s(cfg))
             params = Transformer(cfg.model).num_params()
             trainer_tps, bare_tps = statistics.median(trainer_runs), statistics.median(bare_runs)
-            print(f"{size:>6} {params / 1e6:>7.1f}M {trainer_tps:>14.0f} {bare_tps:>11.0f} {trainer_tps / bare_tps:>6.3f}")
+            print(
+                f"{size:>6} {params / 1e6:>7.1f}M {trainer_tps:>14.0f} {bare_tps:>11.0f} {trainer_tps / bare_tps:>6.3f}"
+            )
         cfg = train_config(work, dataset, sizes[-1], "ckpt")
         ck = checkpoint_throughput(work, cfg)
         print(

@@ -15,7 +15,9 @@ from tasks.torchrun import TrainingFailed, run_local
 from training.dataset import DatasetError
 from training.storage import local_path
 
-app = typer.Typer(help="Deploy Transformer training jobs: plan, check, build, prepare, submit, accept.", no_args_is_help=True)
+app = typer.Typer(
+    help="Deploy Transformer training jobs: plan, check, build, prepare, submit, accept.", no_args_is_help=True
+)
 console = Console(soft_wrap=True)
 err_console = Console(stderr=True, soft_wrap=True)
 

@@ -53,7 +53,7 @@ class DeploymentSpec(StrictModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> DeploymentSpec:
-        raise_problems("DeploymentSpec", training_problems(self) + self._cluster_problems())  # type: ignore[arg-type]
+        raise_problems("DeploymentSpec", training_problems(self) + self._cluster_problems())
         return self
 
     def _cluster_problems(self) -> list[Problem]:

@@ -183,14 +183,18 @@ class CheckpointManager:
             except Exception as err:  # DCP wraps every rank's storage error into one collective exception
                 if attempt > self.cfg.save_retries:
                     raise CheckpointSaveError(self._url(path), attempt, err) from err
-                log.warning("checkpoint save to %s failed (attempt %d): %s; retrying in %.1fs", path, attempt, err, delay)
+                log.warning(
+                    "checkpoint save to %s failed (attempt %d): %s; retrying in %.1fs", path, attempt, err, delay
+                )
                 time.sleep(delay)
                 delay *= 2
 
     def _relative_files(self, path: str) -> list[str]:
         prefix = path.rstrip("/") + "/"
         found = self.fs.find(path)
-        return [f[len(prefix) :] for f in (p.rstrip("/") for p in found) if f.startswith(prefix) and not f.endswith(COMMIT)]
+        return [
+            f[len(prefix) :] for f in (p.rstrip("/") for p in found) if f.startswith(prefix) and not f.endswith(COMMIT)
+        ]
 
     def _prune(self) -> None:
         steps = self.steps_on_storage()

@@ -87,9 +87,7 @@ class MoEConfig(StrictModel):
 
     n_experts: int = Field(ge=2, description="Number of experts per MoE layer.")
     top_k: int = Field(default=2, ge=1, description="Experts each token is routed to.")
-    aux_loss_coef: float = Field(
-        default=0.01, ge=0, description="Weight of the Switch-style load-balancing loss."
-    )
+    aux_loss_coef: float = Field(default=0.01, ge=0, description="Weight of the Switch-style load-balancing loss.")
 
     @model_validator(mode="after")
     def _top_k_fits(self) -> MoEConfig:
@@ -275,8 +273,11 @@ class TrainConfig(StrictModel):
         Path(path).write_text(self.model_dump_json(indent=2))
 
 
-def training_problems(cfg: TrainConfig) -> list[Problem]:
-    """Cross-section checks of a training config."""
+def training_problems(cfg: TrainConfig | Any) -> list[Problem]:
+    """Cross-section checks over the parallel, precision, optim and run sections of `cfg`.
+
+    Also called on a whole deployment spec, which carries the same sections under the same names.
+    """
     problems: list[Problem] = []
     par = cfg.parallel
     if cfg.precision.dtype == "fp16" and par.sharding != "ddp":
@@ -298,10 +299,8 @@ def training_problems(cfg: TrainConfig) -> list[Problem]:
         )
     if par.hsdp_shard_size is not None and par.sharding != "hsdp":
         problems.append(
-            (("parallel", "hsdp_shard_size"), par.hsdp_shard_size, f"only applies to sharding=hsdp; remove it")
+            (("parallel", "hsdp_shard_size"), par.hsdp_shard_size, "only applies to sharding=hsdp; remove it")
         )
     if cfg.optim.warmup_steps > cfg.run.steps:
-        problems.append(
-            (("optim", "warmup_steps"), cfg.optim.warmup_steps, f"must be <= run.steps={cfg.run.steps}")
-        )
+        problems.append((("optim", "warmup_steps"), cfg.optim.warmup_steps, f"must be <= run.steps={cfg.run.steps}"))
     return problems

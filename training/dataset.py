@@ -215,7 +215,9 @@ def read_manifest(url: str, storage: StorageConfig | None = None) -> DatasetMani
         raw = fs.cat_file(path)
     except FileNotFoundError as err:
         state = "is unfinished (no manifest.json)" if fs.exists(root) else "does not exist"
-        raise DatasetError(url, f"the dataset {state}", "build it first (tdeploy prepare-data / tdeploy train)") from err
+        raise DatasetError(
+            url, f"the dataset {state}", "build it first (tdeploy prepare-data / tdeploy train)"
+        ) from err
     manifest = DatasetManifest.model_validate_json(raw)
     if manifest.format_version != FORMAT_VERSION:
         raise DatasetError(
@@ -299,4 +301,3 @@ class TokenDataset:
     def batch(self, indices: list[int] | np.ndarray) -> torch.Tensor:
         """A (len(indices), seq_len + 1) int64 tensor."""
         return torch.from_numpy(np.stack([self.sample(int(i)) for i in indices]).astype(np.int64))
-

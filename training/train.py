@@ -132,11 +132,12 @@ class Trainer:
         par, model_cfg = cfg.parallel, cfg.model
         self.train_data = TokenDataset(cfg.data.dataset_url, cfg.data.train_split, model_cfg.seq_len, cfg.storage)
         self.val_data = TokenDataset(cfg.data.dataset_url, cfg.data.val_split, model_cfg.seq_len, cfg.storage)
-        if self.train_data.manifest.vocab_size > model_cfg.vocab_size:
+        data_vocab = self.train_data.manifest.vocab_size
+        if data_vocab > model_cfg.vocab_size:
             raise DatasetError(
                 cfg.data.dataset_url,
-                f"dataset vocab_size={self.train_data.manifest.vocab_size} exceeds model.vocab_size={model_cfg.vocab_size}",
-                f"set model.vocab_size >= {self.train_data.manifest.vocab_size} or use a dataset of this vocabulary",
+                f"dataset vocab_size={data_vocab} exceeds model.vocab_size={model_cfg.vocab_size}",
+                f"set model.vocab_size >= {data_vocab} or use a dataset of this vocabulary",
             )
         self.sampler = GlobalBatchSampler(
             len(self.train_data), par.micro_batch, par.grad_accum_steps, self.world, self.rank, cfg.run.seed
@@ -194,7 +195,9 @@ class Trainer:
             self.scaler.load_state_dict(state["scaler"])
         self.resumed_from = self.step
         if self.rank == 0:
-            log.info("resumed from %s at step %d (saved by %d ranks)", restored.path, self.step, restored.saved_world_size)
+            log.info(
+                "resumed from %s at step %d (saved by %d ranks)", restored.path, self.step, restored.saved_world_size
+            )
 
     def _write_ranks(self) -> None:
         me = {

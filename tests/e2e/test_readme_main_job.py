@@ -35,7 +35,9 @@ def test_tdeploy_train_on_the_embedded_default_trains_checkpoints_and_resumes(tm
     spec_path = tmp_path / "local.yaml"
     spec_path.write_text(yaml.safe_dump(spec))
 
-    first = subprocess.run([tdeploy, "train", str(spec_path)], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    first = subprocess.run(
+        [tdeploy, "train", str(spec_path)], cwd=tmp_path, capture_output=True, text=True, timeout=600
+    )
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     assert "trained to step 60 (resumed from None)" in first.stdout
     out = tmp_path / "runs" / "local" / "output"
@@ -45,7 +47,9 @@ def test_tdeploy_train_on_the_embedded_default_trains_checkpoints_and_resumes(tm
 
     spec["run"]["steps"] = 80
     spec_path.write_text(yaml.safe_dump(spec))
-    second = subprocess.run([tdeploy, "train", str(spec_path)], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    second = subprocess.run(
+        [tdeploy, "train", str(spec_path)], cwd=tmp_path, capture_output=True, text=True, timeout=600
+    )
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
     assert "trained to step 80 (resumed from 60)" in second.stdout
 

@@ -35,7 +35,9 @@ def _wait_for(predicate, what: str, timeout_s: float = 120.0) -> None:  # noqa: 
 
 def _paused_job(spec, pause_after_step: int) -> LocalJob:  # noqa: ANN001
     """Start a job that hangs after `pause_after_step`, and wait until it got there."""
-    job = start_local(spec.cluster, spec.training_config(), {ENV_VAR: json.dumps({"pause_after_step": pause_after_step})})
+    job = start_local(
+        spec.cluster, spec.training_config(), {ENV_VAR: json.dumps({"pause_after_step": pause_after_step})}
+    )
     metrics = Path(spec.run.output_url) / "metrics" / "rank-00001.jsonl"
     _wait_for(lambda: metrics.exists() and f'"step": {pause_after_step},' in metrics.read_text(), "the pause")
     return job

@@ -8,8 +8,8 @@ import sys
 import textwrap
 from pathlib import Path
 
-from tests.conftest import REPO, TINY_SPEC, deep_merge
 from tasks.spec import parse_spec
+from tests.conftest import REPO, TINY_SPEC, deep_merge
 
 
 def test_import_contracts_hold() -> None:
