@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tasks.torchrun import run_local
+from tasks.torchrun import TrainingFailed, run_local
 from tests.conftest import metrics_by_step, read_jsonl, run_lone_process
 from training.dataset import DatasetWriter, TokenDataset, TokenizerInfo
 from training.sampler import GlobalBatchSampler
@@ -149,3 +149,10 @@ def test_bf16_autocast_trains(make_spec) -> None:
     )
     result = run_lone_process(spec)
     assert math.isfinite(result["final_loss"]) and result["final_loss"] < result["first_loss"]
+
+
+def test_dataset_with_a_larger_vocabulary_than_the_model_is_refused(make_spec) -> None:
+    spec = make_spec({"cluster": {"procs_per_node": 1}, "model": {"vocab_size": 200}})
+    with pytest.raises(TrainingFailed) as caught:
+        run_local(spec.cluster, spec.training_config())
+    assert "dataset vocab_size=257 exceeds model.vocab_size=200; set model.vocab_size >= 257" in caught.value.log_tail
