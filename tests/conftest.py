@@ -132,3 +132,20 @@ def s3_bucket(s3_endpoint: str, request: pytest.FixtureRequest) -> str:
     name = "t-" + request.node.name.lower().replace("_", "-")[:40].strip("-")
     boto3.client("s3", endpoint_url=s3_endpoint).create_bucket(Bucket=name)
     return name
+
+
+@pytest.fixture(scope="session")
+def prefect_harness(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """A private, temporary Prefect backend for the whole test session (no analytics, private home)."""
+    os.environ.update(
+        {
+            "PREFECT_HOME": str(tmp_path_factory.mktemp("prefect-home")),
+            "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+            "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180",
+            "PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW": "ignore",
+        }
+    )
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=180):
+        yield

@@ -1,0 +1,37 @@
+"""Typed errors shared by the pipeline steps, and the retry rule of their Prefect tasks.
+
+A step raises `UserError` (bad input, a failed check: never retried) or
+`TransientError` (storage, network, scheduler hiccups: retried with backoff).
+Messages say what is wrong, the value, and the fix.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class DeployError(Exception):
+    """A pipeline step failed; `fix` tells the user what to do."""
+
+    def __init__(self, message: str, fix: str | None = None) -> None:
+        super().__init__(f"{message}; {fix}" if fix else message)
+        self.message, self.fix = message, fix
+
+
+class UserError(DeployError):
+    """Bad input or a failed check: retrying cannot help."""
+
+
+class TransientError(DeployError):
+    """A failure that may pass on its own (connection reset, endpoint briefly down)."""
+
+
+def retry_on_transient(task: Any, task_run: Any, state: Any) -> bool:
+    """Prefect `retry_condition_fn`: retry only when the task failed with a TransientError."""
+    try:
+        state.result()
+    except TransientError:
+        return True
+    except Exception:  # noqa: BLE001 - any other failure is final by design
+        return False
+    return False
