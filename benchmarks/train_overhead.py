@@ -25,7 +25,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from tasks.data import BootstrapConfig, build_byte_dataset
+from tasks.prepare.config import PrepareConfig
+from tasks.prepare.pipeline import prepare_dataset
 from tasks.spec import parse_spec
 from training.checkpoint import CheckpointManager
 from training.config import TrainConfig
@@ -142,8 +143,13 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     work = Path(tempfile.mkdtemp(prefix="tdeploy-bench-"))
     try:
-        dataset = str(work / "data")
-        build_byte_dataset(dataset, BootstrapConfig(max_bytes=600_000), StorageConfig())
+        data = PrepareConfig(
+            output_url=str(work / "data"),
+            builtin_corpus="python-docs",
+            builtin_max_bytes=600_000,
+            tokenizer={"kind": "bytes"},
+        )
+        dataset = prepare_dataset(data, StorageConfig(), validate=False).dataset_url
         sizes = ["tiny"] if args.quick else list(MODELS)
         repeats = 1 if args.quick else args.repeats
         print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, repeats {repeats}")

@@ -8,11 +8,12 @@ from pathlib import Path
 
 import typer
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
-from tasks.data import ensure_dataset
-from tasks.spec import SpecError, load_spec
+from tasks.errors import DeployError, TransientError
+from tasks.prepare.pipeline import PrepareResult, prepare_dataset
+from tasks.spec import DeploymentSpec, SpecError, load_spec
 from tasks.torchrun import TrainingFailed, run_local
-from training.dataset import DatasetError
 from training.storage import local_path
 
 app = typer.Typer(
@@ -22,7 +23,7 @@ console = Console(soft_wrap=True)
 err_console = Console(stderr=True, soft_wrap=True)
 
 
-def _load(spec: str):  # noqa: ANN202 - DeploymentSpec
+def _load(spec: str) -> DeploymentSpec:
     try:
         return load_spec(spec)
     except SpecError as err:
@@ -42,8 +43,9 @@ def validate_spec(spec: str = typer.Argument(..., help="Path or fsspec URL of a 
 
 @app.command()
 def train(spec: str = typer.Argument(..., help="Path or fsspec URL of a deployment spec (YAML).")) -> None:
-    """Run the training job on this machine under torchrun (builds the bootstrap dataset if needed)."""
+    """Prepare the data if the spec says how, then run the training job on this machine under torchrun."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("great_expectations").setLevel(logging.WARNING)
     parsed = _load(spec)
     if parsed.cluster.scheduler != "local":
         err_console.print(
@@ -52,18 +54,11 @@ def train(spec: str = typer.Argument(..., help="Path or fsspec URL of a deployme
             markup=False,
         )
         raise typer.Exit(2)
-    try:
-        manifest = ensure_dataset(parsed.data, parsed.storage)
-    except DatasetError as err:
-        err_console.print(str(err), markup=False)
-        raise typer.Exit(2) from err
-    console.print(
-        f"dataset {parsed.data.dataset_url}: "
-        + ", ".join(f"{name} {s.n_tokens:,} tokens / {s.n_docs:,} docs" for name, s in manifest.splits.items()),
-        markup=False,
-        highlight=False,
-    )
-    cfg = parsed.training_config()
+    if parsed.data.prepare is not None:
+        prepared = _prepare_with_progress(parsed)
+        cfg = parsed.training_config(prepared.dataset_url, prepared.tokenizer_sha256)
+    else:
+        cfg = parsed.training_config()
     try:
         job = run_local(parsed.cluster, cfg, on_line=lambda line: console.print(line, markup=False, highlight=False))
     except TrainingFailed as err:
@@ -77,6 +72,51 @@ def train(spec: str = typer.Argument(..., help="Path or fsspec URL of a deployme
         markup=False,
         highlight=False,
     )
+
+
+def _prepare_with_progress(spec: DeploymentSpec) -> PrepareResult:
+    """Run the data-preparation step with a progress bar; exits 2 on a user error, 1 on anything transient."""
+    assert spec.data.prepare is not None
+    with Progress(
+        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console
+    ) as bar:
+        tasks: dict[str, TaskID] = {}
+
+        def progress(stage: str, done: int, total: int | None) -> None:
+            if stage not in tasks:
+                tasks[stage] = bar.add_task(stage, total=total)
+            bar.update(tasks[stage], completed=done, total=total)
+
+        try:
+            result = prepare_dataset(spec.data.prepare, spec.storage, progress)
+        except DeployError as err:
+            err_console.print(f"prepare-data failed: {err}", markup=False)
+            raise typer.Exit(2 if not isinstance(err, TransientError) else 1) from err
+    verb = "reused" if result.reused else "prepared"
+    removed = ", ".join(f"{rule} {n}" for rule, n in result.cleaning["removed"].items() if n)
+    console.print(
+        f"{verb} dataset {result.dataset_url}: "
+        + ", ".join(f"{name} {c['tokens']:,} tokens / {c['docs']:,} docs" for name, c in result.splits.items())
+        + f"; vocab {result.vocab_size}; read {result.cleaning['read']}, kept {result.cleaning['kept']}"
+        + (f" (removed: {removed})" if removed else "")
+        + f"; validation {'passed' if result.validation.get('success') else 'skipped'}"
+        + (f"; Data Docs {result.data_docs_url}" if result.data_docs_url else ""),
+        markup=False,
+        highlight=False,
+    )
+    return result
+
+
+@app.command("prepare-data")
+def prepare_data(spec: str = typer.Argument(..., help="Path or fsspec URL of a deployment spec (YAML).")) -> None:
+    """Clean, tokenize, shard and validate the corpus of data.prepare (reuses a finished identical dataset)."""
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("great_expectations").setLevel(logging.WARNING)
+    parsed = _load(spec)
+    if parsed.data.prepare is None:
+        err_console.print("data.prepare is not set: this spec trains on an existing dataset (data.dataset_url)")
+        raise typer.Exit(2)
+    _prepare_with_progress(parsed)
 
 
 def main() -> None:

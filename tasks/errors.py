@@ -35,3 +35,23 @@ def retry_on_transient(task: Any, task_run: Any, state: Any) -> bool:
     except Exception:  # noqa: BLE001 - any other failure is final by design
         return False
     return False
+
+
+def is_connection_error(exc: BaseException) -> bool:
+    """True for network failures that may pass (refused, reset, timed out, endpoint down); not for missing files."""
+    if isinstance(exc, (ConnectionError, TimeoutError)):
+        return True
+    names = {cls.__name__ for cls in type(exc).__mro__}
+    # botocore / aiohttp / requests connection failures, matched by name so none of them is a hard dependency
+    return bool(
+        names
+        & {
+            "EndpointConnectionError",
+            "ConnectTimeoutError",
+            "ReadTimeoutError",
+            "ClientConnectorError",
+            "ClientConnectionError",
+            "ServerDisconnectedError",
+            "ConnectionClosedError",
+        }
+    )

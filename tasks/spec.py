@@ -11,7 +11,7 @@ import yaml
 from pydantic import Field, ValidationError, model_validator
 
 from tasks.cluster import ClusterConfig
-from tasks.data import DataSpec
+from tasks.prepare.config import DataSpec
 from training.config import (
     CheckpointConfig,
     ModelConfig,
@@ -74,16 +74,30 @@ class DeploymentSpec(StrictModel):
                 problems.append(
                     (("parallel", "hsdp_shard_size"), shard, f"must divide the world size {world}; use one of {valid}")
                 )
+        prepared_vocab = self.data.prepare.vocab_size if self.data.prepare else None
+        if prepared_vocab is not None and self.model.vocab_size < prepared_vocab:
+            problems.append(
+                (
+                    ("model", "vocab_size"),
+                    self.model.vocab_size,
+                    f"must be >= the dataset's vocabulary ({prepared_vocab}, data.prepare.tokenizer); "
+                    f"set it to {prepared_vocab}",
+                )
+            )
         return problems
 
-    def training_config(self) -> TrainConfig:
-        """The training payload's slice of the spec."""
+    def training_config(self, dataset_url: str | None = None, tokenizer_sha256: str | None = None) -> TrainConfig:
+        """The training payload's slice of the spec, for data.dataset_url or the dataset `prepare` produced."""
+        if dataset_url is None:
+            if self.data.dataset_url is None:
+                raise ValueError("data.prepare is set: prepare the dataset first and pass its dataset_url")
+            dataset_url, tokenizer_sha256 = self.data.dataset_url, self.data.tokenizer_sha256
         return TrainConfig(
             model=self.model,
             parallel=self.parallel,
             precision=self.precision,
             optim=self.optim,
-            data=self.data.training(),
+            data=self.data.training(dataset_url, tokenizer_sha256),
             checkpoint=self.checkpoint,
             run=self.run,
             storage=self.storage,

@@ -13,7 +13,8 @@ from typing import Any
 
 import pytest
 
-from tasks.data import BootstrapConfig, build_byte_dataset
+from tasks.prepare.config import PrepareConfig
+from tasks.prepare.pipeline import prepare_dataset
 from tasks.spec import DeploymentSpec, parse_spec
 from training.storage import StorageConfig
 
@@ -61,10 +62,15 @@ def _quiet_cpu_env() -> None:
 
 @pytest.fixture(scope="session")
 def tiny_dataset(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """A byte-level dataset of about 300 kB of standard-library documentation."""
-    url = str(tmp_path_factory.mktemp("dataset") / "bytes")
-    build_byte_dataset(url, BootstrapConfig(max_bytes=300_000), StorageConfig())
-    return url
+    """A byte-level dataset of about 300 kB of standard-library documentation (suites skipped: fast)."""
+    cfg = PrepareConfig(
+        output_url=str(tmp_path_factory.mktemp("dataset")),
+        builtin_corpus="python-docs",
+        builtin_max_bytes=300_000,
+        tokenizer={"kind": "bytes"},
+        workers=1,
+    )
+    return prepare_dataset(cfg, StorageConfig(), validate=False).dataset_url
 
 
 @pytest.fixture

@@ -214,6 +214,9 @@ class DataConfig(StrictModel):
     """Where the tokenized dataset is (format: training/dataset.py)."""
 
     dataset_url: str = Field(min_length=1, description="Local path or fsspec URL of the tokenized dataset.")
+    tokenizer_sha256: str | None = Field(
+        default=None, description="Refuse a dataset made with another tokenizer (sha256 of tokenizer.json); None = any."
+    )
     train_split: str = Field(default="train", description="Split used for training.")
     val_split: str = Field(default="val", description="Held-out split used for evaluation.")
 

@@ -125,9 +125,12 @@ class DatasetWriter:
         storage: StorageConfig | None = None,
         overwrite: bool = False,
         meta: dict[str, Any] | None = None,
+        dtype: Literal["uint16", "uint32"] | None = None,
     ) -> None:
         self.url, self.vocab_size, self.eos_id = url, vocab_size, eos_id
-        self.dtype = token_dtype(vocab_size)
+        self.dtype = dtype or token_dtype(vocab_size)
+        if vocab_size > np.iinfo(self.dtype).max + 1:
+            raise ValueError(f"vocab_size={vocab_size} does not fit {self.dtype} token ids; use uint32")
         self.tokenizer, self.shard_tokens, self.meta = tokenizer, shard_tokens, meta or {}
         self.fs, self.root = filesystem(url, storage)
         manifest = join(self.root, MANIFEST)

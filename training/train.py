@@ -132,7 +132,14 @@ class Trainer:
         par, model_cfg = cfg.parallel, cfg.model
         self.train_data = TokenDataset(cfg.data.dataset_url, cfg.data.train_split, model_cfg.seq_len, cfg.storage)
         self.val_data = TokenDataset(cfg.data.dataset_url, cfg.data.val_split, model_cfg.seq_len, cfg.storage)
-        data_vocab = self.train_data.manifest.vocab_size
+        data_vocab, data_tokenizer = self.train_data.manifest.vocab_size, self.train_data.manifest.tokenizer
+        if cfg.data.tokenizer_sha256 and data_tokenizer.sha256 != cfg.data.tokenizer_sha256:
+            raise DatasetError(
+                cfg.data.dataset_url,
+                f"made with tokenizer {data_tokenizer.kind} sha256={data_tokenizer.sha256}, "
+                f"the spec expects sha256={cfg.data.tokenizer_sha256}",
+                "prepare the dataset with the spec's tokenizer or point the spec at the right dataset",
+            )
         if data_vocab > model_cfg.vocab_size:
             raise DatasetError(
                 cfg.data.dataset_url,

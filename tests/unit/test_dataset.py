@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tasks.corpus import split_of
+from tasks.prepare.corpus import split_of
 from training.dataset import DatasetError, DatasetWriter, TokenDataset, TokenizerInfo, read_manifest, verify_dataset
 from training.sampler import GlobalBatchSampler, SamplerState
 

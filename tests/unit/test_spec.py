@@ -82,7 +82,7 @@ def test_training_config_round_trips_through_json(tmp_path: Path) -> None:
 def test_embedded_default_spec_is_valid() -> None:
     spec = load_spec(REPO / "examples" / "local.yaml")
     assert spec.cluster.scheduler == "local" and spec.cluster.world_size == 2
-    assert spec.data.bootstrap is not None
+    assert spec.data.prepare is not None and spec.data.prepare.builtin_corpus == "python-docs"
 
 
 def test_validate_spec_cli_prints_ok_or_every_problem(tmp_path: Path) -> None:

@@ -1,0 +1,1 @@
+"""Data preparation: raw corpus to a cleaned, tokenized, sharded, validated dataset."""

@@ -1,0 +1,134 @@
+"""The `data` section of the spec: an existing dataset, or how to prepare one."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from training.config import DataConfig, Problem, StrictModel, raise_problems
+from validation.data import DataExpectations
+
+BUILTIN_CORPORA = ("python-docs",)
+
+
+class SourceConfig(StrictModel):
+    """Raw text files: one fsspec URL or glob."""
+
+    url: str = Field(min_length=1, description="Local path, fsspec URL or glob (s3://bucket/raw/*.jsonl.gz).")
+    format: Literal["auto", "txt", "jsonl", "parquet"] = Field(
+        default="auto", description="auto: from the extension (.txt, .jsonl/.json, .parquet; before .gz/.bz2/.xz/.zst)."
+    )
+    text_field: str = Field(default="text", min_length=1, description="jsonl/parquet: the field holding the text.")
+    txt_documents: Literal["file", "blank_line"] = Field(
+        default="file", description="txt: one document per file, or per blank-line-separated block."
+    )
+
+
+class CleaningConfig(StrictModel):
+    """Rules applied to every document, each one's removals counted."""
+
+    unicode_normalization: Literal["NFC", "NFKC"] | None = Field(default="NFC", description="None = off.")
+    min_chars: int = Field(default=32, ge=1, description="Shorter documents (after trimming) are dropped.")
+    max_chars: int | None = Field(default=None, ge=1, description="Longer documents are dropped; None = no limit.")
+    dedup: bool = Field(default=True, description="Drop exact duplicates (sha256 of the cleaned text).")
+    invalid_utf8: Literal["drop", "replace"] = Field(
+        default="drop", description="Documents with invalid UTF-8: dropped, or kept with U+FFFD replacements."
+    )
+
+
+class TokenizerConfig(StrictModel):
+    """Which tokenizer turns text into ids."""
+
+    kind: Literal["bpe", "bytes"] = Field(
+        default="bpe", description="bpe: byte-level BPE (HF tokenizers); bytes: id = byte value, EOS = 256."
+    )
+    path: str | None = Field(
+        default=None, description="bpe: URL of an existing tokenizer.json; None = train one on the training split."
+    )
+    vocab_size: int = Field(default=4096, ge=260, le=2**32, description="bpe training: target vocabulary size.")
+    min_frequency: int = Field(default=2, ge=1, description="bpe training: minimum pair frequency of a merge.")
+    eos_token: str = Field(default="<|endoftext|>", min_length=1, description="bpe: the end-of-document token.")
+
+
+class PrepareConfig(StrictModel):
+    """Clean, split, tokenize, shard and validate a corpus into the dataset format."""
+
+    output_url: str = Field(
+        min_length=1, description="Folder or prefix for prepared datasets; each goes under <output_url>/<key>/."
+    )
+    sources: list[SourceConfig] = Field(default_factory=list, description="Raw text sources.")
+    builtin_corpus: Literal["python-docs"] | None = Field(
+        default=None, description="python-docs: the standard library's documentation and docstrings (offline)."
+    )
+    builtin_max_bytes: int = Field(default=1_000_000, ge=1_000, description="Size cap of the built-in corpus.")
+    cleaning: CleaningConfig = Field(default_factory=CleaningConfig)
+    val_fraction: float = Field(default=0.05, gt=0, lt=1, description="Share of documents held out (by hash).")
+    tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig)
+    token_dtype: Literal["uint16", "uint32"] | None = Field(
+        default=None, description="Token id dtype on disk; None = the smallest that holds the vocabulary."
+    )
+    shard_tokens: int = Field(default=1 << 24, ge=1024, description="Tokens per shard file (documents are whole).")
+    workers: int = Field(default=2, ge=1, description="Tokenizer worker processes.")
+    batch_documents: int = Field(default=512, ge=1, description="Documents per encode batch.")
+    expectations: DataExpectations = Field(default_factory=DataExpectations)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> PrepareConfig:
+        problems: list[Problem] = []
+        if not self.sources and self.builtin_corpus is None:
+            problems.append(
+                (("sources",), [], f"give at least one source, or set builtin_corpus to one of {BUILTIN_CORPORA}")
+            )
+        if self.token_dtype == "uint16" and (self.vocab_size or 0) > 2**16:
+            problems.append(
+                (
+                    ("token_dtype",),
+                    self.token_dtype,
+                    f"uint16 holds ids below 65536 but tokenizer.vocab_size={self.vocab_size}; use uint32 or null",
+                )
+            )
+        raise_problems("PrepareConfig", problems)
+        return self
+
+    @property
+    def vocab_size(self) -> int | None:
+        """Vocabulary size the prepared dataset will have; None while it depends on a tokenizer file."""
+        if self.tokenizer.kind == "bytes":
+            return 257
+        return None if self.tokenizer.path else self.tokenizer.vocab_size
+
+
+class DataSpec(StrictModel):
+    """Train on an existing dataset (`dataset_url`), or prepare one (`prepare`)."""
+
+    dataset_url: str | None = Field(
+        default=None, description="An already prepared dataset (format: training/dataset.py)."
+    )
+    tokenizer_sha256: str | None = Field(
+        default=None, description="With dataset_url: the tokenizer the dataset must have been made with; None = any."
+    )
+    prepare: PrepareConfig | None = Field(
+        default=None, description="How to prepare the dataset; None = use dataset_url."
+    )
+    train_split: str = Field(default="train", description="Split used for training.")
+    val_split: str = Field(default="val", description="Held-out split used for evaluation.")
+
+    @model_validator(mode="after")
+    def _one_way(self) -> DataSpec:
+        problems: list[Problem] = []
+        if (self.dataset_url is None) == (self.prepare is None):
+            problems.append(
+                (("dataset_url",), self.dataset_url, "set exactly one of data.dataset_url and data.prepare")
+            )
+        raise_problems("DataSpec", problems)
+        return self
+
+    def training(self, dataset_url: str, tokenizer_sha256: str | None) -> DataConfig:
+        """The training payload's data section for a concrete dataset."""
+        return DataConfig(
+            dataset_url=dataset_url,
+            tokenizer_sha256=tokenizer_sha256,
+            train_split=self.train_split,
+            val_split=self.val_split,
+        )

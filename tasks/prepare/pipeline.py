@@ -1,0 +1,350 @@
+"""The data-preparation step: read, clean, validate documents, tokenize, shard, index, validate the dataset.
+
+The dataset goes to `<output_url>/<key>/` where the key hashes the inputs (each
+file's fsspec checksum: size and modification time or ETag), the settings and
+the tokenizer; re-running with the same key reuses the finished dataset (after
+re-checking it), anything changed makes a new one. `manifest.json` is written
+last, so a half-written dataset is never taken for a finished one; one whose
+dataset suite fails has its manifest moved to `manifest.rejected.json`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import multiprocessing
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tasks.errors import TransientError, UserError, is_connection_error
+from tasks.prepare.clean import CleaningStats, clean_documents
+from tasks.prepare.config import PrepareConfig
+from tasks.prepare.corpus import split_of
+from tasks.prepare.sources import SourceFile, expand_sources, iter_documents
+from tasks.prepare.tokenizer import TOKENIZER_FILE, TextTokenizer, load_tokenizer, train_bpe
+from training.dataset import FORMAT_VERSION, MANIFEST, DatasetManifest, DatasetWriter, read_manifest
+from training.storage import StorageConfig, filesystem, join, write_bytes_atomic
+
+log = logging.getLogger(__name__)
+
+Progress = Callable[[str, int, int | None], None]
+"""progress(stage, done, total): called as work advances (total None when unknown)."""
+
+PREPARE_FILE = "prepare.json"
+VALIDATION_FILE = "validation/validation.json"
+DATA_DOCS_DIR = "validation/data_docs"
+
+
+class DataValidationError(UserError):
+    """A data suite failed; `failed` lists each failed expectation with what was observed."""
+
+    def __init__(self, where: str, failed: list[Any], report_url: str | None) -> None:
+        names = "; ".join(f.describe() for f in failed)
+        super().__init__(
+            f"{where}: data validation failed: {names}",
+            f"fix the data or the thresholds in data.prepare.expectations (report: {report_url})",
+        )
+        self.failed, self.report_url = failed, report_url
+
+
+@dataclass
+class PrepareResult:
+    """What the step produced (small and JSON-safe: it is the Prefect task's result)."""
+
+    dataset_url: str
+    key: str
+    reused: bool
+    cleaning: dict[str, Any]
+    splits: dict[str, dict[str, int]]
+    vocab_size: int
+    tokenizer_sha256: str | None
+    validation: dict[str, Any]
+    validation_url: str
+    data_docs_url: str
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        """As a dict."""
+        return asdict(self)
+
+
+def dataset_key(cfg: PrepareConfig, files: list[SourceFile], tokenizer_fingerprint: str | None) -> str:
+    """Content address of the dataset: inputs, settings that shape the tokens, tokenizer, format version."""
+    shaping = cfg.model_dump(exclude={"output_url", "workers", "batch_documents", "expectations"})
+    material = {
+        "format_version": FORMAT_VERSION,
+        "settings": shaping,
+        "inputs": [f.fingerprint for f in files],
+        "builtin": _builtin_fingerprint(cfg),
+        "tokenizer": tokenizer_fingerprint,
+    }
+    return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _builtin_fingerprint(cfg: PrepareConfig) -> str | None:
+    if cfg.builtin_corpus is None:
+        return None
+    import sys
+
+    return f"{cfg.builtin_corpus}:python{sys.version_info[0]}.{sys.version_info[1]}:{cfg.builtin_max_bytes}"
+
+
+class _Staging:
+    """Cleaned documents per split in local JSON-lines files (read twice: BPE training, then tokenizing)."""
+
+    def __init__(self) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix="tdeploy-prepare-"))
+        self.counts: dict[str, int] = {}
+        self._files: dict[str, Any] = {}
+
+    def add(self, split: str, text: str) -> None:
+        handle = self._files.get(split)
+        if handle is None:
+            handle = self._files[split] = open(self.dir / f"{split}.jsonl", "w", encoding="utf-8")  # noqa: SIM115
+        handle.write(json.dumps(text) + "\n")
+        self.counts[split] = self.counts.get(split, 0) + 1
+
+    def close(self) -> None:
+        for handle in self._files.values():
+            handle.close()
+
+    def texts(self, split: str) -> Iterator[str]:
+        path = self.dir / f"{split}.jsonl"
+        if not path.exists():
+            return
+        with open(path, encoding="utf-8") as handle:
+            for line in handle:
+                yield json.loads(line)
+
+    def remove(self) -> None:
+        self.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+_worker_tokenizer: TextTokenizer | None = None
+
+
+def _init_worker(kind: str, json_text: str | None, eos_token: str) -> None:
+    global _worker_tokenizer
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker process: parallelism is the pool's
+    _worker_tokenizer = TextTokenizer(kind, json_text).with_eos(eos_token)
+
+
+def _encode_in_worker(texts: list[str]) -> list[Any]:
+    assert _worker_tokenizer is not None
+    return _worker_tokenizer.encode_batch(texts)
+
+
+def _batches(texts: Iterator[str], size: int) -> Iterator[list[str]]:
+    batch: list[str] = []
+    for text in texts:
+        batch.append(text)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def _write_tokens(
+    cfg: PrepareConfig,
+    tokenizer: TextTokenizer,
+    staging: _Staging,
+    writer: DatasetWriter,
+    progress: Progress | None,
+) -> None:
+    total = sum(staging.counts.values())
+    done = 0
+    pool = None
+    if cfg.workers > 1:
+        pool = multiprocessing.get_context("fork").Pool(
+            cfg.workers, _init_worker, (tokenizer.kind, tokenizer.json_text, cfg.tokenizer.eos_token)
+        )
+    try:
+        for split in sorted(staging.counts):
+            batches = _batches(staging.texts(split), cfg.batch_documents)
+            encoded = pool.imap(_encode_in_worker, batches) if pool else map(tokenizer.encode_batch, batches)
+            for ids_batch in encoded:
+                for ids in ids_batch:
+                    writer.add_document(split, ids)
+                done += len(ids_batch)
+                if progress:
+                    progress("tokenize", done, total)
+    finally:
+        if pool:
+            pool.terminate()
+            pool.join()
+
+
+def _tokenizer(cfg: PrepareConfig, staging: _Staging | None, storage: StorageConfig) -> TextTokenizer:
+    tok = cfg.tokenizer
+    if tok.kind == "bytes":
+        return TextTokenizer("bytes")
+    if tok.path:
+        return load_tokenizer(tok.path, tok, storage)
+    assert staging is not None
+    return train_bpe(staging.texts("train"), tok)
+
+
+def _tokenizer_fingerprint(cfg: PrepareConfig, storage: StorageConfig) -> str | None:
+    """Identity of a given tokenizer file (a trained one is a function of the data and settings)."""
+    if cfg.tokenizer.kind == "bytes" or not cfg.tokenizer.path:
+        return None
+    return load_tokenizer(cfg.tokenizer.path, cfg.tokenizer, storage).sha256
+
+
+def _validate_dataset(
+    cfg: PrepareConfig, url: str, storage: StorageConfig, runner: Any, document_report: tuple[int, list] | None
+) -> Any:
+    from validation.data import SuiteReport, run_dataset_suite
+
+    evaluated, failed = run_dataset_suite(runner, url, cfg.expectations, cfg.shard_tokens, storage)
+    if document_report:
+        evaluated += document_report[0]
+        failed = document_report[1] + failed
+    return SuiteReport(success=not failed, evaluated=evaluated, failed=failed)
+
+
+def _publish_validation(url: str, storage: StorageConfig, report: Any, runner: Any) -> tuple[str, str]:
+    fs, root = filesystem(url, storage)
+    report_path = join(root, VALIDATION_FILE)
+    write_bytes_atomic(fs, report_path, json.dumps(report.to_json(), indent=2, default=str).encode())
+    docs_local = runner.build_docs()
+    docs_path = join(root, DATA_DOCS_DIR)
+    fs.put(docs_local.rstrip("/") + "/", docs_path, recursive=True)
+    prefix = f"{url.split('://', 1)[0]}://" if "://" in url else ""
+    return prefix + report_path, prefix + join(docs_path, "index.html")
+
+
+def prepare_dataset(
+    cfg: PrepareConfig, storage: StorageConfig, progress: Progress | None = None, validate: bool = True
+) -> PrepareResult:
+    """Prepare (or reuse) the dataset the config describes; raises UserError / TransientError / DataValidationError."""
+    try:
+        return _prepare(cfg, storage, progress, validate)
+    except (UserError, TransientError):
+        raise
+    except Exception as err:
+        if is_connection_error(err):
+            raise TransientError(
+                f"data.prepare.output_url={cfg.output_url}: storage unreachable: {err}",
+                "check the endpoint (storage.s3_endpoint_url) and network; the step retries",
+            ) from err
+        raise
+
+
+def _prepare(cfg: PrepareConfig, storage: StorageConfig, progress: Progress | None, validate: bool) -> PrepareResult:
+    seconds: dict[str, float] = {}
+    started = time.perf_counter()
+    files = expand_sources(cfg.sources, storage)
+    key = dataset_key(cfg, files, _tokenizer_fingerprint(cfg, storage))
+    url = join(cfg.output_url, key)
+    fs, root = filesystem(url, storage)
+    seconds["inputs"] = time.perf_counter() - started
+
+    runner = None
+    if validate:
+        from validation.data import SuiteRunner
+
+        runner = SuiteRunner()
+
+    if fs.exists(join(root, MANIFEST)):
+        log.info("reusing the finished dataset %s (same inputs and settings)", url)
+        stats = json.loads(fs.cat_file(join(root, PREPARE_FILE)))
+        return _finish(cfg, url, storage, runner, None, stats["cleaning"], True, seconds, started)
+
+    stats = CleaningStats()
+    staging = _Staging()
+    try:
+        t0 = time.perf_counter()
+        for n, text in enumerate(clean_documents(iter_documents(cfg, files, storage), cfg.cleaning, stats), start=1):
+            staging.add(split_of(text, cfg.val_fraction), text)
+            if progress and n % 1000 == 0:
+                progress("read+clean", n, None)
+        staging.close()
+        seconds["read_clean"] = time.perf_counter() - t0
+        if stats.kept == 0:
+            raise UserError(
+                f"data.prepare: the corpus is empty after cleaning ({stats.read} read, removed: {stats.removed})",
+                "check the sources, text_field and cleaning.min_chars / max_chars",
+            )
+        document_report = None
+        if runner is not None:
+            import pandas as pd
+
+            from validation.data import run_document_suite
+
+            t0 = time.perf_counter()
+            rows = pd.DataFrame(stats.rows, columns=["n_chars", "invalid_utf8", "is_duplicate", "dropped", "kept"])
+            document_report = run_document_suite(
+                runner, rows, cfg.expectations, cfg.cleaning.min_chars, cfg.cleaning.max_chars
+            )
+            seconds["validate_documents"] = time.perf_counter() - t0
+            if document_report[1]:
+                raise DataValidationError("data.prepare (cleaned documents)", document_report[1], None)
+
+        t0 = time.perf_counter()
+        tokenizer = _tokenizer(cfg, staging, storage)
+        seconds["tokenizer"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        meta = {"key": key, "sources": [f.url for f in files], "builtin_corpus": cfg.builtin_corpus}
+        writer = DatasetWriter(
+            url, tokenizer.vocab_size, tokenizer.info(), tokenizer.eos_id, cfg.shard_tokens, storage,
+            overwrite=False, meta=meta, dtype=cfg.token_dtype,
+        )  # fmt: skip
+        if tokenizer.json_text:
+            write_bytes_atomic(fs, join(root, TOKENIZER_FILE), tokenizer.json_text.encode())
+        _write_tokens(cfg, tokenizer, staging, writer, progress)
+        write_bytes_atomic(fs, join(root, PREPARE_FILE), json.dumps({"cleaning": stats.to_json()}, indent=2).encode())
+        writer.close()  # commits manifest.json
+        seconds["tokenize_write"] = time.perf_counter() - t0
+    finally:
+        staging.remove()
+    return _finish(cfg, url, storage, runner, document_report, stats.to_json(), False, seconds, started)
+
+
+def _finish(
+    cfg: PrepareConfig,
+    url: str,
+    storage: StorageConfig,
+    runner: Any,
+    document_report: Any,
+    cleaning: dict[str, Any],
+    reused: bool,
+    seconds: dict[str, float],
+    started: float,
+) -> PrepareResult:
+    manifest: DatasetManifest = read_manifest(url, storage)
+    validation: dict[str, Any] = {"success": None, "skipped": True}
+    report_url = docs_url = ""
+    if runner is not None:
+        t0 = time.perf_counter()
+        report = _validate_dataset(cfg, url, storage, runner, document_report)
+        report_url, docs_url = _publish_validation(url, storage, report, runner)
+        validation = report.to_json()
+        seconds["validate_dataset"] = time.perf_counter() - t0
+        if not report.success:
+            fs, root = filesystem(url, storage)
+            fs.mv(join(root, MANIFEST), join(root, "manifest.rejected.json"))
+            raise DataValidationError(f"dataset {url}", report.failed, report_url)
+    seconds["total"] = time.perf_counter() - started
+    return PrepareResult(
+        dataset_url=url,
+        key=url.rstrip("/").rsplit("/", 1)[-1],
+        reused=reused,
+        cleaning=cleaning,
+        splits={name: {"docs": s.n_docs, "tokens": s.n_tokens} for name, s in manifest.splits.items()},
+        vocab_size=manifest.vocab_size,
+        tokenizer_sha256=manifest.tokenizer.sha256,
+        validation=validation,
+        validation_url=report_url,
+        data_docs_url=docs_url,
+        seconds=seconds,
+    )

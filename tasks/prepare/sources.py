@@ -1,0 +1,174 @@
+"""Reading raw documents from fsspec URLs (txt, jsonl, parquet; optionally compressed) or a built-in corpus."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import fsspec
+
+from tasks.errors import TransientError, UserError, is_connection_error
+from tasks.prepare.config import PrepareConfig, SourceConfig
+from tasks.prepare.corpus import stdlib_documents
+from training.storage import StorageConfig, filesystem
+
+_COMPRESSION = (".gz", ".bz2", ".xz", ".zst", ".zstd", ".lz4")
+_FORMATS = {".txt": "txt", ".text": "txt", ".md": "txt", ".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet"}
+
+
+@dataclass
+class RawDocument:
+    """One document as read: its text (invalid UTF-8 replaced) and whether the bytes were valid UTF-8."""
+
+    text: str
+    invalid_utf8: bool
+    origin: str
+
+
+@dataclass(frozen=True)
+class SourceFile:
+    """One file of a source, with what identifies its content for the dataset key."""
+
+    url: str
+    format: str
+    source: SourceConfig
+    fingerprint: str
+
+
+def detect_format(path: str, source: SourceConfig) -> str:
+    """The file's format from the source setting or its extension (before a compression suffix)."""
+    if source.format != "auto":
+        return source.format
+    name = path.lower()
+    for suffix in _COMPRESSION:
+        name = name.removesuffix(suffix)
+    for ext, kind in _FORMATS.items():
+        if name.endswith(ext):
+            return kind
+    raise UserError(
+        f"data.prepare.sources: cannot tell the format of {path}",
+        f"name it .txt, .jsonl or .parquet (optionally + {'/'.join(_COMPRESSION)}), or set format: txt|jsonl|parquet",
+    )
+
+
+def _protocol_url(fs: fsspec.AbstractFileSystem, path: str, like: str) -> str:
+    return f"{like.split('://', 1)[0]}://{path}" if "://" in like and not like.startswith("file://") else path
+
+
+def expand_sources(sources: list[SourceConfig], storage: StorageConfig) -> list[SourceFile]:
+    """Every file the sources name, sorted per source; a source matching nothing is an error."""
+    files: list[SourceFile] = []
+    for number, source in enumerate(sources):
+        try:
+            fs, path = filesystem(source.url, storage)
+            matches = sorted(fs.glob(path)) if any(c in path for c in "*?[") else ([path] if fs.exists(path) else [])
+            matches = [m for m in matches if not fs.isdir(m)]
+            entries = [(m, fs.checksum(m)) for m in matches]
+        except Exception as err:
+            if is_connection_error(err):
+                raise TransientError(
+                    f"data.prepare.sources[{number}].url={source.url}: storage unreachable: {err}",
+                    "check the endpoint (storage.s3_endpoint_url) and network; the step retries",
+                ) from err
+            raise
+        if not entries:
+            raise UserError(
+                f"data.prepare.sources[{number}].url={source.url}: no such file (or the glob matches nothing)",
+                "fix the path or glob; relative paths are relative to the directory tdeploy runs in",
+            )
+        for match, checksum in entries:
+            url = _protocol_url(fs, match, source.url)
+            files.append(SourceFile(url, detect_format(url, source), source, f"{url}:{checksum}"))
+    return files
+
+
+def _decode(raw: bytes) -> tuple[str, bool]:
+    try:
+        return raw.decode("utf-8"), False
+    except UnicodeDecodeError:
+        return raw.decode("utf-8", errors="replace"), True
+
+
+def read_file(file: SourceFile, storage: StorageConfig) -> Iterator[RawDocument]:
+    """The documents of one file."""
+    opts = storage.fsspec_options(file.url)
+    try:
+        with fsspec.open(file.url, "rb", compression="infer", **opts) as handle:
+            if file.format == "parquet":
+                yield from _parquet(handle, file)
+            elif file.format == "jsonl":
+                yield from _jsonl(handle, file)
+            else:
+                yield from _txt(handle.read(), file)
+    except (UserError, TransientError):
+        raise
+    except Exception as err:
+        if is_connection_error(err):
+            raise TransientError(f"{file.url}: storage unreachable while reading: {err}", "the step retries") from err
+        if isinstance(err, (OSError, EOFError)):
+            raise UserError(f"{file.url}: cannot be read: {err}", "check the file and its compression suffix") from err
+        raise
+
+
+def _txt(raw: bytes, file: SourceFile) -> Iterator[RawDocument]:
+    text, invalid = _decode(raw)
+    if file.source.txt_documents == "file":
+        yield RawDocument(text, invalid, file.url)
+        return
+    for block in re.split(r"\n\s*\n", text):
+        yield RawDocument(block, invalid and "\ufffd" in block, file.url)
+
+
+def _jsonl(handle: Any, file: SourceFile) -> Iterator[RawDocument]:
+    field = file.source.text_field
+    for number, raw in enumerate(handle, start=1):
+        if not raw.strip():
+            continue
+        line, invalid = _decode(raw)
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise UserError(
+                f"{file.url}:{number}: not valid JSON ({err.msg})", "fix the line or drop the file"
+            ) from err
+        if not isinstance(record, dict) or field not in record:
+            keys = sorted(record) if isinstance(record, dict) else type(record).__name__
+            raise UserError(
+                f"{file.url}:{number}: no field {field!r} (found {keys})",
+                "set data.prepare.sources[].text_field to the field that holds the text",
+            )
+        value = record[field]
+        if not isinstance(value, str):
+            raise UserError(
+                f"{file.url}:{number}: field {field!r} is {type(value).__name__}, not text",
+                "point text_field at a string field",
+            )
+        yield RawDocument(value, invalid, file.url)
+
+
+def _parquet(handle: Any, file: SourceFile) -> Iterator[RawDocument]:
+    import pyarrow.parquet as pq
+
+    parquet = pq.ParquetFile(handle)
+    field = file.source.text_field
+    if field not in parquet.schema_arrow.names:
+        raise UserError(
+            f"{file.url}: no column {field!r} (columns: {parquet.schema_arrow.names})",
+            "set data.prepare.sources[].text_field to the column that holds the text",
+        )
+    for batch in parquet.iter_batches(columns=[field]):
+        for value in batch.column(0).to_pylist():
+            if value is not None:
+                yield RawDocument(value, False, file.url)
+
+
+def iter_documents(cfg: PrepareConfig, files: list[SourceFile], storage: StorageConfig) -> Iterator[RawDocument]:
+    """The built-in corpus (if any), then every source file, in a fixed order."""
+    if cfg.builtin_corpus == "python-docs":
+        for text in stdlib_documents(cfg.builtin_max_bytes):
+            yield RawDocument(text, False, "builtin:python-docs")
+    for file in files:
+        yield from read_file(file, storage)
