@@ -6,6 +6,7 @@ is imported only when a suite runs (the import takes seconds).
 
 from __future__ import annotations
 
+import hashlib
 import os
 import tempfile
 from dataclasses import dataclass, field
@@ -108,18 +109,20 @@ class SuiteRunner:
         self._definitions: dict[str, Any] = {}
 
     def run(self, name: str, dataframe: Any, expectations: list[Any]) -> tuple[int, list[FailedExpectation]]:
-        """Run suite `name` on `dataframe` (built from `expectations` the first time)."""
-        definition = self._definitions.get(name)
+        """Run suite `name` on `dataframe`; each distinct set of expectations gets its own suite."""
+        signature = hashlib.sha256(repr([e.configuration.to_json_dict() for e in expectations]).encode()).hexdigest()[:10]
+        key = f"{name}-{signature}"
+        definition = self._definitions.get(key)
         if definition is None:
-            asset = self.source.add_dataframe_asset(name)
-            batch = asset.add_batch_definition_whole_dataframe(f"{name}-all")
-            suite = self.context.suites.add(self.gx.ExpectationSuite(name=name))
+            asset = self.source.add_dataframe_asset(key)
+            batch = asset.add_batch_definition_whole_dataframe(f"{key}-all")
+            suite = self.context.suites.add(self.gx.ExpectationSuite(name=key))
             for expectation in expectations:
                 suite.add_expectation(expectation)
             definition = self.context.validation_definitions.add(
-                self.gx.ValidationDefinition(name=name, data=batch, suite=suite)
+                self.gx.ValidationDefinition(name=key, data=batch, suite=suite)
             )
-            self._definitions[name] = definition
+            self._definitions[key] = definition
         result = definition.run(batch_parameters={"dataframe": dataframe})
         failed = []
         for item in result.results:
@@ -144,6 +147,8 @@ class SuiteRunner:
 
 def document_expectations(gx: Any, limits: DataExpectations, min_chars: int, max_chars: int | None) -> list[Any]:
     """Suite (a) on one row per document read: flags per cleaning rule, `kept`, and cleaned length."""
+    from great_expectations.expectations.row_conditions import Column
+
     e = gx.expectations
     return [
         e.ExpectColumnMeanToBeBetween(column="is_duplicate", max_value=limits.max_duplicate_fraction),
@@ -154,8 +159,7 @@ def document_expectations(gx: Any, limits: DataExpectations, min_chars: int, max
             column="n_chars",
             min_value=max(1, min_chars),
             max_value=max_chars,
-            row_condition="kept == True",
-            condition_parser="pandas",
+            row_condition=Column("kept") == True,  # noqa: E712 - builds a GE condition
         ),
     ]
 
@@ -169,6 +173,8 @@ def run_document_suite(
 
 def dataset_expectations(gx: Any, vocab_size: int, max_shard_tokens: int, limits: DataExpectations) -> dict[str, list]:
     """Suite (b): one list of expectations per table of `dataset_tables`."""
+    from great_expectations.expectations.row_conditions import Column
+
     e = gx.expectations
     return {
         "dataset_documents": [
@@ -189,8 +195,7 @@ def dataset_expectations(gx: Any, vocab_size: int, max_shard_tokens: int, limits
             e.ExpectColumnValuesToBeBetween(
                 column="counted_docs",
                 min_value=limits.min_val_documents,
-                row_condition='split == "val"',
-                condition_parser="pandas",
+                row_condition=Column("split") == "val",
             ),
         ],
     }
@@ -218,8 +223,6 @@ def run_dataset_suite(
 
 def dataset_tables(url: str, storage: Any = None) -> dict[str, Any]:
     """Per-document, per-shard and per-split tables of a written dataset, for suite (b)."""
-    import hashlib
-
     import numpy as np
     import pandas as pd
 
