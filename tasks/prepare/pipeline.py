@@ -253,7 +253,9 @@ def _prepare(cfg: PrepareConfig, storage: StorageConfig, progress: Progress | No
     if validate:
         from validation.data import SuiteRunner
 
+        t0 = time.perf_counter()
         runner = SuiteRunner()
+        seconds["validate_setup"] = time.perf_counter() - t0
 
     if fs.exists(join(root, MANIFEST)):
         log.info("reusing the finished dataset %s (same inputs and settings)", url)
