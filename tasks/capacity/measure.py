@@ -1,0 +1,251 @@
+"""Self-check: measure the peak memory of one of the payload's training steps and compare it with the estimate.
+
+On a machine without a GPU the model, optimizer and batch are built under FakeTensorMode (shapes and dtypes only,
+no data; MoE models, whose routing has data-dependent shapes, use real tensors) and two steps run inside torch's MemTracker (FSDPMemTracker with a fake process group for fsdp/hsdp),
+which records every storage by role: the same peak torch.cuda.max_memory_allocated would report, before the
+allocator's rounding and fragmentation. On a GPU the real step is run and the CUDA allocator's peak is read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from tasks.capacity.memory import Layout, MemoryBreakdown, MemoryModel, Precision, Runtime
+from tasks.capacity.params import Architecture
+from training.config import ModelConfig, OptimConfig
+from training.model import Transformer
+from training.train import build_optimizer
+
+log = logging.getLogger(__name__)
+
+_AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+# The tracker's roles, folded into the estimate's components.
+_ROLE_TO_COMPONENT = {
+    "Parameter": "weights",
+    "Sharded Param": "weights",
+    "Unsharded Param": "buffers",
+    "Buffer": "buffers",
+    "All Gather": "buffers",
+    "Reduce Scatter": "buffers",
+    "Gradient": "gradients",
+    "Sharded Grad": "gradients",
+    "Unsharded Grad": "gradients",
+    "Activation": "activations",
+    "Temp": "transient",
+    "Optstate": "optimizer",
+    "OptState": "optimizer",
+    "Other": "buffers",
+    "Inputs": "buffers",
+}
+COMPONENTS = ("weights", "gradients", "optimizer", "activations", "buffers", "transient")
+
+
+@dataclass(frozen=True)
+class MeasureCase:
+    """One configuration of the payload's model to measure on this machine (one rank's view)."""
+
+    model: ModelConfig
+    micro_batch: int
+    dtype: str = "fp32"
+    recompute: str = "none"
+    sharding: str = "ddp"
+    world: int = 1
+    grad_accum: int = 1
+    label: str = ""
+
+    def layout(self) -> Layout:
+        """The estimator's layout for this case (DDP with one rank has no buckets: the payload does not wrap it)."""
+        return Layout(
+            dp=self.world,
+            zero=3 if self.sharding in ("fsdp", "hsdp") else 0,
+            micro_batch=self.micro_batch,
+            grad_accum=self.grad_accum,
+            recompute=self.recompute,  # type: ignore[arg-type]
+        )
+
+
+@dataclass
+class Comparison:
+    """Predicted and measured peak (bytes) of one case, per component, with the relative error of the total."""
+
+    label: str
+    predicted: dict[str, float]
+    measured: dict[str, float]
+    predicted_peak: float
+    measured_peak: float
+    predicted_phase: str
+    seconds: float
+    device: str = "cpu (fake tensors)"
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def error(self) -> float:
+        """(predicted - measured) / measured of the peak."""
+        return (self.predicted_peak - self.measured_peak) / self.measured_peak
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready form (bytes, and the error as a fraction)."""
+        return {
+            "label": self.label,
+            "device": self.device,
+            "predicted_peak_bytes": self.predicted_peak,
+            "measured_peak_bytes": self.measured_peak,
+            "error_fraction": self.error,
+            "predicted_phase": self.predicted_phase,
+            "predicted_bytes": self.predicted,
+            "measured_bytes": self.measured,
+            "seconds": self.seconds,
+        }
+
+
+def predict(case: MeasureCase, device: str = "cpu") -> MemoryBreakdown:
+    """The estimator's breakdown for `case` on this kind of device (no margin)."""
+    arch = Architecture.from_model_config(case.model)
+    runtime = Runtime(device=device, ddp_buckets=case.world > 1, foreach_optimizer=device != "cpu")  # type: ignore[arg-type]
+    return MemoryModel(arch, Precision.of(case.dtype), runtime).estimate(case.layout())
+
+
+def _components(breakdown: MemoryBreakdown) -> dict[str, float]:
+    """The estimate folded the way the tracker attributes storages (it counts the optimizer's temporaries as
+    optimizer state and autocast's weight copies as activations)."""
+    in_optimizer = breakdown.phase == "optimizer step"
+    return {
+        "weights": breakdown.weights,
+        "gradients": breakdown.gradients,
+        "optimizer": breakdown.optimizer + (breakdown.transient if in_optimizer else 0.0),
+        "activations": breakdown.activations + breakdown.weight_copies,
+        "buffers": breakdown.buffers,
+        "transient": 0.0 if in_optimizer else breakdown.transient,
+    }
+
+
+@contextlib.contextmanager
+def _fake_process_group(world: int) -> Iterator[None]:
+    """A one-process 'fake' process group of `world` ranks (collectives do nothing), torn down afterwards."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("a process group is already initialised; measure in a process of its own")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    tokens: torch.Tensor,
+    case: MeasureCase,
+    after_micro_batch: Callable[[], None] = lambda: None,
+) -> None:
+    """One optimizer step as training/train.py runs it (loss in a function so the logits die before backward)."""
+    dtype = _AUTOCAST[case.dtype]
+    device_type = tokens.device.type
+
+    def loss_of(batch: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(device_type, dtype=dtype, enabled=dtype is not None):
+            logits, aux = model(batch[:, :-1])
+        loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), batch[:, 1:].reshape(-1))
+        return loss + 0.01 * aux
+
+    for m in range(case.grad_accum):
+        if hasattr(model, "set_requires_gradient_sync"):
+            model.set_requires_gradient_sync(m == case.grad_accum - 1)
+        (loss_of(tokens) / case.grad_accum).backward()
+        after_micro_batch()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def _measure_fake(case: MeasureCase) -> dict[str, float]:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    sharded = case.sharding in ("fsdp", "hsdp")
+    with _fake_process_group(case.world) if sharded else contextlib.nullcontext():
+        mesh = None
+        if sharded:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            mesh = init_device_mesh("cpu", (case.world,), mesh_dim_names=("shard",))
+        # MoE routing has data-dependent shapes, which fake tensors cannot follow: small real tensors instead.
+        real = case.model.moe is not None
+        if real:
+            torch.manual_seed(0)
+        with contextlib.nullcontext() if real else FakeTensorMode():
+            model: Any = Transformer(case.model, recompute=case.recompute)
+            if mesh is not None:
+                from training.parallel import apply_fsdp
+
+                model = apply_fsdp(model, mesh)
+            optimizer = build_optimizer(model, OptimConfig(lr_peak=1e-3))
+            tokens = torch.randint(0, case.model.vocab_size, (case.micro_batch, case.model.seq_len + 1))
+            if sharded:
+                tracker: Any = FSDPMemTracker(model, optimizer)
+                tracker.track_inputs((tokens,))
+            else:
+                tracker = MemTracker()
+                tracker.track_external(model, optimizer, tokens)
+            with tracker:
+                for _ in range(2):  # the first step creates the optimizer states
+                    _step(model, optimizer, tokens, case, tracker.reset_mod_stats)
+            peak = tracker.get_tracker_snapshot("peak")
+    (snapshot,) = peak.values()
+    measured = dict.fromkeys(COMPONENTS, 0.0)
+    for role, nbytes in snapshot.items():
+        name = getattr(role, "value", role)
+        if name != "Total":
+            measured[_ROLE_TO_COMPONENT[name]] += nbytes
+    measured["total"] = float(snapshot["Total"])
+    return measured
+
+
+def _measure_cuda(case: MeasureCase) -> dict[str, float]:
+    device = torch.device("cuda")
+    model = Transformer(case.model, recompute=case.recompute).to(device)
+    optimizer = build_optimizer(model, OptimConfig(lr_peak=1e-3))
+    tokens = torch.randint(0, case.model.vocab_size, (case.micro_batch, case.model.seq_len + 1), device=device)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats(device)
+    for _ in range(2):
+        _step(model, optimizer, tokens, case)
+    torch.cuda.synchronize()
+    return {**dict.fromkeys(COMPONENTS, float("nan")), "total": float(torch.cuda.max_memory_allocated(device))}
+
+
+def compare(case: MeasureCase, on_gpu: bool = False) -> Comparison:
+    """Measure `case` (fake tensors on CPU, or the real step on a GPU) and set it beside the estimate."""
+    if on_gpu and case.sharding != "ddp":
+        raise ValueError("the GPU self-check measures one process; use sharding=ddp with world=1")
+    started = time.perf_counter()
+    measured = _measure_cuda(case) if on_gpu else _measure_fake(case)
+    seconds = time.perf_counter() - started
+    breakdown = predict(case, device="gpu" if on_gpu else "cpu")
+    label = case.label or (
+        f"{case.model.n_layers}L d{case.model.d_model} {case.dtype} {case.sharding}x{case.world} "
+        f"mb{case.micro_batch} {case.recompute}"
+    )
+    return Comparison(
+        label=label,
+        predicted=_components(breakdown),
+        measured={k: v for k, v in measured.items() if k != "total"},
+        predicted_peak=breakdown.allocated_peak,
+        measured_peak=measured["total"],
+        predicted_phase=breakdown.phase,
+        seconds=seconds,
+        device="cuda (allocator peak)" if on_gpu else "cpu (fake tensors, MemTracker)",
+    )

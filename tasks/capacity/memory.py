@@ -1,0 +1,476 @@
+"""Memory per GPU: model states (Rajbhandari et al. 2020), activations (Korthikanti et al. 2022), buffers, peak.
+
+Activations come from an inventory of the tensors autograd keeps for backward, per block and per token, split into
+what tensor parallelism divides (attention and MLP internals), what it replicates unless sequence parallelism is on
+(norms, residual, the input of the column-parallel projections, dropout masks) and what grows with the sequence
+(the attention score matrices of non-fused attention). For a GPT block in Megatron-LM (fused LayerNorm, math
+attention, dropout, GeLU 4h MLP, 2-byte activations) the inventory adds up to Korthikanti's 34 + 5as/h bytes per
+(s, b, h) element; for the payload's model it matches the bytes torch's memory tracker records for a training step.
+
+The peak is the largest of four moments of a training step: the start of backward (every activation alive plus the
+cross-entropy gradients), the backward of the top and of the bottom block (activations freed as gradients appear),
+and the optimizer step (every gradient plus the optimizer's temporaries).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from tasks.capacity.params import Architecture, ParamCount, count_params
+
+Recompute = Literal["none", "selective", "full"]
+Recipe = Literal["fp32", "autocast", "master-weights"]
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Bytes per parameter of each model state and per element of each kind of saved activation.
+
+    - fp32: everything in fp32; AdamW keeps two fp32 moments.
+    - autocast: torch.autocast in bf16/fp16 over fp32 parameters (the payload): fp32 weights, gradients and
+      moments; matmul outputs in 16 bits, residual stream and norms in fp32; every forward keeps a 16-bit copy of
+      each weight it multiplies until that layer's backward.
+    - master-weights: 16-bit weights and gradients, fp32 master weights and moments in the optimizer (ZeRO paper,
+      Megatron-LM, DeepSpeed): K = 12 bytes of optimizer state per parameter.
+    """
+
+    recipe: Recipe
+    weight_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+    act_bytes: int
+    residual_bytes: int
+    normed_bytes: int
+
+    @property
+    def weight_copy_bytes(self) -> int:
+        """Bytes per parameter of the 16-bit weight copies that autocast keeps for backward."""
+        return 2 if self.recipe == "autocast" else 0
+
+    @property
+    def compute_dtype(self) -> str:
+        """The dtype matmuls run in."""
+        return "fp32" if self.recipe == "fp32" else "bf16"
+
+    @classmethod
+    def of(cls, dtype: str, recipe: Literal["autocast", "master-weights"] = "autocast") -> Precision:
+        """The precision of a `precision.dtype` (fp32, bf16, fp16) under a mixed-precision recipe."""
+        if dtype == "fp32":
+            return cls("fp32", 4, 4, 8, 4, 4, 4)
+        if recipe == "autocast":
+            return cls("autocast", 4, 4, 8, 2, 4, 4)
+        return cls("master-weights", 2, 2, 12, 2, 2, 2)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a job is spread: degrees, sharding, micro-batching and recompute.
+
+    `zero` is the sharding stage over the data-parallel group (0: DDP; 1: optimizer states; 2: + gradients;
+    3: + weights, i.e. FSDP). `shard_group` is the number of ranks a ZeRO/FSDP shard spans (hsdp: a node);
+    None means the whole data-parallel group. Experts are spread over `ep` ranks of the data-parallel group.
+    """
+
+    dp: int
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    zero: int = 0
+    shard_group: int | None = None
+    micro_batch: int = 1
+    grad_accum: int = 1
+    recompute: Recompute = "none"
+    sequence_parallel: bool = False
+    pp_schedule: Literal["1f1b", "interleaved"] = "1f1b"
+    virtual_stages: int = 1
+
+    @property
+    def world(self) -> int:
+        """Ranks in the job."""
+        return self.dp * self.tp * self.pp
+
+    @property
+    def shard(self) -> int:
+        """Ranks one ZeRO/FSDP shard spans."""
+        return self.shard_group or self.dp
+
+    @property
+    def global_batch(self) -> int:
+        """Sequences per optimizer step."""
+        return self.dp * self.micro_batch * self.grad_accum
+
+    def describe(self) -> str:
+        """Short human name, e.g. `dp8 tp2 pp1 zero3 mb4x2 sel sp`."""
+        name = f"dp{self.dp} tp{self.tp} pp{self.pp}"
+        if self.ep > 1:
+            name += f" ep{self.ep}"
+        name += f" zero{self.zero}"
+        if self.zero and self.shard != self.dp:
+            name += f"/{self.shard}"
+        name += f" mb{self.micro_batch}x{self.grad_accum} {self.recompute}"
+        if self.sequence_parallel:
+            name += " sp"
+        if self.pp > 1 and self.pp_schedule == "interleaved":
+            name += f" v{self.virtual_stages}"
+        return name
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """What the estimate assumes about the software stack.
+
+    `attention`: flash (fused SDPA: keeps q, k, v, output and the log-sum-exp) or math (keeps the score matrices).
+    `device`: on CPU torch's autocast runs SDPA in fp32 and copies its output before the output projection;
+    on GPUs SDPA runs in 16 bits and its output feeds the projection without a copy.
+    `fsdp_root_unsharded`: FSDP2 keeps the root module's parameters (embedding, final norm, output layer)
+    gathered from the forward until the end of backward.
+    `fsdp_accumulate_unsharded`: with gradient accumulation the payload turns FSDP2's gradient sync off on all but
+    the last micro-batch, so full unsharded gradients accumulate (DeepSpeed reduce-scatters every micro-batch).
+    """
+
+    attention: Literal["flash", "math"] = "flash"
+    device: Literal["gpu", "cpu"] = "gpu"
+    ddp_buckets: bool = True
+    fsdp_root_unsharded: bool = True
+    fsdp_accumulate_unsharded: bool = True
+    foreach_optimizer: bool = True
+
+
+# ---- model states ------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelStates:
+    """Bytes of weights, gradients and optimizer states on one rank."""
+
+    weights: float
+    gradients: float
+    optimizer: float
+
+    @property
+    def total(self) -> float:
+        """Sum of the three."""
+        return self.weights + self.gradients + self.optimizer
+
+
+def model_states(params: float, precision: Precision, dp: int, zero: int) -> ModelStates:
+    """Per-rank model states of `params` parameters sharded over `dp` ranks at ZeRO stage `zero` (Rajbhandari 2020)."""
+    return ModelStates(
+        weights=params * precision.weight_bytes / (dp if zero >= 3 else 1),
+        gradients=params * precision.grad_bytes / (dp if zero >= 2 else 1),
+        optimizer=params * precision.optimizer_bytes / (dp if zero >= 1 else 1),
+    )
+
+
+# ---- activations -------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LayerActivations:
+    """Saved bytes of one block for one micro-batch, as coefficients.
+
+    bytes = tokens * (split / tp + replicated / (tp if sp else 1) + per_seq_split * seq / tp) + per_sequence * b
+    """
+
+    replicated: float
+    split: float
+    seq_split: float = 0.0
+    per_sequence: float = 0.0
+
+    def bytes(self, micro_batch: int, seq: int, tp: int, sp: bool) -> float:
+        """Bytes for a micro-batch of `micro_batch` sequences of `seq` tokens."""
+        tokens = micro_batch * seq
+        rep = self.replicated / tp if sp else self.replicated
+        return tokens * (rep + self.split / tp + self.seq_split * seq / tp) + self.per_sequence * micro_batch / tp
+
+
+def _norm_saved(arch: Architecture, p: Precision, consumers: int) -> tuple[float, float]:
+    """(bytes per element of h, extra bytes per token) that a pre-norm and the `consumers` linears after it keep."""
+    if arch.norm_impl == "fused":
+        return p.residual_bytes + p.act_bytes, 0.0  # the norm's input and its output (the next linears' input)
+    # Eager RMSNorm: x.float() and the normalised fp32 output are kept by the multiplications, plus the rsqrt (one
+    # fp32 per token). Under autocast every linear casts the fp32 norm output to 16 bits itself and keeps its copy.
+    if p.recipe == "fp32":
+        return 4 + 4 + 4, 4.0
+    if p.recipe == "autocast":
+        return 4 + 4 + 2 * consumers, 4.0
+    return 4 + 2 + 2, 4.0
+
+
+def _mlp_consumers(arch: Architecture, p: Precision) -> int:
+    """Linears that read the MLP's norm output (each keeps its own cast under autocast)."""
+    if arch.is_moe:
+        return 1  # the router; the experts read gathered copies
+    return 2 if arch.mlp == "swiglu" else 1
+
+
+def layer_activations(arch: Architecture, p: Precision, rt: Runtime, recompute: Recompute) -> LayerActivations:
+    """Per-token inventory of what one block keeps for backward under `recompute`."""
+    h, kv, f, heads = arch.d_model, arch.kv_dim, arch.ffn_hidden, arch.n_heads
+    if recompute == "full":
+        # Only the block's input survives; the rest is recomputed in backward.
+        return LayerActivations(replicated=p.residual_bytes * h, split=0.0)
+    e = p.act_bytes
+    attn_h, attn_tok = _norm_saved(arch, p, consumers=3 if arch.norm_impl == "eager" else 1)
+    mlp_h, mlp_tok = _norm_saved(arch, p, consumers=_mlp_consumers(arch, p))
+    replicated = attn_h * h + attn_tok + mlp_h * h + mlp_tok
+    if arch.dropout:
+        replicated += 2 * h  # 1-byte masks after attention and after the MLP
+    split = 0.0
+    seq_split = 0.0
+    if rt.attention == "flash":
+        split += (h + 2 * kv) * e  # q, k, v as SDPA keeps them
+        out = h * e + heads * 4  # output and fp32 log-sum-exp
+        if recompute == "selective":
+            # The output is recomputed; on a GPU the projection's input is a view of it and keeps it alive.
+            out = 0.0 if rt.device == "cpu" else h * e
+        split += out
+        if rt.device == "cpu":
+            split += h * e  # the CPU kernel's (B, H, T, D) output is copied to (B, T, H*D) for the projection
+    else:
+        split += (h + kv) * e + kv * e + h * e  # q, k for the scores; v; the context into the projection
+        if recompute != "selective":
+            seq_split += heads * e  # softmax output
+            if arch.dropout:
+                seq_split += heads * (1 + e)  # dropout mask and dropout output
+    if arch.is_moe:
+        assert arch.n_experts is not None
+        k = arch.top_k
+        lin_in = 4 if p.recipe == "fp32" else 2
+        inner = _mlp_inner(arch, p)
+        # router softmax (fp32), top-k indices, normalised weights; per routed copy: its input, the expert's inner
+        # activations, its output and the weighted contribution (kept for the weighting and the scatter-add),
+        # its index and weight.
+        consumers = 2 if arch.mlp == "swiglu" and p.recipe == "autocast" else 1
+        split += arch.n_experts * 4 + k * 8 + k * 4 + 4
+        split += k * (h * lin_in * consumers + inner + h * e + h * p.residual_bytes + 8 + 4)
+    else:
+        split += _mlp_inner(arch, p)
+    per_sequence = 0.0
+    if p.recipe == "autocast" and arch.positions == "rope":
+        per_sequence = 4 * arch.seq_len * (arch.head_dim // 2) * e  # 16-bit cos/sin copies for q and k
+    return LayerActivations(replicated=replicated, split=split, seq_split=seq_split, per_sequence=per_sequence)
+
+
+def _mlp_inner(arch: Architecture, p: Precision) -> float:
+    """Bytes per token kept inside one (expert) MLP: SwiGLU w1 x, silu, w3 x, product; GeLU input and output."""
+    return (4 if arch.mlp == "swiglu" else 2) * arch.ffn_hidden * p.act_bytes
+
+
+def korthikanti_bytes_per_layer(s: int, b: int, h: int, a: int, tp: int, sp: bool, recompute: Recompute) -> float:
+    """Korthikanti et al. 2022 Table 2: activation bytes of one GPT layer (16-bit, dropout, math attention)."""
+    if recompute == "full":
+        return 2 * s * b * h / (tp if sp else 1)
+    attn_scores = 0 if recompute == "selective" else 5 * a * s / h
+    if sp:
+        return s * b * h * (34 + attn_scores) / tp
+    return s * b * h * (10 + 24 / tp + attn_scores / tp)
+
+
+def kv_cache_bytes(arch: Architecture, batch: int, context: int, bytes_per_element: int = 2, tp: int = 1) -> float:
+    """Inference KV cache: keys and values of every layer for `batch` sequences of `context` tokens."""
+    return 2 * arch.n_layers * arch.kv_dim * context * batch * bytes_per_element / tp
+
+
+# ---- the whole picture -------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Peak memory of the most loaded rank, by component, in bytes."""
+
+    weights: float
+    gradients: float
+    optimizer: float
+    activations: float
+    weight_copies: float
+    buffers: float
+    transient: float
+    margin: float
+    phase: str
+    stage: str
+
+    @property
+    def allocated_peak(self) -> float:
+        """Peak of tensor memory (what torch.cuda.max_memory_allocated reports)."""
+        return (
+            self.weights
+            + self.gradients
+            + self.optimizer
+            + self.activations
+            + self.weight_copies
+            + self.buffers
+            + self.transient
+        )
+
+    @property
+    def total(self) -> float:
+        """Peak plus the fragmentation and framework margin: what the device must hold."""
+        return self.allocated_peak + self.margin
+
+    def as_dict(self) -> dict[str, float | str]:
+        """Bytes per component (for plan.json)."""
+        return {
+            "weights_bytes": self.weights,
+            "gradients_bytes": self.gradients,
+            "optimizer_bytes": self.optimizer,
+            "activations_bytes": self.activations,
+            "autocast_weight_copies_bytes": self.weight_copies,
+            "buffers_bytes": self.buffers,
+            "transient_bytes": self.transient,
+            "allocated_peak_bytes": self.allocated_peak,
+            "margin_bytes": self.margin,
+            "total_bytes": self.total,
+            "peak_phase": self.phase,
+            "peak_stage": self.stage,
+        }
+
+
+@dataclass(frozen=True)
+class Margin:
+    """Memory the allocator and the framework take beyond live tensors."""
+
+    fragmentation_fraction: float = 0.05
+    framework_bytes: float = 1.0 * GIB
+
+
+class MemoryModel:
+    """Memory estimates for one architecture and precision; cheap to evaluate for many layouts."""
+
+    def __init__(
+        self, arch: Architecture, precision: Precision, runtime: Runtime | None = None, margin: Margin | None = None
+    ) -> None:
+        self.arch, self.p, self.rt = arch, precision, runtime or Runtime()
+        self.margin = margin or Margin()
+        self.params: ParamCount = count_params(arch)
+        self._acts = {r: layer_activations(arch, precision, self.rt, r) for r in ("none", "selective", "full")}
+        norm_h, norm_tok = _norm_saved(arch, precision, consumers=1)
+        self._head_replicated = norm_h * arch.d_model + norm_tok
+        inner = _mlp_inner(arch, precision) / (4 if arch.mlp == "swiglu" else 2)  # bytes per token of one f-vector
+        k = arch.top_k if arch.is_moe else 1
+        # Inside an MLP's backward: the down projection's input is freed, and up to three (SwiGLU) or two (GeLU)
+        # f-sized gradients are alive next to the residual stream's gradient.
+        self._mlp_freed = k * inner
+        self._mlp_transient = k * inner * (3 if arch.mlp == "swiglu" else 2)
+
+    def _layer_params(self, tp: int, ep: int) -> tuple[float, float]:
+        """(dense, expert) parameters of one block on one rank."""
+        pc = self.params
+        dense = (pc.per_layer - pc.per_layer_experts - pc.per_layer_norms) / tp + pc.per_layer_norms
+        return dense, pc.per_layer_experts / (tp * ep)
+
+    def estimate(self, layout: Layout) -> MemoryBreakdown:
+        """Peak memory of the most loaded rank (the first or the last pipeline stage)."""
+        if layout.pp == 1:
+            return self._stage(layout, first=True, last=True)
+        first = self._stage(layout, first=True, last=False)
+        last = self._stage(layout, first=False, last=True)
+        return first if first.total >= last.total else last
+
+    def _stage(self, lo: Layout, first: bool, last: bool) -> MemoryBreakdown:
+        arch, p, rt, pc = self.arch, self.p, self.rt, self.params
+        tp, sp, b, s, h = lo.tp, lo.sequence_parallel and lo.tp > 1, lo.micro_batch, arch.seq_len, arch.d_model
+        tokens = b * s
+        layers = arch.n_layers / lo.pp
+        dense_layer, expert_layer = self._layer_params(tp, lo.ep)
+        layer_params = dense_layer + expert_layer
+        embed = (pc.embedding + pc.positions) / tp if first else 0.0
+        head = 0.0
+        if last:
+            head = (pc.head or (0 if first else pc.embedding)) / tp + pc.final_norm
+        expert_shard = max(1, lo.shard // lo.ep) if lo.zero else 1
+        dense_params = layers * dense_layer + embed + head
+        expert_params = layers * expert_layer
+        dense_states = model_states(dense_params, p, lo.shard, lo.zero)
+        expert_states = model_states(expert_params, p, expert_shard, lo.zero)
+        weights = dense_states.weights + expert_states.weights
+        optim = dense_states.optimizer + expert_states.optimizer
+        grads_all = dense_states.gradients + expert_states.gradients
+        grad_div = lo.shard if lo.zero >= 2 else 1
+
+        # Micro-batches whose activations the first stage holds at once (Korthikanti et al. 2022, section 4.2.3).
+        in_flight = 1.0
+        if lo.pp > 1 and first:
+            in_flight = float(min(lo.pp, lo.grad_accum))
+            if lo.pp_schedule == "interleaved":
+                in_flight *= 1 + (lo.pp - 1) / (lo.pp * lo.virtual_stages)
+        per_layer = self._acts[lo.recompute].bytes(b, s, tp, sp)
+        copies_per_layer = (layer_params - pc.per_layer_norms) * p.weight_copy_bytes
+        full = lo.recompute == "full"
+        resting = per_layer + (0.0 if full else copies_per_layer)  # one block, one micro-batch, between passes
+        head_saved = tokens * (self._head_replicated / (tp if sp else 1) + 4 * arch.vocab_size / tp) if last else 0.0
+        head_copies = (pc.head or pc.embedding) / tp * p.weight_copy_bytes if last else 0.0
+        live = in_flight * layers * resting + head_saved + head_copies
+        # The block whose backward runs: recomputed in full (its input is already counted), minus what is freed.
+        working = -tokens * self._mlp_freed / tp
+        if full:
+            working += self._acts["none"].bytes(b, s, tp, sp) + copies_per_layer - tokens * p.residual_bytes * h
+        layer_transient = tokens * (h * p.residual_bytes + self._mlp_transient / tp)
+        down_proj_grad = (arch.ffn_hidden * h / tp) * (arch.top_k if arch.is_moe else 1) / (lo.ep if arch.is_moe else 1)
+        down_proj_grad *= p.grad_bytes
+
+        buffers = 0.0
+        if arch.positions == "rope":
+            buffers += 2 * s * (arch.head_dim // 2) * 4
+        if lo.zero == 0 and lo.dp > 1 and rt.ddp_buckets:
+            buffers += (dense_params + expert_params) * p.grad_bytes  # DDP's flat gradient buckets
+        gathered = 0.0  # FSDP: blocks gathered during backward (the one running and the one prefetched)
+        root = embed + head
+        root_unsharded = lo.zero >= 3 and rt.fsdp_root_unsharded
+        if lo.zero >= 3:
+            if root_unsharded:
+                buffers += root * p.weight_bytes  # FSDP2 keeps the root module gathered through the step
+            gathered = min(2.0, layers) * layer_params * p.weight_bytes
+
+        accumulating = lo.grad_accum > 1 or lo.pp > 1
+        resident = grads_all if accumulating else 0.0
+        if accumulating and lo.zero >= 2 and rt.fsdp_accumulate_unsharded:
+            resident = (dense_params + expert_params) * p.grad_bytes
+        # The output layer's gradient; FSDP2 reduce-scatters the root's gradients only at the end of backward.
+        head_grad = head * p.grad_bytes / (1 if root_unsharded else grad_div) if last else 0.0
+        phases: dict[str, tuple[float, float, float, float]] = {}  # (saved, gradients, transient, gathered)
+        if last:
+            phases["start of backward"] = (live, resident, tokens * 8 * arch.vocab_size / tp, 0.0)
+        top_live = live - head_saved - head_copies + working
+        top_grads = max(resident, head_grad) + down_proj_grad
+        phases["backward, top block"] = (top_live, top_grads, layer_transient, gathered)
+        others = (in_flight - 1) * layers * resting
+        bottom_live = others + (per_layer if full else resting) + working
+        # Everything but the bottom block's and the embedding's gradients (the output layer's counted as it lives).
+        bottom_grads = (dense_params + expert_params - layer_params - embed - head) * p.grad_bytes / grad_div
+        bottom_grads += head_grad + down_proj_grad
+        phases["backward, bottom block"] = (bottom_live, max(resident, bottom_grads), layer_transient, gathered)
+        opt_params = dense_params / (lo.shard if lo.zero >= 1 else 1) + expert_params / (
+            expert_shard if lo.zero >= 1 else 1
+        )
+        if rt.foreach_optimizer:
+            opt_transient = opt_params * 4  # torch's foreach AdamW: one fp32 temporary per parameter
+        else:
+            largest = max(arch.vocab_size * h / tp, arch.ffn_hidden * h / tp, h * h / tp)
+            opt_transient = 3 * largest * 4  # the per-tensor AdamW: three temporaries of the largest tensor
+        phases["optimizer step"] = (0.0, grads_all, opt_transient, 0.0)
+
+        phase = max(phases, key=lambda k: sum(phases[k]))
+        live_at, grads_at, transient_at, gathered_at = phases[phase]
+        buffers += gathered_at
+        copies_at = 0.0
+        if phase != "optimizer step":
+            copies_at = min(live_at, (in_flight * layers * copies_per_layer if not full else 0.0) + head_copies)
+            if phase == "backward, bottom block":
+                copies_at = min(live_at, copies_per_layer)
+        allocated = weights + optim + buffers + live_at + grads_at + transient_at
+        margin = allocated * self.margin.fragmentation_fraction + self.margin.framework_bytes
+        return MemoryBreakdown(
+            weights=weights,
+            gradients=grads_at,
+            optimizer=optim,
+            activations=live_at - copies_at,
+            weight_copies=copies_at,
+            buffers=buffers,
+            transient=transient_at,
+            margin=margin,
+            phase=phase,
+            stage="only" if first and last else ("first" if first else "last"),
+        )
