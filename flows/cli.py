@@ -10,6 +10,8 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
+from tasks.capacity.plan import plan_capacity, write_plan
+from tasks.capacity.report import format_self_check, rich_report
 from tasks.errors import DeployError, TransientError
 from tasks.prepare.pipeline import PrepareResult, prepare_dataset
 from tasks.spec import DeploymentSpec, SpecError, load_spec
@@ -117,6 +119,40 @@ def prepare_data(spec: str = typer.Argument(..., help="Path or fsspec URL of a d
         err_console.print("data.prepare is not set: this spec trains on an existing dataset (data.dataset_url)")
         raise typer.Exit(2)
     _prepare_with_progress(parsed)
+
+
+@app.command("plan")
+def plan(
+    spec: str = typer.Argument(..., help="Path or fsspec URL of a deployment spec (YAML)."),
+    as_json: bool = typer.Option(False, "--json", help="Print plan.json to stdout instead of the table."),
+    out: str | None = typer.Option(
+        None, "--out", help="Folder for plan.json; default capacity.output_url, else runs/<name>."
+    ),
+    self_check: bool = typer.Option(
+        False, "--self-check", help="Also measure one training step of the model on this machine and compare."
+    ),
+) -> None:
+    """Estimate memory, time and communication, search the layouts; exit 1 if the requested one does not fit."""
+    parsed = _load(spec)
+    result = plan_capacity(
+        parsed.name, parsed.capacity, parsed.cluster, parsed.model, parsed.parallel, parsed.precision, parsed.run
+    )
+    if self_check:
+        from tasks.capacity.measure import run_self_check  # imports torch: only when asked
+
+        result.self_check = [run_self_check(parsed.model, parsed.parallel, parsed.precision, parsed.cluster)]
+    url = write_plan(result, out)
+    if as_json:
+        console.print_json(data=result.to_json())
+    else:
+        console.print(rich_report(result))
+        for check in result.self_check:
+            console.print(format_self_check(check), markup=False, highlight=False)
+        console.print(f"plan {url}", markup=False, highlight=False)
+    if not result.fits:
+        err = result.error()
+        err_console.print(f"{err.message}\n{err.fix}", style="red", markup=False, highlight=False)
+        raise typer.Exit(1)
 
 
 def main() -> None:

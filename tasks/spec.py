@@ -10,6 +10,7 @@ import fsspec
 import yaml
 from pydantic import Field, ValidationError, model_validator
 
+from tasks.capacity.config import CapacityConfig, capacity_problems
 from tasks.cluster import ClusterConfig
 from tasks.prepare.config import DataSpec
 from training.config import (
@@ -50,10 +51,15 @@ class DeploymentSpec(StrictModel):
     checkpoint: CheckpointConfig
     run: RunConfig
     storage: StorageConfig = Field(default_factory=StorageConfig)
+    capacity: CapacityConfig = Field(
+        default_factory=CapacityConfig, description="Capacity planning assumptions (tdeploy plan)."
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> DeploymentSpec:
-        raise_problems("DeploymentSpec", training_problems(self) + self._cluster_problems())
+        c = self.cluster
+        capacity = capacity_problems(self.capacity, c.accelerator, c.nodes, c.procs_per_node, self.model, self.parallel)
+        raise_problems("DeploymentSpec", training_problems(self) + self._cluster_problems() + capacity)
         return self
 
     def _cluster_problems(self) -> list[Problem]:

@@ -1,9 +1,10 @@
 """Self-check: measure the peak memory of one of the payload's training steps and compare it with the estimate.
 
 On a machine without a GPU the model, optimizer and batch are built under FakeTensorMode (shapes and dtypes only,
-no data; MoE models, whose routing has data-dependent shapes, use real tensors) and two steps run inside torch's MemTracker (FSDPMemTracker with a fake process group for fsdp/hsdp),
-which records every storage by role: the same peak torch.cuda.max_memory_allocated would report, before the
-allocator's rounding and fragmentation. On a GPU the real step is run and the CUDA allocator's peak is read.
+no data; MoE models, whose routing has data-dependent shapes, use small real tensors) and two steps run inside
+torch's MemTracker (FSDPMemTracker with a fake process group for fsdp/hsdp), which records every storage by role:
+the same peak torch.cuda.max_memory_allocated would report, before the allocator's rounding and fragmentation.
+On a GPU the real step is run and the CUDA allocator's peak is read.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ import torch.nn.functional as F
 
 from tasks.capacity.memory import Layout, MemoryBreakdown, MemoryModel, Precision, Runtime
 from tasks.capacity.params import Architecture
-from training.config import ModelConfig, OptimConfig
+from tasks.cluster import ClusterConfig
+from training.config import ModelConfig, OptimConfig, ParallelConfig, PrecisionConfig
 from training.model import Transformer
 from training.train import build_optimizer
 
@@ -249,3 +251,20 @@ def compare(case: MeasureCase, on_gpu: bool = False) -> Comparison:
         seconds=seconds,
         device="cuda (allocator peak)" if on_gpu else "cpu (fake tensors, MemTracker)",
     )
+
+
+def run_self_check(
+    model: ModelConfig, parallel: ParallelConfig, precision: PrecisionConfig, cluster: ClusterConfig
+) -> dict[str, Any]:
+    """Measure one rank of the spec's own training step on this machine and compare it with the estimate."""
+    on_gpu = torch.cuda.is_available() and parallel.sharding == "ddp"
+    case = MeasureCase(
+        model=model,
+        micro_batch=parallel.micro_batch,
+        dtype=precision.dtype,
+        recompute=parallel.activation_recompute,
+        sharding=parallel.sharding if not on_gpu else "ddp",
+        world=cluster.world_size if parallel.sharding != "ddp" and not on_gpu else 1,
+        grad_accum=parallel.grad_accum_steps,
+    )
+    return compare(case, on_gpu=on_gpu).as_dict()

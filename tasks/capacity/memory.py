@@ -208,7 +208,7 @@ def _mlp_consumers(arch: Architecture, p: Precision) -> int:
 
 def layer_activations(arch: Architecture, p: Precision, rt: Runtime, recompute: Recompute) -> LayerActivations:
     """Per-token inventory of what one block keeps for backward under `recompute`."""
-    h, kv, f, heads = arch.d_model, arch.kv_dim, arch.ffn_hidden, arch.n_heads
+    h, kv, heads = arch.d_model, arch.kv_dim, arch.n_heads
     if recompute == "full":
         # Only the block's input survives; the rest is recomputed in backward.
         return LayerActivations(replicated=p.residual_bytes * h, split=0.0)
@@ -345,6 +345,7 @@ class MemoryModel:
         self.arch, self.p, self.rt = arch, precision, runtime or Runtime()
         self.margin = margin or Margin()
         self.params: ParamCount = count_params(arch)
+        pc = self.params
         self._acts = {r: layer_activations(arch, precision, self.rt, r) for r in ("none", "selective", "full")}
         norm_h, norm_tok = _norm_saved(arch, precision, consumers=1)
         self._head_replicated = norm_h * arch.d_model + norm_tok
@@ -354,12 +355,8 @@ class MemoryModel:
         # f-sized gradients are alive next to the residual stream's gradient.
         self._mlp_freed = k * inner
         self._mlp_transient = k * inner * (3 if arch.mlp == "swiglu" else 2)
-
-    def _layer_params(self, tp: int, ep: int) -> tuple[float, float]:
-        """(dense, expert) parameters of one block on one rank."""
-        pc = self.params
-        dense = (pc.per_layer - pc.per_layer_experts - pc.per_layer_norms) / tp + pc.per_layer_norms
-        return dense, pc.per_layer_experts / (tp * ep)
+        self._layer_split = pc.per_layer - pc.per_layer_experts - pc.per_layer_norms  # divided by TP
+        self._rope_buffers = 2 * arch.seq_len * (arch.head_dim // 2) * 4 if arch.positions == "rope" else 0
 
     def estimate(self, layout: Layout) -> MemoryBreakdown:
         """Peak memory of the most loaded rank (the first or the last pipeline stage)."""
@@ -370,37 +367,44 @@ class MemoryModel:
         return first if first.total >= last.total else last
 
     def _stage(self, lo: Layout, first: bool, last: bool) -> MemoryBreakdown:
-        arch, p, rt, pc = self.arch, self.p, self.rt, self.params
-        tp, sp, b, s, h = lo.tp, lo.sequence_parallel and lo.tp > 1, lo.micro_batch, arch.seq_len, arch.d_model
+        arch, p, pc = self.arch, self.p, self.params
+        tp, pp, zero, b = lo.tp, lo.pp, lo.zero, lo.micro_batch
+        sp = lo.sequence_parallel and tp > 1
+        s, h, vocab = arch.seq_len, arch.d_model, arch.vocab_size
+        shard = lo.shard_group or lo.dp
         tokens = b * s
-        layers = arch.n_layers / lo.pp
-        dense_layer, expert_layer = self._layer_params(tp, lo.ep)
+        layers = arch.n_layers / pp
+        wb, gb = p.weight_bytes, p.grad_bytes
+
+        # Parameters on this rank: the blocks of the stage, the embedding on the first, the output layer on the last.
+        dense_layer = self._layer_split / tp + pc.per_layer_norms
+        expert_layer = pc.per_layer_experts / (tp * lo.ep)
         layer_params = dense_layer + expert_layer
         embed = (pc.embedding + pc.positions) / tp if first else 0.0
-        head = 0.0
-        if last:
-            head = (pc.head or (0 if first else pc.embedding)) / tp + pc.final_norm
-        expert_shard = max(1, lo.shard // lo.ep) if lo.zero else 1
+        head = ((pc.head or (0 if first else pc.embedding)) / tp + pc.final_norm) if last else 0.0
         dense_params = layers * dense_layer + embed + head
         expert_params = layers * expert_layer
-        dense_states = model_states(dense_params, p, lo.shard, lo.zero)
-        expert_states = model_states(expert_params, p, expert_shard, lo.zero)
-        weights = dense_states.weights + expert_states.weights
-        optim = dense_states.optimizer + expert_states.optimizer
-        grads_all = dense_states.gradients + expert_states.gradients
-        grad_div = lo.shard if lo.zero >= 2 else 1
+        stage_params = dense_params + expert_params
+        # ZeRO stages (Rajbhandari et al. 2020) over the shard group; experts over the expert-data-parallel group.
+        expert_shard = max(1, shard // lo.ep) if zero else 1
+        weights = (dense_params / shard + expert_params / expert_shard) * wb if zero >= 3 else stage_params * wb
+        optim = dense_params / (shard if zero >= 1 else 1) + expert_params / (expert_shard if zero >= 1 else 1)
+        optim_bytes = optim * p.optimizer_bytes
+        grad_div = shard if zero >= 2 else 1
+        grads_all = (dense_params / grad_div + expert_params / (expert_shard if zero >= 2 else 1)) * gb
 
-        # Micro-batches whose activations the first stage holds at once (Korthikanti et al. 2022, section 4.2.3).
+        # Saved activations. The first pipeline stage holds the micro-batches in flight (Korthikanti et al. 2022,
+        # section 4.2.3: p of them for 1F1B, times 1 + (p-1)/(pv) when interleaved over v chunks).
         in_flight = 1.0
-        if lo.pp > 1 and first:
-            in_flight = float(min(lo.pp, lo.grad_accum))
+        if pp > 1 and first:
+            in_flight = float(min(pp, lo.grad_accum))
             if lo.pp_schedule == "interleaved":
-                in_flight *= 1 + (lo.pp - 1) / (lo.pp * lo.virtual_stages)
+                in_flight *= 1 + (pp - 1) / (pp * lo.virtual_stages)
+        full = lo.recompute == "full"
         per_layer = self._acts[lo.recompute].bytes(b, s, tp, sp)
         copies_per_layer = (layer_params - pc.per_layer_norms) * p.weight_copy_bytes
-        full = lo.recompute == "full"
         resting = per_layer + (0.0 if full else copies_per_layer)  # one block, one micro-batch, between passes
-        head_saved = tokens * (self._head_replicated / (tp if sp else 1) + 4 * arch.vocab_size / tp) if last else 0.0
+        head_saved = tokens * (self._head_replicated / (tp if sp else 1) + 4 * vocab / tp) if last else 0.0
         head_copies = (pc.head or pc.embedding) / tp * p.weight_copy_bytes if last else 0.0
         live = in_flight * layers * resting + head_saved + head_copies
         # The block whose backward runs: recomputed in full (its input is already counted), minus what is freed.
@@ -408,69 +412,64 @@ class MemoryModel:
         if full:
             working += self._acts["none"].bytes(b, s, tp, sp) + copies_per_layer - tokens * p.residual_bytes * h
         layer_transient = tokens * (h * p.residual_bytes + self._mlp_transient / tp)
-        down_proj_grad = (arch.ffn_hidden * h / tp) * (arch.top_k if arch.is_moe else 1) / (lo.ep if arch.is_moe else 1)
-        down_proj_grad *= p.grad_bytes
+        down_proj_grad = arch.ffn_hidden * h / tp * gb
+        if arch.is_moe:
+            down_proj_grad *= arch.top_k / lo.ep
 
-        buffers = 0.0
-        if arch.positions == "rope":
-            buffers += 2 * s * (arch.head_dim // 2) * 4
-        if lo.zero == 0 and lo.dp > 1 and rt.ddp_buckets:
-            buffers += (dense_params + expert_params) * p.grad_bytes  # DDP's flat gradient buckets
+        buffers = float(self._rope_buffers)
+        if zero == 0 and lo.dp > 1 and self.rt.ddp_buckets:
+            buffers += stage_params * gb  # DDP's flat gradient buckets
+        root_unsharded = zero >= 3 and self.rt.fsdp_root_unsharded
         gathered = 0.0  # FSDP: blocks gathered during backward (the one running and the one prefetched)
-        root = embed + head
-        root_unsharded = lo.zero >= 3 and rt.fsdp_root_unsharded
-        if lo.zero >= 3:
+        if zero >= 3:
             if root_unsharded:
-                buffers += root * p.weight_bytes  # FSDP2 keeps the root module gathered through the step
-            gathered = min(2.0, layers) * layer_params * p.weight_bytes
+                buffers += (embed + head) * wb  # FSDP2 keeps the root module gathered through the step
+            gathered = min(2.0, layers) * layer_params * wb
 
-        accumulating = lo.grad_accum > 1 or lo.pp > 1
+        accumulating = lo.grad_accum > 1 or pp > 1
         resident = grads_all if accumulating else 0.0
-        if accumulating and lo.zero >= 2 and rt.fsdp_accumulate_unsharded:
-            resident = (dense_params + expert_params) * p.grad_bytes
+        if accumulating and zero >= 2 and self.rt.fsdp_accumulate_unsharded:
+            resident = stage_params * gb  # sync off on all but the last micro-batch: unsharded gradients pile up
         # The output layer's gradient; FSDP2 reduce-scatters the root's gradients only at the end of backward.
-        head_grad = head * p.grad_bytes / (1 if root_unsharded else grad_div) if last else 0.0
-        phases: dict[str, tuple[float, float, float, float]] = {}  # (saved, gradients, transient, gathered)
+        head_grad = head * gb / (1 if root_unsharded else grad_div)
+
+        # Candidate peaks: (saved tensors, gradients, temporaries, gathered weights).
+        phases = []
         if last:
-            phases["start of backward"] = (live, resident, tokens * 8 * arch.vocab_size / tp, 0.0)
+            phases.append(("start of backward", live, resident, tokens * 8 * vocab / tp, 0.0))
         top_live = live - head_saved - head_copies + working
-        top_grads = max(resident, head_grad) + down_proj_grad
-        phases["backward, top block"] = (top_live, top_grads, layer_transient, gathered)
+        phases.append(
+            ("backward, top block", top_live, max(resident, head_grad) + down_proj_grad, layer_transient, gathered)
+        )
         others = (in_flight - 1) * layers * resting
         bottom_live = others + (per_layer if full else resting) + working
-        # Everything but the bottom block's and the embedding's gradients (the output layer's counted as it lives).
-        bottom_grads = (dense_params + expert_params - layer_params - embed - head) * p.grad_bytes / grad_div
-        bottom_grads += head_grad + down_proj_grad
-        phases["backward, bottom block"] = (bottom_live, max(resident, bottom_grads), layer_transient, gathered)
-        opt_params = dense_params / (lo.shard if lo.zero >= 1 else 1) + expert_params / (
-            expert_shard if lo.zero >= 1 else 1
-        )
-        if rt.foreach_optimizer:
-            opt_transient = opt_params * 4  # torch's foreach AdamW: one fp32 temporary per parameter
+        bottom_grads = (stage_params - layer_params - embed - head) * gb / grad_div + head_grad + down_proj_grad
+        phases.append(("backward, bottom block", bottom_live, max(resident, bottom_grads), layer_transient, gathered))
+        if self.rt.foreach_optimizer:
+            opt_transient = optim * 4  # torch's foreach AdamW: one fp32 temporary per parameter
         else:
-            largest = max(arch.vocab_size * h / tp, arch.ffn_hidden * h / tp, h * h / tp)
-            opt_transient = 3 * largest * 4  # the per-tensor AdamW: three temporaries of the largest tensor
-        phases["optimizer step"] = (0.0, grads_all, opt_transient, 0.0)
+            opt_transient = 3 * max(vocab, arch.ffn_hidden, h) * h / tp * 4  # per-tensor AdamW: 3 of the largest
+        phases.append(("optimizer step", 0.0, grads_all, opt_transient, 0.0))
 
-        phase = max(phases, key=lambda k: sum(phases[k]))
-        live_at, grads_at, transient_at, gathered_at = phases[phase]
-        buffers += gathered_at
+        phase, live_at, grads_at, transient_at, gathered_at = max(phases, key=lambda ph: ph[1] + ph[2] + ph[3] + ph[4])
         copies_at = 0.0
-        if phase != "optimizer step":
-            copies_at = min(live_at, (in_flight * layers * copies_per_layer if not full else 0.0) + head_copies)
-            if phase == "backward, bottom block":
-                copies_at = min(live_at, copies_per_layer)
-        allocated = weights + optim + buffers + live_at + grads_at + transient_at
-        margin = allocated * self.margin.fragmentation_fraction + self.margin.framework_bytes
+        if phase == "backward, bottom block":
+            copies_at = copies_per_layer
+        elif phase != "optimizer step":
+            copies_at = in_flight * layers * (0.0 if full else copies_per_layer)
+            copies_at += head_copies if phase == "start of backward" else copies_per_layer * full
+        copies_at = min(copies_at, live_at)
+        buffers += gathered_at
+        allocated = weights + optim_bytes + buffers + live_at + grads_at + transient_at
         return MemoryBreakdown(
             weights=weights,
             gradients=grads_at,
-            optimizer=optim,
+            optimizer=optim_bytes,
             activations=live_at - copies_at,
             weight_copies=copies_at,
             buffers=buffers,
             transient=transient_at,
-            margin=margin,
+            margin=allocated * self.margin.fragmentation_fraction + self.margin.framework_bytes,
             phase=phase,
             stage="only" if first and last else ("first" if first else "last"),
         )

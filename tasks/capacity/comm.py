@@ -1,0 +1,125 @@
+"""Communication per step: bytes each GPU sends for data, tensor, pipeline and expert parallelism, and the time.
+
+Ranks are placed tensor-parallel first (within a node), then data-parallel, then pipeline stages; a group whose
+ranks span more than one node runs at the inter-node bandwidth. Collective volumes are the ring algorithms':
+an all-reduce sends 2(n-1)/n of the buffer, an all-gather or reduce-scatter (n-1)/n, an all-to-all (n-1)/n.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tasks.capacity.catalogue import Accelerator
+from tasks.capacity.memory import Layout, Precision
+from tasks.capacity.params import Architecture, ParamCount
+
+
+@dataclass(frozen=True)
+class CommEstimate:
+    """Bytes per GPU per step and seconds, by kind of parallelism."""
+
+    bytes: dict[str, float]
+    seconds: dict[str, float]
+    exposed_seconds: float
+    bubble_seconds: float
+    ratio_to_compute: float
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def total_seconds(self) -> float:
+        """Communication time before any overlap."""
+        return sum(self.seconds.values())
+
+
+def _ring(n: int, kind: str) -> float:
+    if n <= 1:
+        return 0.0
+    return (2.0 if kind == "all-reduce" else 1.0) * (n - 1) / n
+
+
+def _bandwidth(acc: Accelerator, span_ranks: int, gpus_per_node: int) -> float:
+    """Bytes/s per GPU of a group whose members lie within `span_ranks` consecutive ranks."""
+    gb_s = acc.intra_node_gb_s if span_ranks <= gpus_per_node else acc.inter_node_gb_s
+    return gb_s * 1e9
+
+
+def communication(
+    arch: Architecture,
+    pc: ParamCount,
+    precision: Precision,
+    layout: Layout,
+    acc: Accelerator,
+    gpus_per_node: int,
+    compute_seconds: float,
+    overlap: bool = True,
+    warn_ratio: float = 1.0,
+) -> CommEstimate:
+    """Bytes and seconds of one optimizer step's communication for `layout` on `acc`."""
+    lo = layout
+    m, tp, dp, pp = lo.grad_accum, lo.tp, lo.dp, lo.pp
+    tokens = lo.micro_batch * arch.seq_len
+    params_rank = (pc.total - pc.experts) / (tp * pp) + pc.experts / (tp * pp * lo.ep)
+    sent: dict[str, float] = {}
+    secs: dict[str, float] = {}
+
+    # Data parallel: gradients once per step (the payload skips the sync on all but the last micro-batch);
+    # ZeRO-3/FSDP also gathers the weights for the forward and again for the backward of every micro-batch.
+    shard = lo.shard if lo.zero else 1
+    replicas = dp // shard if lo.zero else dp
+    grads = params_rank * precision.grad_bytes
+    weights = params_rank * precision.weight_bytes
+    if lo.zero >= 3:
+        shard_bytes = 2 * m * weights * _ring(shard, "all-gather") + grads * _ring(shard, "reduce-scatter")
+        replica_bytes = grads / shard * _ring(replicas, "all-reduce")
+    else:
+        shard_bytes = grads * _ring(dp, "all-reduce")
+        replica_bytes = 0.0
+    sent["data_parallel"] = shard_bytes + replica_bytes
+    dp_span = tp * (shard if lo.zero >= 3 else dp)
+    secs["data_parallel"] = shard_bytes / _bandwidth(acc, dp_span, gpus_per_node) + replica_bytes / _bandwidth(
+        acc, tp * dp, gpus_per_node
+    )
+
+    # Tensor parallel: two all-reduces (or all-gather + reduce-scatter with SP) per block in forward, two in
+    # backward, two more when the forward is recomputed.
+    per_block = tokens * arch.d_model * precision.act_bytes
+    passes = 6 if lo.recompute == "full" else 4
+    tp_bytes = m * arch.n_layers / pp * passes * per_block * _ring(tp, "all-reduce")
+    sent["tensor_parallel"] = tp_bytes
+    secs["tensor_parallel"] = tp_bytes / _bandwidth(acc, tp, gpus_per_node)
+
+    # Pipeline: each micro-batch's activations forward and their gradients backward across a stage boundary.
+    boundary = tokens * arch.d_model * precision.act_bytes / (tp if lo.sequence_parallel else 1)
+    pp_bytes = 2 * m * boundary if pp > 1 else 0.0
+    sent["pipeline_parallel"] = pp_bytes
+    secs["pipeline_parallel"] = pp_bytes / _bandwidth(acc, tp * dp * 2, gpus_per_node) if pp > 1 else 0.0
+
+    # Expert parallel: dispatch and combine all-to-alls per MoE block, forward and backward (and recompute).
+    ep_bytes = 0.0
+    if arch.is_moe and lo.ep > 1:
+        routed = tokens * arch.top_k * arch.d_model * precision.act_bytes
+        ep_bytes = m * arch.n_layers / pp * (passes // 2) * 2 * routed * _ring(lo.ep, "all-to-all")
+    sent["expert_parallel"] = ep_bytes
+    secs["expert_parallel"] = ep_bytes / _bandwidth(acc, tp * lo.ep, gpus_per_node) if ep_bytes else 0.0
+
+    # What stays on the critical path: TP, PP and EP traffic; DP traffic beyond what the backward hides.
+    backward_share = compute_seconds * (2 / 3) / max(1, m) if lo.zero < 3 else compute_seconds
+    hidden = min(secs["data_parallel"], backward_share) if overlap else 0.0
+    exposed = secs["tensor_parallel"] + secs["pipeline_parallel"] + secs["expert_parallel"]
+    exposed += secs["data_parallel"] - hidden
+    bubble = 0.0
+    if pp > 1:
+        bubble = compute_seconds * (pp - 1) / (m * (lo.virtual_stages if lo.pp_schedule == "interleaved" else 1))
+    total = sum(secs.values())
+    ratio = total / compute_seconds if compute_seconds else float("inf")
+    warnings = []
+    if ratio > warn_ratio:
+        worst = max(secs, key=lambda k: secs[k])
+        warnings.append(
+            f"communication would dominate: {total:.3g} s of communication per step against {compute_seconds:.3g} s "
+            f"of compute (ratio {ratio:.2f} > {warn_ratio}); most of it is {worst.replace('_', ' ')}"
+        )
+    return CommEstimate(
+        bytes=sent, seconds=secs, exposed_seconds=exposed, bubble_seconds=bubble, ratio_to_compute=ratio,
+        warnings=warnings,
+    )  # fmt: skip

@@ -1,0 +1,211 @@
+"""The `capacity` section of the spec: what the plan assumes, and a layout to plan that the payload does not run."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from tasks.capacity.catalogue import CATALOGUE, Accelerator, accelerator_names
+from training.config import ModelConfig, ParallelConfig, Problem, StrictModel
+
+_ACCELERATOR_FIELDS = [name for name in Accelerator.__dataclass_fields__ if name not in ("name", "description")]
+
+
+class AcceleratorOverride(StrictModel):
+    """Figures of an accelerator that replace the catalogue's (all of them for a type the catalogue lacks)."""
+
+    kind: Literal["gpu", "cpu"] | None = Field(default=None, description="gpu or cpu.")
+    memory_gib: float | None = Field(default=None, gt=0, description="Device memory in GiB.")
+    peak_tflops_bf16: float | None = Field(default=None, gt=0, description="Dense bf16 peak in TFLOP/s.")
+    peak_tflops_fp16: float | None = Field(default=None, gt=0, description="Dense fp16 peak in TFLOP/s.")
+    peak_tflops_fp32: float | None = Field(default=None, gt=0, description="fp32 (no TF32) peak in TFLOP/s.")
+    hbm_tb_s: float | None = Field(default=None, gt=0, description="Memory bandwidth in TB/s.")
+    intra_node_gb_s: float | None = Field(default=None, gt=0, description="Per-GPU, per-direction GB/s in a node.")
+    inter_node_gb_s: float | None = Field(default=None, gt=0, description="Per-GPU, per-direction GB/s across nodes.")
+
+    def fields(self) -> dict[str, object]:
+        """The figures that are set."""
+        return self.model_dump(exclude_none=True)
+
+
+class LayoutOverride(StrictModel):
+    """Plan a layout beyond what the payload runs: tensor, pipeline and expert parallelism, ZeRO-1/2."""
+
+    tensor_parallel: int = Field(default=1, ge=1, description="Tensor-parallel degree (within a node).")
+    pipeline_parallel: int = Field(default=1, ge=1, description="Pipeline stages.")
+    expert_parallel: int = Field(default=1, ge=1, description="Ranks the experts of an MoE layer are spread over.")
+    zero_stage: Literal[0, 1, 2, 3] | None = Field(
+        default=None,
+        description="Sharding over the data-parallel group; None = from parallel.sharding (ddp 0, fsdp 3).",
+    )
+    sequence_parallel: bool = Field(default=False, description="Megatron sequence parallelism (needs TP > 1).")
+    pipeline_schedule: Literal["1f1b", "interleaved"] = Field(default="1f1b", description="Pipeline schedule.")
+    virtual_stages: int = Field(default=1, ge=1, description="interleaved: model chunks per pipeline stage.")
+
+
+class CapacityConfig(StrictModel):
+    """Capacity planning: memory headroom, assumed efficiency, training budget, catalogue overrides."""
+
+    enforce: bool = Field(
+        default=True, description="Stop the deployment when the requested layout does not fit (false: warn only)."
+    )
+    headroom_fraction: float = Field(
+        default=0.1, ge=0, lt=1, description="Share of device memory kept free beyond the estimate's margin."
+    )
+    fragmentation_fraction: float = Field(
+        default=0.05, ge=0, lt=1, description="Allocator fragmentation, as a share of the tensor peak."
+    )
+    framework_overhead_gib: float = Field(
+        default=1.0, ge=0, description="CUDA context, NCCL and library workspaces per GPU, in GiB (0 on CPU)."
+    )
+    mfu: float = Field(
+        default=0.4, gt=0, le=1, description="Fraction of the dense peak the kernels achieve (before communication)."
+    )
+    achieved_tflops_per_gpu: float | None = Field(
+        default=None, gt=0, description="Measured hardware TFLOP/s per GPU; overrides mfu when set."
+    )
+    mixed_precision: Literal["autocast", "master-weights"] = Field(
+        default="autocast",
+        description="bf16/fp16: torch autocast over fp32 weights (the payload), or 16-bit weights with fp32 masters.",
+    )
+    attention: Literal["flash", "math"] = Field(
+        default="flash", description="flash: fused SDPA (no score matrices kept); math: scores kept (Korthikanti)."
+    )
+    train_tokens: int | None = Field(
+        default=None, ge=1, description="Token budget for the time estimate; None = run.steps x global batch x seq_len."
+    )
+    global_batch: int | None = Field(
+        default=None,
+        ge=1,
+        description="Sequences per optimizer step to plan for; None = the spec's (micro x accum x world).",
+    )
+    layout: LayoutOverride | None = Field(
+        default=None, description="Plan this layout instead of the payload's (DDP/FSDP/HSDP as in `parallel`)."
+    )
+    accelerators: dict[str, AcceleratorOverride] = Field(
+        default_factory=dict, description="Catalogue overrides by name, or whole entries for unlisted accelerators."
+    )
+    calibration_url: str | None = Field(
+        default=None,
+        description="JSON of measured corrections per accelerator ({name: {peak_scale: ...}}); None = off.",
+    )
+    comm_warn_ratio: float = Field(
+        default=1.0, gt=0, description="Warn when communication time exceeds this multiple of compute time."
+    )
+    comm_overlap: bool = Field(default=True, description="Data-parallel traffic overlaps the backward pass.")
+    search_top: int = Field(default=5, ge=1, description="Fitting layouts listed in the plan.")
+    max_micro_batch: int = Field(default=64, ge=1, description="Largest micro-batch the plan search tries.")
+    output_url: str | None = Field(default=None, description="Folder for plan.json; None = runs/<name>/.")
+
+    def accelerator_overrides(self) -> dict[str, dict[str, object]]:
+        """The overrides as plain dictionaries."""
+        return {name: entry.fields() for name, entry in self.accelerators.items()}
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _choices(values: list[int]) -> str:
+    return ", ".join(str(v) for v in values[:-1]) + (" or " if len(values) > 1 else "") + str(values[-1])
+
+
+def capacity_problems(
+    capacity: CapacityConfig,
+    accelerator: str,
+    nodes: int,
+    procs_per_node: int,
+    model: ModelConfig,
+    parallel: ParallelConfig,
+) -> list[Problem]:
+    """Cross-section checks: the accelerator is known, the planned layout's degrees divide what they must."""
+    problems: list[Problem] = []
+    known = accelerator_names(capacity.accelerators)
+    if accelerator not in known:
+        problems.append(
+            (
+                ("cluster", "accelerator"),
+                accelerator,
+                f"is not in the accelerator catalogue; use one of {', '.join(known)} "
+                "or describe it under capacity.accelerators",
+            )
+        )
+    for name, entry in capacity.accelerators.items():
+        missing = [f for f in _ACCELERATOR_FIELDS if f not in entry.fields()]
+        if name not in CATALOGUE and missing:
+            problems.append(
+                (
+                    ("capacity", "accelerators", name),
+                    name,
+                    f"is not in the catalogue, so it needs every figure; add {', '.join(missing)}",
+                )
+            )
+    world = nodes * procs_per_node
+    lo = capacity.layout
+    tp, pp, ep = (lo.tensor_parallel, lo.pipeline_parallel, lo.expert_parallel) if lo else (1, 1, 1)
+    loc = ("capacity", "layout")
+    if tp > 1 and procs_per_node % tp:
+        problems.append(
+            (
+                (*loc, "tensor_parallel"),
+                tp,
+                f"does not divide cluster.procs_per_node={procs_per_node}; use {_choices(_divisors(procs_per_node))}",
+            )
+        )
+    for heads, name in ((model.n_heads, "n_heads"), (model.kv_heads, "kv heads (n_kv_heads)")):
+        if heads % tp:
+            valid = [d for d in _divisors(heads) if procs_per_node % d == 0]
+            problems.append(((*loc, "tensor_parallel"), tp, f"must divide model {name}={heads}; use {_choices(valid)}"))
+    if world % (tp * pp):
+        valid = [d for d in _divisors(world // tp if world % tp == 0 else world) if model.n_layers % d == 0]
+        problems.append(
+            (
+                (*loc, "pipeline_parallel"),
+                pp,
+                f"tensor_parallel x pipeline_parallel = {tp * pp} does not divide the {world} GPUs; "
+                f"with tensor_parallel={tp} use pipeline_parallel {_choices(valid)}",
+            )
+        )
+    chunks = pp * (lo.virtual_stages if lo and lo.pipeline_schedule == "interleaved" else 1)
+    if model.n_layers % chunks:
+        valid = [d for d in _divisors(model.n_layers) if world % (tp * d) == 0]
+        problems.append(
+            (
+                (*loc, "pipeline_parallel"),
+                pp,
+                f"pipeline chunks {chunks} must divide model.n_layers={model.n_layers}; use {_choices(valid)}",
+            )
+        )
+    if lo and lo.pipeline_schedule == "interleaved" and (pp == 1 or lo.virtual_stages == 1):
+        problems.append(
+            ((*loc, "pipeline_schedule"), "interleaved", "needs pipeline_parallel > 1 and virtual_stages > 1")
+        )
+    if lo and lo.sequence_parallel and tp == 1:
+        problems.append(((*loc, "sequence_parallel"), True, "needs tensor_parallel > 1; remove it or raise TP"))
+    dp = world // (tp * pp) if world % (tp * pp) == 0 else 0
+    if ep > 1:
+        if model.moe is None:
+            problems.append(((*loc, "expert_parallel"), ep, "applies to MoE models only (model.moe is null); use 1"))
+        elif dp and (dp % ep or model.moe.n_experts % ep):
+            valid = [d for d in _divisors(model.moe.n_experts) if dp % d == 0]
+            problems.append(
+                (
+                    (*loc, "expert_parallel"),
+                    ep,
+                    f"must divide the data-parallel degree {dp} and model.moe.n_experts={model.moe.n_experts}; "
+                    f"use {_choices(valid)}",
+                )
+            )
+    if dp:
+        global_batch = capacity.global_batch or parallel.micro_batch * parallel.grad_accum_steps * world
+        if global_batch % (dp * parallel.micro_batch):
+            problems.append(
+                (
+                    ("capacity", "global_batch"),
+                    global_batch,
+                    f"must be a multiple of data-parallel degree {dp} x parallel.micro_batch {parallel.micro_batch} "
+                    f"= {dp * parallel.micro_batch} so that gradient accumulation absorbs the rest",
+                )
+            )
+    return problems

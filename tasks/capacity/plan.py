@@ -1,0 +1,281 @@
+"""The capacity plan of a deployment: the requested layout's memory, time and traffic, and the layouts that fit."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import fsspec
+
+from tasks.capacity.catalogue import Accelerator, resolve_accelerator
+from tasks.capacity.compute import SECONDS_PER_DAY, flops_per_token
+from tasks.capacity.config import CapacityConfig
+from tasks.capacity.memory import GIB, Layout, Margin, MemoryModel, Precision, Runtime, kv_cache_bytes
+from tasks.capacity.params import Architecture
+from tasks.capacity.search import Estimator, Evaluation, SearchResult, enumerate_layouts, explain_win, search
+from tasks.cluster import ClusterConfig
+from tasks.errors import UserError
+from training.config import ModelConfig, ParallelConfig, PrecisionConfig, RunConfig
+
+log = logging.getLogger(__name__)
+
+
+class CapacityError(UserError):
+    """The requested layout does not fit; says what it needs, what there is, and which layouts would fit."""
+
+    def __init__(self, layout: str, needed_bytes: float, usable_bytes: float, detail: str, fitting: list[str]) -> None:
+        alternatives = "; ".join(fitting) if fitting else "none: add GPUs, use a larger accelerator or a smaller batch"
+        super().__init__(
+            f"layout {layout} does not fit: {detail}",
+            f"layouts that fit, fastest first: {alternatives}",
+        )
+        self.layout, self.needed_bytes, self.usable_bytes, self.fitting = layout, needed_bytes, usable_bytes, fitting
+
+
+@dataclass
+class CapacityPlan:
+    """Everything the plan found; `to_json()` is plan.json."""
+
+    name: str
+    arch: Architecture
+    accelerator: Accelerator
+    cluster: ClusterConfig
+    capacity: CapacityConfig
+    precision: Precision
+    requested: Evaluation
+    search: SearchResult
+    train_tokens: float
+    kv_cache_bytes: float
+    warnings: list[str] = field(default_factory=list)
+    self_check: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def fits(self) -> bool:
+        """Whether the requested layout fits."""
+        return self.requested.fits
+
+    @property
+    def steps(self) -> float:
+        """Optimizer steps the token budget takes."""
+        return self.train_tokens / (self.requested.layout.global_batch * self.arch.seq_len)
+
+    def error(self) -> CapacityError:
+        """The failure to raise when the requested layout does not fit."""
+        ev = self.requested
+        return CapacityError(
+            ev.layout.describe(),
+            ev.memory.total,
+            ev.usable_bytes,
+            ev.why_not(),
+            [
+                f"{e.layout.describe()} ({e.memory.total / GIB:.1f} GiB, {e.step_seconds:.3g} s/step)"
+                for e in self.search.fitting
+            ],
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        """Machine-readable plan: every figure with its unit in its key."""
+        pc = MemoryModel(self.arch, self.precision).params
+        flops = flops_per_token(self.arch, self.requested.layout.recompute)
+        return {
+            "name": self.name,
+            "fits": self.fits,
+            "model": {
+                "architecture": asdict(self.arch),
+                "params": pc.total,
+                "params_embedding": pc.embedding + pc.positions,
+                "params_per_block": pc.per_layer,
+                "params_output_layer": pc.head,
+                "params_experts": pc.experts,
+                "params_active_per_token": pc.active_per_token,
+            },
+            "cluster": {
+                "nodes": self.cluster.nodes,
+                "gpus_per_node": self.cluster.procs_per_node,
+                "world_size": self.cluster.world_size,
+                "accelerator": asdict(self.accelerator) | {"memory_bytes": self.accelerator.memory_bytes},
+            },
+            "assumptions": {
+                "precision_recipe": self.precision.recipe,
+                "weight_bytes_per_param": self.precision.weight_bytes,
+                "grad_bytes_per_param": self.precision.grad_bytes,
+                "optimizer_bytes_per_param": self.precision.optimizer_bytes,
+                "attention": self.capacity.attention,
+                "headroom_fraction": self.capacity.headroom_fraction,
+                "fragmentation_fraction": self.capacity.fragmentation_fraction,
+                "framework_overhead_bytes": self.capacity.framework_overhead_gib * GIB,
+                "mfu_assumed": self.capacity.mfu,
+                "achieved_flops_per_gpu": (self.capacity.achieved_tflops_per_gpu or 0) * 1e12 or None,
+                "comm_overlap": self.capacity.comm_overlap,
+            },
+            "requested": _evaluation_json(self.requested),
+            "flops": {
+                "per_token_forward_flops": flops.forward,
+                "per_token_model_flops": flops.model,
+                "per_token_hardware_flops": flops.hardware,
+                "per_step_model_flops": self.requested.model_flops_per_step,
+                "per_step_hardware_flops": self.requested.hardware_flops_per_step,
+            },
+            "training": {
+                "tokens": self.train_tokens,
+                "steps": self.steps,
+                "seconds": self.steps * self.requested.step_seconds,
+                "days": self.steps * self.requested.step_seconds / SECONDS_PER_DAY,
+            },
+            "inference_kv_cache": {
+                "batch_sequences": self.requested.layout.micro_batch,
+                "context_tokens": self.arch.seq_len,
+                "bytes_per_element": 2,
+                "bytes": self.kv_cache_bytes,
+            },
+            "search": {
+                "evaluated_layouts": self.search.evaluated,
+                "fitting_layouts": self.search.fitting_count,
+                "seconds": self.search.seconds,
+                "best": [
+                    _evaluation_json(e) | {"why": explain_win(e, nxt)}
+                    for e, nxt in zip(self.search.fitting, [*self.search.fitting[1:], None], strict=True)
+                ],
+                "rejected_nearest": [_evaluation_json(e) | {"why_not": e.why_not()} for e in self.search.rejected],
+            },
+            "warnings": self.warnings,
+            "self_check": self.self_check,
+        }
+
+
+def _evaluation_json(ev: Evaluation) -> dict[str, Any]:
+    lo = ev.layout
+    return {
+        "layout": asdict(lo) | {"world": lo.world, "global_batch_sequences": lo.global_batch, "name": lo.describe()},
+        "fits": ev.fits,
+        "memory": ev.memory.as_dict(),
+        "usable_bytes": ev.usable_bytes,
+        "compute_seconds": ev.compute_seconds,
+        "communication": {
+            "bytes_per_gpu": ev.comm.bytes,
+            "seconds": ev.comm.seconds,
+            "exposed_seconds": ev.comm.exposed_seconds,
+            "ratio_to_compute": ev.comm.ratio_to_compute,
+        },
+        "pipeline_bubble_seconds": ev.comm.bubble_seconds,
+        "step_seconds": ev.step_seconds,
+        "mfu": ev.mfu,
+        "warnings": ev.comm.warnings,
+    }
+
+
+def requested_layout(capacity: CapacityConfig, cluster: ClusterConfig, parallel: ParallelConfig) -> Layout:
+    """The layout the spec asks for: the payload's DDP/FSDP/HSDP, or `capacity.layout` on top of it."""
+    lo = capacity.layout
+    tp, pp = (lo.tensor_parallel, lo.pipeline_parallel) if lo else (1, 1)
+    world = cluster.world_size
+    dp = world // (tp * pp)
+    zero = {"ddp": 0, "fsdp": 3, "hsdp": 3}[parallel.sharding]
+    if lo and lo.zero_stage is not None:
+        zero = lo.zero_stage
+    shard = None
+    if parallel.sharding == "hsdp" and zero == 3:
+        shard = parallel.hsdp_shard_size or cluster.procs_per_node
+    global_batch = capacity.global_batch or parallel.micro_batch * parallel.grad_accum_steps * world
+    return Layout(
+        dp=dp,
+        tp=tp,
+        pp=pp,
+        ep=lo.expert_parallel if lo else 1,
+        zero=zero,
+        shard_group=shard if shard != dp else None,
+        micro_batch=parallel.micro_batch,
+        grad_accum=global_batch // (dp * parallel.micro_batch),
+        recompute=parallel.activation_recompute,
+        sequence_parallel=lo.sequence_parallel if lo else False,
+        pp_schedule=lo.pipeline_schedule if lo else "1f1b",
+        virtual_stages=lo.virtual_stages if lo else 1,
+    )
+
+
+def _calibration_scale(capacity: CapacityConfig, accelerator: str) -> float:
+    if capacity.calibration_url is None:
+        return 1.0
+    with fsspec.open(capacity.calibration_url, "r") as handle:
+        corrections = json.load(handle)
+    return float(corrections.get(accelerator, {}).get("peak_scale", 1.0))
+
+
+def make_estimator(
+    arch: Architecture, capacity: CapacityConfig, cluster: ClusterConfig, precision: PrecisionConfig
+) -> Estimator:
+    """An estimator for the spec's model, cluster, precision and assumptions."""
+    acc = resolve_accelerator(cluster.accelerator, capacity.accelerator_overrides())
+    prec = Precision.of(precision.dtype, capacity.mixed_precision)
+    runtime = Runtime(attention=capacity.attention, device=acc.kind, foreach_optimizer=acc.kind == "gpu")
+    margin = Margin(
+        fragmentation_fraction=capacity.fragmentation_fraction + _calibration_scale(capacity, acc.name) - 1,
+        framework_bytes=capacity.framework_overhead_gib * GIB,
+    )
+    return Estimator(
+        arch=arch,
+        memory=MemoryModel(arch, prec, runtime, margin),
+        accelerator=acc,
+        gpus_per_node=cluster.procs_per_node,
+        usable_bytes=acc.memory_bytes * (1 - capacity.headroom_fraction),
+        efficiency=capacity.mfu,
+        achieved_flops=capacity.achieved_tflops_per_gpu * 1e12 if capacity.achieved_tflops_per_gpu else None,
+        comm_overlap=capacity.comm_overlap,
+        comm_warn_ratio=capacity.comm_warn_ratio,
+    )
+
+
+def plan_capacity(
+    name: str,
+    capacity: CapacityConfig,
+    cluster: ClusterConfig,
+    model: ModelConfig,
+    parallel: ParallelConfig,
+    precision: PrecisionConfig,
+    run: RunConfig,
+) -> CapacityPlan:
+    """Estimate the requested layout and search the alternatives (the spec has been validated)."""
+    arch = Architecture.from_model_config(model, name=name)
+    est = make_estimator(arch, capacity, cluster, precision)
+    layout = requested_layout(capacity, cluster, parallel)
+    requested = est.evaluate(layout)
+    found = search(
+        est,
+        enumerate_layouts(
+            arch, cluster.world_size, cluster.procs_per_node, layout.global_batch, capacity.max_micro_batch
+        ),
+        top=capacity.search_top,
+    )
+    tokens = capacity.train_tokens or run.steps * layout.global_batch * model.seq_len
+    warnings = list(requested.comm.warnings)
+    if not requested.fits:
+        warnings.append(f"the requested layout does not fit: {requested.why_not()}")
+    plan = CapacityPlan(
+        name=name,
+        arch=arch,
+        accelerator=est.accelerator,
+        cluster=cluster,
+        capacity=capacity,
+        precision=est.memory.p,
+        requested=requested,
+        search=found,
+        train_tokens=float(tokens),
+        kv_cache_bytes=kv_cache_bytes(arch, layout.micro_batch, model.seq_len),
+        warnings=warnings,
+    )
+    for warning in warnings:
+        log.warning("%s", warning)
+    return plan
+
+
+def write_plan(plan: CapacityPlan, folder: str | None = None) -> str:
+    """Write plan.json under `folder` (default: capacity.output_url, else runs/<name>); returns its URL."""
+    root = (folder or plan.capacity.output_url or f"runs/{plan.name}").rstrip("/")
+    url = f"{root}/plan.json"
+    fs, path = fsspec.core.url_to_fs(url)
+    fs.makedirs(root if "://" not in root else path.rsplit("/", 1)[0], exist_ok=True)
+    with fs.open(path, "w") as handle:
+        json.dump(plan.to_json(), handle, indent=2)
+    return url

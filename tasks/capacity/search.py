@@ -1,0 +1,240 @@
+"""Evaluate layouts and search them: keep what fits with the headroom, rank by step time, say why.
+
+The global batch stays fixed: for each data-parallel degree the micro-batch varies and gradient accumulation
+absorbs the rest.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from tasks.capacity.catalogue import Accelerator
+from tasks.capacity.comm import CommEstimate, communication
+from tasks.capacity.compute import flops_per_token
+from tasks.capacity.memory import GIB, Layout, MemoryBreakdown, MemoryModel
+from tasks.capacity.params import Architecture
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """One layout: its memory, time and whether it fits."""
+
+    layout: Layout
+    memory: MemoryBreakdown
+    usable_bytes: float
+    compute_seconds: float
+    comm: CommEstimate
+    step_seconds: float
+    mfu: float
+    model_flops_per_step: float
+    hardware_flops_per_step: float
+
+    @property
+    def fits(self) -> bool:
+        """Whether the peak plus margin stays within the usable memory."""
+        return self.memory.total <= self.usable_bytes
+
+    @property
+    def largest_component(self) -> tuple[str, float]:
+        """(name, bytes) of the biggest part of the peak."""
+        m = self.memory
+        parts = {
+            "weights": m.weights,
+            "gradients": m.gradients,
+            "optimizer states": m.optimizer,
+            "activations": m.activations + m.weight_copies,
+            "buffers": m.buffers,
+            "temporaries": m.transient,
+        }
+        name = max(parts, key=lambda k: parts[k])
+        return name, parts[name]
+
+    def why_not(self) -> str:
+        """Why the layout does not fit, with the component to attack."""
+        name, nbytes = self.largest_component
+        return (
+            f"needs {self.memory.total / GIB:.1f} GiB > {self.usable_bytes / GIB:.1f} GiB usable "
+            f"(peak at {self.memory.phase}; {name} {nbytes / GIB:.1f} GiB is the largest part)"
+        )
+
+
+@dataclass
+class Estimator:
+    """Evaluates layouts of one model on one cluster; the per-model work is done once."""
+
+    arch: Architecture
+    memory: MemoryModel
+    accelerator: Accelerator
+    gpus_per_node: int
+    usable_bytes: float
+    efficiency: float
+    achieved_flops: float | None = None
+    comm_overlap: bool = True
+    comm_warn_ratio: float = 1.0
+    _flops: dict[str, tuple[float, float]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for mode in ("none", "selective", "full"):
+            f = flops_per_token(self.arch, mode)  # type: ignore[arg-type]
+            self._flops[mode] = (f.model, f.hardware)
+
+    @property
+    def flops_rate(self) -> float:
+        """Hardware FLOP/s one GPU sustains."""
+        if self.achieved_flops:
+            return self.achieved_flops
+        return self.accelerator.peak_flops(self.memory.p.compute_dtype) * self.efficiency
+
+    def evaluate(self, layout: Layout) -> Evaluation:
+        """Memory, compute, communication and step time of `layout`."""
+        mem = self.memory.estimate(layout)
+        model_tok, hw_tok = self._flops[layout.recompute]
+        tokens = layout.global_batch * self.arch.seq_len
+        compute = hw_tok * tokens / (layout.world * self.flops_rate)
+        comm = communication(
+            self.arch,
+            self.memory.params,
+            self.memory.p,
+            layout,
+            self.accelerator,
+            self.gpus_per_node,
+            compute,
+            overlap=self.comm_overlap,
+            warn_ratio=self.comm_warn_ratio,
+        )
+        step = compute + comm.exposed_seconds + comm.bubble_seconds
+        peak = self.accelerator.peak_flops(self.memory.p.compute_dtype)
+        return Evaluation(
+            layout=layout,
+            memory=mem,
+            usable_bytes=self.usable_bytes,
+            compute_seconds=compute,
+            comm=comm,
+            step_seconds=step,
+            mfu=model_tok * tokens / (layout.world * peak * step),
+            model_flops_per_step=model_tok * tokens,
+            hardware_flops_per_step=hw_tok * tokens,
+        )
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def enumerate_layouts(
+    arch: Architecture, world: int, gpus_per_node: int, global_batch: int, max_micro_batch: int = 64
+) -> Iterator[Layout]:
+    """Every valid layout: DP x TP x PP x EP x ZeRO x micro-batch x recompute x SP x schedule for a fixed batch."""
+    tps = [t for t in _divisors(gpus_per_node) if arch.n_heads % t == 0 and arch.kv_heads % t == 0]
+    for tp in tps:
+        for pp in _divisors(arch.n_layers):
+            if world % (tp * pp):
+                continue
+            dp = world // (tp * pp)
+            if global_batch % dp:
+                continue
+            per_rank = global_batch // dp
+            eps = [e for e in _divisors(dp) if arch.n_experts and arch.n_experts % e == 0] or [1]
+            schedules: list[tuple[str, int]] = [("1f1b", 1)]
+            if pp > 1 and arch.n_layers % (2 * pp) == 0:
+                schedules.append(("interleaved", 2))
+            shards = [dp]
+            node_shard = gpus_per_node // tp
+            if 1 < node_shard < dp and dp % node_shard == 0:
+                shards.append(node_shard)
+            for mb in _divisors(per_rank):
+                if mb > max_micro_batch:
+                    break
+                accum = per_rank // mb
+                if pp > 1 and accum < pp:
+                    continue  # fewer micro-batches than stages: the pipeline never fills
+                for ep in eps:
+                    for zero in (0, 1, 2, 3):
+                        if dp == 1 and zero:
+                            continue
+                        for shard in shards if zero == 3 else [dp]:
+                            for recompute in ("none", "selective", "full"):
+                                for sp in (False, True) if tp > 1 else (False,):
+                                    for schedule, v in schedules:
+                                        if schedule == "interleaved" and accum % pp:
+                                            continue
+                                        yield Layout(
+                                            dp=dp,
+                                            tp=tp,
+                                            pp=pp,
+                                            ep=ep,
+                                            zero=zero,
+                                            shard_group=shard if shard != dp else None,
+                                            micro_batch=mb,
+                                            grad_accum=accum,
+                                            recompute=recompute,  # type: ignore[arg-type]
+                                            sequence_parallel=sp,
+                                            pp_schedule=schedule,  # type: ignore[arg-type]
+                                            virtual_stages=v,
+                                        )
+
+
+@dataclass
+class SearchResult:
+    """Layouts that fit, best first, and a sample of those that don't, closest first."""
+
+    evaluated: int
+    fitting: list[Evaluation]
+    rejected: list[Evaluation]
+    fitting_count: int
+    seconds: float
+
+
+def search(estimator: Estimator, layouts: Iterator[Layout], top: int = 5, keep_rejected: int = 5) -> SearchResult:
+    """Evaluate every layout; keep the `top` fastest that fit and the `keep_rejected` nearest misses."""
+    import time
+
+    started = time.perf_counter()
+    fitting: list[Evaluation] = []
+    rejected: list[Evaluation] = []
+    count = 0
+    for layout in layouts:
+        count += 1
+        ev = estimator.evaluate(layout)
+        (fitting if ev.fits else rejected).append(ev)
+    # Ties on step time go to less traffic, then larger micro-batches (fewer, fuller kernels), then less memory.
+    fitting.sort(key=lambda e: (round(e.step_seconds, 9), e.comm.total_seconds, -e.layout.micro_batch, e.memory.total))
+    rejected.sort(key=lambda e: e.memory.total)
+    return SearchResult(
+        evaluated=count,
+        fitting=fitting[:top],
+        rejected=rejected[:keep_rejected],
+        fitting_count=len(fitting),
+        seconds=time.perf_counter() - started,
+    )
+
+
+def explain_win(best: Evaluation, runner_up: Evaluation | None) -> list[str]:
+    """Why a fitting layout ranks where it does, in a few short reasons."""
+    lo, mem = best.layout, best.memory
+    spare = best.usable_bytes - mem.total
+    reasons = [f"fits with {spare / GIB:.1f} GiB to spare of {best.usable_bytes / GIB:.1f} GiB usable"]
+    extra = best.hardware_flops_per_step / best.model_flops_per_step - 1
+    if lo.recompute == "none":
+        reasons.append("no activation recompute: no extra forward FLOPs")
+    else:
+        reasons.append(f"{lo.recompute} recompute adds {extra:.0%} FLOPs to save activation memory")
+    if lo.pp > 1:
+        reasons.append(f"pipeline bubble {best.comm.bubble_seconds:.3g} s per step")
+    if lo.tp > 1:
+        reasons.append(f"tensor-parallel traffic {best.comm.seconds['tensor_parallel']:.3g} s per step, not hidden")
+    hidden = best.comm.seconds["data_parallel"] - max(
+        0.0, best.comm.exposed_seconds - best.comm.seconds["tensor_parallel"] - best.comm.seconds["pipeline_parallel"]
+    )
+    if best.comm.seconds["data_parallel"]:
+        reasons.append(
+            f"data-parallel traffic {best.comm.seconds['data_parallel']:.3g} s, {hidden:.3g} s of it hidden by backward"
+        )
+    if runner_up is not None:
+        gap = runner_up.step_seconds - best.step_seconds
+        if gap > 1e-9:
+            reasons.append(f"{gap:.3g} s per step faster than the next ({runner_up.layout.describe()})")
+        else:
+            reasons.append(f"same step time as the next ({runner_up.layout.describe()}), with less or equal traffic")
+    return reasons

@@ -1,0 +1,48 @@
+"""Prefect task `estimate_capacity`: thin wrapper over `plan_capacity`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefect import get_run_logger, task
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
+
+from tasks.capacity.config import CapacityConfig
+from tasks.capacity.memory import GIB
+from tasks.capacity.plan import plan_capacity, write_plan
+from tasks.capacity.report import markdown_report, memory_rows
+from tasks.cluster import ClusterConfig
+from training.config import ModelConfig, ParallelConfig, PrecisionConfig, RunConfig
+
+
+@task(name="estimate_capacity")
+def estimate_capacity(
+    name: str,
+    capacity: CapacityConfig,
+    cluster: ClusterConfig,
+    model: ModelConfig,
+    parallel: ParallelConfig,
+    precision: PrecisionConfig,
+    run: RunConfig,
+) -> dict[str, Any]:
+    """Estimate memory, time and traffic; write plan.json; stop (CapacityError) if the layout does not fit."""
+    logger = get_run_logger()
+    plan = plan_capacity(name, capacity, cluster, model, parallel, precision, run)
+    url = write_plan(plan)
+    ev = plan.requested
+    logger.info(
+        "%s: %s needs %.2f GiB of %.2f GiB usable; step %.4g s; %.3g days for %.3g tokens; plan %s",
+        name, ev.layout.describe(), ev.memory.total / GIB, ev.usable_bytes / GIB, ev.step_seconds,
+        plan.steps * ev.step_seconds / 86400, plan.train_tokens, url,
+    )  # fmt: skip
+    create_table_artifact(
+        key="capacity-memory",
+        table=[{"component": c, "GiB per GPU": v} for c, v in memory_rows(ev)],
+        description=f"peak memory per GPU of {ev.layout.describe()}",
+    )
+    create_markdown_artifact(
+        key="capacity-plan", markdown=markdown_report(plan), description=f"capacity plan of {name}"
+    )
+    if not plan.fits and capacity.enforce:
+        raise plan.error()
+    return {"plan_url": url, "fits": plan.fits, **plan.to_json()["requested"]}
