@@ -356,7 +356,16 @@ class MemoryModel:
         self._mlp_freed = k * inner
         self._mlp_transient = k * inner * (3 if arch.mlp == "swiglu" else 2)
         self._layer_split = pc.per_layer - pc.per_layer_experts - pc.per_layer_norms  # divided by TP
+        self._act_cache: dict[tuple[str, int, int, bool], float] = {}
         self._rope_buffers = 2 * arch.seq_len * (arch.head_dim // 2) * 4 if arch.positions == "rope" else 0
+
+    def _act_bytes(self, recompute: str, micro_batch: int, tp: int, sp: bool) -> float:
+        """Saved bytes of one block for one micro-batch (memoised: the search asks the same few many times)."""
+        key = (recompute, micro_batch, tp, sp)
+        cached = self._act_cache.get(key)
+        if cached is None:
+            cached = self._act_cache[key] = self._acts[recompute].bytes(micro_batch, self.arch.seq_len, tp, sp)
+        return cached
 
     def estimate(self, layout: Layout) -> MemoryBreakdown:
         """Peak memory of the most loaded rank (the first or the last pipeline stage)."""
@@ -401,7 +410,7 @@ class MemoryModel:
             if lo.pp_schedule == "interleaved":
                 in_flight *= 1 + (pp - 1) / (pp * lo.virtual_stages)
         full = lo.recompute == "full"
-        per_layer = self._acts[lo.recompute].bytes(b, s, tp, sp)
+        per_layer = self._act_bytes(lo.recompute, b, tp, sp)
         copies_per_layer = (layer_params - pc.per_layer_norms) * p.weight_copy_bytes
         resting = per_layer + (0.0 if full else copies_per_layer)  # one block, one micro-batch, between passes
         head_saved = tokens * (self._head_replicated / (tp if sp else 1) + 4 * vocab / tp) if last else 0.0
@@ -410,7 +419,7 @@ class MemoryModel:
         # The block whose backward runs: recomputed in full (its input is already counted), minus what is freed.
         working = -tokens * self._mlp_freed / tp
         if full:
-            working += self._acts["none"].bytes(b, s, tp, sp) + copies_per_layer - tokens * p.residual_bytes * h
+            working += self._act_bytes("none", b, tp, sp) + copies_per_layer - tokens * p.residual_bytes * h
         layer_transient = tokens * (h * p.residual_bytes + self._mlp_transient / tp)
         down_proj_grad = arch.ffn_hidden * h / tp * gb
         if arch.is_moe:
@@ -433,25 +442,30 @@ class MemoryModel:
         # The output layer's gradient; FSDP2 reduce-scatters the root's gradients only at the end of backward.
         head_grad = head * gb / (1 if root_unsharded else grad_div)
 
-        # Candidate peaks: (saved tensors, gradients, temporaries, gathered weights).
-        phases = []
-        if last:
-            phases.append(("start of backward", live, resident, tokens * 8 * vocab / tp, 0.0))
+        # Candidate peaks: (saved tensors, gradients, temporaries, gathered weights); the largest sum wins.
         top_live = live - head_saved - head_copies + working
-        phases.append(
-            ("backward, top block", top_live, max(resident, head_grad) + down_proj_grad, layer_transient, gathered)
-        )
-        others = (in_flight - 1) * layers * resting
-        bottom_live = others + (per_layer if full else resting) + working
+        top_grads = (resident if resident > head_grad else head_grad) + down_proj_grad
+        best = ("backward, top block", top_live, top_grads, layer_transient, gathered)
+        best_sum = top_live + top_grads + layer_transient + gathered
+        if last:
+            loss_transient = tokens * 8 * vocab / tp  # fp32 gradients of the log-probabilities and the logits
+            if live + resident + loss_transient > best_sum:
+                best = ("start of backward", live, resident, loss_transient, 0.0)
+                best_sum = live + resident + loss_transient
+        bottom_live = (in_flight - 1) * layers * resting + (per_layer if full else resting) + working
         bottom_grads = (stage_params - layer_params - embed - head) * gb / grad_div + head_grad + down_proj_grad
-        phases.append(("backward, bottom block", bottom_live, max(resident, bottom_grads), layer_transient, gathered))
+        bottom_grads = resident if resident > bottom_grads else bottom_grads
+        if bottom_live + bottom_grads + layer_transient + gathered > best_sum:
+            best = ("backward, bottom block", bottom_live, bottom_grads, layer_transient, gathered)
+            best_sum = bottom_live + bottom_grads + layer_transient + gathered
         if self.rt.foreach_optimizer:
             opt_transient = optim * 4  # torch's foreach AdamW: one fp32 temporary per parameter
         else:
             opt_transient = 3 * max(vocab, arch.ffn_hidden, h) * h / tp * 4  # per-tensor AdamW: 3 of the largest
-        phases.append(("optimizer step", 0.0, grads_all, opt_transient, 0.0))
+        if grads_all + opt_transient > best_sum:
+            best = ("optimizer step", 0.0, grads_all, opt_transient, 0.0)
 
-        phase, live_at, grads_at, transient_at, gathered_at = max(phases, key=lambda ph: ph[1] + ph[2] + ph[3] + ph[4])
+        phase, live_at, grads_at, transient_at, gathered_at = best
         copies_at = 0.0
         if phase == "backward, bottom block":
             copies_at = copies_per_layer

@@ -86,9 +86,9 @@ class Estimator:
             return self.achieved_flops
         return self.accelerator.peak_flops(self.memory.p.compute_dtype) * self.efficiency
 
-    def evaluate(self, layout: Layout) -> Evaluation:
-        """Memory, compute, communication and step time of `layout`."""
-        mem = self.memory.estimate(layout)
+    def evaluate(self, layout: Layout, memory: MemoryBreakdown | None = None) -> Evaluation:
+        """Memory, compute, communication and step time of `layout` (`memory`: its estimate, if already made)."""
+        mem = memory or self.memory.estimate(layout)
         model_tok, hw_tok = self._flops[layout.recompute]
         tokens = layout.global_batch * self.arch.seq_len
         compute = hw_tok * tokens / (layout.world * self.flops_rate)
@@ -137,8 +137,7 @@ def enumerate_layouts(
             per_rank = global_batch // dp
             eps = [e for e in _divisors(dp) if arch.n_experts and arch.n_experts % e == 0] or [1]
             schedules: list[tuple[str, int]] = [("1f1b", 1)]
-            if pp > 1 and arch.n_layers % (2 * pp) == 0:
-                schedules.append(("interleaved", 2))
+            schedules += [("interleaved", v) for v in (2, 4) if pp > 1 and arch.n_layers % (v * pp) == 0]
             shards = [dp]
             node_shard = gpus_per_node // tp
             if 1 < node_shard < dp and dp % node_shard == 0:
@@ -153,7 +152,7 @@ def enumerate_layouts(
                     for zero in (0, 1, 2, 3):
                         if dp == 1 and zero:
                             continue
-                        for shard in shards if zero == 3 else [dp]:
+                        for shard in shards if zero else [dp]:
                             for recompute in ("none", "selective", "full"):
                                 for sp in (False, True) if tp > 1 else (False,):
                                     for schedule, v in schedules:
@@ -192,19 +191,23 @@ def search(estimator: Estimator, layouts: Iterator[Layout], top: int = 5, keep_r
 
     started = time.perf_counter()
     fitting: list[Evaluation] = []
-    rejected: list[Evaluation] = []
     count = 0
+    misses: list[tuple[float, Layout]] = []
     for layout in layouts:
         count += 1
-        ev = estimator.evaluate(layout)
-        (fitting if ev.fits else rejected).append(ev)
+        memory = estimator.memory.estimate(layout)
+        if memory.total > estimator.usable_bytes:
+            misses.append((memory.total, layout))  # time only matters for layouts that fit
+            continue
+        fitting.append(estimator.evaluate(layout, memory))
+    misses.sort(key=lambda miss: miss[0])
+    rejected = [estimator.evaluate(layout) for _, layout in misses[:keep_rejected]]
     # Ties on step time go to less traffic, then larger micro-batches (fewer, fuller kernels), then less memory.
     fitting.sort(key=lambda e: (round(e.step_seconds, 9), e.comm.total_seconds, -e.layout.micro_batch, e.memory.total))
-    rejected.sort(key=lambda e: e.memory.total)
     return SearchResult(
         evaluated=count,
         fitting=fitting[:top],
-        rejected=rejected[:keep_rejected],
+        rejected=rejected,
         fitting_count=len(fitting),
         seconds=time.perf_counter() - started,
     )

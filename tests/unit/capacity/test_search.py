@@ -1,0 +1,55 @@
+"""Plan search: a fitting layout where one exists, the impossible rejected with reasons, and fast enough."""
+
+from __future__ import annotations
+
+import time
+
+from tasks.capacity.catalogue import CATALOGUE
+from tasks.capacity.memory import GIB, Layout, MemoryModel, Precision
+from tasks.capacity.params import PRESETS
+from tasks.capacity.search import Estimator, enumerate_layouts, explain_win, search
+
+
+def _estimator(preset: str, accelerator: str, gpus_per_node: int = 8) -> Estimator:
+    arch, acc = PRESETS[preset], CATALOGUE[accelerator]
+    return Estimator(arch, MemoryModel(arch, Precision.of("bf16")), acc, gpus_per_node, acc.memory_bytes * 0.9, 0.4)
+
+
+def test_8b_on_one_h100_node_does_not_fit_with_ddp_but_the_search_finds_layouts_that_do() -> None:
+    est = _estimator("llama-3.1-8b", "h100-sxm")
+    ddp = est.evaluate(Layout(dp=8, micro_batch=1, grad_accum=8))
+    assert not ddp.fits
+    assert ddp.why_not().startswith(f"needs {ddp.memory.total / GIB:.1f} GiB > 71.7 GiB usable")
+    result = search(est, enumerate_layouts(est.arch, 8, 8, global_batch=64))
+    assert result.fitting and result.fitting_count > 10
+    best = result.fitting[0]
+    assert best.fits and best.memory.total <= 0.9 * 79.65 * GIB
+    assert all(a.step_seconds <= b.step_seconds for a, b in zip(result.fitting, result.fitting[1:], strict=False))
+    assert any("to spare" in reason for reason in explain_win(best, result.fitting[1]))
+
+
+def test_70b_on_a_single_l40s_is_rejected_with_what_it_needs() -> None:
+    est = _estimator("llama-3.1-70b", "l40s", gpus_per_node=1)
+    result = search(est, enumerate_layouts(est.arch, 1, 1, global_batch=8))
+    assert result.fitting == [] and result.evaluated > 0
+    nearest = result.rejected[0]
+    assert nearest.why_not().startswith("needs ") and "GiB usable" in nearest.why_not()
+
+
+def test_layouts_respect_divisibility_and_keep_the_global_batch() -> None:
+    arch = PRESETS["llama-3.1-8b"]  # 32 heads, 8 kv heads, 32 layers
+    layouts = list(enumerate_layouts(arch, world=16, gpus_per_node=8, global_batch=32))
+    assert layouts
+    for lo in layouts:
+        assert lo.world == 16 and lo.global_batch == 32
+        assert 8 % lo.tp == 0 and arch.kv_heads % lo.tp == 0 and arch.n_layers % lo.pp == 0
+        assert lo.pp == 1 or lo.grad_accum >= lo.pp
+
+
+def test_search_evaluates_ten_thousand_layouts_in_a_few_seconds() -> None:
+    est = _estimator("gpt3-175b", "a100-80gb")
+    layouts = list(enumerate_layouts(est.arch, 768, 8, global_batch=1536))
+    assert len(layouts) >= 10_000
+    started = time.perf_counter()
+    search(est, iter(layouts))
+    assert time.perf_counter() - started < 5.0  # the benchmark holds the 1 s goal; this guards against regressions
