@@ -9,13 +9,17 @@ from pathlib import Path
 import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
+from rich.table import Table
+from rich.text import Text
 
 from tasks.capacity.plan import plan_capacity, write_plan
 from tasks.capacity.report import format_self_check, rich_report
 from tasks.errors import DeployError, TransientError
+from tasks.image.build import IMAGE_JSON, ensure_image_for_spec
+from tasks.launch.local import TrainingFailed, run_local
+from tasks.nodes.check import run_node_checks, write_report
 from tasks.prepare.pipeline import PrepareResult, prepare_dataset
 from tasks.spec import DeploymentSpec, SpecError, load_spec
-from tasks.torchrun import TrainingFailed, run_local
 from training.storage import local_path
 
 app = typer.Typer(
@@ -64,7 +68,7 @@ def train(spec: str = typer.Argument(..., help="Path or fsspec URL of a deployme
     try:
         job = run_local(parsed.cluster, cfg, on_line=lambda line: console.print(line, markup=False, highlight=False))
     except TrainingFailed as err:
-        err_console.print(f"training failed (exit code {err.returncode}); full log: {err.log_path}", markup=False)
+        err_console.print(f"training {err.status.describe()}; full log: {err.log_path}", markup=False)
         raise typer.Exit(1) from err
     result = json.loads((Path(local_path(cfg.run.output_url)) / "result.json").read_text())
     console.print(
@@ -119,6 +123,132 @@ def prepare_data(spec: str = typer.Argument(..., help="Path or fsspec URL of a d
         err_console.print("data.prepare is not set: this spec trains on an existing dataset (data.dataset_url)")
         raise typer.Exit(2)
     _prepare_with_progress(parsed)
+
+
+@app.command("build-image")
+def build_image(
+    spec: str = typer.Argument(..., help="Path or fsspec URL of a deployment spec (YAML)."),
+    record_dir: Path | None = typer.Option(
+        None, "--record-dir", help="Folder for image.json, build.log and the build context; default runs/<name>/image."
+    ),
+) -> None:
+    """Build and push the training image unless its content-addressed tag exists; write image.json."""
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    parsed = _load(spec)
+    if parsed.image is None:
+        console.print("image: null in the spec: no image to build", markup=False)
+        return
+    try:
+        result = ensure_image_for_spec(parsed, record_dir)
+    except DeployError as err:
+        err_console.print(f"build-image failed: {err}", markup=False, highlight=False)
+        raise typer.Exit(1 if isinstance(err, TransientError) else 2) from err
+    style = {"built": "green", "cached": "green", "skipped": "yellow"}[result.status]
+    console.print(f"{result.status}: {result.reason}", style=style, markup=False, highlight=False)
+    if result.reference and result.status != "skipped":
+        console.print(f"image {result.reference}", markup=False, highlight=False)
+    if result.digest:
+        console.print(f"digest {result.reference_by_digest or result.digest}", markup=False, highlight=False)
+    console.print(f"record {Path(result.record_dir) / IMAGE_JSON}", markup=False, highlight=False)
+
+
+@app.command("check-nodes")
+def check_nodes(
+    spec: str = typer.Argument(..., help="Path or fsspec URL of a deployment spec (YAML)."),
+    report: Path | None = typer.Option(
+        None,
+        "--report",
+        help="Where to write the JSON report (and the playbook log beside it); default runs/<name>/node-check.json.",
+    ),
+) -> None:
+    """Check that the nodes are consistent, reachable and ready; exit 1 on any blocking finding."""
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    parsed = _load(spec)
+    try:
+        result = run_node_checks(parsed.nodes, parsed.cluster)
+    except DeployError as err:
+        err_console.print(f"check-nodes could not run: {err}", markup=False, highlight=False)
+        raise typer.Exit(2) from err
+    path = write_report(result, report or Path("runs") / parsed.name / "node-check.json")
+    table = Table("check", "severity", "values", "finding / fix", show_lines=True)
+    style = {"ok": "green", "warning": "yellow", "blocking": "red"}
+    for row in result.table():
+        fix = f"{row['finding']}\nfix: {row['remediation']}" if row["finding"] else ""
+        severity = Text(row["severity"], style=style[row["severity"]])
+        table.add_row(Text(row["check"]), severity, Text(row["values"]), Text(fix))
+    console.print(table)
+    console.print(result.summary(), style="green" if result.ok else "red", markup=False, highlight=False)
+    console.print(f"report {path}", markup=False, highlight=False)
+    if not result.ok:
+        raise typer.Exit(1)
+
+
+@app.command()
+def submit(
+    spec: str = typer.Argument(..., help="Path or fsspec URL of a deployment spec (YAML)."),
+    wait: bool = typer.Option(False, "--wait", help="Stream the job's log and wait until it ends."),
+    image: str | None = typer.Option(None, "--image", help="Image reference to run (default: none, bare metal)."),
+) -> None:
+    """Submit the training job to the spec's scheduler (local, slurm, kubernetes); prints the job reference."""
+    from tasks.launch.base import JobState, wait_for
+    from tasks.launch.slurm import SlurmLauncher
+    from tasks.launch.submit import submit as submit_job
+
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    parsed = _load(spec)
+    if parsed.data.prepare is not None:
+        prepared = _prepare_with_progress(parsed)
+        cfg = parsed.training_config(prepared.dataset_url, prepared.tokenizer_sha256)
+    else:
+        cfg = parsed.training_config()
+    try:
+        launcher, handle = submit_job(parsed.cluster, cfg, parsed.name, image, parsed.cluster.env)
+    except DeployError as err:
+        err_console.print(f"submit failed: {err}", markup=False)
+        raise typer.Exit(1 if isinstance(err, TransientError) else 2) from err
+    console.print(f"submitted {handle.ref} (output {handle.output_dir})", markup=False, highlight=False)
+    if not wait:
+        return
+    status = wait_for(
+        launcher,
+        handle,
+        on_line=lambda line: console.print(line, markup=False, highlight=False),
+        hopeless=SlurmLauncher.hopeless,
+    )
+    console.print(f"{handle.ref}: {status.describe()}", markup=False, highlight=False)
+    if status.state is not JobState.SUCCEEDED:
+        raise typer.Exit(1)
+
+
+@app.command()
+def status(job: str = typer.Argument(..., help="Job reference (scheduler:id) or the run's output folder.")) -> None:
+    """Show a submitted job's state, with the scheduler's own state and reason."""
+    from tasks.launch.base import find_job
+    from tasks.launch.submit import launcher_for
+
+    try:
+        handle = find_job(job)
+        current = launcher_for(handle.scheduler).status(handle)
+    except DeployError as err:
+        err_console.print(str(err), markup=False)
+        raise typer.Exit(2) from err
+    console.print(f"{handle.ref}: {current.describe()}", markup=False, highlight=False)
+
+
+@app.command()
+def cancel(job: str = typer.Argument(..., help="Job reference (scheduler:id) or the run's output folder.")) -> None:
+    """Cancel a submitted job and every process it started."""
+    from tasks.launch.base import find_job
+    from tasks.launch.submit import launcher_for
+
+    try:
+        handle = find_job(job)
+        launcher = launcher_for(handle.scheduler)
+        launcher.cancel(handle)
+    except DeployError as err:
+        err_console.print(str(err), markup=False)
+        raise typer.Exit(2) from err
+    console.print(f"{handle.ref}: cancel requested", markup=False, highlight=False)
 
 
 @app.command("plan")

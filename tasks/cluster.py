@@ -6,6 +6,7 @@ from typing import Literal
 
 from pydantic import Field
 
+from tasks.launch.config import KubernetesConfig, SlurmConfig
 from training.config import StrictModel
 
 
@@ -22,7 +23,14 @@ class ClusterConfig(StrictModel):
     accelerator: str = Field(default="cpu", min_length=1, description="Accelerator type, e.g. cpu, h100-sxm.")
     max_restarts: int = Field(default=0, ge=0, description="torchrun elastic restarts after a worker failure.")
     rdzv_port: int | None = Field(
-        default=None, ge=1, le=65535, description="Rendezvous port on the first node; None = a free port locally."
+        default=None, ge=1, le=65535, description="local: rendezvous port on 127.0.0.1; None = a free one."
+    )
+    env: dict[str, str] = Field(
+        default_factory=dict, description="Environment of the training processes, e.g. NCCL_IB_HCA, NCCL_DEBUG."
+    )
+    slurm: SlurmConfig = Field(default_factory=SlurmConfig, description="scheduler=slurm: sbatch settings.")
+    kubernetes: KubernetesConfig = Field(
+        default_factory=KubernetesConfig, description="scheduler=kubernetes: PyTorchJob settings."
     )
 
     @property

@@ -34,6 +34,8 @@ class TestFaults(BaseModel):
     kill_during_save_step: int | None = Field(
         default=None, description="Rank 0 SIGKILLs itself after writing checkpoint data, before committing it."
     )
+    crash_at_step: int | None = Field(default=None, description="`crash_rank` raises an exception after this step.")
+    crash_rank: int = Field(default=0, ge=0, description="The rank that crashes at crash_at_step.")
 
 
 @functools.cache
@@ -45,6 +47,14 @@ def active() -> TestFaults:
     faults = TestFaults.model_validate_json(raw)
     log.warning("TEST FAULTS ACTIVE (%s): %s", ENV_VAR, faults.model_dump(exclude_none=True))
     return faults
+
+
+def maybe_crash(step: int) -> None:
+    """Raise on the chosen rank after `step` when asked to."""
+    faults = active()
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if faults.crash_at_step == step and faults.crash_rank == rank:
+        raise RuntimeError(f"test fault: injected crash on rank {rank} after step {step}")
 
 
 def maybe_pause(step: int) -> None:

@@ -360,6 +360,7 @@ class Trainer:
             every = cfg.checkpoint.save_every_steps
             if every and self.step % every == 0 and self.step < cfg.run.steps:
                 self._save()
+            faults.maybe_crash(self.step)
             faults.maybe_pause(self.step)
         if last_eval is None or last_eval["step"] != self.step:
             last_eval = self.evaluate()

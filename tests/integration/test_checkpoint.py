@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tasks.torchrun import LocalJob, run_local, start_local
+from tasks.launch.base import JobState
+from tasks.launch.local import LocalJob, run_local, start_local
 from tests.conftest import metrics_by_step
 from training.checkpoint import CheckpointManager
 from training.faults import ENV_VAR
@@ -61,7 +62,7 @@ def test_killed_rank_relaunch_resumes_bit_identical(make_spec) -> None:
     spec = make_spec(STEPS_30, name="killed")
     job = _paused_job(spec, 25)
     _kill_rank(job.output_dir, 1)
-    assert job.wait(timeout_s=120) != 0
+    assert job.wait(timeout_s=120).state is JobState.FAILED
     assert "exitcode  : -9" in job.log_tail(200)
 
     run_local(spec.cluster, spec.training_config())  # the relaunch
@@ -76,7 +77,7 @@ def test_torchrun_restarts_a_killed_rank_and_the_job_recovers_by_itself(make_spe
     spec = make_spec({**STEPS_30, "cluster": {"max_restarts": 1}}, name="elastic")
     job = _paused_job(spec, 25)
     _kill_rank(job.output_dir, 1)
-    assert job.wait(timeout_s=180) == 0
+    assert job.wait(timeout_s=180).state is JobState.SUCCEEDED
     ranks = json.loads((job.output_dir / "ranks.json").read_text())["ranks"]
     assert {r["restart_count"] for r in ranks} == {1} and ranks[0]["resumed_from_step"] == 20
     _assert_identical_after(metrics_by_step(reference.run.output_url), metrics_by_step(spec.run.output_url), 21, 30)
@@ -85,7 +86,7 @@ def test_torchrun_restarts_a_killed_rank_and_the_job_recovers_by_itself(make_spe
 def test_checkpoint_killed_mid_save_is_never_loaded(make_spec) -> None:
     spec = make_spec(STEPS_30)
     job = start_local(spec.cluster, spec.training_config(), {ENV_VAR: json.dumps({"kill_during_save_step": 20})})
-    assert job.wait(timeout_s=120) != 0
+    assert job.wait(timeout_s=120).state is JobState.FAILED
     partial = Path(spec.checkpoint.url) / "step-00000020"
     assert partial.exists() and not (partial / "COMMIT.json").exists()
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tasks.torchrun import TrainingFailed, run_local
+from tasks.launch.local import TrainingFailed, run_local
 from tests.conftest import metrics_by_step, read_jsonl, run_lone_process
 from training.dataset import DatasetWriter, TokenDataset, TokenizerInfo
 from training.sampler import GlobalBatchSampler

@@ -15,7 +15,7 @@ import pytest
 from tasks.errors import TransientError, UserError
 from tasks.prepare.config import PrepareConfig
 from tasks.prepare.pipeline import DataValidationError, prepare_dataset
-from tasks.torchrun import free_port
+from tasks.launch.torchrun import free_port
 from training.dataset import DatasetWriter, TokenDataset, TokenizerInfo, read_manifest
 from training.sampler import GlobalBatchSampler
 from training.storage import StorageConfig, filesystem

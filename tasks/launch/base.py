@@ -1,0 +1,272 @@
+"""The launcher interface: job handles, one small set of job states, failure reports, waiting."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from enum import StrEnum
+from pathlib import Path
+from typing import Any, Protocol
+
+from tasks.errors import TransientError, UserError
+
+log = logging.getLogger(__name__)
+
+
+class JobState(StrEnum):
+    """Every scheduler's states mapped to five."""
+
+    PENDING = "pending"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    @property
+    def terminal(self) -> bool:
+        """The job will not change state any more."""
+        return self in (JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED)
+
+
+TERMINAL = frozenset(s for s in JobState if s.terminal)
+
+
+@dataclass
+class FailureReport:
+    """Which rank failed first, and with what (from torchrun's root-cause report and error file)."""
+
+    rank: int | None
+    local_rank: int | None
+    host: str | None
+    exitcode: int | None
+    error: str
+    time: str | None = None
+
+    def describe(self) -> str:
+        """One line for people."""
+        where = f"rank {self.rank} (local rank {self.local_rank}) on {self.host}" if self.rank is not None else "a rank"
+        return f"{where} failed first with exit code {self.exitcode}: {self.error}"
+
+
+@dataclass
+class JobStatus:
+    """Where a job is: the mapped state, the scheduler's own state and reason, and why it failed."""
+
+    state: JobState
+    scheduler_state: str
+    reason: str = ""
+    exit_code: int | None = None
+    failure: FailureReport | None = None
+
+    def describe(self) -> str:
+        """One line for people."""
+        text = f"{self.state.value} ({self.scheduler_state}"
+        text += f", reason: {self.reason})" if self.reason and self.reason != "None" else ")"
+        if self.failure:
+            text += f"; {self.failure.describe()}"
+        return text
+
+
+@dataclass
+class JobHandle:
+    """Everything needed to find a submitted job again, from any process."""
+
+    scheduler: str
+    job_id: str
+    name: str
+    output_dir: str
+    log_path: str
+    submitted_unix_s: float = field(default_factory=time.time)
+    details: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def ref(self) -> str:
+        """`<scheduler>:<id>`, what `tdeploy status` and `tdeploy cancel` take."""
+        return f"{self.scheduler}:{self.job_id}"
+
+    def to_json(self) -> dict[str, Any]:
+        """As a dict."""
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> JobHandle:
+        """Inverse of to_json."""
+        return cls(**data)
+
+
+class Launcher(Protocol):
+    """Submit, inspect and stop training jobs on one kind of scheduler."""
+
+    scheduler: str
+
+    def status(self, handle: JobHandle) -> JobStatus:
+        """The job's state now."""
+
+    def logs(self, handle: JobHandle, offset: int = 0) -> tuple[list[str], int]:
+        """Log lines from byte `offset` on, and the offset after them."""
+
+    def cancel(self, handle: JobHandle) -> None:
+        """Stop the job and every process it started."""
+
+
+def registry_dir() -> Path:
+    """Where job records are kept so that later commands find jobs by reference ($TDEPLOY_HOME/jobs)."""
+    return Path(os.environ.get("TDEPLOY_HOME", Path.home() / ".tdeploy")) / "jobs"
+
+
+def record_job(handle: JobHandle) -> None:
+    """Save the handle in the output folder (job.json) and in the registry."""
+    text = json.dumps(handle.to_json(), indent=2)
+    Path(handle.output_dir, "job.json").write_text(text)
+    registry = registry_dir()
+    registry.mkdir(parents=True, exist_ok=True)
+    (registry / f"{handle.scheduler}-{handle.job_id}.json").write_text(text)
+
+
+def find_job(ref: str) -> JobHandle:
+    """A handle from `<scheduler>:<id>`, a job.json path, or a run's output folder."""
+    path = Path(ref)
+    if path.is_dir():
+        path = path / "job.json"
+    if path.is_file():
+        return JobHandle.from_json(json.loads(path.read_text()))
+    match = re.fullmatch(r"(local|slurm|kubernetes):(.+)", ref)
+    if match:
+        record = registry_dir() / f"{match.group(1)}-{match.group(2)}.json"
+        if record.is_file():
+            return JobHandle.from_json(json.loads(record.read_text()))
+    raise UserError(
+        f"job {ref!r} is unknown",
+        f"pass the reference `tdeploy submit` printed (scheduler:id, recorded under {registry_dir()}), "
+        "or the run's output folder",
+    )
+
+
+_SUMMARY = re.compile(r"^\S+ FAILED\n-+\n(?P<body>.*?)\n=+", re.S | re.M)
+_ENTRY = re.compile(r"^\[\d+\]:\n(?P<fields>(?:^ +.*\n?)+)", re.M)
+# Errors a rank gets because a peer died first: they are echoes, not causes.
+_ECHO = re.compile(
+    r"Connection closed by peer|remote worker crashing|Connection reset by peer|Broken pipe|"
+    r"communicator was aborted|Socket Timeout|timed out|SIGTERM|Signal 15",
+    re.I,
+)
+
+
+def parse_failures(log_text: str) -> list[FailureReport]:
+    """Every failed rank of torchrun's last failure summary, with its error (error file or traceback)."""
+    summaries = list(_SUMMARY.finditer(log_text))
+    if not summaries:
+        return []
+    reports = []
+    for entry in _ENTRY.finditer(summaries[-1].group("body")):
+        body = entry.group("fields")
+
+        def field_of(name: str, body: str = body) -> str | None:
+            found = re.search(rf"^\s*{name}\s*:\s*(.*)$", body, re.M)
+            return found.group(1).strip() if found else None
+
+        rank = re.match(r"(\d+) \(local_rank: (\d+)\)", field_of("rank") or "")
+        exitcode = re.match(r"(-?\d+)", field_of("exitcode") or "")
+        error = _error_file_message(field_of("error_file")) or _last_traceback_line(body) or "no traceback"
+        if exitcode and int(exitcode.group(1)) < 0:
+            error = f"killed by signal {-int(exitcode.group(1))}" + ("" if error == "no traceback" else f"; {error}")
+        reports.append(
+            FailureReport(
+                rank=int(rank.group(1)) if rank else None,
+                local_rank=int(rank.group(2)) if rank else None,
+                host=field_of("host"),
+                exitcode=int(exitcode.group(1)) if exitcode else None,
+                error=error,
+                time=field_of("time"),
+            )
+        )
+    return reports
+
+
+def parse_root_cause(log_text: str) -> FailureReport | None:
+    """The rank that failed first: not one that only saw a peer die (torchrun's own pick ties on whole seconds)."""
+    reports = parse_failures(log_text)
+    if not reports:
+        return None
+    causes = [r for r in reports if not _ECHO.search(r.error) or r.error.startswith("killed by signal 9")]
+    return min(causes or reports, key=lambda r: (r.time or "", r.rank is None, r.rank or 0))
+
+
+def _error_file_message(path: str | None) -> str | None:
+    if not path or path == "<N/A>" or not Path(path).is_file():
+        return None
+    try:
+        data = json.loads(Path(path).read_text())
+        message = data["message"]
+        text = message["message"] if isinstance(message, dict) else str(message)
+    except (ValueError, KeyError, TypeError):
+        return None
+    return text.strip().splitlines()[-1] if text.strip() else None
+
+
+def _last_traceback_line(body: str) -> str | None:
+    lines = [line.strip() for line in body.splitlines() if line.strip()]
+    for line in reversed(lines):
+        if re.match(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\b.*", line) or ": " in line:
+            if not re.match(r"^(time|host|rank|exitcode|error_file|traceback)\s*:", line):
+                return line
+    return None
+
+
+def wait_for(
+    launcher: Launcher,
+    handle: JobHandle,
+    until: frozenset[JobState] = TERMINAL,
+    timeout_s: float | None = None,
+    on_line: Callable[[str], None] | None = None,
+    poll_s: float = 0.5,
+    hopeless: Callable[[JobStatus], bool] | None = None,
+) -> JobStatus:
+    """Poll until the job reaches a state in `until` (or any terminal state), streaming its log lines.
+
+    `hopeless` tells a pending job that can never start (the scheduler's reason says so); it is
+    returned as failed with that reason rather than waited on.
+    """
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    offset = 0
+    while True:
+        try:
+            status = launcher.status(handle)
+        except TransientError as err:  # a busy controller must not fail (or resubmit) a running job
+            log.warning("status of %s unavailable, retrying: %s", handle.ref, err)
+            if deadline is not None and time.monotonic() > deadline:
+                raise
+            time.sleep(poll_s)
+            continue
+        if on_line:
+            lines, offset = launcher.logs(handle, offset)
+            for line in lines:
+                on_line(line)
+        if status.state in until or status.state.terminal:
+            if on_line and status.state.terminal:
+                lines, offset = launcher.logs(handle, offset)
+                for line in lines:
+                    on_line(line)
+            return status
+        if hopeless and hopeless(status):
+            return JobStatus(JobState.FAILED, status.scheduler_state, status.reason)
+        if deadline is not None and time.monotonic() > deadline:
+            raise TimeoutError(f"job {handle.ref} still {status.describe()} after {timeout_s:.0f}s")
+        time.sleep(poll_s)
+
+
+def read_log(path: str | Path, offset: int) -> tuple[list[str], int]:
+    """Complete lines of a log file from `offset` on (a partial last line waits for the next call)."""
+    try:
+        with open(path, "rb") as handle:
+            handle.seek(offset)
+            data = handle.read()
+    except FileNotFoundError:
+        return [], offset
+    end = data.rfind(b"\n") + 1
+    return data[:end].decode(errors="replace").splitlines(), offset + end

@@ -1,0 +1,184 @@
+"""Kubernetes: a Kubeflow PyTorchJob (plus a ConfigMap with run.json), rendered and checked here.
+
+Rendering and validation run everywhere. Validation deserialises the manifest
+into the models that Kubeflow's training SDK generates from the PyTorchJob
+OpenAPI schema (nested Kubernetes types included), which rejects missing
+required fields and wrong types, and then requires the round trip to give the
+manifest back unchanged, which rejects unknown or misplaced fields.
+
+The live path (`KubernetesLauncher`) needs a cluster with the training
+operator and a kubeconfig; no such cluster runs on the CI machine, so it is
+kept small and separate, and not exercised by the tests.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from tasks.cluster import ClusterConfig
+from tasks.errors import TransientError, UserError
+from tasks.launch.base import JobHandle, JobState, JobStatus
+from tasks.launch.torchrun import WORKER_ENV
+from training.config import TrainConfig
+
+CONFIG_DIR = "/etc/tdeploy"
+
+
+def render_manifests(cluster: ClusterConfig, train: TrainConfig, name: str, image: str) -> list[dict[str, Any]]:
+    """[ConfigMap with run.json, PyTorchJob] for `cluster.nodes` pods of `procs_per_node` ranks each."""
+    k8s = cluster.kubernetes
+    resources: dict[str, str] = {}
+    if cluster.accelerator != "cpu":
+        resources[k8s.gpu_resource] = str(cluster.procs_per_node)
+    if k8s.cpu_per_node:
+        resources["cpu"] = f"{k8s.cpu_per_node:g}"
+    if k8s.memory_per_node_gb:
+        resources["memory"] = f"{int(k8s.memory_per_node_gb * 1024)}Mi"
+    container: dict[str, Any] = {
+        "name": "pytorch",
+        "image": image,
+        "imagePullPolicy": k8s.image_pull_policy,
+        # The training operator sets PET_NNODES, PET_NODE_RANK, PET_MASTER_ADDR/PORT for torchrun.
+        "command": [
+            "python",
+            "-m",
+            "torch.distributed.run",
+            f"--max-restarts={cluster.max_restarts}",
+            "-m",
+            "training.train",
+            "--config",
+            f"{CONFIG_DIR}/run.json",
+        ],  # fmt: skip
+        "env": [{"name": k, "value": v} for k, v in sorted({**WORKER_ENV, **cluster.env}.items())],
+        "volumeMounts": [{"name": "tdeploy-config", "mountPath": CONFIG_DIR, "readOnly": True}],
+    }
+    if resources:
+        container["resources"] = {"limits": dict(resources), "requests": dict(resources)}
+    pod_spec: dict[str, Any] = {
+        "containers": [container],
+        "volumes": [{"name": "tdeploy-config", "configMap": {"name": f"{name}-config"}}],
+    }
+    if k8s.service_account:
+        pod_spec["serviceAccountName"] = k8s.service_account
+    replicas = {"Master": 1, "Worker": cluster.nodes - 1}
+    job = {
+        "apiVersion": "kubeflow.org/v1",
+        "kind": "PyTorchJob",
+        "metadata": {"name": name, "namespace": k8s.namespace, "labels": {"app.kubernetes.io/managed-by": "tdeploy"}},
+        "spec": {
+            "nprocPerNode": str(cluster.procs_per_node),
+            "runPolicy": {"cleanPodPolicy": "None", "backoffLimit": cluster.max_restarts},
+            "pytorchReplicaSpecs": {
+                role: {"replicas": count, "restartPolicy": "OnFailure", "template": {"spec": pod_spec}}
+                for role, count in replicas.items()
+                if count > 0
+            },
+        },
+    }
+    config_map = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": f"{name}-config", "namespace": k8s.namespace},
+        "data": {"run.json": train.model_dump_json(indent=2)},
+    }
+    return [config_map, job]
+
+
+class _Payload:
+    """What the SDK's deserialiser expects of an HTTP response."""
+
+    def __init__(self, obj: dict[str, Any]) -> None:
+        self.data = json.dumps(obj)
+
+
+def validate_pytorchjob(manifest: dict[str, Any]) -> None:
+    """Raise UserError unless the manifest is a valid kubeflow.org/v1 PyTorchJob."""
+    from kubeflow.training.api_client import ApiClient
+
+    client = ApiClient()
+    try:
+        model = client.deserialize(_Payload(manifest), "KubeflowOrgV1PyTorchJob")
+    except (ValueError, TypeError) as err:
+        raise UserError(f"PyTorchJob manifest is invalid: {err}", "fix the cluster.kubernetes settings") from err
+    back = client.sanitize_for_serialization(model)
+    if back != manifest:
+        raise UserError(
+            f"PyTorchJob manifest has fields the schema does not know: {_first_difference(manifest, back)}",
+            "this is a rendering bug; report it",
+        )
+
+
+def _first_difference(ours: Any, schema: Any, path: str = "") -> str:
+    if isinstance(ours, dict) and isinstance(schema, dict):
+        for key in ours:
+            if key not in schema:
+                return f"{path}.{key}".lstrip(".")
+            found = _first_difference(ours[key], schema[key], f"{path}.{key}")
+            if found:
+                return found
+        return ""
+    if isinstance(ours, list) and isinstance(schema, list):
+        for i, (a, b) in enumerate(zip(ours, schema, strict=False)):
+            found = _first_difference(a, b, f"{path}[{i}]")
+            if found:
+                return found
+        return ""
+    return "" if ours == schema else f"{path} ({ours!r} != {schema!r})"
+
+
+class KubernetesLauncher:
+    """Live submission through the `kubernetes` client (needs a cluster and the Kubeflow training operator)."""
+
+    scheduler = "kubernetes"
+
+    def __init__(self) -> None:
+        from kubernetes import client, config
+
+        try:
+            config.load_config()
+        except Exception as err:  # noqa: BLE001 - the client raises several unrelated types here
+            raise UserError(
+                f"cluster.scheduler=kubernetes: no cluster configured ({err})",
+                "set KUBECONFIG or run inside the cluster",
+            ) from err
+        self.core, self.custom = client.CoreV1Api(), client.CustomObjectsApi()
+
+    def submit(self, manifests: list[dict[str, Any]], output_dir: str) -> JobHandle:
+        """Create the ConfigMap and the PyTorchJob."""
+        config_map, job = manifests
+        validate_pytorchjob(job)
+        namespace, name = job["metadata"]["namespace"], job["metadata"]["name"]
+        self.core.create_namespaced_config_map(namespace, config_map)
+        self.custom.create_namespaced_custom_object("kubeflow.org", "v1", namespace, "pytorchjobs", job)
+        return JobHandle(self.scheduler, f"{namespace}/{name}", name, output_dir, "", details={"namespace": namespace})
+
+    def status(self, handle: JobHandle) -> JobStatus:
+        """The last condition of the PyTorchJob."""
+        namespace, name = handle.job_id.split("/", 1)
+        try:
+            job = self.custom.get_namespaced_custom_object("kubeflow.org", "v1", namespace, "pytorchjobs", name)
+        except Exception as err:  # noqa: BLE001
+            raise TransientError(f"cannot read PyTorchJob {handle.job_id}: {err}", "retried") from err
+        conditions = job.get("status", {}).get("conditions") or [{"type": "Created", "reason": ""}]
+        last = conditions[-1]
+        state = {
+            "Created": JobState.PENDING,
+            "Running": JobState.RUNNING,
+            "Restarting": JobState.RUNNING,
+            "Succeeded": JobState.SUCCEEDED,
+            "Failed": JobState.FAILED,
+        }.get(last["type"], JobState.PENDING)
+        return JobStatus(state, last["type"], last.get("reason", ""))
+
+    def logs(self, handle: JobHandle, offset: int = 0) -> tuple[list[str], int]:
+        """Log lines of the master pod (offset counts lines here)."""
+        namespace, name = handle.job_id.split("/", 1)
+        text = self.core.read_namespaced_pod_log(f"{name}-master-0", namespace)
+        lines = text.splitlines()
+        return lines[offset:], len(lines)
+
+    def cancel(self, handle: JobHandle) -> None:
+        """Delete the PyTorchJob (its pods go with it)."""
+        namespace, name = handle.job_id.split("/", 1)
+        self.custom.delete_namespaced_custom_object("kubeflow.org", "v1", namespace, "pytorchjobs", name)

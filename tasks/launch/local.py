@@ -1,0 +1,261 @@
+"""Local launcher: torchrun agents as subprocesses of this machine, one per (acted-out) node.
+
+Each agent runs under a small `sh` wrapper that records torchrun's exit code, in a
+session of its own, so that `cancel` can end exactly the job's processes and any
+later command can tell how the job ended.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from tasks.cluster import ClusterConfig
+from tasks.errors import UserError
+from tasks.launch.base import (
+    TERMINAL,
+    JobHandle,
+    JobState,
+    JobStatus,
+    parse_root_cause,
+    read_log,
+    record_job,
+    wait_for,
+)
+from tasks.launch.torchrun import free_port, torchrun_args, worker_env
+from training.config import TrainConfig
+from training.storage import is_local, local_path
+
+log = logging.getLogger(__name__)
+
+CANCELLED_MARKER = "cancelled"
+# Records torchrun's exit code; on SIGTERM it passes the signal on and stays until torchrun has stopped its workers.
+_WRAPPER = """
+"$@" &
+child=$!
+trap 'kill -TERM "$child" 2>/dev/null' TERM INT
+while :; do
+  wait "$child"; code=$?
+  kill -0 "$child" 2>/dev/null || break
+done
+echo "$code" > "$TDEPLOY_EXIT_FILE"
+"""
+
+
+class TrainingFailed(RuntimeError):
+    """The training job did not succeed; says which rank failed first and with what."""
+
+    def __init__(self, status: JobStatus, log_path: Path, log_tail: str) -> None:
+        super().__init__(f"training {status.describe()}; log: {log_path}\n{log_tail}")
+        self.status, self.log_path, self.log_tail = status, log_path, log_tail
+        self.returncode = status.exit_code
+
+
+def _start_time(pid: int) -> str | None:
+    """The process's start time (field 22 of /proc/PID/stat), or None if it is gone or a zombie."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return None if fields[0] in ("Z", "X") else fields[19]
+
+
+def _alive(pid: int, started: str | None) -> bool:
+    with contextlib.suppress(ChildProcessError, OSError):
+        os.waitpid(pid, os.WNOHANG)  # reap it if it is our own child
+    now = _start_time(pid)
+    return now is not None and (started is None or now == started)
+
+
+class LocalLauncher:
+    """Runs, watches and cancels torchrun jobs on this machine."""
+
+    scheduler = "local"
+
+    def submit(
+        self, cluster: ClusterConfig, train: TrainConfig, name: str, extra_env: dict[str, str] | None = None
+    ) -> JobHandle:
+        """Write run.json, start the agents, record the job; returns at once."""
+        if not is_local(train.run.output_url):
+            raise UserError(
+                f"run.output_url={train.run.output_url}: the local launcher needs a local folder",
+                "use a path on this machine",
+            )
+        out = Path(local_path(train.run.output_url)).resolve()
+        out.mkdir(parents=True, exist_ok=True)
+        for stale in [*out.glob("exit-*.txt"), out / CANCELLED_MARKER]:
+            stale.unlink(missing_ok=True)
+        config_path = out / "run.json"
+        train.to_json_file(config_path)
+        endpoint = f"127.0.0.1:{cluster.rdzv_port or free_port()}"
+        job_id = f"{name}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+        log_path = out / "train.log"
+        offset = log_path.stat().st_size if log_path.exists() else 0
+        agents = []
+        with open(log_path, "ab") as log_file:
+            for node in range(cluster.nodes):
+                args = torchrun_args(cluster, endpoint, job_id, str(config_path), str(out / "logs" / f"node{node}"))
+                env = worker_env(extra_env)
+                env["TDEPLOY_EXIT_FILE"] = str(out / f"exit-{node}.txt")
+                proc = subprocess.Popen(
+                    ["/bin/sh", "-c", _WRAPPER, "sh", sys.executable, "-m", "torch.distributed.run", *args],
+                    env=env,
+                    stdout=log_file,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+                agents.append({"pid": proc.pid, "start_time": _start_time(proc.pid)})
+        handle = JobHandle(
+            scheduler=self.scheduler,
+            job_id=job_id,
+            name=name,
+            output_dir=str(out),
+            log_path=str(log_path),
+            details={"agents": agents, "log_offset": offset, "endpoint": endpoint},
+        )
+        record_job(handle)
+        log.info("started %d torchrun agent(s) at %s; job %s; log %s", len(agents), endpoint, handle.ref, log_path)
+        return handle
+
+    def status(self, handle: JobHandle) -> JobStatus:
+        """Running while an agent lives; then succeeded, failed (with the root cause) or cancelled."""
+        out = Path(handle.output_dir)
+        agents = handle.details["agents"]
+        if any(_alive(a["pid"], a["start_time"]) for a in agents):
+            ranks = out / "ranks.json"
+            started = ranks.exists() and ranks.stat().st_mtime >= handle.submitted_unix_s
+            return JobStatus(JobState.RUNNING if started else JobState.PENDING, "running" if started else "rendezvous")
+        if (out / CANCELLED_MARKER).exists():
+            return JobStatus(JobState.CANCELLED, "cancelled", "cancelled by the user")
+        codes = []
+        for node in range(len(agents)):
+            exit_file = out / f"exit-{node}.txt"
+            codes.append(int(exit_file.read_text().strip()) if exit_file.exists() else None)
+        if all(code == 0 for code in codes):
+            return JobStatus(JobState.SUCCEEDED, "exited", exit_code=0)
+        code = next((c for c in codes if c), None)
+        reason = "an agent exited without an exit status" if code is None else f"torchrun exited with {code}"
+        text = self._log_text(handle)
+        return JobStatus(JobState.FAILED, "exited", reason, exit_code=code, failure=parse_root_cause(text))
+
+    def _log_text(self, handle: JobHandle) -> str:
+        with open(handle.log_path, "rb") as log_file:
+            log_file.seek(handle.details.get("log_offset", 0))
+            return log_file.read().decode(errors="replace")
+
+    def logs(self, handle: JobHandle, offset: int = 0) -> tuple[list[str], int]:
+        """Combined log lines of this job (all agents and ranks, as torchrun tees them)."""
+        start = max(offset, handle.details.get("log_offset", 0))
+        return read_log(handle.log_path, start)
+
+    def cancel(self, handle: JobHandle, grace_s: float = 30.0) -> None:
+        """SIGTERM the agents' process groups (torchrun stops its workers), then SIGKILL whatever is left."""
+        out = Path(handle.output_dir)
+        (out / CANCELLED_MARKER).write_text(time.strftime("%Y-%m-%dT%H:%M:%S"))
+        agents = [(a["pid"], a["start_time"]) for a in handle.details["agents"] if _alive(a["pid"], a["start_time"])]
+        for pid, _ in agents:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGTERM)
+        # Workers run in sessions of their own (torchrun starts them so): follow them by pid too.
+        processes = agents + self._workers(out)
+        deadline = time.monotonic() + grace_s
+        while any(_alive(*p) for p in processes) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        for pid, started in agents:
+            if _alive(pid, started):
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pid, signal.SIGKILL)
+        for pid, started in processes:
+            if _alive(pid, started):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while any(_alive(*p) for p in processes) and time.monotonic() < deadline:
+            time.sleep(0.1)
+
+    def _workers(self, out: Path) -> list[tuple[int, str | None]]:
+        """The job's worker processes still running (from ranks.json, checked against their command line)."""
+        ranks = out / "ranks.json"
+        if not ranks.exists():
+            return []
+        found = []
+        for rank in json.loads(ranks.read_text())["ranks"]:
+            pid = rank["pid"]
+            try:
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if b"training.train" in cmdline and str(out).encode() in cmdline:
+                found.append((pid, _start_time(pid)))
+        return found
+
+
+@dataclass
+class LocalJob:
+    """A local job with the launcher that runs it (convenience for the CLI, drills and tests)."""
+
+    handle: JobHandle
+    launcher: LocalLauncher
+
+    @property
+    def output_dir(self) -> Path:
+        """The run's output folder."""
+        return Path(self.handle.output_dir)
+
+    @property
+    def log_path(self) -> Path:
+        """The combined log."""
+        return Path(self.handle.log_path)
+
+    def wait(self, timeout_s: float | None = None, on_line: Callable[[str], None] | None = None) -> JobStatus:
+        """Wait until the job ends."""
+        return wait_for(self.launcher, self.handle, TERMINAL, timeout_s, on_line)
+
+    def status(self) -> JobStatus:
+        """The job's state now."""
+        return self.launcher.status(self.handle)
+
+    def cancel(self) -> None:
+        """Stop it."""
+        self.launcher.cancel(self.handle)
+
+    def log_tail(self, lines: int = 40) -> str:
+        """The last lines this job wrote."""
+        return "\n".join(self.launcher._log_text(self.handle).splitlines()[-lines:])
+
+
+def start_local(
+    cluster: ClusterConfig, train: TrainConfig, extra_env: dict[str, str] | None = None, name: str = "train"
+) -> LocalJob:
+    """Start a local job and return at once."""
+    launcher = LocalLauncher()
+    return LocalJob(launcher.submit(cluster, train, name, extra_env), launcher)
+
+
+def run_local(
+    cluster: ClusterConfig,
+    train: TrainConfig,
+    extra_env: dict[str, str] | None = None,
+    on_line: Callable[[str], None] | None = None,
+    name: str = "train",
+) -> LocalJob:
+    """Run a local job to the end; raises TrainingFailed (with the first failing rank) unless it succeeded."""
+    job = start_local(cluster, train, extra_env, name)
+    try:
+        status = job.wait(on_line=on_line)
+    except BaseException:
+        job.cancel()
+        raise
+    if status.state is not JobState.SUCCEEDED:
+        raise TrainingFailed(status, job.log_path, job.log_tail())
+    return job

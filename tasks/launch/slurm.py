@@ -1,0 +1,242 @@
+"""Slurm launcher: an sbatch script with one srun task per node, each running a torchrun agent.
+
+The rendezvous is c10d on the first node of the allocation (`scontrol show
+hostnames`). Status comes from `squeue` while the job is queued or running,
+then `sacct`, falling back to `scontrol show job` and the job-completion log
+(`sacct -c`) on clusters without accounting storage.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from tasks.cluster import ClusterConfig
+from tasks.errors import TransientError, UserError
+from tasks.launch.base import JobHandle, JobState, JobStatus, parse_root_cause, read_log, record_job
+from tasks.launch.torchrun import WORKER_ENV, torchrun_args
+from training.config import TrainConfig
+from training.storage import is_local, local_path
+
+_STATES = {
+    JobState.PENDING: {"PENDING", "CONFIGURING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "RESIZING", "SUSPENDED"},
+    JobState.RUNNING: {"RUNNING", "COMPLETING", "STAGE_OUT", "SIGNALING"},
+    JobState.SUCCEEDED: {"COMPLETED"},
+    JobState.CANCELLED: {"CANCELLED"},
+    JobState.FAILED: {
+        "FAILED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL", "DEADLINE", "REVOKED",
+        "SPECIAL_EXIT",
+    },
+}  # fmt: skip
+# Pending reasons that no amount of waiting fixes: the request exceeds what the partition or account allows.
+HOPELESS_REASONS = {
+    "PartitionConfig", "PartitionNodeLimit", "PartitionTimeLimit", "BadConstraints", "AccountNotAllowed",
+    "QOSMaxNodePerJobLimit", "QOSMaxWallDurationPerJobLimit", "InvalidAccount", "InvalidQOS", "JobHeldAdmin",
+}  # fmt: skip
+_TRANSIENT = re.compile(
+    r"Socket timed out|Unable to contact slurm controller|Connection refused|Zero Bytes were transmitted|"
+    r"Slurm temporarily unable|Resource temporarily unavailable|Communication connection failure",
+    re.I,
+)
+
+
+def slurm_state(raw: str) -> JobState:
+    """Map a Slurm state (e.g. 'CANCELLED by 0') to the launcher's states."""
+    word = raw.split()[0].rstrip("+") if raw.strip() else "PENDING"
+    for state, names in _STATES.items():
+        if word in names:
+            return state
+    return JobState.FAILED
+
+
+class SlurmLauncher:
+    """Submits, watches and cancels jobs through the Slurm command-line tools."""
+
+    scheduler = "slurm"
+
+    def __init__(self, env: dict[str, str] | None = None) -> None:
+        self.env = dict(os.environ, **(env or {}))
+
+    # ---- commands -----------------------------------------------------------------------
+
+    def _run(self, *cmd: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        tool = shutil.which(cmd[0], path=self.env.get("PATH"))
+        if tool is None:
+            raise UserError(
+                f"cluster.scheduler=slurm: `{cmd[0]}` is not on PATH",
+                "install the Slurm client tools (Debian: slurm-client) or run tdeploy on a login node",
+            )
+        proc = subprocess.run([tool, *cmd[1:]], capture_output=True, text=True, env=self.env, timeout=60)
+        if check and proc.returncode != 0:
+            message = (proc.stderr or proc.stdout).strip()
+            if _TRANSIENT.search(message):
+                raise TransientError(f"{cmd[0]} failed: {message}", "the Slurm controller may be busy; retried")
+            raise UserError(f"{cmd[0]} failed: {message}", "see Slurm's message above")
+        return proc
+
+    def check(self, cluster: ClusterConfig) -> None:
+        """Refuse before submitting what Slurm would refuse: missing tools, an unknown partition."""
+        for tool in ("sbatch", "squeue", "scontrol", "scancel"):
+            if shutil.which(tool, path=self.env.get("PATH")) is None:
+                self._run(tool)  # raises the UserError naming the tool
+        partition = cluster.slurm.partition
+        if partition:
+            proc = self._run("scontrol", "show", "partition", partition, check=False)
+            if proc.returncode != 0:
+                names = self._run("sinfo", "-h", "-o", "%R").stdout.split()
+                raise UserError(
+                    f"cluster.slurm.partition={partition}: no such partition", f"use one of {sorted(set(names))}"
+                )
+
+    # ---- script -------------------------------------------------------------------------
+
+    def render(self, cluster: ClusterConfig, config_path: str, name: str, output_dir: str, image: str | None) -> str:
+        """The sbatch script."""
+        slurm = cluster.slurm
+        directives = [
+            f"--job-name={name}",
+            f"--nodes={cluster.nodes}",
+            "--ntasks-per-node=1",
+            f"--time={slurm.time_limit}",
+            f"--output={output_dir}/slurm-%j.out",
+            "--open-mode=append",
+        ]
+        if cluster.accelerator != "cpu":
+            directives.append(f"--gpus-per-node={cluster.procs_per_node}")
+        optional = {
+            "--cpus-per-task": slurm.cpus_per_node,
+            "--mem": f"{slurm.mem_per_node_mb}M" if slurm.mem_per_node_mb else None,
+            "--partition": slurm.partition,
+            "--account": slurm.account,
+            "--qos": slurm.qos,
+            "--nice": slurm.nice,
+        }
+        directives += [f"{flag}={value}" for flag, value in optional.items() if value is not None]
+        directives += slurm.extra_args
+        env = {**WORKER_ENV, **cluster.env}
+        args = torchrun_args(
+            cluster,
+            f"$head_node:{slurm.rdzv_port}",
+            "$SLURM_JOB_ID",
+            config_path,
+            f"{output_dir}/logs/$SLURMD_NODENAME",
+        )
+        mounts = ",".join([f"{output_dir}:{output_dir}", *slurm.container_mounts])
+        if image and slurm.container == "pyxis":
+            launch = [f"--container-image={image}", f"--container-mounts={mounts}", "python"]
+        elif image and slurm.container == "apptainer":
+            binds = " ".join(f"--bind {shlex.quote(m)}" for m in mounts.split(","))
+            launch = ["apptainer", "exec", "--nv", *binds.split(), image, "python"]
+        else:
+            launch = [slurm.python or sys.executable]
+        # $head_node, $SLURM_JOB_ID and $SLURMD_NODENAME must expand in the job, so they stay unquoted.
+        agent = " ".join([*launch, "-m", "torch.distributed.run", *(_quote_keep_vars(a) for a in args)])
+        lines = ["#!/bin/bash", *(f"#SBATCH {d}" for d in directives), "set -euo pipefail"]
+        lines += [f"export {key}={shlex.quote(value)}" for key, value in sorted(env.items())]
+        lines += [
+            'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+            'echo "tdeploy: job $SLURM_JOB_ID on $SLURM_JOB_NODELIST, rendezvous $head_node"',
+            f"srun --ntasks-per-node=1 --kill-on-bad-exit=1 {agent}",
+        ]
+        return "\n".join(lines) + "\n"
+
+    # ---- launcher interface -------------------------------------------------------------
+
+    def submit(self, cluster: ClusterConfig, train: TrainConfig, name: str, image: str | None = None) -> JobHandle:
+        """Write run.json and the script into the output folder (shared storage), sbatch it, record the job."""
+        if not is_local(train.run.output_url):
+            raise UserError(
+                f"run.output_url={train.run.output_url}: Slurm jobs need a shared filesystem path",
+                "use a folder on the cluster's shared storage",
+            )
+        self.check(cluster)
+        out = Path(local_path(train.run.output_url)).resolve()
+        out.mkdir(parents=True, exist_ok=True)
+        config_path = out / "run.json"
+        train.to_json_file(config_path)
+        script = out / "job.sbatch"
+        script.write_text(self.render(cluster, str(config_path), name, str(out), image))
+        job_id = self._run("sbatch", "--parsable", str(script)).stdout.strip().split(";")[0]
+        handle = JobHandle(
+            scheduler=self.scheduler,
+            job_id=job_id,
+            name=name,
+            output_dir=str(out),
+            log_path=str(out / f"slurm-{job_id}.out"),
+            details={"script": str(script), "image": image},
+        )
+        record_job(handle)
+        return handle
+
+    def status(self, handle: JobHandle) -> JobStatus:
+        """squeue while queued or running; afterwards sacct, scontrol show job, or the completion log."""
+        queued = self._run("squeue", "-h", "-j", handle.job_id, "-o", "%T|%r", check=False)
+        line = queued.stdout.strip()
+        if queued.returncode == 0 and line:
+            raw, reason = (line.split("|", 1) + [""])[:2]
+            return self._status(raw, reason, None, handle)
+        for probe in (self._from_sacct, self._from_scontrol, self._from_jobcomp):
+            found = probe(handle)
+            if found:
+                return found
+        raise TransientError(f"Slurm knows nothing of job {handle.job_id} yet", "retried")
+
+    def _status(self, raw: str, reason: str, exit_code: int | None, handle: JobHandle) -> JobStatus:
+        state = slurm_state(raw)
+        failure = None
+        if state is JobState.FAILED:
+            failure = (
+                parse_root_cause(Path(handle.log_path).read_text(errors="replace"))
+                if Path(handle.log_path).exists()
+                else None
+            )
+        return JobStatus(state, raw.strip(), reason.strip(), exit_code, failure)
+
+    def _from_sacct(self, handle: JobHandle) -> JobStatus | None:
+        proc = self._run("sacct", "-n", "-P", "-X", "-j", handle.job_id, "-o", "State,ExitCode,Reason", check=False)
+        if proc.returncode != 0 or not proc.stdout.strip():
+            return None
+        state, exit_code, reason = (proc.stdout.strip().splitlines()[0].split("|") + ["", ""])[:3]
+        return self._status(state, reason, int(exit_code.split(":")[0] or 0), handle)
+
+    def _from_scontrol(self, handle: JobHandle) -> JobStatus | None:
+        proc = self._run("scontrol", "show", "job", handle.job_id, check=False)
+        state = re.search(r"JobState=(\S+)", proc.stdout)
+        if proc.returncode != 0 or not state:
+            return None
+        reason = re.search(r"Reason=(\S+)", proc.stdout)
+        exit_code = re.search(r"\bExitCode=(\d+):", proc.stdout)
+        return self._status(
+            state.group(1), reason.group(1) if reason else "", int(exit_code.group(1)) if exit_code else None, handle
+        )
+
+    def _from_jobcomp(self, handle: JobHandle) -> JobStatus | None:
+        proc = self._run("sacct", "-c", "-n", "-P", "-j", handle.job_id, "-o", "JobID,State", check=False)
+        for row in proc.stdout.splitlines():
+            job, _, state = row.partition("|")
+            if job.strip() == handle.job_id:
+                return self._status(state, "", None, handle)
+        return None
+
+    def logs(self, handle: JobHandle, offset: int = 0) -> tuple[list[str], int]:
+        """Lines of the job's output file."""
+        return read_log(handle.log_path, offset)
+
+    def cancel(self, handle: JobHandle) -> None:
+        """scancel the job (Slurm signals every step on every node)."""
+        self._run("scancel", handle.job_id)
+
+    @staticmethod
+    def hopeless(status: JobStatus) -> bool:
+        """A pending job whose reason means it can never start."""
+        return status.state is JobState.PENDING and status.reason in HOPELESS_REASONS
+
+
+def _quote_keep_vars(arg: str) -> str:
+    """Shell-quote an argument but leave $VARS in it to expand."""
+    return arg if re.fullmatch(r"[\w./:=$-]+", arg) else shlex.quote(arg)

@@ -1,0 +1,54 @@
+"""Prefect task `submit_job`: submit, stream the job's log into the run log, wait, report."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from prefect import get_run_logger, task
+from prefect.artifacts import create_markdown_artifact
+
+from tasks.cluster import ClusterConfig
+from tasks.errors import retry_on_transient
+from tasks.launch.base import TERMINAL, JobState, wait_for
+from tasks.launch.slurm import SlurmLauncher
+from tasks.launch.submit import JobFailed, submit
+from training.config import TrainConfig
+
+_UNTIL = {
+    "submitted": frozenset(JobState),
+    "running": frozenset({JobState.RUNNING}),
+    "finished": TERMINAL,
+}
+
+
+@task(name="submit_job", retries=3, retry_delay_seconds=[5, 30, 60], retry_condition_fn=retry_on_transient)
+def submit_job(
+    cluster: ClusterConfig,
+    train: TrainConfig,
+    name: str,
+    image: str | None = None,
+    wait_until: Literal["submitted", "running", "finished"] = "finished",
+    timeout_s: float = 6 * 3600,
+    env: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    """Submit the training job and wait until it is submitted, running or finished; a failed job raises JobFailed."""
+    logger = get_run_logger()
+    launcher, handle = submit(cluster, train, name, image, env)
+    logger.info("submitted %s (output %s)", handle.ref, handle.output_dir)
+    status = wait_for(
+        launcher,
+        handle,
+        _UNTIL[wait_until],
+        timeout_s,
+        on_line=lambda line: logger.info("%s", line),
+        hopeless=SlurmLauncher.hopeless,
+    )
+    create_markdown_artifact(
+        key="submit-job",
+        markdown=f"# Job `{handle.ref}`\n\n- state: **{status.describe()}**\n- output: `{handle.output_dir}`\n"
+        f"- log: `{handle.log_path}`\n",
+        description=f"training job {handle.ref}",
+    )
+    if status.state in (JobState.FAILED, JobState.CANCELLED):
+        raise JobFailed(handle, status)
+    return {"job": handle.ref, "state": status.state.value, "output_dir": handle.output_dir, "handle": handle.to_json()}

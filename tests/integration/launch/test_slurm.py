@@ -1,0 +1,84 @@
+"""The Slurm launcher against a real single-node Slurm cluster."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from tasks.errors import UserError
+from tasks.launch.base import JobState, wait_for
+from tasks.launch.slurm import SlurmLauncher
+from training.faults import ENV_VAR
+
+pytestmark = pytest.mark.integration
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] not in "ZX"
+
+
+def test_training_job_runs_two_ranks_to_completion_through_sbatch(slurm_cluster, make_spec) -> None:
+    spec = make_spec({"cluster": {"scheduler": "slurm"}, "run": {"steps": 10}, "checkpoint": {"save_every_steps": 5}})
+    launcher = SlurmLauncher(slurm_cluster)
+    handle = launcher.submit(spec.cluster, spec.training_config(), "tdeploy-test")
+    assert handle.job_id.isdigit()
+    seen = []
+    deadline = time.monotonic() + 300
+    while not (status := launcher.status(handle)).state.terminal:
+        if not seen or seen[-1] != status.state:
+            seen.append(status.state)
+        assert time.monotonic() < deadline, launcher.logs(handle)[0][-20:]
+        time.sleep(0.3)
+    assert status.state is JobState.SUCCEEDED, "\n".join(launcher.logs(handle)[0][-40:])
+    assert JobState.RUNNING in seen
+    ranks = json.loads(Path(spec.run.output_url, "ranks.json").read_text())
+    assert ranks["world_size"] == 2
+    assert (Path(spec.checkpoint.url) / "step-00000010" / "COMMIT.json").exists()
+    assert any("tdeploy: job" in line for line in launcher.logs(handle)[0])
+
+
+def test_scancel_cancels_a_running_job(slurm_cluster, make_spec) -> None:
+    spec = make_spec({"cluster": {"scheduler": "slurm"}, "run": {"steps": 50}})
+    launcher = SlurmLauncher({**slurm_cluster, ENV_VAR: json.dumps({"pause_after_step": 2})})
+    handle = launcher.submit(spec.cluster, spec.training_config(), "tdeploy-cancel")
+    ranks_file = Path(spec.run.output_url, "ranks.json")
+    wait_for(launcher, handle, frozenset({JobState.RUNNING}), timeout_s=300)
+    deadline = time.monotonic() + 300
+    while not ranks_file.exists():
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    workers = [r["pid"] for r in json.loads(ranks_file.read_text())["ranks"]]
+    launcher.cancel(handle)
+    status = wait_for(launcher, handle, timeout_s=120)
+    assert status.state is JobState.CANCELLED, status
+    deadline = time.monotonic() + 60
+    while any(_alive(pid) for pid in workers):
+        assert time.monotonic() < deadline, "workers outlived scancel"
+        time.sleep(0.2)
+
+
+def test_an_impossible_request_is_rejected_with_slurms_reason(slurm_cluster, make_spec) -> None:
+    spec = make_spec({"cluster": {"scheduler": "slurm", "nodes": 3, "procs_per_node": 1}})
+    with pytest.raises(UserError, match=r"sbatch failed: .*(More processors requested than permitted|Node count)"):
+        SlurmLauncher(slurm_cluster).submit(spec.cluster, spec.training_config(), "too-big")
+
+
+def test_an_unknown_partition_names_the_valid_ones(slurm_cluster, make_spec) -> None:
+    spec = make_spec({"cluster": {"scheduler": "slurm", "slurm": {"partition": "gpu-large"}}})
+    with pytest.raises(
+        UserError, match=r"cluster\.slurm\.partition=gpu-large: no such partition; use one of \['debug'\]"
+    ):
+        SlurmLauncher(slurm_cluster).submit(spec.cluster, spec.training_config(), "bad-partition")
+
+
+def test_missing_scheduler_tools_are_named(make_spec, tmp_path: Path) -> None:
+    spec = make_spec({"cluster": {"scheduler": "slurm"}})
+    with pytest.raises(UserError, match=r"`sbatch` is not on PATH; install the Slurm client tools"):
+        SlurmLauncher({"PATH": str(tmp_path)}).submit(spec.cluster, spec.training_config(), "no-tools")
