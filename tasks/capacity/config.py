@@ -56,8 +56,10 @@ class CapacityConfig(StrictModel):
     fragmentation_fraction: float = Field(
         default=0.05, ge=0, lt=1, description="Allocator fragmentation, as a share of the tensor peak."
     )
-    framework_overhead_gib: float = Field(
-        default=1.0, ge=0, description="CUDA context, NCCL and library workspaces per GPU, in GiB (0 on CPU)."
+    framework_overhead_gib: float | None = Field(
+        default=None,
+        ge=0,
+        description="CUDA context, NCCL and library workspaces per GPU in GiB; None = 1 on GPUs, 0 on CPU.",
     )
     mfu: float = Field(
         default=0.4, gt=0, le=1, description="Fraction of the dense peak the kernels achieve (before communication)."

@@ -14,7 +14,15 @@ from tasks.capacity.compute import SECONDS_PER_DAY, flops_per_token
 from tasks.capacity.config import CapacityConfig
 from tasks.capacity.memory import GIB, Layout, Margin, MemoryModel, Precision, Runtime, kv_cache_bytes
 from tasks.capacity.params import Architecture
-from tasks.capacity.search import Estimator, Evaluation, SearchResult, enumerate_layouts, explain_win, search
+from tasks.capacity.search import (
+    Estimator,
+    Evaluation,
+    SearchResult,
+    enumerate_layouts,
+    explain_win,
+    ranked,
+    search,
+)
 from tasks.cluster import ClusterConfig
 from tasks.errors import UserError
 from training.config import ModelConfig, ParallelConfig, PrecisionConfig, RunConfig
@@ -105,7 +113,7 @@ class CapacityPlan:
                 "attention": self.capacity.attention,
                 "headroom_fraction": self.capacity.headroom_fraction,
                 "fragmentation_fraction": self.capacity.fragmentation_fraction,
-                "framework_overhead_bytes": self.capacity.framework_overhead_gib * GIB,
+                "framework_overhead_bytes": framework_overhead_gib(self.capacity, self.accelerator) * GIB,
                 "mfu_assumed": self.capacity.mfu,
                 "achieved_flops_per_gpu": (self.capacity.achieved_tflops_per_gpu or 0) * 1e12 or None,
                 "comm_overlap": self.capacity.comm_overlap,
@@ -134,10 +142,7 @@ class CapacityPlan:
                 "evaluated_layouts": self.search.evaluated,
                 "fitting_layouts": self.search.fitting_count,
                 "seconds": self.search.seconds,
-                "best": [
-                    _evaluation_json(e) | {"why": explain_win(e, nxt)}
-                    for e, nxt in zip(self.search.fitting, [*self.search.fitting[1:], None], strict=True)
-                ],
+                "best": [_evaluation_json(e) | {"why": explain_win(e, nxt)} for e, nxt in ranked(self.search.fitting)],
                 "rejected_nearest": [_evaluation_json(e) | {"why_not": e.why_not()} for e in self.search.rejected],
             },
             "warnings": self.warnings,
@@ -203,6 +208,13 @@ def _calibration_scale(capacity: CapacityConfig, accelerator: str) -> float:
     return float(corrections.get(accelerator, {}).get("peak_scale", 1.0))
 
 
+def framework_overhead_gib(capacity: CapacityConfig, acc: Accelerator) -> float:
+    """The spec's figure, else 1 GiB per GPU (CUDA context, NCCL, cuBLAS workspaces) and nothing on CPU."""
+    if capacity.framework_overhead_gib is not None:
+        return capacity.framework_overhead_gib
+    return 1.0 if acc.kind == "gpu" else 0.0
+
+
 def make_estimator(
     arch: Architecture, capacity: CapacityConfig, cluster: ClusterConfig, precision: PrecisionConfig
 ) -> Estimator:
@@ -212,7 +224,7 @@ def make_estimator(
     runtime = Runtime(attention=capacity.attention, device=acc.kind, foreach_optimizer=acc.kind == "gpu")
     margin = Margin(
         fragmentation_fraction=capacity.fragmentation_fraction + _calibration_scale(capacity, acc.name) - 1,
-        framework_bytes=capacity.framework_overhead_gib * GIB,
+        framework_bytes=framework_overhead_gib(capacity, acc) * GIB,
     )
     return Estimator(
         arch=arch,
@@ -279,3 +291,9 @@ def write_plan(plan: CapacityPlan, folder: str | None = None) -> str:
     with fs.open(path, "w") as handle:
         json.dump(plan.to_json(), handle, indent=2)
     return url
+
+
+def calibration_from(accelerator: str, comparisons: list[Any]) -> dict[str, dict[str, float]]:
+    """A calibration entry (for capacity.calibration_url) from self-check comparisons: the worst measured/predicted."""
+    scale = max(c.measured_peak / c.predicted_peak for c in comparisons)
+    return {accelerator: {"peak_scale": scale, "cases": len(comparisons)}}

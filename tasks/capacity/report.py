@@ -10,7 +10,7 @@ from rich.text import Text
 
 from tasks.capacity.memory import GIB
 from tasks.capacity.plan import CapacityPlan
-from tasks.capacity.search import Evaluation, explain_win
+from tasks.capacity.search import Evaluation, explain_win, ranked
 
 
 def _gib(nbytes: float) -> str:
@@ -58,8 +58,7 @@ def rich_report(plan: CapacityPlan) -> Group:
     layouts = Table(
         "layout", "GiB", "step s", "MFU", "why", title="layouts that fit, fastest first", title_justify="left"
     )
-    fitting = plan.search.fitting
-    for ev, nxt in zip(fitting, [*fitting[1:], None], strict=True):
+    for ev, nxt in ranked(plan.search.fitting):
         layouts.add_row(
             ev.layout.describe(), _gib(ev.memory.total), f"{ev.step_seconds:.4g}", f"{ev.mfu:.1%}",
             Text("; ".join(explain_win(ev, nxt))),
@@ -84,8 +83,7 @@ def markdown_report(plan: CapacityPlan) -> str:
     lines += ["", "| component | GiB per GPU |", "|---|---|"]
     lines += [f"| {name} | {value} |" for name, value in memory_rows(plan.requested)]
     lines += ["", "| layout | GiB | step s | MFU | why |", "|---|---|---|---|---|"]
-    fitting = plan.search.fitting
-    for ev, nxt in zip(fitting, [*fitting[1:], None], strict=True):
+    for ev, nxt in ranked(plan.search.fitting):
         why = "; ".join(explain_win(ev, nxt))
         lines.append(
             f"| {ev.layout.describe()} | {_gib(ev.memory.total)} | {ev.step_seconds:.4g} | {ev.mfu:.1%} | {why} |"

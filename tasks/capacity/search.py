@@ -46,6 +46,7 @@ class Evaluation:
             "activations": m.activations + m.weight_copies,
             "buffers": m.buffers,
             "temporaries": m.transient,
+            "fragmentation and framework margin": m.margin,
         }
         name = max(parts, key=lambda k: parts[k])
         return name, parts[name]
@@ -211,6 +212,11 @@ def search(estimator: Estimator, layouts: Iterator[Layout], top: int = 5, keep_r
         fitting_count=len(fitting),
         seconds=time.perf_counter() - started,
     )
+
+
+def ranked(fitting: list[Evaluation]) -> list[tuple[Evaluation, Evaluation | None]]:
+    """Each fitting layout with the one ranked after it (None for the last)."""
+    return [(ev, fitting[i + 1] if i + 1 < len(fitting) else None) for i, ev in enumerate(fitting)]
 
 
 def explain_win(best: Evaluation, runner_up: Evaluation | None) -> list[str]:
