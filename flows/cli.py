@@ -285,6 +285,86 @@ def plan(
         raise typer.Exit(1)
 
 
+def _training_config_prepared(parsed: DeploymentSpec):  # noqa: ANN202 - TrainConfig
+    if parsed.data.prepare is not None:
+        prepared = _prepare_with_progress(parsed)
+        return parsed.training_config(prepared.dataset_url, prepared.tokenizer_sha256)
+    return parsed.training_config()
+
+
+def _print_acceptance(report, root: Path) -> None:  # noqa: ANN001 - AcceptanceReport
+    from tasks.acceptance.report import plot_losses, table_rows, write_json, write_junit
+
+    table = Table("check", "verdict", "measured", "look first", show_lines=True)
+    for row in table_rows(report):
+        style = "green" if row["verdict"] == "pass" else ("yellow" if row["verdict"] == "n/a" else "red")
+        cells = (Text(row["check"]), Text(row["verdict"], style=style), Text(row["measured"]), Text(row["look first"]))
+        table.add_row(*cells)
+    console.print(table)
+    written = [write_json(report, root / "acceptance.json"), write_junit(report, root / "junit.xml")]
+    if report.runs:
+        written.append(plot_losses(report, root / "loss_curve.png"))
+    verdict = report.to_json()["verdict"]
+    console.print(f"verdict: {verdict}; " + ", ".join(str(p) for p in written), markup=False, highlight=False)
+
+
+@app.command()
+def accept(
+    spec: str = typer.Argument(..., help="Path or fsspec URL of a deployment spec (YAML)."),
+    drills: bool = typer.Option(False, "--drills", help="Also run every checkpoint-restore drill."),
+    soak: bool = typer.Option(False, "--soak", help="Use acceptance.soak_steps for the stability run."),
+    image: str | None = typer.Option(None, "--image", help="Image reference the jobs run in."),
+) -> None:
+    """Accept the deployment along six dimensions; exit 1 when any fails."""
+    from tasks.acceptance.suite import run_acceptance, work_dir
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    parsed = _load(spec)
+    cfg = _training_config_prepared(parsed)
+    root = work_dir(parsed.acceptance, cfg)
+    try:
+        report = run_acceptance(
+            parsed.cluster, cfg, parsed.acceptance, root, parsed.cluster.env, image, soak, parsed.drills, drills
+        )
+    except DeployError as err:
+        err_console.print(f"accept could not run: {err}", markup=False)
+        raise typer.Exit(2) from err
+    _print_acceptance(report, root)
+    if not report.passed:
+        raise typer.Exit(1)
+
+
+@app.command()
+def drill(
+    spec: str = typer.Argument(..., help="Path or fsspec URL of a deployment spec (YAML)."),
+    only: list[str] | None = typer.Option(None, "--only", help="Run just this drill (repeatable)."),
+    image: str | None = typer.Option(None, "--image", help="Image reference the jobs run in."),
+) -> None:
+    """Run the checkpoint-restore drills; exit 1 when one fails."""
+    from tasks.acceptance.config import DRILLS
+    from tasks.acceptance.drills import DrillContext, run_drills
+    from tasks.acceptance.suite import AcceptanceReport, work_dir
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    parsed = _load(spec)
+    unknown = sorted(set(only or []) - set(DRILLS))
+    if unknown:
+        err_console.print(f"--only {unknown[0]}: no such drill; use one of {list(DRILLS)}", markup=False)
+        raise typer.Exit(2)
+    cfg = _training_config_prepared(parsed)
+    root = work_dir(parsed.acceptance, cfg) / "drills"
+    ctx = DrillContext(parsed.cluster, cfg, root, parsed.acceptance, parsed.drills, parsed.cluster.env, image)
+    try:
+        results = run_drills(ctx, only)
+    except DeployError as err:
+        err_console.print(f"drill could not run: {err}", markup=False)
+        raise typer.Exit(2) from err
+    report = AcceptanceReport([], results, {})
+    _print_acceptance(report, root)
+    if not report.passed:
+        raise typer.Exit(1)
+
+
 def main() -> None:
     """Console-script entry point."""
     app()

@@ -10,8 +10,11 @@ import fsspec
 import yaml
 from pydantic import Field, ValidationError, model_validator
 
+from tasks.acceptance.config import AcceptanceConfig, DrillConfig
 from tasks.capacity.config import CapacityConfig, capacity_problems
 from tasks.cluster import ClusterConfig
+from tasks.image.config import ImageConfig
+from tasks.nodes.config import NodesConfig
 from tasks.prepare.config import DataSpec
 from training.config import (
     CheckpointConfig,
@@ -54,6 +57,16 @@ class DeploymentSpec(StrictModel):
     capacity: CapacityConfig = Field(
         default_factory=CapacityConfig, description="Capacity planning assumptions (tdeploy plan)."
     )
+    image: ImageConfig | None = Field(
+        default_factory=ImageConfig, description="The training image (tdeploy build-image); None = no image."
+    )
+    nodes: NodesConfig = Field(
+        default_factory=NodesConfig, description="Node environment checks (tdeploy check-nodes); default: localhost."
+    )
+    acceptance: AcceptanceConfig = Field(
+        default_factory=AcceptanceConfig, description="Acceptance tests (tdeploy accept): thresholds and run lengths."
+    )
+    drills: DrillConfig = Field(default_factory=DrillConfig, description="Checkpoint-restore drills (tdeploy drill).")
 
     @model_validator(mode="after")
     def _consistent(self) -> DeploymentSpec:

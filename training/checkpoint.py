@@ -142,52 +142,74 @@ class CheckpointManager:
     def save(
         self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, train_state: dict[str, Any]
     ) -> float:
-        """Write and commit the checkpoint of `step`; returns the bytes written (all ranks)."""
-        path = self._dir(step)
-        if self.rank == 0 and self.fs.exists(path):
-            self.fs.rm(path, recursive=True)  # leftovers of an attempt that never committed
-        _barrier()
+        """Write and commit the checkpoint of `step` (collective); returns the bytes written.
+
+        A storage failure on any rank fails the attempt on every rank together (no rank is left
+        waiting in a collective); the attempt is retried with backoff, then CheckpointSaveError.
+        """
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
-        self._save_with_retries(state, path)
-        write_bytes_atomic(self.fs, join(path, "rng", f"rank-{self.rank:05d}.json"), json.dumps(capture_rng()).encode())
-        if self.rank == 0:
-            write_bytes_atomic(self.fs, join(path, TRAIN_STATE), json.dumps(train_state, indent=2).encode())
-        _barrier()
-        files = sorted(self._relative_files(path))
-        mine = {rel: sha256_file(self.fs, join(path, rel)) for rel in files[self.rank :: self.world]}
-        hashes = _all_gather(mine)
-        faults.maybe_kill_during_save(step)
-        nbytes = 0
-        if self.rank == 0:
-            checksums = {rel: digest for part in hashes for rel, digest in part.items()}
-            sizes = {rel: self.fs.size(join(path, rel)) for rel in checksums}
-            nbytes = sum(sizes.values())
-            commit = {
-                "step": step,
-                "world_size": self.world,
-                "created_unix_s": time.time(),
-                "files": {rel: {"sha256": checksums[rel], "bytes": sizes[rel]} for rel in sorted(checksums)},
-            }
-            write_bytes_atomic(self.fs, join(path, COMMIT), json.dumps(commit, indent=2).encode())
-            self._prune()
-        _barrier()
-        return nbytes
-
-    def _save_with_retries(self, state: dict[str, Any], path: str) -> None:
+        if faults.active().checkpoint_without_optimizer:
+            del state["optim"]
+        path = self._dir(step)
         delay = self.cfg.save_retry_backoff_s
         for attempt in range(1, self.cfg.save_retries + 2):
             try:
-                dcp.save(state, storage_writer=self._writer(self._url(path)))
-                return
-            except Exception as err:  # DCP wraps every rank's storage error into one collective exception
+                return self._save_once(step, state, train_state, path)
+            except _StorageFailure as err:
                 if attempt > self.cfg.save_retries:
                     raise CheckpointSaveError(self._url(path), attempt, err) from err
-                log.warning(
-                    "checkpoint save to %s failed (attempt %d): %s; retrying in %.1fs", path, attempt, err, delay
-                )
+                if self.rank == 0:
+                    log.warning(
+                        "checkpoint save to %s failed (attempt %d): %s; retrying in %.1fs", path, attempt, err, delay
+                    )
                 time.sleep(delay)
                 delay *= 2
+        raise AssertionError("unreachable")
+
+    def _save_once(self, step: int, state: dict[str, Any], train_state: dict[str, Any], path: str) -> int:
+        def clear() -> None:
+            if self.rank == 0 and self.fs.exists(path):
+                self.fs.rm(path, recursive=True)  # leftovers of an attempt that never committed
+
+        _agree(clear)
+        _agree(lambda: dcp.save(state, storage_writer=self._writer(self._url(path))))
+
+        def extras() -> None:
+            rng = json.dumps(capture_rng()).encode()
+            write_bytes_atomic(self.fs, join(path, "rng", f"rank-{self.rank:05d}.json"), rng)
+            if self.rank == 0:
+                write_bytes_atomic(self.fs, join(path, TRAIN_STATE), json.dumps(train_state, indent=2).encode())
+
+        _agree(extras)
+        files = _agree(lambda: sorted(self._relative_files(path)))
+        mine = _agree(lambda: {rel: sha256_file(self.fs, join(path, rel)) for rel in files[self.rank :: self.world]})
+        hashes = _all_gather(mine)
+        faults.maybe_kill_during_save(step)
+
+        def commit() -> int:
+            if self.rank != 0:
+                return 0
+            checksums = {rel: digest for part in hashes for rel, digest in part.items()}
+            sizes = {rel: self.fs.size(join(path, rel)) for rel in checksums}
+            record = {
+                "step": step,
+                "world_size": self.world,
+                "contents": sorted(state),
+                "created_unix_s": time.time(),
+                "files": {rel: {"sha256": checksums[rel], "bytes": sizes[rel]} for rel in sorted(checksums)},
+            }
+            write_bytes_atomic(self.fs, join(path, COMMIT), json.dumps(record, indent=2).encode())
+            return sum(sizes.values())
+
+        nbytes = _agree(commit)
+        if self.rank == 0:
+            try:
+                self._prune()
+            except Exception as err:  # noqa: BLE001 - pruning is housekeeping: the checkpoint is committed
+                log.warning("could not prune old checkpoints under %s: %s", self.cfg.url, err)
+        _barrier()
+        return nbytes
 
     def _relative_files(self, path: str) -> list[str]:
         prefix = path.rstrip("/") + "/"
@@ -254,8 +276,13 @@ class CheckpointManager:
         path = self._dir(step)
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
+        contents = commit.get("contents", ["model", "optim"])
+        if "optim" not in contents:
+            del state["optim"]
+            if self.rank == 0:
+                log.warning("checkpoint %s has no optimizer state: the optimizer starts afresh", self._url(path))
         dcp.load(state, storage_reader=self._reader(self._url(path)))
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state.get("optim", optim_sd))
         train_state = json.loads(self.fs.cat_file(join(path, TRAIN_STATE)))
         saved_world = int(commit["world_size"])
         rng_restored = saved_world == self.world
@@ -270,6 +297,22 @@ class CheckpointManager:
                 self.world,
             )
         return Restored(step, self._url(path), train_state, saved_world, rng_restored)
+
+
+class _StorageFailure(RuntimeError):
+    """A storage operation failed on some rank during a save."""
+
+
+def _agree(operation: Any) -> Any:
+    """Run a rank-local storage operation; if it fails on any rank, raise _StorageFailure on every rank."""
+    try:
+        result, error = operation(), None
+    except Exception as err:  # noqa: BLE001 - turned into a collective failure below
+        result, error = None, f"rank {dist.get_rank() if dist.is_initialized() else 0}: {type(err).__name__}: {err}"
+    errors = [e for e in _all_gather(error) if e]
+    if errors:
+        raise _StorageFailure(errors[0])
+    return result
 
 
 def _barrier() -> None:

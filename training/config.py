@@ -232,12 +232,19 @@ class CheckpointConfig(StrictModel):
     verify_checksums: bool = Field(default=True, description="Check sha256 of every file before loading.")
     save_retries: int = Field(default=2, ge=0, description="Retries of a failed save (transient storage errors).")
     save_retry_backoff_s: float = Field(default=1.0, ge=0, description="First retry delay; doubles each retry.")
+    continue_on_save_failure: bool = Field(
+        default=False,
+        description="After the retries, log the lost checkpoint loudly and keep training (false: stop the job).",
+    )
 
 
 class RunConfig(StrictModel):
     """Length, seed, outputs and cadence of the training run."""
 
-    steps: int = Field(ge=1, description="Optimizer steps to train for.")
+    steps: int = Field(ge=1, description="Optimizer steps to train for (the LR schedule spans them).")
+    stop_after_steps: int | None = Field(
+        default=None, ge=1, description="End this launch early at this step, schedule unchanged; None = run.steps."
+    )
     seed: int = Field(default=0, ge=0, description="Seed for init, data order and every RNG.")
     output_url: str = Field(min_length=1, description="Local folder for metrics, ranks.json and sample records.")
     log_every_steps: int = Field(default=10, ge=1, description="Rank 0 logs a line every N steps.")

@@ -36,6 +36,17 @@ class TestFaults(BaseModel):
     )
     crash_at_step: int | None = Field(default=None, description="`crash_rank` raises an exception after this step.")
     crash_rank: int = Field(default=0, ge=0, description="The rank that crashes at crash_at_step.")
+    same_samples_as_rank0: int | None = Field(
+        default=None, ge=1, description="This rank is fed rank 0's samples (breaks data consistency)."
+    )
+    seed_offset_rank: int | None = Field(
+        default=None, ge=0, description="This rank seeds everything (init, data order) with seed + seed_offset."
+    )
+    seed_offset: int = Field(default=1, description="Offset added to the seed of seed_offset_rank.")
+    slow_rank: int | None = Field(default=None, ge=0, description="This rank sleeps slow_step_s in every step.")
+    slow_step_s: float = Field(default=0.2, ge=0, description="Extra compute time per step of slow_rank.")
+    checkpoint_without_optimizer: bool = Field(default=False, description="Checkpoints leave the optimizer out.")
+    nan_at_step: int | None = Field(default=None, ge=1, description="The loss of this step is NaN on every rank.")
 
 
 @functools.cache
@@ -49,10 +60,37 @@ def active() -> TestFaults:
     return faults
 
 
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def seed_for(seed: int) -> int:
+    """The seed this rank uses (another one on seed_offset_rank)."""
+    faults = active()
+    return seed + faults.seed_offset if faults.seed_offset_rank == _rank() else seed
+
+
+def sample_rank(rank: int) -> int:
+    """Whose samples this rank is fed."""
+    return 0 if active().same_samples_as_rank0 == rank else rank
+
+
+def maybe_slow_down() -> None:
+    """Sleep inside the compute part of a step on slow_rank."""
+    faults = active()
+    if faults.slow_rank is not None and faults.slow_rank == _rank():
+        time.sleep(faults.slow_step_s)
+
+
+def loss_poison(step: int) -> float:
+    """1.0, or NaN at nan_at_step."""
+    return float("nan") if active().nan_at_step == step else 1.0
+
+
 def maybe_crash(step: int) -> None:
     """Raise on the chosen rank after `step` when asked to."""
     faults = active()
-    rank = dist.get_rank() if dist.is_initialized() else 0
+    rank = _rank()
     if faults.crash_at_step == step and faults.crash_rank == rank:
         raise RuntimeError(f"test fault: injected crash on rank {rank} after step {step}")
 

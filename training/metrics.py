@@ -37,7 +37,8 @@ class RunOutput:
         if handle is None:
             path = self.dir / name
             path.parent.mkdir(parents=True, exist_ok=True)
-            handle = self._files[name] = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+            # Line-buffered: watchers (stall detection, drills) see every step as it happens.
+            handle = self._files[name] = open(path, "a", encoding="utf-8", buffering=1)  # noqa: SIM115
         handle.write(json.dumps(record) + "\n")
 
     def write_json(self, name: str, data: Any) -> None:

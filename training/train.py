@@ -26,7 +26,7 @@ from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from training import faults
-from training.checkpoint import CheckpointManager
+from training.checkpoint import CheckpointManager, CheckpointSaveError
 from training.config import OptimConfig, TrainConfig
 from training.dataset import DatasetError, TokenDataset
 from training.metrics import CommTimer, RunOutput, peak_memory_bytes
@@ -146,11 +146,12 @@ class Trainer:
                 f"dataset vocab_size={data_vocab} exceeds model.vocab_size={model_cfg.vocab_size}",
                 f"set model.vocab_size >= {data_vocab} or use a dataset of this vocabulary",
             )
+        seed = faults.seed_for(cfg.run.seed)
         self.sampler = GlobalBatchSampler(
-            len(self.train_data), par.micro_batch, par.grad_accum_steps, self.world, self.rank, cfg.run.seed
+            len(self.train_data), par.micro_batch, par.grad_accum_steps, self.world, faults.sample_rank(self.rank), seed
         )
 
-        seed_everything(cfg.run.seed)  # identical initial weights on every rank
+        seed_everything(seed)  # identical initial weights on every rank
         model = Transformer(model_cfg, recompute=par.activation_recompute).to(self.device)
         self.n_params = model.num_params()
         self.comm_timer = CommTimer()
@@ -206,6 +207,23 @@ class Trainer:
                 "resumed from %s at step %d (saved by %d ranks)", restored.path, self.step, restored.saved_world_size
             )
 
+    def _collective_check(self) -> dict[str, Any]:
+        """All-reduce of known values and a broadcast from rank 0 on the real process group."""
+        total = torch.tensor([float(self.rank + 1)], device=self.device)
+        dist.all_reduce(total)
+        expected = self.world * (self.world + 1) / 2
+        payload = (
+            torch.arange(8, dtype=torch.float32, device=self.device) * 7
+            if self.rank == 0
+            else torch.zeros(8, device=self.device)
+        )
+        dist.broadcast(payload, src=0)
+        return {
+            "all_reduce_sum": total.item(),
+            "all_reduce_expected": expected,
+            "broadcast_ok": bool(torch.equal(payload.cpu(), torch.arange(8, dtype=torch.float32) * 7)),
+        }
+
     def _write_ranks(self) -> None:
         me = {
             "rank": self.rank,
@@ -218,6 +236,7 @@ class Trainer:
             "backend": self.backend,
             "restart_count": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
             "resumed_from_step": self.resumed_from,
+            "collective": self._collective_check(),
         }
         everyone: list[Any] = [None] * self.world
         dist.all_gather_object(everyone, me)
@@ -251,6 +270,9 @@ class Trainer:
             data_s += time.perf_counter() - fetch
             with gradient_sync(self.model, enabled=m == accum - 1):
                 loss, aux = self._loss(tokens)
+                loss = loss * faults.loss_poison(self.step + 1)
+                if m == 0:
+                    faults.maybe_slow_down()
                 self.scaler.scale((loss + coef * aux) / accum).backward()
             loss_sum += loss.detach()
             aux_sum += aux.detach()
@@ -325,7 +347,16 @@ class Trainer:
 
     def _save(self) -> None:
         started = time.perf_counter()
-        nbytes = self.checkpoints.save(self.step, self.model, self.optimizer, self._train_state())
+        try:
+            nbytes = self.checkpoints.save(self.step, self.model, self.optimizer, self._train_state())
+        except CheckpointSaveError as err:
+            if not self.cfg.checkpoint.continue_on_save_failure:
+                raise
+            log.error("checkpoint of step %d lost, training goes on (the next save will try again): %s", self.step, err)
+            if self.rank == 0:
+                self.out.append("checkpoints.jsonl", {"step": self.step, "error": str(err)})
+                self.out.sync()
+            return
         if self.rank == 0:
             seconds = time.perf_counter() - started
             log.info("checkpoint step %d: %.1f MB in %.2fs", self.step, nbytes / 1e6, seconds)
@@ -342,12 +373,13 @@ class Trainer:
             )  # fmt: skip
         first_loss = last = None
         last_eval: dict[str, Any] | None = None
-        while self.step < cfg.run.steps:
+        last_step = min(cfg.run.steps, cfg.run.stop_after_steps or cfg.run.steps)
+        while self.step < last_step:
             last = self.train_step()
             first_loss = first_loss if first_loss is not None else last["loss"]
             if not math.isfinite(last["loss"]) and not last["skipped"]:
                 log.error("step %d: loss is %s", self.step, last["loss"])
-            if self.rank == 0 and (self.step % cfg.run.log_every_steps == 0 or self.step == cfg.run.steps):
+            if self.rank == 0 and (self.step % cfg.run.log_every_steps == 0 or self.step == last_step):
                 log.info(
                     "step %d/%d loss %.4f lr %.2e grad_norm %.3f tok/s %.0f mem %.0f MiB",
                     self.step, cfg.run.steps, last["loss"], last["lr"], last["grad_norm"],
@@ -358,7 +390,7 @@ class Trainer:
             if cfg.run.eval_every_steps and self.step % cfg.run.eval_every_steps == 0:
                 last_eval = self.evaluate()
             every = cfg.checkpoint.save_every_steps
-            if every and self.step % every == 0 and self.step < cfg.run.steps:
+            if every and self.step % every == 0 and self.step < last_step:
                 self._save()
             faults.maybe_crash(self.step)
             faults.maybe_pause(self.step)

@@ -110,7 +110,8 @@ class SuiteRunner:
 
     def run(self, name: str, dataframe: Any, expectations: list[Any]) -> tuple[int, list[FailedExpectation]]:
         """Run suite `name` on `dataframe`; each distinct set of expectations gets its own suite."""
-        signature = hashlib.sha256(repr([e.configuration.to_json_dict() for e in expectations]).encode()).hexdigest()[:10]
+        configs = repr([e.configuration.to_json_dict() for e in expectations])
+        signature = hashlib.sha256(configs.encode()).hexdigest()[:10]
         key = f"{name}-{signature}"
         definition = self._definitions.get(key)
         if definition is None:

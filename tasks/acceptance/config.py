@@ -1,0 +1,39 @@
+"""The `acceptance` and `drills` sections of the spec."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from training.config import StrictModel
+from validation.acceptance import AcceptanceThresholds
+
+DrillName = Literal["rank_kill", "kill_during_save", "corrupt_checkpoint", "reshard", "storage_outage"]
+DRILLS: tuple[DrillName, ...] = ("rank_kill", "kill_during_save", "corrupt_checkpoint", "reshard", "storage_outage")
+
+
+class AcceptanceConfig(StrictModel):
+    """How the deployment is accepted."""
+
+    thresholds: AcceptanceThresholds = Field(default_factory=AcceptanceThresholds)
+    steps: int = Field(default=200, ge=10, description="Steps of the distributed acceptance run (and its drills).")
+    save_every_steps: int = Field(default=20, ge=1, description="Checkpoint cadence of the acceptance runs.")
+    reference_steps: int = Field(default=10, ge=2, description="K: steps of the single-process reference.")
+    soak_steps: int | None = Field(default=None, ge=10, description="Nightly: a longer stability run; None = steps.")
+    work_url: str | None = Field(
+        default=None, description="Local folder for acceptance runs; None = 'acceptance' beside run.output_url."
+    )
+    bit_identical_recovery: bool = Field(
+        default=True, description="Recovery must reproduce the uninterrupted losses bit for bit (deterministic CPU)."
+    )
+    job_timeout_s: float = Field(default=3600.0, gt=0, description="Longest any one acceptance job may take.")
+
+
+class DrillConfig(StrictModel):
+    """Checkpoint-restore drills."""
+
+    only: list[DrillName] | None = Field(default=None, description="Run just these drills; None = all.")
+    catch_save_attempts: int = Field(
+        default=8, ge=1, description="kill_during_save: saves to try before giving up on catching one in flight."
+    )

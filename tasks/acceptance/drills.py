@@ -1,0 +1,346 @@
+"""Checkpoint-restore drills: kill a rank, kill during a save, corrupt a checkpoint, reshard, cut the storage.
+
+Each drill runs real jobs through the spec's launcher and reports the recovery
+time (failure to first resumed step), the steps lost, and whether the state
+matched an uninterrupted run of the same job.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tasks.acceptance.config import DRILLS, AcceptanceConfig, DrillConfig
+from tasks.acceptance.outage import TcpProxy
+from tasks.acceptance.workspace import Job, RunOutcome, first_step_time_after, last_step, single_process, variant
+from tasks.cluster import ClusterConfig
+from tasks.errors import UserError
+from training.checkpoint import CheckpointManager, step_dir_name
+from training.config import TrainConfig
+from validation.acceptance import DimensionResult, check_recovery, latest_by_step, read_jsonl
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class DrillResult:
+    """What a drill found."""
+
+    name: str
+    passed: bool | None
+    recovery_s: float | None = None
+    steps_lost: int | None = None
+    state_matched: bool | None = None
+    message: str = ""
+    evidence: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        """As a dict."""
+        return asdict(self)
+
+
+def committed_steps(train: TrainConfig) -> list[int]:
+    """Steps with a committed checkpoint."""
+    manager = CheckpointManager(train.checkpoint, train.storage)
+    return [s for s in manager.steps_on_storage() if manager.read_commit(s) is not None]
+
+
+def _samples(output_dir: Path) -> dict[int, dict[int, dict[str, Any]]]:
+    return {
+        int(p.stem.split("-")[1]): latest_by_step(read_jsonl(p))
+        for p in sorted((output_dir / "samples").glob("*.jsonl"))
+    }
+
+
+class DrillContext:
+    """Shared settings and the uninterrupted reference run the drills compare against."""
+
+    def __init__(
+        self,
+        cluster: ClusterConfig,
+        train: TrainConfig,
+        root: Path,
+        acceptance: AcceptanceConfig,
+        drills: DrillConfig | None = None,
+        env: dict[str, str] | None = None,
+        image: str | None = None,
+        reference: RunOutcome | None = None,
+    ) -> None:
+        self.cluster, self.root, self.acceptance = cluster, root, acceptance
+        self.drills = drills or DrillConfig()
+        self.env, self.image = env or {}, image
+        self.base = variant(
+            train, root, "drill-base", run={"steps": acceptance.steps},
+            checkpoint={"save_every_steps": acceptance.save_every_steps},
+        )  # fmt: skip
+        self._reference = reference
+
+    def train(self, name: str, **sections: dict[str, Any]) -> TrainConfig:
+        """The drill job `name`'s config."""
+        return variant(self.base, self.root, name, **sections)
+
+    def reference(self) -> RunOutcome:
+        """The same job, never interrupted (run on first use)."""
+        if self._reference is None:
+            job = Job(self.cluster, self.train("drill-reference"), "drill-reference", self.env, self.image)
+            self._reference = job.wait(self.acceptance.job_timeout_s)
+            if not self._reference.ok:
+                raise UserError(f"the drills' reference run failed: {self._reference.status.describe()}", "see its log")
+        return self._reference
+
+    def job(self, train: TrainConfig, name: str, cluster: ClusterConfig | None = None) -> Job:
+        """Submit a drill job."""
+        return Job(cluster or self.cluster, train, name, self.env, self.image)
+
+    def recovery(
+        self, resumed: RunOutcome, checkpoint_step: int | None, bit_identical: bool | None = None
+    ) -> DimensionResult:
+        """The resumed run against the reference: resume point, data steps and losses."""
+        ref = self.reference()
+        resumed_from = resumed.ranks()["ranks"][0]["resumed_from_step"]
+        exact = self.acceptance.bit_identical_recovery if bit_identical is None else bit_identical
+        return check_recovery(
+            ref.metrics(), resumed.metrics(), checkpoint_step, resumed_from,
+            _samples(resumed.output_dir) if exact else None, _samples(ref.output_dir) if exact else None, exact,
+        )  # fmt: skip
+
+
+def _finish(name: str, recovery: DimensionResult, t_fail: float, outcome: RunOutcome, steps_lost: int | None,
+            extra: dict[str, Any] | None = None) -> DrillResult:  # fmt: skip
+    resumed_from = recovery.measured["resumed_from_step"]
+    t_first = (
+        first_step_time_after(outcome.output_dir, (resumed_from or 0) + 1, t_fail) if resumed_from is not None else None
+    )
+    return DrillResult(
+        name=name,
+        passed=recovery.passed and outcome.ok,
+        recovery_s=None if t_first is None else t_first - t_fail,
+        steps_lost=steps_lost,
+        state_matched=recovery.passed,
+        message=recovery.message or ("" if outcome.ok else f"the resumed job {outcome.status.describe()}"),
+        evidence={"output_dir": str(outcome.output_dir), "resumed_from_step": resumed_from, **(extra or {})},
+    )
+
+
+def drill_rank_kill(ctx: DrillContext) -> tuple[DrillResult, DimensionResult]:
+    """SIGKILL one rank mid-training; torchrun's restart or a relaunch resumes from the last complete checkpoint."""
+    train = ctx.train("drill-rank-kill")
+    job = ctx.job(train, "drill-rank-kill")
+    first_save = ctx.acceptance.save_every_steps
+    job.wait_until(
+        lambda: job.fresh_ranks() and last_step(job.output_dir) > first_save and first_save in committed_steps(train),
+        "the first checkpoint", ctx.acceptance.job_timeout_s,
+    )  # fmt: skip
+    victim = min(1, ctx.cluster.world_size - 1)
+    job.kill_rank(victim)
+    t_fail = time.time()
+    killed_at = last_step(job.output_dir)
+    checkpoint = max((s for s in committed_steps(train) if s <= killed_at), default=None)
+    outcome = job.wait(ctx.acceptance.job_timeout_s)
+    relaunched = not outcome.ok
+    if relaunched:  # no elastic restart configured (or it gave up): relaunch, as an operator would
+        outcome = ctx.job(train, "drill-rank-kill").wait(ctx.acceptance.job_timeout_s)
+    recovery = ctx.recovery(outcome, checkpoint)
+    result = _finish(
+        "rank_kill", recovery, t_fail, outcome, killed_at - (checkpoint or 0),
+        {"killed_rank": victim, "killed_at_step": killed_at, "checkpoint_step": checkpoint, "relaunched": relaunched},
+    )  # fmt: skip
+    return result, recovery
+
+
+def drill_kill_during_save(ctx: DrillContext) -> DrillResult:
+    """Kill the job while a checkpoint is being written; the partial one is never loaded, the previous one is."""
+    train = ctx.train("drill-kill-during-save")
+    manager = CheckpointManager(train.checkpoint, train.storage)
+    caught, t_fail, killed_at = None, 0.0, 0
+    for _ in range(ctx.drills.catch_save_attempts):
+        job = ctx.job(train, "drill-kill-during-save")
+
+        def in_flight(job: Job = job) -> bool:
+            return job.fresh_ranks() and any(manager.read_commit(s) is None for s in manager.steps_on_storage())
+
+        try:
+            job.wait_until(in_flight, "a save in flight", ctx.acceptance.job_timeout_s, 0.002)
+        except UserError:
+            break  # the job finished without us catching a save: nothing left to try
+        for rank in job.ranks_record()["ranks"]:
+            try:
+                job.kill_rank(rank["rank"])
+            except ProcessLookupError:
+                pass
+        t_fail, killed_at = time.time(), last_step(job.output_dir)
+        job.wait(ctx.acceptance.job_timeout_s)
+        partial = [s for s in manager.steps_on_storage() if manager.read_commit(s) is None]
+        if partial:
+            caught = partial[-1]
+            break
+    if caught is None:
+        return DrillResult("kill_during_save", False, message="could not catch a checkpoint save in flight")
+    previous = max((s for s in committed_steps(train) if s < caught), default=None)
+    relaunch = ctx.job(train, "drill-kill-during-save")
+    outcome = relaunch.wait(ctx.acceptance.job_timeout_s)
+    log_text = Path(relaunch.handle.log_path).read_text(errors="replace")
+    warned = f"skipping partial checkpoint {manager._url(manager._dir(caught))}" in log_text
+    recovery = ctx.recovery(outcome, previous)
+    result = _finish(
+        "kill_during_save", recovery, t_fail, outcome, killed_at - (previous or 0),
+        {"partial_step": caught, "previous_step": previous, "partial_skipped_with_warning": warned},
+    )  # fmt: skip
+    if not warned:
+        result.passed = False
+        result.message = (result.message + "; " if result.message else "") + "no warning named the partial checkpoint"
+    return result
+
+
+def _copy_reference_checkpoints(ctx: DrillContext, target: TrainConfig) -> list[int]:
+    """Copy the reference run's committed checkpoints into `target`'s folder (local checkpoints)."""
+    source = variant(ctx.base, ctx.reference().output_dir.parent.parent, ctx.reference().output_dir.parent.name)
+    src, dst = Path(source.checkpoint.url), Path(target.checkpoint.url)
+    dst.mkdir(parents=True, exist_ok=True)
+    copied = []
+    for step in committed_steps(source):
+        shutil.copytree(src / step_dir_name(step), dst / step_dir_name(step), dirs_exist_ok=True)
+        copied.append(step)
+    return copied
+
+
+def drill_corrupt_checkpoint(ctx: DrillContext) -> DrillResult:
+    """Flip bytes in the newest checkpoint; it is detected by its checksums and skipped; the previous one is used."""
+    train = ctx.train("drill-corrupt")
+    steps = _copy_reference_checkpoints(ctx, train)
+    if len(steps) < 2:
+        return DrillResult("corrupt_checkpoint", False, message="the reference run left fewer than 2 checkpoints")
+    newest = Path(train.checkpoint.url) / step_dir_name(steps[-1])
+    shard = sorted(newest.glob("*.distcp"))[0]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    t_fail = time.time()
+    job = ctx.job(train, "drill-corrupt")
+    outcome = job.wait(ctx.acceptance.job_timeout_s)
+    warned = f"skipping corrupt checkpoint {newest}" in Path(job.handle.log_path).read_text(errors="replace")
+    recovery = ctx.recovery(outcome, steps[-2])
+    result = _finish(
+        "corrupt_checkpoint", recovery, t_fail, outcome, steps[-1] - steps[-2],
+        {"corrupted": str(shard), "detected_and_skipped": warned},
+    )  # fmt: skip
+    if not warned:
+        result.passed = False
+        result.message = (result.message + "; " if result.message else "") + "the corrupt checkpoint was not reported"
+    return result
+
+
+def drill_reshard(ctx: DrillContext) -> DrillResult:
+    """Restore a checkpoint of N ranks on one rank (global batch kept): model and optimizer state carry over."""
+    if ctx.cluster.world_size < 2:
+        return DrillResult("reshard", None, message="needs a world size of 2 or more to reshard from")
+    reference = ctx.reference()
+    one_cluster, sections = single_process(ctx.cluster, ctx.base)
+    train = ctx.train("drill-reshard", **sections)
+    steps = _copy_reference_checkpoints(ctx, train)
+    midpoint = steps[len(steps) // 2 - 1] if len(steps) >= 2 else None
+    if midpoint is None:
+        return DrillResult("reshard", False, message="the reference run left fewer than 2 checkpoints")
+    for step in steps:
+        if step > midpoint:
+            shutil.rmtree(Path(train.checkpoint.url) / step_dir_name(step))
+    t_fail = time.time()
+    job = ctx.job(train, "drill-reshard", cluster=one_cluster)
+    outcome = job.wait(ctx.acceptance.job_timeout_s)
+    resharded = "model and optimizer resharded" in Path(job.handle.log_path).read_text(errors="replace")
+    recovery = ctx.recovery(outcome, midpoint, bit_identical=False)
+    result = _finish(
+        "reshard", recovery, t_fail, outcome, 0,
+        {"from_world_size": ctx.cluster.world_size, "to_world_size": 1, "checkpoint_step": midpoint,
+         "reshard_reported": resharded, "reference_world_size": reference.ranks()["world_size"]},
+    )  # fmt: skip
+    if not resharded:
+        result.passed = False
+    return result
+
+
+def drill_storage_outage(ctx: DrillContext) -> DrillResult:
+    """Cut the object store during a save: retried, then lost loudly; training goes on; the next save succeeds."""
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        os.environ.setdefault(key, "drill")
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    proxy = TcpProxy(*server.get_host_and_port())
+    try:
+        boto3.client("s3", endpoint_url=proxy.url, region_name="us-east-1").create_bucket(Bucket="tdeploy-drill")
+        train = ctx.train(
+            "drill-storage-outage",
+            checkpoint={"url": "s3://tdeploy-drill/checkpoints", "continue_on_save_failure": True,
+                        "save_retries": 1, "save_retry_backoff_s": 0.5},
+            storage={"s3_endpoint_url": proxy.url, "options": {"config_kwargs": {"retries": {"max_attempts": 1}}}},
+        )  # fmt: skip
+        job = ctx.job(train, "drill-storage-outage")
+        every = ctx.acceptance.save_every_steps
+        job.wait_until(
+            lambda: every in committed_steps(train), "the first checkpoint on S3", ctx.acceptance.job_timeout_s
+        )
+        proxy.down()
+        t_down = time.time()
+        log_file = job.output_dir / "checkpoints.jsonl"
+
+        def failed_saves() -> list[dict[str, Any]]:
+            return [r for r in read_jsonl(log_file) if "error" in r and r.get("step", 0) > every]
+
+        job.wait_until(lambda: bool(failed_saves()), "a save to fail during the outage", ctx.acceptance.job_timeout_s)
+        lost = failed_saves()[0]["step"]
+        proxy.up()
+        t_up = time.time()
+        job.wait_until(lambda: any(s > lost for s in committed_steps(train)), "a save after the outage",
+                       ctx.acceptance.job_timeout_s)  # fmt: skip
+        t_back = time.time()
+        outcome = job.wait(ctx.acceptance.job_timeout_s)
+        ref = ctx.reference().metrics()
+        got = outcome.metrics()
+        matched = outcome.ok and all(got[s]["loss"] == ref[s]["loss"] for s in ref if s in got) and set(got) == set(ref)
+        lost_committed = lost in committed_steps(train)
+        return DrillResult(
+            "storage_outage",
+            passed=outcome.ok and matched and not lost_committed,
+            recovery_s=t_back - t_up,
+            steps_lost=0,
+            state_matched=matched,
+            message="" if outcome.ok and matched and not lost_committed else
+            f"job {outcome.status.describe()}; losses match: {matched}; lost save committed: {lost_committed}",
+            evidence={"outage_s": t_up - t_down, "failed_save_step": lost, "error": failed_saves()[0]["error"][:300]},
+        )  # fmt: skip
+    finally:
+        proxy.close()
+        server.stop()
+
+
+def run_drills(ctx: DrillContext, only: list[str] | None = None,
+               on_result: Callable[[DrillResult], None] | None = None) -> list[DrillResult]:  # fmt: skip
+    """Run the chosen drills (all by default) and return their results."""
+    chosen = only or ctx.drills.only or list(DRILLS)
+    results = []
+    for name in DRILLS:
+        if name not in chosen:
+            continue
+        log.info("drill %s", name)
+        if name == "rank_kill":
+            result = drill_rank_kill(ctx)[0]
+        else:
+            result = {
+                "kill_during_save": drill_kill_during_save,
+                "corrupt_checkpoint": drill_corrupt_checkpoint,
+                "reshard": drill_reshard,
+                "storage_outage": drill_storage_outage,
+            }[name](ctx)
+        results.append(result)
+        if on_result:
+            on_result(result)
+    return results

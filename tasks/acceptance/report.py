@@ -1,0 +1,104 @@
+"""acceptance.json, a JUnit XML file, and the loss-curve plot."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+from xml.etree import ElementTree as ET
+
+from tasks.acceptance.suite import AcceptanceReport
+from validation.acceptance import latest_by_step, read_jsonl
+
+
+def write_json(report: AcceptanceReport, path: Path) -> Path:
+    """acceptance.json."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report.to_json(), indent=2, default=str))
+    return path
+
+
+def write_junit(report: AcceptanceReport, path: Path) -> Path:
+    """One test case per dimension and per drill, so CI systems show each."""
+    cases: list[tuple[str, str, bool | None, str, dict[str, Any]]] = [
+        ("acceptance", d.name, d.passed, d.message, {"measured": d.measured, "threshold": d.threshold})
+        for d in report.dimensions
+    ]
+    cases += [
+        ("drills", d.name, d.passed, d.message, {"recovery_s": d.recovery_s, "steps_lost": d.steps_lost})
+        for d in report.drills
+    ]
+    failures = sum(1 for c in cases if c[2] is False)
+    skipped = sum(1 for c in cases if c[2] is None)
+    suite = ET.Element(
+        "testsuite", name="tdeploy-acceptance", tests=str(len(cases)), failures=str(failures), skipped=str(skipped)
+    )
+    for classname, name, passed, message, details in cases:
+        case = ET.SubElement(suite, "testcase", classname=classname, name=name)
+        ET.SubElement(case, "system-out").text = json.dumps(details, default=str)
+        if passed is False:
+            ET.SubElement(case, "failure", message=message or "failed").text = message
+        elif passed is None:
+            ET.SubElement(case, "skipped", message=message)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    ET.ElementTree(suite).write(path, encoding="utf-8", xml_declaration=True)
+    return path
+
+
+def plot_losses(report: AcceptanceReport, path: Path) -> Path:
+    """The distributed run's loss against the single-process reference, resumption points marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=110)
+    for label, key, style in (("distributed", "distributed", "-"), ("single-process reference", "reference", "--")):
+        folder = report.runs.get(key)
+        if not folder:
+            continue
+        metrics = latest_by_step(read_jsonl(Path(folder) / "metrics" / "rank-00000.jsonl"))
+        steps = sorted(s for s in metrics if math.isfinite(metrics[s]["loss"]))
+        ax.plot(steps, [metrics[s]["loss"] for s in steps], style, label=label)
+    for drill in report.drills:
+        resumed = drill.evidence.get("resumed_from_step")
+        if resumed is not None:
+            ax.axvline(resumed, color="tab:red", alpha=0.4, linestyle=":")
+            ax.annotate(f"{drill.name} resumed", (resumed, ax.get_ylim()[1]), rotation=90, va="top", fontsize=7)
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss")
+    ax.set_title("Acceptance: distributed vs single-process reference")
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def table_rows(report: AcceptanceReport) -> list[dict[str, Any]]:
+    """Rows for a Prefect table artifact or a terminal table."""
+    rows = [
+        {
+            "check": d.name,
+            "verdict": "pass" if d.passed else "FAIL",
+            "measured": json.dumps(d.measured, default=str)[:160],
+            "threshold": json.dumps(d.threshold, default=str)[:100],
+            "look first": d.look_first or d.message,
+        }
+        for d in report.dimensions
+    ]
+    rows += [
+        {
+            "check": f"drill: {d.name}",
+            "verdict": {True: "pass", False: "FAIL", None: "n/a"}[d.passed],
+            "measured": f"recovery {d.recovery_s:.1f}s, steps lost {d.steps_lost}, state matched {d.state_matched}"
+            if d.recovery_s is not None
+            else f"state matched {d.state_matched}",
+            "threshold": "resume from last complete checkpoint",
+            "look first": d.message,
+        }
+        for d in report.drills
+    ]
+    return rows

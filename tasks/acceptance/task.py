@@ -1,0 +1,83 @@
+"""Prefect tasks `run_acceptance` and `run_drills`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from prefect import get_run_logger, task
+from prefect.artifacts import create_table_artifact
+
+from tasks.acceptance.config import AcceptanceConfig, DrillConfig
+from tasks.acceptance.drills import DrillContext
+from tasks.acceptance.drills import run_drills as run_drill_list
+from tasks.acceptance.report import plot_losses, table_rows, write_json, write_junit
+from tasks.acceptance.suite import AcceptanceReport
+from tasks.acceptance.suite import run_acceptance as run_acceptance_suite
+from tasks.cluster import ClusterConfig
+from tasks.errors import UserError, retry_on_transient
+from training.config import TrainConfig
+
+
+class AcceptanceFailed(UserError):
+    """A dimension or drill failed; the report says which and what to look at first."""
+
+
+def publish(report: AcceptanceReport, root: Path, key: str) -> dict[str, Any]:
+    """Write acceptance.json, junit.xml and the loss plot; publish the table; return a small summary."""
+    paths = {
+        "json": str(write_json(report, root / "acceptance.json")),
+        "junit": str(write_junit(report, root / "junit.xml")),
+        "plot": str(plot_losses(report, root / "loss_curve.png")) if report.runs else None,
+    }
+    create_table_artifact(key=key, table=table_rows(report), description=f"verdict: {report.to_json()['verdict']}")
+    return {"verdict": report.to_json()["verdict"], "files": paths, "report": report.to_json()}
+
+
+@task(name="run_acceptance", retries=1, retry_delay_seconds=30, retry_condition_fn=retry_on_transient)
+def run_acceptance(
+    cluster: ClusterConfig,
+    train: TrainConfig,
+    acceptance: AcceptanceConfig,
+    root: str,
+    image: str | None = None,
+    soak: bool = False,
+    drills: DrillConfig | None = None,
+    with_drills: bool = False,
+    env: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    """Run the acceptance suite (optionally with the drills); fails when any dimension fails."""
+    logger = get_run_logger()
+    report = run_acceptance_suite(cluster, train, acceptance, Path(root), env, image, soak, drills, with_drills)
+    summary = publish(report, Path(root), "acceptance")
+    for row in table_rows(report):
+        logger.info("%s: %s %s", row["check"], row["verdict"], row["look first"])
+    if not report.passed:
+        failed = [d.name for d in report.dimensions if not d.passed] + [
+            d.name for d in report.drills if d.passed is False
+        ]
+        raise AcceptanceFailed(f"acceptance failed: {', '.join(failed)}", f"see {summary['files']['json']}")
+    return summary
+
+
+@task(name="run_drills", retries=1, retry_delay_seconds=30, retry_condition_fn=retry_on_transient)
+def run_drills(
+    cluster: ClusterConfig,
+    train: TrainConfig,
+    acceptance: AcceptanceConfig,
+    drills: DrillConfig,
+    root: str,
+    only: list[str] | None = None,
+    image: str | None = None,
+    env: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    """Run the checkpoint-restore drills; fails when a drill fails."""
+    logger = get_run_logger()
+    ctx = DrillContext(cluster, train, Path(root), acceptance, drills, env, image)
+    results = run_drill_list(ctx, only, on_result=lambda r: logger.info("drill %s: %s %s", r.name, r.passed, r.message))
+    report = AcceptanceReport([], results, {})
+    summary = publish(report, Path(root) / "drills", "drills")
+    if any(r.passed is False for r in results):
+        failed = [r.name for r in results if r.passed is False]
+        raise AcceptanceFailed(f"drills failed: {', '.join(failed)}", f"see {summary['files']['json']}")
+    return summary

@@ -1,0 +1,122 @@
+"""The acceptance suite and the drills on CPU with gloo, 2 ranks, the tiny model, through the local launcher.
+
+The suite must pass a clean run and fail each dimension when a test-only fault breaks it.
+Performance thresholds here are loose on purpose (no timing thresholds in tests): two ranks share two cores
+with everything else in CI; the slow-rank fault adds 0.3 s to steps of about 10 ms.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from xml.etree import ElementTree as ET
+
+import pytest
+
+from tasks.acceptance.config import AcceptanceConfig
+from tasks.acceptance.drills import DrillContext, drill_rank_kill, run_drills
+from tasks.acceptance.report import plot_losses, write_json, write_junit
+from tasks.acceptance.suite import judge, run_acceptance
+from tasks.acceptance.workspace import Job, single_process, variant
+from training.faults import ENV_VAR
+
+pytestmark = pytest.mark.integration
+
+LOOSE = {"scaling_efficiency_min": 0.01, "comm_share_max": 1.0, "correctness_max_rel_deviation": 1e-4}
+
+
+def _acceptance(**overrides) -> AcceptanceConfig:  # noqa: ANN003
+    return AcceptanceConfig.model_validate({"thresholds": LOOSE, "steps": 40, "save_every_steps": 10, **overrides})
+
+
+def _faulty_judgement(make_spec, tmp_path: Path, faults: dict, acceptance: AcceptanceConfig | None = None) -> dict:
+    """A distributed run with `faults` and a clean reference, judged; returns dimension name -> result."""
+    acceptance = acceptance or _acceptance()
+    spec = make_spec()
+    train = spec.training_config()
+    env = {ENV_VAR: json.dumps(faults)}
+    dist_train = variant(train, tmp_path, "dist", run={"steps": acceptance.steps})
+    dist = Job(spec.cluster, dist_train, "dist", env, None).wait(600, acceptance.thresholds.stall_timeout_s)
+    one, sections = single_process(spec.cluster, train)
+    ref_run = {**sections["run"], "steps": acceptance.steps, "stop_after_steps": 10}
+    ref_train = variant(train, tmp_path, "ref", **{**sections, "run": ref_run})
+    reference = Job(one, ref_train, "ref", None, None).wait(600)
+    return {d.name: d for d in judge(spec.cluster, dist_train, acceptance, dist, reference)}
+
+
+def test_clean_run_passes_every_dimension_and_writes_the_reports(make_spec, tmp_path: Path) -> None:
+    spec = make_spec()
+    report = run_acceptance(spec.cluster, spec.training_config(), _acceptance(steps=200, save_every_steps=20), tmp_path)
+    verdicts = {d.name: (d.passed, d.message) for d in report.dimensions}
+    assert all(passed for passed, _ in verdicts.values()), verdicts
+    assert set(verdicts) == {"connectivity", "correctness", "performance", "stability", "data_consistency", "recovery"}
+    (kill,) = report.drills
+    assert kill.name == "rank_kill" and kill.passed and kill.state_matched and kill.recovery_s > 0
+    perf = next(d for d in report.dimensions if d.name == "performance")
+    assert 0 < perf.measured["scaling_efficiency"] and perf.measured["slow_rank"] is None
+
+    data = json.loads(write_json(report, tmp_path / "acceptance.json").read_text())
+    assert data["verdict"] == "passed" and len(data["dimensions"]) == 6
+    suite = ET.parse(write_junit(report, tmp_path / "junit.xml")).getroot()
+    assert suite.get("tests") == "7" and suite.get("failures") == "0"
+    assert plot_losses(report, tmp_path / "loss.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_two_ranks_fed_the_same_samples_fail_data_consistency(make_spec, tmp_path: Path) -> None:
+    dims = _faulty_judgement(make_spec, tmp_path, {"same_samples_as_rank0": 1})
+    assert not dims["data_consistency"].passed
+    assert "ranks 0 and 1 share" in dims["data_consistency"].message
+    assert dims["connectivity"].passed and dims["stability"].passed
+
+
+def test_a_rank_seeded_differently_fails_correctness(make_spec, tmp_path: Path) -> None:
+    dims = _faulty_judgement(make_spec, tmp_path, {"seed_offset_rank": 1, "seed_offset": 99})
+    assert not dims["correctness"].passed
+    assert dims["correctness"].measured["max_rel_deviation"] > 1e-4
+    assert "data order and seeds per rank" in dims["correctness"].look_first
+
+
+def test_a_slow_rank_fails_performance_and_is_named(make_spec, tmp_path: Path) -> None:
+    dims = _faulty_judgement(make_spec, tmp_path, {"slow_rank": 1, "slow_step_s": 0.3})
+    perf = dims["performance"]
+    assert not perf.passed and perf.measured["slow_rank"] == 1
+    assert "rank 1 computes" in perf.message and "rank 1's host" in perf.look_first
+
+
+def test_nan_at_step_k_fails_stability_at_step_k(make_spec, tmp_path: Path) -> None:
+    dims = _faulty_judgement(make_spec, tmp_path, {"nan_at_step": 7})
+    assert not dims["stability"].passed
+    assert dims["stability"].measured["first_bad_step"] == 7 and "loss is nan at step 7" in dims["stability"].message
+
+
+def test_a_hang_is_caught_by_the_stall_watchdog(make_spec, tmp_path: Path) -> None:
+    acceptance = _acceptance(thresholds={**LOOSE, "stall_timeout_s": 5})
+    dims = _faulty_judgement(make_spec, tmp_path, {"pause_after_step": 12}, acceptance)
+    stability = dims["stability"]
+    assert not stability.passed and stability.measured["first_bad_step"] == 12
+    assert "no progress for 5s after step 12 (a hang)" in stability.message
+
+
+def test_a_checkpoint_without_optimizer_state_fails_recovery(make_spec, tmp_path: Path) -> None:
+    spec = make_spec()
+    acceptance = _acceptance(steps=200, save_every_steps=20)
+    env = {ENV_VAR: json.dumps({"checkpoint_without_optimizer": True})}
+    ctx = DrillContext(spec.cluster, spec.training_config(), tmp_path, acceptance, env=env)
+    result, recovery = drill_rank_kill(ctx)
+    assert not recovery.passed and not result.passed
+    assert "differs from the uninterrupted run" in recovery.message
+
+
+def test_every_drill_recovers_with_state_matching(make_spec, tmp_path: Path) -> None:
+    spec = make_spec()
+    ctx = DrillContext(spec.cluster, spec.training_config(), tmp_path, _acceptance(steps=200, save_every_steps=20))
+    results = {r.name: r for r in run_drills(ctx)}
+    assert set(results) == {"rank_kill", "kill_during_save", "corrupt_checkpoint", "reshard", "storage_outage"}
+    for name, result in results.items():
+        assert result.passed, (name, result.message, result.evidence)
+        assert result.state_matched, name
+    assert results["kill_during_save"].evidence["partial_skipped_with_warning"]
+    assert results["corrupt_checkpoint"].evidence["detected_and_skipped"]
+    assert results["reshard"].evidence["to_world_size"] == 1
+    assert results["storage_outage"].evidence["failed_save_step"] > 20
+    assert all(r.recovery_s is not None and r.recovery_s >= 0 for r in results.values())

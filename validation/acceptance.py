@@ -1,0 +1,392 @@
+"""The six acceptance dimensions as plain functions over run artifacts (ranks.json, metrics, sample records).
+
+Every check returns a `DimensionResult`: passed or not, the measured value, the
+threshold, the evidence (files, steps), and when it fails, what to look at first.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field
+
+from training.config import StrictModel
+from training.sampler import GlobalBatchSampler
+
+
+class AcceptanceThresholds(StrictModel):
+    """Pass thresholds of the acceptance dimensions."""
+
+    correctness_max_rel_deviation: float = Field(
+        default=1e-3, gt=0, description="Largest relative loss deviation from the single-process reference."
+    )
+    scaling_efficiency_min: float = Field(
+        default=0.7, gt=0, le=1.5, description="Smallest T_N / (N * T_1) (throughput of N ranks vs one)."
+    )
+    comm_share_max: float = Field(default=0.5, gt=0, le=1, description="Largest share of step time in communication.")
+    gpu_utilization_min: float = Field(default=0.7, gt=0, le=1, description="GPUs: smallest mean utilisation.")
+    gpu_memory_max: float = Field(default=0.9, gt=0, le=1, description="GPUs: largest share of device memory used.")
+    loss_spike_factor: float = Field(default=3.0, gt=1, description="A loss above factor x recent median is a spike.")
+    loss_spike_window_steps: int = Field(default=10, ge=2, description="Steps in the median a spike is judged by.")
+    stall_timeout_s: float = Field(default=300.0, gt=0, description="No step progress for this long is a hang.")
+    warmup_steps_ignored: int = Field(default=2, ge=0, description="First steps left out of throughput figures.")
+
+
+@dataclass
+class DimensionResult:
+    """One dimension's verdict."""
+
+    name: str
+    passed: bool
+    measured: Any
+    threshold: Any
+    evidence: dict[str, Any] = field(default_factory=dict)
+    message: str = ""
+    look_first: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        """As a dict."""
+        return asdict(self)
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """JSON lines of a file ([] when it does not exist)."""
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def latest_by_step(records: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    """One record per step; when a step ran again after a resume, the later attempt wins."""
+    return {r["step"]: r for r in records}
+
+
+def rank_metrics(output_dir: Path) -> dict[int, dict[int, dict[str, Any]]]:
+    """rank -> step -> metrics record."""
+    out = {}
+    for path in sorted((output_dir / "metrics").glob("rank-*.jsonl")):
+        out[int(path.stem.split("-")[1])] = latest_by_step(read_jsonl(path))
+    return out
+
+
+# ---- connectivity ---------------------------------------------------------------------------
+
+
+def check_connectivity(output_dir: Path, expected_world: int) -> DimensionResult:
+    """World size, ranks 0..N-1 once each, local ranks consistent per host, collectives right."""
+    path = output_dir / "ranks.json"
+    if not path.exists():
+        return DimensionResult(
+            "connectivity", False, None, expected_world, {"file": str(path)}, "ranks.json was never written",
+            "the job did not get through rendezvous: check the node checks (ports, hostnames) and the job log",
+        )  # fmt: skip
+    data = json.loads(path.read_text())
+    ranks = data["ranks"]
+    problems = []
+    if data["world_size"] != expected_world:
+        problems.append(f"world size {data['world_size']}, the spec says {expected_world}")
+    seen = sorted(r["rank"] for r in ranks)
+    if seen != list(range(expected_world)):
+        problems.append(f"ranks {seen}, expected each of 0..{expected_world - 1} once")
+    by_host: dict[str, list[int]] = defaultdict(list)
+    for r in ranks:
+        by_host[r["host"]].append(r["local_rank"])
+    for host, local in by_host.items():
+        if sorted(local) != list(range(len(local))):
+            problems.append(f"host {host} has local ranks {sorted(local)}")
+    bad_collectives = [
+        r["rank"]
+        for r in ranks
+        if r.get("collective") is None
+        or r["collective"]["all_reduce_sum"] != r["collective"]["all_reduce_expected"]
+        or not r["collective"]["broadcast_ok"]
+    ]
+    if bad_collectives:
+        problems.append(f"collective sanity check wrong on ranks {bad_collectives}")
+    return DimensionResult(
+        "connectivity",
+        not problems,
+        {"world_size": data["world_size"], "hosts": {h: len(v) for h, v in by_host.items()}},
+        {"world_size": expected_world},
+        {"file": str(path), "backend": sorted({r["backend"] for r in ranks})},
+        "; ".join(problems),
+        "the rendezvous and the network: node-check findings on ports and hostname resolution" if problems else "",
+    )
+
+
+# ---- correctness ----------------------------------------------------------------------------
+
+
+def check_correctness(
+    distributed: dict[int, dict[str, Any]], reference: dict[int, dict[str, Any]], max_rel: float
+) -> DimensionResult:
+    """Every step's loss within max_rel of the single-process reference (same data, seed, global batch)."""
+    steps = sorted(set(distributed) & set(reference))
+    if not steps:
+        return DimensionResult(
+            "correctness", False, None, max_rel, {}, "no common steps to compare", "the two runs' metrics"
+        )
+    deviations = {
+        s: abs(distributed[s]["loss"] - reference[s]["loss"]) / max(abs(reference[s]["loss"]), 1e-12) for s in steps
+    }
+    worst = max(deviations, key=lambda s: deviations[s] if math.isfinite(deviations[s]) else math.inf)
+    value = deviations[worst]
+    passed = all(math.isfinite(d) and d <= max_rel for d in deviations.values())
+    first_bad = next((s for s in steps if not (math.isfinite(deviations[s]) and deviations[s] <= max_rel)), None)
+    return DimensionResult(
+        "correctness",
+        passed,
+        {"max_rel_deviation": value, "worst_step": worst},
+        {"max_rel_deviation": max_rel},
+        {"steps_compared": [steps[0], steps[-1]], "first_failing_step": first_bad},
+        "" if passed else f"loss deviates from the reference by {value:.3g} (relative) at step {worst}",
+        "" if passed else "data order and seeds per rank (sampler records), then gradient averaging and precision",
+    )
+
+
+# ---- performance ----------------------------------------------------------------------------
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def check_performance(
+    distributed: dict[int, dict[int, dict[str, Any]]],
+    reference: dict[int, dict[str, Any]],
+    world: int,
+    limits: AcceptanceThresholds,
+    gpu: dict[str, float] | None = None,
+) -> DimensionResult:
+    """Scaling efficiency, communication share (and GPU utilisation/memory); names a rank that lags."""
+    skip = limits.warmup_steps_ignored
+    rank0 = distributed.get(0, {})
+    steps = [s for s in sorted(rank0) if s > skip]
+    ref_steps = [s for s in sorted(reference) if s > skip]
+    tokens_n = _median([rank0[s]["tokens_per_s"] for s in steps])
+    tokens_1 = _median([reference[s]["tokens_per_s"] for s in ref_steps])
+    efficiency = tokens_n / (world * tokens_1) if tokens_1 > 0 else float("nan")
+    shares = {
+        rank: _median(
+            [m[s]["comm_s"] / m[s]["step_time_s"] for s in steps if s in m and m[s].get("comm_s") is not None]
+        )
+        for rank, m in distributed.items()
+    }
+    comm_share = max((v for v in shares.values() if math.isfinite(v)), default=float("nan"))
+    compute = {rank: _median([m[s]["compute_s"] for s in steps if s in m]) for rank, m in distributed.items()}
+    data_wait = {
+        rank: _median([m[s]["data_wait_s"] / m[s]["step_time_s"] for s in steps if s in m])
+        for rank, m in distributed.items()
+    }
+    failures, look = [], []
+    if not (efficiency >= limits.scaling_efficiency_min):
+        failures.append(f"scaling efficiency {efficiency:.2f} < {limits.scaling_efficiency_min}")
+    if math.isfinite(comm_share) and comm_share > limits.comm_share_max:
+        failures.append(f"communication share {comm_share:.2f} > {limits.comm_share_max}")
+    if gpu:
+        if gpu.get("utilization", 1.0) < limits.gpu_utilization_min:
+            failures.append(f"GPU utilisation {gpu['utilization']:.2f} < {limits.gpu_utilization_min}")
+        if gpu.get("memory_fraction", 0.0) > limits.gpu_memory_max:
+            failures.append(f"GPU memory {gpu['memory_fraction']:.2f} > {limits.gpu_memory_max}")
+    slow_rank = None
+    if len(compute) > 1:
+        slowest = max(compute, key=lambda r: compute[r])
+        others = _median([v for r, v in compute.items() if r != slowest])
+        if compute[slowest] > 2 * others and compute[slowest] - others > 0.01:
+            slow_rank = slowest
+            failures.append(
+                f"rank {slowest} computes {compute[slowest]:.3f} s/step against {others:.3f} s on the others; "
+                "they wait for it in the all-reduce"
+            )
+    if failures:
+        look.append(
+            "the communication share, then data-loader wait" if slow_rank is None else f"rank {slow_rank}'s host"
+        )
+        if max(data_wait.values(), default=0) > 0.2:
+            look.append("data-loader wait is high: more workers, prefetch, larger record files")
+    return DimensionResult(
+        "performance",
+        not failures,
+        {
+            "scaling_efficiency": efficiency,
+            "tokens_per_s": tokens_n,
+            "tokens_per_s_per_rank": tokens_n / world if world else None,
+            "reference_tokens_per_s": tokens_1,
+            "comm_share": comm_share,
+            "comm_share_per_rank": shares,
+            "compute_s_per_rank": compute,
+            "data_wait_share_per_rank": data_wait,
+            "slow_rank": slow_rank,
+            **({"gpu": gpu} if gpu else {}),
+        },
+        {"scaling_efficiency_min": limits.scaling_efficiency_min, "comm_share_max": limits.comm_share_max},
+        {"steps": [steps[0], steps[-1]] if steps else []},
+        "; ".join(failures),
+        "; ".join(look),
+    )
+
+
+# ---- stability ------------------------------------------------------------------------------
+
+
+def check_stability(
+    metrics: dict[int, dict[str, Any]],
+    limits: AcceptanceThresholds,
+    exit_ok: bool,
+    exit_reason: str = "",
+    stalled_after_step: int | None = None,
+) -> DimensionResult:
+    """No abnormal exit, NaN/Inf loss, loss spike or stall."""
+    problems, first_bad = [], None
+    if not exit_ok:
+        problems.append(f"abnormal exit: {exit_reason}")
+    if stalled_after_step is not None:
+        problems.append(f"no progress for {limits.stall_timeout_s:.0f}s after step {stalled_after_step} (a hang)")
+        first_bad = stalled_after_step
+    recent: list[float] = []
+    for step in sorted(metrics):
+        loss = metrics[step]["loss"]
+        if not math.isfinite(loss):
+            problems.append(f"loss is {loss} at step {step}")
+            first_bad = step if first_bad is None else min(first_bad, step)
+            break
+        window = recent[-limits.loss_spike_window_steps :]
+        if len(window) >= limits.loss_spike_window_steps and loss > limits.loss_spike_factor * statistics.median(
+            window
+        ):
+            median = statistics.median(window)
+            problems.append(f"loss spike at step {step}: {loss:.3f} > {limits.loss_spike_factor} x median {median:.3f}")
+            first_bad = step if first_bad is None else min(first_bad, step)
+            break
+        recent.append(loss)
+    steps = sorted(metrics)
+    return DimensionResult(
+        "stability",
+        not problems,
+        {"steps": len(steps), "first_bad_step": first_bad},
+        {"loss_spike_factor": limits.loss_spike_factor, "stall_timeout_s": limits.stall_timeout_s},
+        {"steps": [steps[0], steps[-1]] if steps else []},
+        "; ".join(problems),
+        "" if not problems else "the learning rate against the batch size, then the data around the first bad step",
+    )
+
+
+# ---- data consistency -----------------------------------------------------------------------
+
+
+def check_data_consistency(
+    output_dir: Path, n_samples: int, micro_batch: int, grad_accum_steps: int, world: int, seed: int
+) -> DimensionResult:
+    """Per epoch: ranks' samples pairwise disjoint and their union the epoch; steps contiguous across resumes."""
+    per_rank = {}
+    for path in sorted((output_dir / "samples").glob("rank-*.jsonl")):
+        per_rank[int(path.stem.split("-")[1])] = latest_by_step(read_jsonl(path))
+    problems = []
+    if sorted(per_rank) != list(range(world)):
+        problems.append(f"sample records of ranks {sorted(per_rank)}, expected 0..{world - 1}")
+    sampler = GlobalBatchSampler(n_samples, micro_batch, grad_accum_steps, world, 0, seed)
+    steps_per_epoch = n_samples // sampler.global_batch
+    all_steps = sorted(set().union(*(set(r) for r in per_rank.values()))) if per_rank else []
+    if all_steps and all_steps != list(range(all_steps[0], all_steps[-1] + 1)):
+        missing = sorted(set(range(all_steps[0], all_steps[-1] + 1)) - set(all_steps))
+        problems.append(f"steps missing from the sample records: {missing[:10]}")
+    epochs_checked = []
+    for epoch in sorted({rec["epoch"] for recs in per_rank.values() for rec in recs.values()}):
+        sets = {}
+        for rank, recs in per_rank.items():
+            indices = [i for rec in recs.values() if rec["epoch"] == epoch for i in rec["indices"]]
+            if len(indices) != len(set(indices)):
+                problems.append(f"epoch {epoch}: rank {rank} saw a sample twice")
+            sets[rank] = set(indices)
+        ranks = sorted(sets)
+        for a_pos, a in enumerate(ranks):
+            for b in ranks[a_pos + 1 :]:
+                overlap = sets[a] & sets[b]
+                if overlap:
+                    problems.append(f"epoch {epoch}: ranks {a} and {b} share {len(overlap)} samples")
+        steps_in_epoch = {s for recs in per_rank.values() for s, rec in recs.items() if rec["epoch"] == epoch}
+        if len(steps_in_epoch) == steps_per_epoch:  # only whole epochs can be checked for coverage
+            union = set().union(*sets.values())
+            expected = set(sampler.epoch_samples(epoch).tolist())
+            if union != expected:
+                problems.append(
+                    f"epoch {epoch}: ranks together saw {len(union)} of the epoch's {len(expected)} samples"
+                )
+            epochs_checked.append(epoch)
+    return DimensionResult(
+        "data_consistency",
+        not problems,
+        {"epochs_complete_checked": epochs_checked, "steps": [all_steps[0], all_steps[-1]] if all_steps else []},
+        {"overlap": 0, "coverage": "whole epoch"},
+        {"records": str(output_dir / "samples")},
+        "; ".join(problems[:5]),
+        "" if not problems else "the sampler's rank and seed on every rank, then the resume position",
+    )
+
+
+# ---- recovery -------------------------------------------------------------------------------
+
+
+def check_recovery(
+    reference: dict[int, dict[str, Any]],
+    resumed: dict[int, dict[str, Any]],
+    checkpoint_step: int | None,
+    resumed_from_step: int | None,
+    resumed_samples: dict[int, dict[int, dict[str, Any]]] | None = None,
+    reference_samples: dict[int, dict[int, dict[str, Any]]] | None = None,
+    bit_identical: bool = True,
+) -> DimensionResult:
+    """Resumed from the last complete checkpoint, no data step repeated or skipped, loss continuing."""
+    problems = []
+    if resumed_from_step is None:
+        problems.append("the relaunched job did not resume from a checkpoint")
+    elif checkpoint_step is not None and resumed_from_step != checkpoint_step:
+        problems.append(
+            f"resumed from step {resumed_from_step}, the last complete checkpoint was step {checkpoint_step}"
+        )
+    after = sorted(s for s in resumed if resumed_from_step is not None and s > resumed_from_step)
+    if not after:
+        problems.append("no step ran after the resume")
+    mismatched = [
+        s
+        for s in after
+        if s in reference
+        and (
+            resumed[s]["loss"] != reference[s]["loss"]
+            if bit_identical
+            else abs(resumed[s]["loss"] - reference[s]["loss"]) > 1e-4 * abs(reference[s]["loss"])
+        )
+    ]
+    if mismatched:
+        problems.append(
+            f"loss after the resume differs from the uninterrupted run from step {mismatched[0]} "
+            f"({resumed[mismatched[0]]['loss']!r} vs {reference[mismatched[0]]['loss']!r})"
+        )
+    if resumed_samples is not None and reference_samples is not None:
+        for rank, recs in resumed_samples.items():
+            wrong = [
+                s
+                for s in after
+                if s in recs and recs[s]["indices"] != reference_samples.get(rank, {}).get(s, {}).get("indices")
+            ]
+            if wrong:
+                problems.append(f"rank {rank} was fed other samples after the resume (step {wrong[0]})")
+    return DimensionResult(
+        "recovery",
+        not problems,
+        {
+            "resumed_from_step": resumed_from_step,
+            "steps_compared": len(after),
+            "first_mismatch": mismatched[0] if mismatched else None,
+        },
+        {"resume_step": checkpoint_step, "loss": "bit-identical" if bit_identical else "within 1e-4"},
+        {},
+        "; ".join(problems),
+        "" if not problems else "what the checkpoint holds (optimizer, scheduler, RNG, sampler position)",
+    )
