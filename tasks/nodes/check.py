@@ -1,0 +1,74 @@
+"""The node-check step: plan, run the playbook, build the report, write it, and fail on blocking findings."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+from tasks.cluster import ClusterConfig
+from tasks.errors import TransientError, UserError
+from tasks.nodes.config import NodesConfig
+from tasks.nodes.inventory import plan_checks
+from tasks.nodes.report import NodeReport, build_report
+from tasks.nodes.runner import run_playbook
+
+log = logging.getLogger(__name__)
+
+
+def _failure_message(report: NodeReport) -> str:
+    lines = [f"node checks failed on {', '.join(report.blocking_hosts) or 'the nodes'}: {report.summary()}"]
+    lines += [f"  - {row.finding}; fix: {row.remediation}" for row in report.blocking]
+    return "\n".join(lines)
+
+
+class NodeCheckFailed(UserError):
+    """Blocking findings that will not go away by themselves (drift, closed port, missing GPU, ...)."""
+
+    def __init__(self, report: NodeReport, report_path: Path | None) -> None:
+        where = f"see {report_path}" if report_path else "see the report"
+        super().__init__(_failure_message(report), f"apply the fixes above ({where}) and check again")
+        self.report, self.hosts = report, report.blocking_hosts
+
+
+class NodesUnreachable(TransientError):
+    """Only connection failures (host down, sshd hung or restarting): worth another try."""
+
+    def __init__(self, report: NodeReport, report_path: Path | None) -> None:
+        where = f"see {report_path}" if report_path else "see the report"
+        super().__init__(_failure_message(report), f"retrying; if it persists, apply the fixes above ({where})")
+        self.report, self.hosts = report, report.blocking_hosts
+
+
+def run_node_checks(nodes: NodesConfig, cluster: ClusterConfig) -> NodeReport:
+    """Check the nodes of a deployment and return the consistency report (no exception for findings)."""
+    plan = plan_checks(nodes, cluster)
+    log.info("checking %s node(s) with %d fork(s)", len(plan.hosts) if plan.hosts else "inventory", plan.forks)
+    run = run_playbook(
+        plan.inventory,
+        plan.extravars,
+        forks=plan.forks,
+        connect_timeout_s=plan.connect_timeout_s,
+        task_timeout_s=plan.task_timeout_s,
+        run_timeout_s=plan.run_timeout_s,
+        host_order=plan.hosts,
+    )
+    return build_report(run, plan)
+
+
+def write_report(report: NodeReport, path: str | Path) -> Path:
+    """Write the JSON report, and the playbook's output beside it (`.log`)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report.to_json(), indent=2) + "\n")
+    path.with_suffix(".log").write_text(report.log)
+    return path
+
+
+def raise_for_blocking(report: NodeReport, report_path: Path | None = None) -> None:
+    """NodesUnreachable when every blocking finding is a connection failure; NodeCheckFailed for any other."""
+    if report.ok:
+        return
+    if all(row.transient for row in report.blocking):
+        raise NodesUnreachable(report, report_path)
+    raise NodeCheckFailed(report, report_path)

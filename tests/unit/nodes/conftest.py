@@ -1,0 +1,153 @@
+"""Helpers for the node-check unit tests: per-host results as the roles publish them, and the probe scripts."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+from tasks.cluster import ClusterConfig
+from tasks.nodes.config import NodesConfig
+from tasks.nodes.inventory import CheckPlan, plan_checks
+from tasks.nodes.runner import PLAYBOOKS, PlaybookRun
+from tests.conftest import deep_merge
+
+CLOCK = 1_800_000_000.0
+
+# What one healthy CPU node publishes through set_stats (the shape the roles produce).
+HOST_RESULT: dict[str, Any] = {
+    "facts": {
+        "os": "Debian 12.5",
+        "kernel": "6.1.0-18-amd64",
+        "arch": "x86_64",
+        "hostname": "node",
+        "fqdn": "node",
+        "system": {
+            "cpu_count": 64,
+            "memory_bytes": 512 * 2**30,
+            "container_runtimes": {"docker": "Docker version 24.0.7, build afdd53b"},
+            "nccl_system": None,
+            "nvidia_smi": None,
+            "driver_version": None,
+            "cuda_version": None,
+            "gpus": [],
+            "gpu_error": None,
+        },
+        "job_python": "/opt/venv/bin/python",
+        "python": {
+            "executable": "/opt/venv/bin/python",
+            "version": "3.11.7",
+            "torch": {"version": "2.5.1", "cuda": None, "hip": None, "path": "/opt/venv/lib/torch"},
+            "nccl_wheel": None,
+        },
+        "python_error": "",
+        "clock_epoch_s": CLOCK,
+    },
+    "storage": [{"path": "/data", "min_free_gb": 10.0, "exists": True, "writable": True, "error": None}],
+    "network": {
+        "resolved": {},
+        "resolve_errors": {},
+        "rdzv_host": "node-a",
+        "rdzv_target": "node-a",
+        "rdzv_port": 29500,
+        "listener": {},
+        "listener_stop": {},
+        "connect": {"connected": True, "seconds": 0.01},
+        "rdzv_error": None,
+    },
+    "security": {"connection": "ssh", "key_auth": True, "probe_rc": 255, "methods": ["publickey"], "probe_error": ""},
+}
+for _mount in HOST_RESULT["storage"]:
+    _mount.update(free_bytes=500 * 10**9, total_bytes=1000 * 10**9, mount_point="/data", fs_type="nfs4")
+
+GPU = {
+    "index": 0,
+    "name": "NVIDIA H100 80GB HBM3",
+    "memory_mib": 81559,
+    "driver_version": "550.54.15",
+    "ecc_mode": "Enabled",
+    "ecc_uncorrected_errors": 0,
+}
+GPU_SYSTEM = {"nvidia_smi": "/usr/bin/nvidia-smi", "driver_version": "550.54.15", "cuda_version": "12.4"}
+
+
+def gpu_node(count: int = 8, **gpu: Any) -> dict[str, Any]:
+    """Overrides that turn HOST_RESULT into a GPU node with `count` GPUs."""
+    return {
+        "facts": {
+            "system": {
+                **GPU_SYSTEM,
+                "nccl_system": "2.21.5",
+                "gpus": [{**GPU, "index": i, **gpu} for i in range(count)],
+            },
+            "python": {"torch": {"version": "2.5.1+cu124", "cuda": "12.4"}, "nccl_wheel": "2.21.5"},
+        }
+    }
+
+
+def host(name: str, names: list[str], overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One host's result: HOST_RESULT resolving the other names, with overrides merged in."""
+    result = copy.deepcopy(HOST_RESULT)
+    result["facts"]["hostname"] = result["facts"]["fqdn"] = name
+    result["network"]["resolved"] = {n: [f"10.0.0.{names.index(n) + 2}"] for n in names if n != name}
+    if name == names[0]:
+        result["network"]["connect"] = {}
+        result["network"]["listener"] = {"listening": True, "pid": 4242}
+        result["network"]["listener_stop"] = {
+            "stopped": True,
+            "peers": [f"10.0.0.{i + 2}" for i in range(1, len(names))],
+        }
+    return deep_merge(result, overrides or {})
+
+
+@pytest.fixture
+def make_run() -> Callable[..., PlaybookRun]:
+    """A PlaybookRun as the runner returns it, from per-host overrides of a healthy node."""
+
+    def factory(
+        overrides: dict[str, dict[str, Any] | None],
+        windows: dict[str, tuple[float, float]] | None = None,
+        status: str = "successful",
+    ) -> PlaybookRun:
+        names = list(overrides)
+        unreachable = {n: o["unreachable"] for n, o in overrides.items() if o and "unreachable" in o}
+        results = {n: host(n, names, o) for n, o in overrides.items() if n not in unreachable}
+        return PlaybookRun(
+            hosts=names,
+            results=results,
+            unreachable=unreachable,
+            failed={},
+            clock_windows={n: (windows or {}).get(n, (CLOCK - 0.1, CLOCK + 0.1)) for n in results},
+            status=status,
+            rc=0,
+            elapsed_s=1.0,
+        )
+
+    return factory
+
+
+@pytest.fixture
+def make_plan() -> Callable[..., CheckPlan]:
+    """The plan for hosts by name (over SSH), with cluster and nodes overrides."""
+
+    def factory(names: list[str], cluster: dict[str, Any] | None = None, **nodes: Any) -> CheckPlan:
+        cfg = ClusterConfig(**{"scheduler": "slurm", "nodes": len(names), "procs_per_node": 1, **(cluster or {})})
+        nodes = {"python": "/opt/venv/bin/python", **nodes}
+        return plan_checks(NodesConfig(hosts=[{"name": n} for n in names], **nodes), cfg)
+
+    return factory
+
+
+def load_role_file(relative: str) -> ModuleType:
+    """Import a module or script shipped in playbooks/roles/ (they are not a Python package)."""
+    path = Path(PLAYBOOKS) / "roles" / relative
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
