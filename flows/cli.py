@@ -365,6 +365,40 @@ def drill(
         raise typer.Exit(1)
 
 
+@app.command()
+def run(spec: str = typer.Argument(..., help="Path or fsspec URL of a deployment spec (YAML).")) -> None:
+    """Run the whole deploy-training flow on this machine (ephemeral Prefect; no server needed)."""
+    import os
+
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
+    logging.getLogger("great_expectations").setLevel(logging.WARNING)
+    parsed = _load(spec)  # a bad spec fails here, before Prefect starts
+    from flows.deploy import deploy_training
+
+    state = deploy_training(parsed, return_state=True)
+    if not state.is_completed():
+        err_console.print(f"deploy-training {state.name}: {state.message}", markup=False)
+        raise typer.Exit(1)
+    console.print(f"deploy-training completed for {parsed.name}", style="green")
+
+
+@app.command()
+def diagnose(
+    run_dir: Path = typer.Argument(..., help="A run's output folder (train.log, metrics/), or an acceptance run's."),
+) -> None:
+    """Classify a failed run against the known causes, with the evidence and the fix."""
+    from tasks.diagnose import diagnose_run
+
+    if not run_dir.is_dir():
+        err_console.print(f"{run_dir}: no such folder; pass a run's output folder", markup=False)
+        raise typer.Exit(2)
+    result = diagnose_run(run_dir)
+    console.print(result.markdown(), markup=False, highlight=False)
+    if result.findings:
+        raise typer.Exit(1)
+
+
 def main() -> None:
     """Console-script entry point."""
     app()

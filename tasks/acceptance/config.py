@@ -33,7 +33,7 @@ class AcceptanceConfig(StrictModel):
 class DrillConfig(StrictModel):
     """Checkpoint-restore drills."""
 
-    only: list[DrillName] | None = Field(default=None, description="Run just these drills; None = all.")
+    only: list[DrillName] | None = Field(default=None, description="Run just these drills ([] = none); None = all.")
     catch_save_attempts: int = Field(
         default=8, ge=1, description="kill_during_save: saves to try before giving up on catching one in flight."
     )

@@ -325,7 +325,7 @@ def drill_storage_outage(ctx: DrillContext) -> DrillResult:
 def run_drills(ctx: DrillContext, only: list[str] | None = None,
                on_result: Callable[[DrillResult], None] | None = None) -> list[DrillResult]:  # fmt: skip
     """Run the chosen drills (all by default) and return their results."""
-    chosen = only or ctx.drills.only or list(DRILLS)
+    chosen = only if only is not None else (ctx.drills.only if ctx.drills.only is not None else list(DRILLS))
     results = []
     for name in DRILLS:
         if name not in chosen:

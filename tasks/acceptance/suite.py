@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tasks.acceptance.config import AcceptanceConfig, DrillConfig
+from tasks.acceptance.config import DRILLS, AcceptanceConfig, DrillConfig
 from tasks.acceptance.drills import DrillContext, DrillResult, drill_rank_kill, run_drills
 from tasks.acceptance.workspace import Job, RunOutcome, single_process, variant
 from tasks.cluster import ClusterConfig
@@ -113,9 +113,8 @@ def run_acceptance(
         )
     dimensions.append(recovery)
     if with_drills and dist.ok:
-        drill_results += run_drills(ctx, [n for n in (drills.only if drills and drills.only else None) or
-                                           ["kill_during_save", "corrupt_checkpoint", "reshard", "storage_outage"]
-                                           if n != "rank_kill"])  # fmt: skip
+        wanted = ctx.drills.only if ctx.drills.only is not None else list(DRILLS)
+        drill_results += run_drills(ctx, [n for n in wanted if n != "rank_kill"])  # rank_kill ran above
     return AcceptanceReport(
         dimensions, drill_results, {"distributed": str(dist.output_dir), "reference": str(reference.output_dir)}
     )

@@ -76,7 +76,7 @@ def run_drills(
     ctx = DrillContext(cluster, train, Path(root), acceptance, drills, env, image)
     results = run_drill_list(ctx, only, on_result=lambda r: logger.info("drill %s: %s %s", r.name, r.passed, r.message))
     report = AcceptanceReport([], results, {})
-    summary = publish(report, Path(root) / "drills", "drills")
+    summary = publish(report, Path(root), "drills")
     if any(r.passed is False for r in results):
         failed = [r.name for r in results if r.passed is False]
         raise AcceptanceFailed(f"drills failed: {', '.join(failed)}", f"see {summary['files']['json']}")

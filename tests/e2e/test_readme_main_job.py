@@ -23,7 +23,7 @@ def test_readme_quick_start_has_exactly_two_commands_and_ci_runs_the_second() ->
     commands = re.findall(r"```(?:bash|sh)\n(.*?)```", quick_start, flags=re.S)
     lines = [line for block in commands for line in block.strip().splitlines() if line.strip()]
     assert len(lines) == 2, lines
-    assert "tdeploy train examples/local.yaml" in lines[0]
+    assert "tdeploy run examples/local.yaml" in lines[0]
     assert lines[1] in (REPO / ".ci" / "run").read_text()
 
 

@@ -1,0 +1,84 @@
+"""Orchestration overhead of the local pipeline: Prefect's share of a deploy-training run.
+
+Runs the deploy-training flow in-process (ephemeral Prefect, as `tdeploy run`
+does) on the embedded default spec shortened for a benchmark, then reads the
+task runs back from the API. The steps' own work is the time their task runs
+spent running; everything else in the wall time (Prefect's start-up, state
+changes, result persistence, artifacts) is orchestration. Goal: < 10%.
+
+Usage: python benchmarks/pipeline_overhead.py [--steps 60] [--keep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def main() -> None:
+    """Run the flow once and print where the time went."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=60, help="training and acceptance steps")
+    parser.add_argument("--keep", action="store_true", help="keep the work folder")
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="tdeploy-bench-pipeline-"))
+    os.environ.update(
+        {
+            "PREFECT_HOME": str(work / "prefect"),
+            "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+            "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180",
+            "PREFECT_LOGGING_LEVEL": "WARNING",
+        }
+    )
+    spec = yaml.safe_load((REPO / "examples" / "local.yaml").read_text())
+    spec["run"]["steps"] = args.steps
+    spec["acceptance"] = {
+        "steps": args.steps,
+        "save_every_steps": 10,
+        "reference_steps": 5,
+        "thresholds": {"scaling_efficiency_min": 0.01, "comm_share_max": 1.0},
+    }
+    spec["drills"] = {"only": ["corrupt_checkpoint"]}
+    spec_path = work / "bench.yaml"
+    spec_path.write_text(yaml.safe_dump(spec))
+    os.chdir(work)
+    try:
+        from prefect.client.orchestration import get_client
+        from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+        from flows.deploy import deploy_training
+
+        started = time.perf_counter()
+        state = deploy_training(str(spec_path), return_state=True)
+        wall = time.perf_counter() - started
+
+        async def task_runs() -> list:
+            async with get_client() as client:
+                return await client.read_task_runs(
+                    flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details.flow_run_id]))
+                )
+
+        runs = asyncio.run(task_runs())
+        work_s = sum(r.total_run_time.total_seconds() for r in runs)
+        print(f"flow {state.name}; wall {wall:.1f} s; {len(runs)} task runs")
+        for run in sorted(runs, key=lambda r: r.start_time or r.expected_start_time):
+            print(f"  {run.name:<28} {run.total_run_time.total_seconds():8.2f} s  {run.state_name}")
+        overhead = wall - work_s
+        print(f"steps' own work {work_s:.1f} s; orchestration {overhead:.1f} s = {100 * overhead / wall:.1f}% of the run")
+    finally:
+        os.chdir(REPO)
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,74 @@
+"""Flow `deploy-training`: capacity -> nodes -> image -> data -> job -> acceptance -> drills.
+
+Each step is a Prefect task that retries transient errors only. The pure steps
+(plan, image, dataset) are cached on their inputs, so a re-run after a failure
+starts at the failed step. A failed step stops the flow: the diagnosis runs, and
+the summary page says which step failed and why.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+from prefect import flow
+from prefect.cache_policies import INPUTS, TASK_SOURCE
+
+from tasks.acceptance.suite import work_dir
+from tasks.acceptance.task import run_acceptance, run_drills
+from tasks.capacity.task import estimate_capacity
+from tasks.image.task import build_image
+from tasks.launch.task import submit_job
+from tasks.nodes.task import check_nodes
+from tasks.pipeline import diagnose_failure, load_deployment_spec, publish_summary
+from tasks.prepare.task import prepare_data
+from tasks.spec import DeploymentSpec
+
+_CACHED = {"cache_policy": INPUTS + TASK_SOURCE, "persist_result": True, "cache_expiration": timedelta(days=7)}
+plan_step = estimate_capacity.with_options(timeout_seconds=1800, **_CACHED)
+image_step = build_image.with_options(**_CACHED)
+data_step = prepare_data.with_options(**_CACHED)
+
+
+@flow(name="deploy-training", description="Deploy a Transformer training job from its spec, step by step.")
+def deploy_training(spec: DeploymentSpec | str = "examples/local.yaml") -> dict[str, Any]:
+    """Run the whole deployment sequence for one spec (a DeploymentSpec, or a path/URL of its YAML)."""
+    spec = load_deployment_spec(spec)
+    results: dict[str, Any] = {}
+    step = "capacity"
+    try:
+        results["capacity"] = plan_step(
+            spec.name, spec.capacity, spec.cluster, spec.model, spec.parallel, spec.precision, spec.run
+        )
+        step = "nodes"
+        results["nodes"] = check_nodes(spec.nodes, spec.cluster, f"runs/{spec.name}/node-check.json")
+        step = "image"
+        results["image"] = image_step(spec)
+        step = "data"
+        if spec.data.prepare is not None:
+            results["data"] = data_step(spec.data.prepare, spec.storage)
+            train = spec.training_config(results["data"]["dataset_url"], results["data"]["tokenizer_sha256"])
+        else:
+            results["data"] = {"dataset_url": spec.data.dataset_url, "reused": True, "splits": {}}
+            train = spec.training_config()
+        image = results["image"].get("reference_by_digest") if results["image"].get("pushed") else None
+        step = "job"
+        results["job"] = submit_job(spec.cluster, train, spec.name, image, env=spec.cluster.env)
+        root = str(work_dir(spec.acceptance, train))
+        step = "acceptance"
+        results["acceptance"] = run_acceptance(spec.cluster, train, spec.acceptance, root, image, drills=spec.drills)
+        step = "drills"
+        results["drills"] = run_drills(spec.cluster, train, spec.acceptance, spec.drills, f"{root}/drills", image=image)
+    except Exception as err:
+        run_dir = results.get("job", {}).get("output_dir") or getattr(getattr(err, "handle", None), "output_dir", None)
+        diagnosis = diagnose_failure(
+            step,
+            str(err),
+            run_dir,
+            results.get("capacity", {}).get("plan_url") or f"runs/{spec.name}/plan.json",
+            results.get("nodes", {}).get("report_path") or f"runs/{spec.name}/node-check.json",
+        )
+        publish_summary(spec.name, results, step, f"{type(err).__name__}: {err}", diagnosis)
+        raise
+    publish_summary(spec.name, results, None, None, None)
+    return results

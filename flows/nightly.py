@@ -1,0 +1,40 @@
+"""Flow `nightly-validation`: on an existing deployment, a longer acceptance soak and every drill."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefect import flow
+
+from tasks.acceptance.suite import work_dir
+from tasks.acceptance.task import run_acceptance, run_drills
+from tasks.pipeline import diagnose_failure, load_deployment_spec, publish_summary
+from tasks.prepare.task import prepare_data
+from tasks.spec import DeploymentSpec
+
+
+@flow(name="nightly-validation", description="Acceptance with a stability soak, and the checkpoint-restore drills.")
+def nightly_validation(spec: DeploymentSpec | str = "examples/local.yaml") -> dict[str, Any]:
+    """Re-accept a deployment: soak-length acceptance, then every drill; publish the report."""
+    spec = load_deployment_spec(spec)
+    results: dict[str, Any] = {}
+    step = "data"
+    try:
+        if spec.data.prepare is not None:
+            results["data"] = prepare_data(spec.data.prepare, spec.storage)  # reuses the finished dataset
+            train = spec.training_config(results["data"]["dataset_url"], results["data"]["tokenizer_sha256"])
+        else:
+            train = spec.training_config()
+        root = str(work_dir(spec.acceptance, train)) + "-nightly"
+        step = "acceptance"
+        results["acceptance"] = run_acceptance(
+            spec.cluster, train, spec.acceptance, root, soak=True, drills=spec.drills
+        )
+        step = "drills"
+        results["drills"] = run_drills(spec.cluster, train, spec.acceptance, spec.drills, f"{root}/drills")
+    except Exception as err:
+        diagnosis = diagnose_failure(step, str(err), None, None, None)
+        publish_summary(spec.name, results, step, f"{type(err).__name__}: {err}", diagnosis)
+        raise
+    publish_summary(spec.name, results, None, None, None)
+    return results

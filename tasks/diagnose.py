@@ -1,0 +1,200 @@
+"""Diagnosis: classify a failed deployment step or training run against the known causes.
+
+Reads what a run left behind (the job log, per-rank metrics, the capacity plan,
+the node-check report, the step's error) and returns findings, each with the
+evidence that matched and the fix the deployment guide gives.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import statistics
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+_RENDEZVOUS = re.compile(
+    r"RendezvousTimeoutError|RendezvousConnectionError|DistNetworkError|TCPStore|Address already in use|"
+    r"failed to listen on any local network address|Connection refused|NCCL.*[Tt]imeout|"
+    r"Watchdog caught collective operation timeout|rendezvous.*timed out|Name or service not known",
+)
+_OOM = re.compile(r"CUDA out of memory|OutOfMemoryError|out of memory|Cannot allocate memory|exitcode\s*:\s*-9")
+_CHECKPOINT = re.compile(
+    r"CheckpointSaveError|checkpoint save to .* failed|checkpoint of step \d+ lost|Permission denied|"
+    r"No space left on device|Read-only file system|Not a directory"
+)
+
+
+@dataclass
+class Finding:
+    """One known cause that the evidence points to."""
+
+    cause: str
+    evidence: list[str]
+    fix: str
+
+    def describe(self) -> str:
+        """`cause: fix (evidence)` in one paragraph."""
+        return f"{self.cause}: {self.fix} (evidence: {'; '.join(self.evidence[:3])})"
+
+
+@dataclass
+class Diagnosis:
+    """Every finding for a run, most likely first."""
+
+    findings: list[Finding] = field(default_factory=list)
+    inputs: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        """As a dict."""
+        return {"findings": [asdict(f) for f in self.findings], "inputs": self.inputs}
+
+    def markdown(self) -> str:
+        """A short page for people."""
+        if not self.findings:
+            return "# Diagnosis\n\nNo known cause matched; read the step's log first.\n"
+        lines = ["# Diagnosis", ""]
+        for n, f in enumerate(self.findings, 1):
+            lines += [f"{n}. **{f.cause}**: {f.fix}", *(f"   - `{e}`" for e in f.evidence[:5]), ""]
+        return "\n".join(lines)
+
+
+def _matching_lines(text: str, pattern: re.Pattern[str], limit: int = 5) -> list[str]:
+    return [line.strip()[:300] for line in text.splitlines() if pattern.search(line)][:limit]
+
+
+def _metrics(output_dir: Path) -> dict[int, list[dict[str, Any]]]:
+    out: dict[int, list[dict[str, Any]]] = {}
+    for path in sorted((output_dir / "metrics").glob("rank-*.jsonl")):
+        out[int(path.stem.split("-")[1])] = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    return out
+
+
+def diagnose(
+    error: str = "",
+    log_text: str = "",
+    output_dir: Path | None = None,
+    plan: dict[str, Any] | None = None,
+    node_report: dict[str, Any] | None = None,
+) -> Diagnosis:
+    """Findings for a failure, from the error message, the job log, the run's metrics and the reports."""
+    text = f"{error}\n{log_text}"
+    diagnosis = Diagnosis(inputs=[k for k, v in {"error": error, "log": log_text, "plan": plan,
+                                                  "node_report": node_report}.items() if v])  # fmt: skip
+    rendezvous = _matching_lines(text, _RENDEZVOUS)
+    node_findings = _node_findings(node_report)
+    if rendezvous or node_findings:
+        diagnosis.findings.append(
+            Finding(
+                "rendezvous / communication timeout at start",
+                rendezvous + node_findings,
+                "open the rendezvous port between the nodes (firewall, security group), make every node resolve "
+                "every other node's hostname, and check the node-check findings"
+                + (f": {node_findings[0]}" if node_findings else "; a port already in use means another job holds it"),
+            )
+        )
+    oom = _matching_lines(text, _OOM)
+    plan_findings = _plan_findings(plan)
+    if oom or plan_findings:
+        diagnosis.findings.append(
+            Finding(
+                "out of memory",
+                oom + plan_findings,
+                "use a smaller micro-batch with more gradient accumulation (same global batch), activation "
+                "recompute, or more sharding (FSDP/ZeRO-3)"
+                + (f"; layouts that fit: {plan_findings[-1]}" if plan_findings and "fit" in plan_findings[-1] else ""),
+            )
+        )
+    checkpoint = _matching_lines(text, _CHECKPOINT)
+    if checkpoint:
+        diagnosis.findings.append(
+            Finding(
+                "checkpoint save failure",
+                checkpoint,
+                "make the checkpoint location writable by the job user and check free space (and the object "
+                "store's reachability and credentials for s3://)",
+            )
+        )
+    if output_dir is not None and (output_dir / "metrics").exists():
+        metrics = _metrics(output_dir)
+        diagnosis.findings += _metric_findings(metrics)
+    return diagnosis
+
+
+def _node_findings(report: dict[str, Any] | None) -> list[str]:
+    if not report:
+        return []
+    found = []
+    for row in report.get("rows", []):
+        check = str(row.get("check", ""))
+        if row.get("severity") == "blocking" and any(
+            word in check for word in ("port", "resolv", "hostname", "reach", "network", "ssh")
+        ):
+            found.append(f"node check {check}: {row.get('finding') or ''} {row.get('remediation') or ''}".strip())
+    return found
+
+
+def _plan_findings(plan: dict[str, Any] | None) -> list[str]:
+    if not plan:
+        return []
+    requested = plan.get("requested") or {}
+    if requested.get("fits", True):
+        return []
+    found = [f"capacity plan: the requested layout needs {requested.get('memory', {}).get('total_gib', '?')} GiB "
+             f"per GPU of {plan.get('accelerator', {}).get('memory_gib', '?')}"]  # fmt: skip
+    alternatives = plan.get("alternatives") or plan.get("fitting") or []
+    if alternatives:
+        found.append(f"layouts that fit: {alternatives[0].get('label', alternatives[0])}")
+    return found
+
+
+def _metric_findings(metrics: dict[int, list[dict[str, Any]]]) -> list[Finding]:
+    findings = []
+    rank0 = metrics.get(0, [])
+    if len(rank0) >= 4:
+        shares = [r["data_wait_s"] / r["step_time_s"] for r in rank0[2:] if r.get("step_time_s")]
+        if shares and statistics.median(shares) > 0.3:
+            findings.append(
+                Finding(
+                    "input pipeline starves the accelerators (utilisation swings)",
+                    [f"median data-wait share {statistics.median(shares):.0%} of the step time on rank 0"],
+                    "use more data-loader workers and prefetching, and larger record files",
+                )
+            )
+        losses = [r["loss"] for r in rank0]
+        first = statistics.mean(losses[: max(1, len(losses) // 10)])
+        last = statistics.mean(losses[-max(1, len(losses) // 10) :])
+        bad = [r["step"] for r in rank0 if r["loss"] != r["loss"] or r["loss"] in (float("inf"), float("-inf"))]
+        if bad or last >= first:
+            evidence = (
+                [f"loss NaN/Inf from step {bad[0]}"]
+                if bad
+                else [f"loss {first:.3f} at the start, {last:.3f} at the end"]
+            )
+            findings.append(
+                Finding(
+                    "loss not decreasing or diverging",
+                    evidence,
+                    "lower the learning rate (it must scale with the global batch), check warmup, the data order "
+                    "(shuffling, duplicates) and that targets are the inputs shifted by one",
+                )
+            )
+    return findings
+
+
+def diagnose_run(path: Path, error: str = "") -> Diagnosis:
+    """Diagnose a run folder: its train.log / slurm-*.out, metrics, and plan/node reports found beside it."""
+    logs = sorted(path.glob("train.log")) + sorted(path.glob("slurm-*.out"))
+    log_text = "\n".join(p.read_text(errors="replace") for p in logs)
+    plan = _nearby_json(path, "plan.json")
+    nodes = _nearby_json(path, "node-check.json")
+    return diagnose(error, log_text, path, plan, nodes)
+
+
+def _nearby_json(path: Path, name: str) -> dict[str, Any] | None:
+    for folder in (path, path.parent, path.parent.parent):
+        candidate = folder / name
+        if candidate.exists():
+            return json.loads(candidate.read_text())
+    return None

@@ -1,0 +1,106 @@
+"""The deploy-training flow's behaviour on a real (temporary) Prefect server: failures stop it with a
+diagnosis made from real failures, user errors are not retried, finished pure steps are cached."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+
+def _task_runs(flow_run_id) -> list:  # noqa: ANN001
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    async def read() -> list:
+        async with get_client() as client:
+            return await client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+
+    return asyncio.run(read())
+
+
+def _artifact(key: str) -> str:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    async def read() -> list:
+        async with get_client() as client:
+            return await client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key])))
+
+    artifacts = asyncio.run(read())
+    return str(artifacts[0].data) if artifacts else ""
+
+
+def _run(spec) -> tuple:  # noqa: ANN001
+    from flows.deploy import deploy_training
+
+    state = deploy_training(spec, return_state=True)
+    runs = {r.name.rsplit("-", 1)[0]: r for r in _task_runs(state.state_details.flow_run_id)}
+    return state, runs
+
+
+def _spec(make_spec, tmp_path: Path, overrides: dict, name: str):  # noqa: ANN001, ANN202
+    base = {
+        "capacity": {"output_url": str(tmp_path / name)},
+        "image": None,
+        "run": {"steps": 20},
+        "acceptance": {
+            "steps": 40,
+            "save_every_steps": 10,
+            "thresholds": {"scaling_efficiency_min": 0.01, "comm_share_max": 1.0},
+        },
+        "drills": {"only": []},
+    }
+    from tests.conftest import deep_merge
+
+    return make_spec(deep_merge(base, overrides), name=name)
+
+
+def test_an_impossible_batch_stops_at_capacity_without_retry_and_the_diagnosis_says_out_of_memory(
+    prefect_harness, make_spec, tmp_path: Path
+) -> None:
+    spec = _spec(make_spec, tmp_path, {"parallel": {"micro_batch": 4096}, "model": {"seq_len": 4096}}, "oom")
+    state, runs = _run(spec)
+    assert state.is_failed()
+    assert runs["estimate_capacity"].state.is_failed() and runs["estimate_capacity"].run_count == 1
+    assert "check_nodes" not in runs  # nothing after the failed step ran
+    assert "out of memory" in _artifact("diagnosis")
+    summary = _artifact("deployment-summary")
+    assert "| capacity estimation | **FAILED** |" in summary and "| node environment checks | not run |" in summary
+
+
+def test_a_blocked_rendezvous_port_fails_and_the_diagnosis_points_at_the_port(
+    prefect_harness, make_spec, tmp_path: Path
+) -> None:
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen(1)
+    port = holder.getsockname()[1]
+    try:
+        spec = _spec(make_spec, tmp_path, {"cluster": {"rdzv_port": port}}, "blocked")
+        state, runs = _run(spec)
+    finally:
+        holder.close()
+    assert state.is_failed()
+    diagnosis = _artifact("diagnosis")
+    assert "rendezvous / communication timeout at start" in diagnosis and "port" in diagnosis
+
+
+def test_an_unwritable_checkpoint_folder_is_diagnosed_and_a_rerun_reuses_the_finished_pure_steps(
+    prefect_harness, make_spec, tmp_path: Path
+) -> None:
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("a file where the checkpoint folder should be")
+    spec = _spec(make_spec, tmp_path, {"checkpoint": {"url": str(blocker / "checkpoints"), "save_retries": 0}}, "ckpt")
+    state, runs = _run(spec)
+    assert state.is_failed() and runs["submit_job"].state.is_failed() and runs["submit_job"].run_count == 1
+    assert "checkpoint save failure" in _artifact("diagnosis")
+
+    again, reruns = _run(spec)
+    assert again.is_failed()
+    for pure in ("estimate_capacity", "build_image"):
+        assert reruns[pure].state.name == "Cached", (pure, reruns[pure].state)
