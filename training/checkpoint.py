@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from training import faults
@@ -307,7 +308,7 @@ def _agree(operation: Any) -> Any:
     """Run a rank-local storage operation; if it fails on any rank, raise _StorageFailure on every rank."""
     try:
         result, error = operation(), None
-    except Exception as err:  # noqa: BLE001 - turned into a collective failure below
+    except (Exception, CheckpointException) as err:  # noqa: BLE001 - DCP's exception is a BaseException
         result, error = None, f"rank {dist.get_rank() if dist.is_initialized() else 0}: {type(err).__name__}: {err}"
     errors = [e for e in _all_gather(error) if e]
     if errors:
