@@ -15,7 +15,7 @@ and the optimizer step (every gradient plus the optimizer's temporaries).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from tasks.capacity.params import Architecture, ParamCount, count_params
 
@@ -336,6 +336,19 @@ class Margin:
     framework_bytes: float = 1.0 * GIB
 
 
+def _per_tensor_adamw_temporaries(arch: Architecture, pc: ParamCount) -> float:
+    """Peak fp32 temporaries of torch's per-tensor AdamW (CPU default): sqrt(v) and the denominator of a tensor
+    while the previous tensor's denominator is still referenced, over the matrices in registration order."""
+    h, f, kv = arch.d_model, arch.ffn_hidden, arch.kv_dim
+    mlp = [h * f] * (3 if arch.mlp == "swiglu" else 2)
+    if arch.is_moe:
+        assert arch.n_experts is not None
+        mlp = [h * arch.n_experts] + mlp * arch.n_experts
+    block = [h * h, h * kv, h * kv, h * h, *mlp]
+    sizes = [pc.embedding, *block, *(block if arch.n_layers > 1 else []), *([pc.head] if pc.head else [])]
+    return 4.0 * max(2 * cur + prev for prev, cur in zip([0, *sizes[:-1]], sizes, strict=True))
+
+
 class MemoryModel:
     """Memory estimates for one architecture and precision; cheap to evaluate for many layouts."""
 
@@ -357,6 +370,8 @@ class MemoryModel:
         self._mlp_transient = k * inner * (3 if arch.mlp == "swiglu" else 2)
         self._layer_split = pc.per_layer - pc.per_layer_experts - pc.per_layer_norms  # divided by TP
         self._act_cache: dict[tuple[str, int, int, bool], float] = {}
+        self._shape_cache: dict[tuple[int, int, int, bool, bool], tuple[float, ...]] = {}
+        self._per_tensor_opt_transient = _per_tensor_adamw_temporaries(arch, pc)
         self._rope_buffers = 2 * arch.seq_len * (arch.head_dim // 2) * 4 if arch.positions == "rope" else 0
 
     def _act_bytes(self, recompute: str, micro_batch: int, tp: int, sp: bool) -> float:
@@ -370,12 +385,33 @@ class MemoryModel:
     def estimate(self, layout: Layout) -> MemoryBreakdown:
         """Peak memory of the most loaded rank (the first or the last pipeline stage)."""
         if layout.pp == 1:
-            return self._stage(layout, first=True, last=True)
+            return MemoryBreakdown(*self._stage(layout, first=True, last=True))
         first = self._stage(layout, first=True, last=False)
         last = self._stage(layout, first=False, last=True)
-        return first if first.total >= last.total else last
+        # Compare totals (allocated + margin) without building both breakdowns: the search calls this a lot.
+        return MemoryBreakdown(*(first if sum(first[:8]) >= sum(last[:8]) else last))
 
-    def _stage(self, lo: Layout, first: bool, last: bool) -> MemoryBreakdown:
+    def stage(self, layout: Layout, which: Literal["first", "last"]) -> MemoryBreakdown:
+        """Peak memory of the first or the last pipeline stage."""
+        return MemoryBreakdown(*self._stage(layout, first=which == "first", last=which == "last" or layout.pp == 1))
+
+    def _stage_params(self, tp: int, ep: int, pp: int, first: bool, last: bool) -> tuple[float, ...]:
+        """Parameters on one rank of a stage: its blocks, the embedding on the first, the output layer on the last."""
+        pc = self.params
+        dense_layer = self._layer_split / tp + pc.per_layer_norms
+        expert_layer = pc.per_layer_experts / (tp * ep)
+        embed = (pc.embedding + pc.positions) / tp if first else 0.0
+        head = ((pc.head or (0 if first else pc.embedding)) / tp + pc.final_norm) if last else 0.0
+        layers = self.arch.n_layers / pp
+        dense_params = layers * dense_layer + embed + head
+        expert_params = layers * expert_layer
+        return (
+            dense_layer, expert_layer, dense_layer + expert_layer, embed, head,
+            dense_params, expert_params, dense_params + expert_params,
+        )  # fmt: skip
+
+    def _stage(self, lo: Layout, first: bool, last: bool) -> tuple[Any, ...]:
+        """The fields of the stage's MemoryBreakdown, in order."""
         arch, p, pc = self.arch, self.p, self.params
         tp, pp, zero, b = lo.tp, lo.pp, lo.zero, lo.micro_batch
         sp = lo.sequence_parallel and tp > 1
@@ -385,15 +421,11 @@ class MemoryModel:
         layers = arch.n_layers / pp
         wb, gb = p.weight_bytes, p.grad_bytes
 
-        # Parameters on this rank: the blocks of the stage, the embedding on the first, the output layer on the last.
-        dense_layer = self._layer_split / tp + pc.per_layer_norms
-        expert_layer = pc.per_layer_experts / (tp * lo.ep)
-        layer_params = dense_layer + expert_layer
-        embed = (pc.embedding + pc.positions) / tp if first else 0.0
-        head = ((pc.head or (0 if first else pc.embedding)) / tp + pc.final_norm) if last else 0.0
-        dense_params = layers * dense_layer + embed + head
-        expert_params = layers * expert_layer
-        stage_params = dense_params + expert_params
+        key = (tp, lo.ep, pp, first, last)
+        shape = self._shape_cache.get(key)
+        if shape is None:
+            shape = self._shape_cache[key] = self._stage_params(*key)
+        dense_layer, expert_layer, layer_params, embed, head, dense_params, expert_params, stage_params = shape
         # ZeRO stages (Rajbhandari et al. 2020) over the shard group; experts over the expert-data-parallel group.
         expert_shard = max(1, shard // lo.ep) if zero else 1
         weights = (dense_params / shard + expert_params / expert_shard) * wb if zero >= 3 else stage_params * wb
@@ -433,7 +465,9 @@ class MemoryModel:
         if zero >= 3:
             if root_unsharded:
                 buffers += (embed + head) * wb  # FSDP2 keeps the root module gathered through the step
-            gathered = min(2.0, layers) * layer_params * wb
+            # The block in backward and the one prefetched; with full recompute the recomputed forward's own
+            # prefetch gathers a third.
+            gathered = min(3.0 if full else 2.0, layers) * layer_params * wb
 
         accumulating = lo.grad_accum > 1 or pp > 1
         resident = grads_all if accumulating else 0.0
@@ -458,10 +492,19 @@ class MemoryModel:
         if bottom_live + bottom_grads + layer_transient + gathered > best_sum:
             best = ("backward, bottom block", bottom_live, bottom_grads, layer_transient, gathered)
             best_sum = bottom_live + bottom_grads + layer_transient + gathered
+        if zero >= 3:
+            # End of a block's backward under FSDP: its saved tensors are gone, its whole unsharded gradient and
+            # the reduce-scatter input copied from it are alive until the reduce-scatter.
+            done_live = live - head_saved - head_copies - (per_layer if full else resting)
+            done_grads = head_grad + 2 * layer_params * gb
+            done_transient = tokens * h * p.residual_bytes
+            if done_live + done_grads + done_transient + gathered > best_sum:
+                best = ("backward, top block (reduce-scatter)", done_live, done_grads, done_transient, gathered)
+                best_sum = done_live + done_grads + done_transient + gathered
         if self.rt.foreach_optimizer:
             opt_transient = optim * 4  # torch's foreach AdamW: one fp32 temporary per parameter
         else:
-            opt_transient = 3 * max(vocab, arch.ffn_hidden, h) * h / tp * 4  # per-tensor AdamW: 3 of the largest
+            opt_transient = self._per_tensor_opt_transient / tp
         if grads_all + opt_transient > best_sum:
             best = ("optimizer step", 0.0, grads_all, opt_transient, 0.0)
 
@@ -475,15 +518,15 @@ class MemoryModel:
         copies_at = min(copies_at, live_at)
         buffers += gathered_at
         allocated = weights + optim_bytes + buffers + live_at + grads_at + transient_at
-        return MemoryBreakdown(
-            weights=weights,
-            gradients=grads_at,
-            optimizer=optim_bytes,
-            activations=live_at - copies_at,
-            weight_copies=copies_at,
-            buffers=buffers,
-            transient=transient_at,
-            margin=allocated * self.margin.fragmentation_fraction + self.margin.framework_bytes,
-            phase=phase,
-            stage="only" if first and last else ("first" if first else "last"),
+        return (
+            weights,
+            grads_at,
+            optim_bytes,
+            live_at - copies_at,
+            copies_at,
+            buffers,
+            transient_at,
+            allocated * self.margin.fragmentation_fraction + self.margin.framework_bytes,
+            phase,
+            "only" if first and last else ("first" if first else "last"),
         )

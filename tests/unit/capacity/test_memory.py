@@ -63,10 +63,10 @@ def test_flash_attention_keeps_no_score_matrix() -> None:
 def test_first_pipeline_stage_holds_p_micro_batches_and_interleaving_adds_a_share() -> None:
     arch = PRESETS["llama-2-7b"]
     model = MemoryModel(arch, MIXED)
-    per_layer = model._acts["selective"].bytes(1, arch.seq_len, 1, False)
+    per_layer = layer_activations(arch, MIXED, Runtime(), "selective").bytes(1, arch.seq_len, 1, False)
     base = {"dp": 1, "pp": 4, "micro_batch": 1, "grad_accum": 8, "recompute": "selective"}
-    one_f_one_b = model._stage(Layout(**base), first=True, last=False)  # type: ignore[arg-type]
-    interleaved = model._stage(Layout(**base, pp_schedule="interleaved", virtual_stages=2), first=True, last=False)  # type: ignore[arg-type]
+    one_f_one_b = model.stage(Layout(**base), "first")  # type: ignore[arg-type]
+    interleaved = model.stage(Layout(**base, pp_schedule="interleaved", virtual_stages=2), "first")  # type: ignore[arg-type]
     # 1F1B: p micro-batches x L/p layers = L layers' activations (Korthikanti et al. 2022, section 4.2.3).
     assert one_f_one_b.activations == pytest.approx(arch.n_layers * per_layer, rel=0.02)
     assert interleaved.activations == pytest.approx(one_f_one_b.activations * (1 + 3 / 8), rel=0.02)
