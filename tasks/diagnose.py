@@ -136,16 +136,17 @@ def _node_findings(report: dict[str, Any] | None) -> list[str]:
 
 
 def _plan_findings(plan: dict[str, Any] | None) -> list[str]:
-    if not plan:
+    if not plan or plan.get("fits", True):
         return []
     requested = plan.get("requested") or {}
-    if requested.get("fits", True):
-        return []
-    found = [f"capacity plan: the requested layout needs {requested.get('memory', {}).get('total_gib', '?')} GiB "
-             f"per GPU of {plan.get('accelerator', {}).get('memory_gib', '?')}"]  # fmt: skip
-    alternatives = plan.get("alternatives") or plan.get("fitting") or []
-    if alternatives:
-        found.append(f"layouts that fit: {alternatives[0].get('label', alternatives[0])}")
+    need = requested.get("memory", {}).get("total_bytes", 0) / 2**30
+    usable = requested.get("usable_bytes", 0) / 2**30
+    layout = requested.get("layout", {}).get("name", "the requested layout")
+    found = [f"capacity plan: {layout} needs {need:.1f} GiB per device, {usable:.1f} GiB usable"]
+    best = (plan.get("search") or {}).get("best") or []
+    fitting = [b["layout"]["name"] for b in best if b.get("fits")]
+    if fitting:
+        found.append(f"layouts that fit: {', '.join(fitting[:3])}")
     return found
 
 

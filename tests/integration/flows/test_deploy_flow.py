@@ -26,10 +26,13 @@ def _task_runs(flow_run_id) -> list:  # noqa: ANN001
 def _artifact(key: str) -> str:
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+    from prefect.client.schemas.sorting import ArtifactSort
 
     async def read() -> list:
         async with get_client() as client:
-            return await client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key])))
+            return await client.read_artifacts(
+                artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key])), sort=ArtifactSort.CREATED_DESC
+            )
 
     artifacts = asyncio.run(read())
     return str(artifacts[0].data) if artifacts else ""
@@ -68,7 +71,8 @@ def test_an_impossible_batch_stops_at_capacity_without_retry_and_the_diagnosis_s
     assert state.is_failed()
     assert runs["estimate_capacity"].state.is_failed() and runs["estimate_capacity"].run_count == 1
     assert "check_nodes" not in runs  # nothing after the failed step ran
-    assert "out of memory" in _artifact("diagnosis")
+    diagnosis = _artifact("diagnosis")
+    assert "out of memory" in diagnosis and "GiB per device" in diagnosis
     summary = _artifact("deployment-summary")
     assert "| capacity estimation | **FAILED** |" in summary and "| node environment checks | not run |" in summary
 
