@@ -254,6 +254,19 @@ class RunConfig(StrictModel):
         default=None, ge=1, description="torch intra-op threads per rank; None = CPU cores / local ranks."
     )
     record_samples: bool = Field(default=True, description="Record the sample indices each rank consumed.")
+    metrics_port: int | None = Field(
+        default=None,
+        ge=1,
+        le=65535,
+        description="Serve Prometheus metrics at http://HOST:PORT/metrics, one port per rank "
+        "(metrics_port + local rank, so keep that many ports free); None = off.",
+    )
+    throughput_baseline_tokens_per_s: float | None = Field(
+        default=None,
+        gt=0,
+        description="Accepted tokens/s of this job (the acceptance run's figure), exported as "
+        "tdeploy_train_baseline_tokens_per_second for the throughput-drop alert; None = no baseline, no alert.",
+    )
 
 
 class TrainConfig(StrictModel):

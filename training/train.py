@@ -33,6 +33,7 @@ from training.metrics import CommTimer, RunOutput, peak_memory_bytes
 from training.model import Transformer
 from training.parallel import gradient_sync, parallelize
 from training.sampler import GlobalBatchSampler, SamplerState
+from training.telemetry import Telemetry
 
 log = logging.getLogger("training.train")  # not __main__ under `python -m`
 
@@ -168,6 +169,10 @@ class Trainer:
         )
         self.checkpoints = CheckpointManager(cfg.checkpoint, cfg.storage)
         self.out = RunOutput(cfg.run.output_url, cfg.storage)
+        self.telemetry = Telemetry.for_rank(
+            cfg.run, rank=self.rank, local_rank=self.env.local_rank, local_world_size=self.env.local_world_size,
+            host=self.env.host, device=self.device,
+        )  # fmt: skip
 
         self.step, self.tokens_seen, self.skipped_steps = 0, 0, 0
         self.resumed_from: int | None = None
@@ -316,8 +321,10 @@ class Trainer:
             "compute_s": max(0.0, elapsed - data_s - (comm_s or 0.0)),
             "peak_mem_bytes": peak_memory_bytes(self.device),
             "time_unix_s": time.time(),
+            **self.telemetry.gpu_readings(),
         }
         self.out.append(f"metrics/rank-{self.rank:05d}.jsonl", {"rank": self.rank, **record})
+        self.telemetry.observe(record)
         if cfg.run.record_samples:
             flat = np.concatenate(micro_batches).tolist()
             self.out.append(
@@ -414,6 +421,7 @@ class Trainer:
             self.out.write_json("result.json", result)
             log.info("done: step %d val_loss %.4f val_ppl %.2f", self.step, result["val_loss"], result["val_ppl"])
         self.out.close()
+        self.telemetry.close()
         return result
 
 
