@@ -46,6 +46,7 @@ def prefect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[st
         **os.environ,
         "PREFECT_HOME": str(home),
         "PREFECT_API_URL": f"http://127.0.0.1:{port}/api",
+        "PREFECT_UI_API_URL": f"http://127.0.0.1:{port}/api",  # the UI's browser side calls this
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180",
     }
@@ -137,7 +138,7 @@ def test_deployments_run_through_a_worker_with_schedule_artifacts_and_ui(
 
     chromium = shutil.which("chromium")
     assert chromium, "chromium is installed by bash .ci/setup --test"
-    ui = env["PREFECT_API_URL"].removesuffix("/api") + f"/runs/artifact/{artifacts[0].id}"
+    ui = env["PREFECT_API_URL"].removesuffix("/api") + f"/artifacts/artifact/{artifacts[0].id}"
     dom = subprocess.run(
         [chromium, "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
          "--disable-background-networking", "--disable-component-update", "--disable-sync",
