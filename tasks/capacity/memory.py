@@ -7,9 +7,10 @@ what tensor parallelism divides (attention and MLP internals), what it replicate
 attention, dropout, GeLU 4h MLP, 2-byte activations) the inventory adds up to Korthikanti's 34 + 5as/h bytes per
 (s, b, h) element; for the payload's model it matches the bytes torch's memory tracker records for a training step.
 
-The peak is the largest of four moments of a training step: the start of backward (every activation alive plus the
-cross-entropy gradients), the backward of the top and of the bottom block (activations freed as gradients appear),
-and the optimizer step (every gradient plus the optimizer's temporaries).
+The peak is the largest of a few moments of a training step: the start of backward (every activation alive plus the
+cross-entropy gradients), the backward of the top and of the bottom block (activations freed as gradients appear;
+under FSDP also the end of a block's backward, before its gradients are reduce-scattered), and the optimizer step
+(every gradient plus the optimizer's temporaries).
 """
 
 from __future__ import annotations
@@ -426,7 +427,8 @@ class MemoryModel:
         if shape is None:
             shape = self._shape_cache[key] = self._stage_params(*key)
         dense_layer, expert_layer, layer_params, embed, head, dense_params, expert_params, stage_params = shape
-        # ZeRO stages (Rajbhandari et al. 2020) over the shard group; experts over the expert-data-parallel group.
+        # ZeRO stages (Rajbhandari et al. 2020, `model_states` inlined for the search's sake) over the shard group;
+        # experts over the expert-data-parallel group.
         expert_shard = max(1, shard // lo.ep) if zero else 1
         weights = (dense_params / shard + expert_params / expert_shard) * wb if zero >= 3 else stage_params * wb
         optim = dense_params / (shard if zero >= 1 else 1) + expert_params / (expert_shard if zero >= 1 else 1)
