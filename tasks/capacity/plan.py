@@ -13,7 +13,7 @@ from tasks.capacity.catalogue import Accelerator, resolve_accelerator
 from tasks.capacity.compute import SECONDS_PER_DAY, flops_per_token
 from tasks.capacity.config import CapacityConfig
 from tasks.capacity.memory import GIB, Layout, Margin, MemoryModel, Precision, Runtime, kv_cache_bytes
-from tasks.capacity.params import Architecture
+from tasks.capacity.params import Architecture, count_params
 from tasks.capacity.search import (
     Estimator,
     Evaluation,
@@ -85,7 +85,7 @@ class CapacityPlan:
 
     def to_json(self) -> dict[str, Any]:
         """Machine-readable plan: every figure with its unit in its key."""
-        pc = MemoryModel(self.arch, self.precision).params
+        pc = count_params(self.arch)
         flops = flops_per_token(self.arch, self.requested.layout.recompute)
         return {
             "name": self.name,

@@ -9,6 +9,7 @@ from rich.table import Table
 from rich.text import Text
 
 from tasks.capacity.memory import GIB
+from tasks.capacity.params import count_params
 from tasks.capacity.plan import CapacityPlan
 from tasks.capacity.search import Evaluation, explain_win, ranked
 
@@ -36,7 +37,7 @@ def memory_rows(ev: Evaluation) -> list[tuple[str, str]]:
 
 def _summary_lines(plan: CapacityPlan) -> list[str]:
     ev, acc = plan.requested, plan.accelerator
-    pc_total = plan.to_json()["model"]["params"]
+    pc_total = count_params(plan.arch).total
     days = plan.steps * ev.step_seconds / 86400
     return [
         f"{plan.name}: {pc_total:,} parameters on {plan.cluster.nodes} x {plan.cluster.procs_per_node} {acc.name} "
