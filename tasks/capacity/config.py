@@ -6,10 +6,12 @@ from typing import Literal
 
 from pydantic import Field
 
-from tasks.capacity.catalogue import CATALOGUE, Accelerator, accelerator_names
+from tasks.capacity.catalogue import CATALOGUE, Accelerator, accelerator_names, resolve_accelerator
 from training.config import ModelConfig, ParallelConfig, Problem, StrictModel
 
-_ACCELERATOR_FIELDS = [name for name in Accelerator.__dataclass_fields__ if name not in ("name", "description")]
+_ACCELERATOR_FIELDS = [
+    name for name in Accelerator.__dataclass_fields__ if name not in ("name", "description", "max_per_node")
+]
 
 
 class AcceleratorOverride(StrictModel):
@@ -23,6 +25,7 @@ class AcceleratorOverride(StrictModel):
     hbm_tb_s: float | None = Field(default=None, gt=0, description="Memory bandwidth in TB/s.")
     intra_node_gb_s: float | None = Field(default=None, gt=0, description="Per-GPU, per-direction GB/s in a node.")
     inter_node_gb_s: float | None = Field(default=None, gt=0, description="Per-GPU, per-direction GB/s across nodes.")
+    max_per_node: int | None = Field(default=None, ge=1, description="Most devices one node holds; None = no limit.")
 
     def fields(self) -> dict[str, object]:
         """The figures that are set."""
@@ -133,6 +136,20 @@ def capacity_problems(
                 "or describe it under capacity.accelerators",
             )
         )
+    else:
+        try:
+            limit = resolve_accelerator(accelerator, capacity.accelerator_overrides()).max_per_node
+        except (KeyError, TypeError):  # a partial spec-defined entry: reported below, field by field
+            limit = None
+        if limit is not None and procs_per_node > limit:
+            problems.append(
+                (
+                    ("cluster", "procs_per_node"),
+                    procs_per_node,
+                    f"a {accelerator} node holds at most {limit} devices; use procs_per_node <= {limit} and more "
+                    f"nodes, or set capacity.accelerators.{accelerator}.max_per_node",
+                )
+            )
     for name, entry in capacity.accelerators.items():
         missing = [f for f in _ACCELERATOR_FIELDS if f not in entry.fields()]
         if name not in CATALOGUE and missing:

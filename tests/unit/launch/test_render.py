@@ -153,3 +153,12 @@ def test_missing_slurm_tools_are_named_before_anything_is_written(make_spec, tmp
     spec = make_spec({"cluster": {"scheduler": "slurm"}})
     with pytest.raises(UserError, match=r"`sbatch` is not on PATH"):
         SlurmLauncher({"PATH": str(tmp_path)}).submit(spec.cluster, spec.training_config(), "x")
+
+
+def test_more_gpus_per_node_than_the_accelerator_has_is_refused(make_spec) -> None:
+    with pytest.raises(SpecError) as caught:
+        make_spec({"cluster": {"scheduler": "slurm", "accelerator": "h100-sxm", "procs_per_node": 16}})
+    assert (
+        "cluster.procs_per_node=16: a h100-sxm node holds at most 8 devices; use procs_per_node <= 8 and more nodes"
+        in caught.value.problems[0]
+    )
