@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from tasks.errors import TransientError, UserError
+from tasks.launch.torchrun import free_port
 from tasks.prepare.config import PrepareConfig
 from tasks.prepare.pipeline import DataValidationError, prepare_dataset
-from tasks.launch.torchrun import free_port
 from training.dataset import DatasetWriter, TokenDataset, TokenizerInfo, read_manifest
 from training.sampler import GlobalBatchSampler
 from training.storage import StorageConfig, filesystem
