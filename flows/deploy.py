@@ -17,6 +17,7 @@ from prefect.cache_policies import INPUTS, TASK_SOURCE
 from tasks.acceptance.suite import work_dir
 from tasks.acceptance.task import run_acceptance, run_drills
 from tasks.capacity.task import estimate_capacity
+from tasks.image.build import uses_s3
 from tasks.image.task import build_image
 from tasks.launch.task import submit_job
 from tasks.nodes.task import check_nodes
@@ -43,7 +44,9 @@ def deploy_training(spec: DeploymentSpec | str = "examples/local.yaml") -> dict[
         step = "nodes"
         results["nodes"] = check_nodes(spec.nodes, spec.cluster, f"runs/{spec.name}/node-check.json")
         step = "image"
-        results["image"] = image_step(spec)
+        results["image"] = image_step(
+            spec.image, f"runs/{spec.name}/image", uses_s3(spec), spec.cluster.scheduler == "local", spec.digest()
+        )
         step = "data"
         if spec.data.prepare is not None:
             results["data"] = data_step(spec.data.prepare, spec.storage)

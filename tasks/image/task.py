@@ -9,8 +9,8 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 
 from tasks.errors import retry_on_transient
-from tasks.image.build import ensure_image_for_spec, image_markdown
-from tasks.spec import DeploymentSpec
+from tasks.image.build import ensure_image, image_markdown
+from tasks.image.config import ImageConfig
 
 
 @task(
@@ -20,15 +20,24 @@ from tasks.spec import DeploymentSpec
     retry_condition_fn=retry_on_transient,
     timeout_seconds=4 * 3600,
 )
-def build_image(spec: DeploymentSpec, record_dir: str | None = None) -> dict[str, Any]:
-    """Build and push the spec's training image unless its tag exists; publish a summary; return image.json."""
+def build_image(
+    image: ImageConfig | None,
+    record_dir: str,
+    with_s3: bool = False,
+    allow_skip: bool = False,
+    spec_digest: str | None = None,
+) -> dict[str, Any]:
+    """Build and push the training image unless its tag exists; publish a summary; return image.json.
+
+    `allow_skip` (local runs): where nothing can build, say why and let the job use the current environment.
+    """
     logger = get_run_logger()
-    if spec.image is None:
+    if image is None:
         reason = "the spec has image: null; the job runs from the nodes' current environment"
         logger.info("no image: %s", reason)
         create_markdown_artifact(key="image-build", markdown=f"# Training image\n\nskipped: {reason}\n")
         return {"status": "skipped", "reason": reason}
-    result = ensure_image_for_spec(spec, Path(record_dir) if record_dir else None)
+    result = ensure_image(image, Path(record_dir), with_s3=with_s3, spec_digest=spec_digest, allow_skip=allow_skip)
     logger.info("image %s: %s (%s)", result.reference or result.tag, result.status, result.reason)
     create_markdown_artifact(
         key="image-build", markdown=image_markdown(result), description=f"training image {result.tag}"

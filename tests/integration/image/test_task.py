@@ -15,7 +15,7 @@ from prefect.client.orchestration import get_client
 from typer.testing import CliRunner
 
 from flows.cli import app
-from tasks.image.build import prepare_inputs
+from tasks.image.build import prepare_inputs, uses_s3
 from tasks.image.task import build_image
 from tasks.spec import DeploymentSpec, parse_spec
 from tests.conftest import TINY_SPEC, deep_merge
@@ -48,7 +48,11 @@ def run_task(spec: DeploymentSpec, record_dir: Path) -> tuple[str, int, Any]:
 
     @flow
     def image_flow() -> dict[str, Any]:
-        state = build_image.with_options(retries=1, retry_delay_seconds=0)(spec, str(record_dir), return_state=True)
+        step = build_image.with_options(retries=1, retry_delay_seconds=0)
+        state = step(
+            spec.image, str(record_dir), uses_s3(spec), spec.cluster.scheduler == "local", spec.digest(),
+            return_state=True,
+        )  # fmt: skip
         data = state.result(raise_on_failure=False)
         return {
             "state": state.type.value,
