@@ -10,17 +10,10 @@ import pytest
 
 from tasks.launch.base import JobState, find_job
 from tasks.launch.local import LocalLauncher, TrainingFailed, run_local, start_local
+from tests.conftest import process_running
 from training.faults import ENV_VAR
 
 pytestmark = pytest.mark.integration
-
-
-def _alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat[stat.rindex(")") + 2] not in "ZX"
 
 
 def _live_members(pgid: int) -> list[int]:
@@ -72,8 +65,8 @@ def test_cancel_ends_every_process_of_the_job(make_spec) -> None:
         time.sleep(0.2)
     workers = [r["pid"] for r in json.loads((job.output_dir / "ranks.json").read_text())["ranks"]]
     agents = [a["pid"] for a in job.handle.details["agents"]]
-    assert all(_alive(pid) for pid in workers + agents)
+    assert all(process_running(pid) for pid in workers + agents)
     job.cancel()
     assert job.status().state is JobState.CANCELLED
-    assert not [pid for pid in workers + agents if _alive(pid)]
+    assert not [pid for pid in workers + agents if process_running(pid)]
     assert not _live_members(agents[0])  # nothing of the agent's process group runs (zombies aside)

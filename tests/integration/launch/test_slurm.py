@@ -11,17 +11,10 @@ import pytest
 from tasks.errors import UserError
 from tasks.launch.base import JobState, wait_for
 from tasks.launch.slurm import SlurmLauncher
+from tests.conftest import process_running
 from training.faults import ENV_VAR
 
 pytestmark = pytest.mark.integration
-
-
-def _alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat[stat.rindex(")") + 2] not in "ZX"
 
 
 def test_training_job_runs_two_ranks_to_completion_through_sbatch(slurm_cluster, make_spec) -> None:
@@ -59,7 +52,7 @@ def test_scancel_cancels_a_running_job(slurm_cluster, make_spec) -> None:
     status = wait_for(launcher, handle, timeout_s=120)
     assert status.state is JobState.CANCELLED, status
     deadline = time.monotonic() + 60
-    while any(_alive(pid) for pid in workers):
+    while any(process_running(pid) for pid in workers):
         assert time.monotonic() < deadline, "workers outlived scancel"
         time.sleep(0.2)
 
