@@ -16,6 +16,7 @@ from prefect.cache_policies import INPUTS, TASK_SOURCE
 
 from tasks.acceptance.suite import work_dir
 from tasks.acceptance.task import run_acceptance, run_drills
+from tasks.capacity.plan import plan_location
 from tasks.capacity.task import estimate_capacity
 from tasks.image.build import uses_s3
 from tasks.image.task import build_image
@@ -42,10 +43,10 @@ def deploy_training(spec: DeploymentSpec | str = "examples/local.yaml") -> dict[
             spec.name, spec.capacity, spec.cluster, spec.model, spec.parallel, spec.precision, spec.run
         )
         step = "nodes"
-        results["nodes"] = check_nodes(spec.nodes, spec.cluster, f"runs/{spec.name}/node-check.json")
+        results["nodes"] = check_nodes(spec.nodes, spec.cluster, f"{spec.reports_dir}/node-check.json")
         step = "image"
         results["image"] = image_step(
-            spec.image, f"runs/{spec.name}/image", uses_s3(spec), spec.cluster.scheduler == "local", spec.digest()
+            spec.image, f"{spec.reports_dir}/image", uses_s3(spec), spec.cluster.scheduler == "local", spec.digest()
         )
         step = "data"
         if spec.data.prepare is not None:
@@ -68,8 +69,8 @@ def deploy_training(spec: DeploymentSpec | str = "examples/local.yaml") -> dict[
             step,
             str(err),
             run_dir,
-            results.get("capacity", {}).get("plan_url") or f"runs/{spec.name}/plan.json",
-            results.get("nodes", {}).get("report_path") or f"runs/{spec.name}/node-check.json",
+            results.get("capacity", {}).get("plan_url") or plan_location(spec.name, spec.capacity),
+            results.get("nodes", {}).get("report_path") or f"{spec.reports_dir}/node-check.json",
         )
         publish_summary(spec.name, results, step, f"{type(err).__name__}: {err}", diagnosis)
         raise

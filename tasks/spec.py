@@ -122,6 +122,13 @@ class DeploymentSpec(StrictModel):
             storage=self.storage,
         )
 
+    @property
+    def reports_dir(self) -> str:
+        """Where pipeline reports go (node checks, image record): beside run.output_url, else runs/<name>."""
+        if "://" in self.run.output_url and not self.run.output_url.startswith("file://"):
+            return f"runs/{self.name}"
+        return str(Path(self.run.output_url.removeprefix("file://")).parent)
+
     def digest(self) -> str:
         """sha256 of the normalised spec (for cache keys and labels)."""
         return hashlib.sha256(self.model_dump_json().encode()).hexdigest()

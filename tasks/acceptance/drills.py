@@ -163,7 +163,12 @@ def drill_kill_during_save(ctx: DrillContext) -> DrillResult:
         job = ctx.job(train, "drill-kill-during-save")
 
         def in_flight(job: Job = job) -> bool:
-            return job.fresh_ranks() and any(manager.read_commit(s) is None for s in manager.steps_on_storage())
+            # a save in flight with a complete checkpoint before it, which the relaunch must fall back to
+            if not job.fresh_ranks():
+                return False
+            steps = manager.steps_on_storage()
+            partial = [s for s in steps if manager.read_commit(s) is None]
+            return bool(partial) and any(s < partial[-1] and manager.read_commit(s) is not None for s in steps)
 
         try:
             job.wait_until(in_flight, "a save in flight", ctx.acceptance.job_timeout_s, 0.002)

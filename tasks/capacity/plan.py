@@ -282,10 +282,15 @@ def plan_capacity(
     return plan
 
 
+def plan_location(name: str, capacity: CapacityConfig, folder: str | None = None) -> str:
+    """Where plan.json goes: `folder`, else capacity.output_url, else runs/<name>."""
+    return f"{(folder or capacity.output_url or f'runs/{name}').rstrip('/')}/plan.json"
+
+
 def write_plan(plan: CapacityPlan, folder: str | None = None) -> str:
-    """Write plan.json under `folder` (default: capacity.output_url, else runs/<name>); returns its URL."""
-    root = (folder or plan.capacity.output_url or f"runs/{plan.name}").rstrip("/")
-    url = f"{root}/plan.json"
+    """Write plan.json (see plan_location); returns its URL."""
+    url = plan_location(plan.name, plan.capacity, folder)
+    root = url.rsplit("/", 1)[0]
     fs, path = fsspec.core.url_to_fs(url)
     fs.makedirs(root if "://" not in root else path.rsplit("/", 1)[0], exist_ok=True)
     with fs.open(path, "w") as handle:

@@ -86,6 +86,7 @@ def test_ansible_lint_passes_on_the_playbooks() -> None:
     env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"}
     proc = subprocess.run(
         [str(bin_dir / "ansible-lint"), "--offline", "--profile", "production", "playbooks/"],
+        stdin=subprocess.DEVNULL,  # ansible refuses a non-blocking stdin inherited from the caller
         cwd=REPO,
         env=env,
         capture_output=True,
