@@ -143,18 +143,31 @@ class DatasetWriter:
 
     def add_document(self, split: str, tokens: np.ndarray | list[int]) -> None:
         """Append one document (EOS is added when the tokenizer has one)."""
-        arr = np.asarray(tokens, dtype=np.int64)
-        if arr.size and (arr.min() < 0 or arr.max() >= self.vocab_size):
-            bad = int(arr.max() if arr.max() >= self.vocab_size else arr.min())
+        self.add_documents(split, [np.asarray(tokens, dtype=np.int64)])
+
+    def add_documents(self, split: str, docs: list[np.ndarray]) -> None:
+        """Append documents in order; a shard closes at the first document end that reaches shard_tokens."""
+        if not docs:
+            return
+        ids = np.concatenate([np.asarray(doc).ravel() for doc in docs])
+        if ids.size and (ids.min() < 0 or ids.max() >= self.vocab_size):
+            bad = int(ids.max() if ids.max() >= self.vocab_size else ids.min())
             raise ValueError(f"token id {bad} outside the vocabulary [0, {self.vocab_size})")
-        if self.eos_id is not None:
-            arr = np.append(arr, self.eos_id)
-        chunks, starts, length = self._open.get(split, ([], [], 0))
-        chunks.append(arr.astype(self.dtype))
-        starts.append(length)
-        self._open[split] = (chunks, starts, length + arr.size)
-        if length + arr.size >= self.shard_tokens:
-            self._flush(split)
+        eos = [np.array([self.eos_id], dtype=self.dtype)] if self.eos_id is not None else []
+        flat = np.concatenate([piece for doc in docs for piece in (np.asarray(doc).astype(self.dtype), *eos)])
+        ends = np.cumsum([np.asarray(doc).size + len(eos) for doc in docs])
+        begin = 0
+        while begin < len(docs):
+            chunks, starts, length = self._open.get(split, ([], [], 0))
+            offset = int(ends[begin - 1]) if begin else 0
+            cut = begin + int(np.searchsorted(ends[begin:] - offset, self.shard_tokens - length, side="left"))
+            last = min(cut, len(docs) - 1)
+            chunks.append(flat[offset : int(ends[last])])
+            starts.extend((length + np.concatenate(([offset], ends[begin:last])) - offset).tolist())
+            self._open[split] = (chunks, starts, length + int(ends[last]) - offset)
+            if cut < len(docs):
+                self._flush(split)
+            begin = last + 1
 
     def _flush(self, split: str) -> None:
         chunks, starts, length = self._open.pop(split, ([], [], 0))

@@ -15,6 +15,7 @@ class TcpProxy:
         self._lock = threading.Lock()
         self._connections: set[socket.socket] = set()
         self._listener: socket.socket | None = None
+        self._drop = 0
         probe = socket.socket()
         probe.bind(("127.0.0.1", 0))
         self.port = probe.getsockname()[1]
@@ -54,12 +55,24 @@ class TcpProxy:
 
     close = down
 
+    def drop_next(self, count: int) -> None:
+        """Accept the next `count` connections and cut them at once (a flaky link, not an outage)."""
+        with self._lock:
+            self._drop += count
+
     def _accept(self, listener: socket.socket) -> None:
         while True:
             try:
                 client, _ = listener.accept()
             except OSError:
                 return
+            with self._lock:
+                drop, self._drop = self._drop > 0, max(0, self._drop - 1)
+            if drop:
+                with contextlib.suppress(OSError):
+                    client.shutdown(socket.SHUT_RDWR)
+                client.close()
+                continue
             try:
                 upstream = socket.create_connection(self.target, timeout=5)
             except OSError:

@@ -69,7 +69,11 @@ class PrepareConfig(StrictModel):
         default=None, description="Token id dtype on disk; None = the smallest that holds the vocabulary."
     )
     shard_tokens: int = Field(default=1 << 24, ge=1024, description="Tokens per shard file (documents are whole).")
-    workers: int = Field(default=2, ge=1, description="Tokenizer worker processes.")
+    workers: int = Field(
+        default=1,
+        ge=1,
+        description="1: encode here with the tokenizer's own threads; more: that many spawned worker processes.",
+    )
     batch_documents: int = Field(default=512, ge=1, description="Documents per encode batch.")
     expectations: DataExpectations = Field(default_factory=DataExpectations)
 

@@ -14,7 +14,6 @@ import hashlib
 import json
 import logging
 import multiprocessing
-import os
 import shutil
 import tempfile
 import time
@@ -27,6 +26,7 @@ from tasks.errors import TransientError, UserError, is_connection_error
 from tasks.prepare.clean import CleaningStats, clean_documents
 from tasks.prepare.config import PrepareConfig
 from tasks.prepare.corpus import split_of
+from tasks.prepare.encoding import encode_in_worker, init_worker
 from tasks.prepare.sources import SourceFile, expand_sources, iter_documents
 from tasks.prepare.tokenizer import TOKENIZER_FILE, TextTokenizer, load_tokenizer, train_bpe
 from training.dataset import FORMAT_VERSION, MANIFEST, DatasetManifest, DatasetWriter, read_manifest
@@ -128,20 +128,6 @@ class _Staging:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-_worker_tokenizer: TextTokenizer | None = None
-
-
-def _init_worker(kind: str, json_text: str | None, eos_token: str) -> None:
-    global _worker_tokenizer
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker process: parallelism is the pool's
-    _worker_tokenizer = TextTokenizer(kind, json_text).with_eos(eos_token)
-
-
-def _encode_in_worker(texts: list[str]) -> list[Any]:
-    assert _worker_tokenizer is not None
-    return _worker_tokenizer.encode_batch(texts)
-
-
 def _batches(texts: Iterator[str], size: int) -> Iterator[list[str]]:
     batch: list[str] = []
     for text in texts:
@@ -164,16 +150,13 @@ def _write_tokens(
     done = 0
     pool = None
     if cfg.workers > 1:
-        pool = multiprocessing.get_context("fork").Pool(
-            cfg.workers, _init_worker, (tokenizer.kind, tokenizer.json_text, cfg.tokenizer.eos_token)
-        )
+        pool = multiprocessing.get_context("spawn").Pool(cfg.workers, init_worker, (tokenizer.json_text, writer.dtype))
     try:
         for split in sorted(staging.counts):
             batches = _batches(staging.texts(split), cfg.batch_documents)
-            encoded = pool.imap(_encode_in_worker, batches) if pool else map(tokenizer.encode_batch, batches)
+            encoded = pool.imap(encode_in_worker, batches) if pool else map(tokenizer.encode_batch, batches)
             for ids_batch in encoded:
-                for ids in ids_batch:
-                    writer.add_document(split, ids)
+                writer.add_documents(split, ids_batch)
                 done += len(ids_batch)
                 if progress:
                     progress("tokenize", done, total)

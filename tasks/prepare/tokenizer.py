@@ -10,6 +10,7 @@ import numpy as np
 
 from tasks.errors import UserError
 from tasks.prepare.config import TokenizerConfig
+from tasks.prepare.encoding import encode_texts
 from training.dataset import TokenizerInfo, token_dtype
 from training.storage import StorageConfig
 
@@ -54,10 +55,7 @@ class TextTokenizer:
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         """Ids of each text (no EOS; the dataset writer adds it)."""
-        dtype = token_dtype(self.vocab_size)
-        if self._hf is None:
-            return [np.frombuffer(t.encode("utf-8"), dtype=np.uint8).astype(dtype) for t in texts]
-        return [np.asarray(e.ids, dtype=dtype) for e in self._hf.encode_batch_fast(texts, add_special_tokens=False)]
+        return encode_texts(self._hf, texts, token_dtype(self.vocab_size))
 
 
 def train_bpe(texts: Iterable[str], cfg: TokenizerConfig) -> TextTokenizer:

@@ -108,3 +108,39 @@ def test_an_unwritable_checkpoint_folder_is_diagnosed_and_a_rerun_reuses_the_fin
     assert again.is_failed()
     for pure in ("estimate_capacity", "build_image"):
         assert reruns[pure].state.name == "Cached", (pure, reruns[pure].state)
+
+
+_ONE_ATTEMPT = {"max_attempts": 1}
+
+
+def test_a_step_that_fails_transiently_once_is_retried_and_the_flow_succeeds(
+    prefect_harness, make_spec, tmp_path: Path, s3_endpoint: str, s3_bucket: str
+) -> None:
+    from tasks.acceptance.outage import TcpProxy
+
+    host, port = s3_endpoint.removeprefix("http://").split(":")
+    proxy = TcpProxy(host, int(port))
+    try:
+        spec = _spec(
+            make_spec,
+            tmp_path,
+            {
+                "storage": {"s3_endpoint_url": proxy.url, "options": {"config_kwargs": {"retries": _ONE_ATTEMPT}}},
+                "data": {
+                    "dataset_url": None,
+                    "prepare": {"output_url": f"s3://{s3_bucket}/datasets", "builtin_corpus": "python-docs",
+                                "builtin_max_bytes": 100_000, "tokenizer": {"kind": "bytes"}, "workers": 1},
+                },
+            },
+            "flaky",
+        )  # fmt: skip
+        import s3fs
+
+        # Cut as many connections as s3fs retries by itself: the data step's first attempt fails, the next works.
+        proxy.drop_next(s3fs.S3FileSystem.retries)
+        state, runs = _run(spec)
+    finally:
+        proxy.close()
+    assert state.is_completed(), state.message
+    assert runs["prepare_data"].run_count == 2 and runs["prepare_data"].state.is_completed()
+    assert "| data preprocessing and validation | passed |" in _artifact("deployment-summary")

@@ -75,3 +75,18 @@ def test_missing_scheduler_tools_are_named(make_spec, tmp_path: Path) -> None:
     spec = make_spec({"cluster": {"scheduler": "slurm"}})
     with pytest.raises(UserError, match=r"`sbatch` is not on PATH; install the Slurm client tools"):
         SlurmLauncher({"PATH": str(tmp_path)}).submit(spec.cluster, spec.training_config(), "no-tools")
+
+
+def test_rank_kill_and_reshard_drills_recover_through_slurm(slurm_cluster, make_spec, tmp_path, monkeypatch) -> None:
+    from tasks.acceptance.config import AcceptanceConfig
+    from tasks.acceptance.drills import DrillContext, run_drills
+
+    for key, value in slurm_cluster.items():
+        monkeypatch.setenv(key, value)
+    spec = make_spec({"cluster": {"scheduler": "slurm"}})
+    ctx = DrillContext(spec.cluster, spec.training_config(), tmp_path / "drills", AcceptanceConfig(steps=200))
+    results = {r.name: r for r in run_drills(ctx, ["rank_kill", "reshard"])}
+    for name, result in results.items():
+        assert result.passed and result.state_matched, (name, result.message, result.evidence)
+    assert results["rank_kill"].evidence["relaunched"]  # Slurm ended the job; the drill resubmitted it
+    assert results["reshard"].evidence["to_world_size"] == 1
