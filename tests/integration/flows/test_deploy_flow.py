@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import threading
 from pathlib import Path
 
 import pytest
@@ -113,6 +114,28 @@ def test_an_unwritable_checkpoint_folder_is_diagnosed_and_a_rerun_reuses_the_fin
 _ONE_ATTEMPT = {"max_attempts": 1}
 
 
+def _up_when_retrying(proxy, task_name: str, timeout_s: float = 300.0) -> None:  # noqa: ANN001
+    """Bring the proxy back up once a run of `task_name` failed and waits for its retry."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import TaskRunFilter, TaskRunFilterName
+
+    async def wait() -> None:
+        async with get_client() as client:
+            deadline = asyncio.get_running_loop().time() + timeout_s
+            while asyncio.get_running_loop().time() < deadline:
+                runs = await client.read_task_runs(
+                    task_run_filter=TaskRunFilter(name=TaskRunFilterName(like_=task_name))
+                )
+                if any(r.state is not None and r.state.name == "AwaitingRetry" for r in runs):
+                    return
+                await asyncio.sleep(0.2)
+
+    try:
+        asyncio.run(wait())
+    finally:
+        proxy.up()
+
+
 def test_a_step_that_fails_transiently_once_is_retried_and_the_flow_succeeds(
     prefect_harness, make_spec, tmp_path: Path, s3_endpoint: str, s3_bucket: str
 ) -> None:
@@ -134,11 +157,12 @@ def test_a_step_that_fails_transiently_once_is_retried_and_the_flow_succeeds(
             },
             "flaky",
         )  # fmt: skip
-        import s3fs
-
-        # Cut as many connections as s3fs retries by itself: the data step's first attempt fails, the next works.
-        proxy.drop_next(s3fs.S3FileSystem.retries)
+        # Storage is down when the data step first runs; it comes back once Prefect has scheduled the retry.
+        proxy.down()
+        restore = threading.Thread(target=_up_when_retrying, args=(proxy, "prepare_data"), daemon=True)
+        restore.start()
         state, runs = _run(spec)
+        restore.join(timeout=5)
     finally:
         proxy.close()
     assert state.is_completed(), state.message
