@@ -277,6 +277,7 @@ def drill_storage_outage(ctx: DrillContext) -> DrillResult:
 
     for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
         os.environ.setdefault(key, "drill")
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # the drill's own endpoint: no request log per S3 call
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     proxy = TcpProxy(*server.get_host_and_port())
