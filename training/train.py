@@ -9,6 +9,7 @@ at each evaluation and `result.json` at the end.
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import math
 import os
@@ -434,9 +435,15 @@ def main(argv: list[str] | None = None) -> None:
     rank = os.environ.get("RANK", "0")
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s")
     cfg = TrainConfig.from_json_file(args.config)
+    trainer: Trainer | None = None
     try:
-        Trainer(cfg).fit()
+        trainer = Trainer(cfg)
+        trainer.fit()
     finally:
+        # Free the model (DDP's reducer holds the process group and its last work) while the interpreter is
+        # fully alive: left to interpreter shutdown, gloo's teardown can abort a job that finished its work.
+        del trainer
+        gc.collect()
         if dist.is_initialized():
             dist.destroy_process_group()
 
