@@ -4,14 +4,37 @@ from __future__ import annotations
 
 import hashlib
 import os
-from typing import Any
+import re
+from typing import Annotated, Any
 
 import fsspec
 from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
 _SECRET_WORDS = ("secret", "password", "token", "key")
+# Schemes a storage URL may use: local files and the object stores fsspec reaches with the spec's options.
+URL_SCHEMES = ("file", "s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "hdfs", "memory")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+
+
+def check_storage_url(value: str) -> str:
+    """Refuse URLs with control characters (NUL, newline) or a scheme fsspec storage is not meant to use."""
+    if not value:
+        raise ValueError("must not be empty; give a local path or an s3:// URL")
+    if _CONTROL.search(value):
+        raise ValueError("contains a control character (NUL, newline, tab...); remove it")
+    match = _SCHEME.match(value)
+    if match is None and "://" in value:
+        raise ValueError("is not a URL fsspec can open; use a local path or scheme://path")
+    if match is not None and match.group(1).lower() not in URL_SCHEMES:
+        raise ValueError(f"has the unknown scheme {match.group(1)!r}; use a local path or one of {list(URL_SCHEMES)}")
+    return value
+
+
+StorageUrl = Annotated[str, AfterValidator(check_storage_url)]
+"""A local path or an fsspec URL with a known scheme (the spec boundary's type for every storage location)."""
 
 
 class StorageConfig(BaseModel):
