@@ -16,17 +16,34 @@ Samples are derived for a sequence length L: shard i holds
 (inputs are the first L, targets the last L). Samples never cross shards. The
 global sample index runs over the shards in manifest order. Local shards are
 memory-mapped; remote ones are read with ranged requests.
+
+A dataset is untrusted input. `read_manifest` refuses any file name that is not
+a plain relative path under the dataset root. `TokenDataset` checks every
+file's size against the manifest each time it opens a split, and on the first
+use of a split on a host also checks each file's sha256 and the largest token
+id; a marker per verified file in a host-local cache (`default_cache_dir()`,
+never inside the dataset) spares later runs that pass while the file's
+identity (size, mtime, inode or ETag) is unchanged.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
+import json
 import logging
+import os
+import re
+import socket
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from training.storage import (
     StorageConfig,
@@ -44,12 +61,20 @@ FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 
 
-class DatasetError(Exception):
-    """The dataset is missing, unfinished, inconsistent or incompatible with the run."""
+_CHUNK_BYTES = 8 << 20
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")
 
-    def __init__(self, url: str, problem: str, fix: str) -> None:
+
+class DatasetError(ValueError):
+    """The dataset is missing, unfinished, inconsistent, corrupt or incompatible with the run.
+
+    `file` names the dataset file at fault (relative to the dataset root) when there is one.
+    """
+
+    def __init__(self, url: str, problem: str, fix: str, file: str | None = None) -> None:
         super().__init__(f"{url}: {problem}; {fix}")
-        self.url, self.problem, self.fix = url, problem, fix
+        self.url, self.problem, self.fix, self.file = url, problem, fix, file
 
 
 class TokenizerInfo(BaseModel):
@@ -234,12 +259,73 @@ def read_manifest(url: str, storage: StorageConfig | None = None) -> DatasetMani
         raise DatasetError(
             url, f"the dataset {state}", "build it first (tdeploy prepare-data / tdeploy train)"
         ) from err
-    manifest = DatasetManifest.model_validate_json(raw)
+    try:
+        manifest = DatasetManifest.model_validate_json(raw)
+    except ValidationError as err:
+        first = err.errors()[0]
+        where = ".".join(str(part) for part in first["loc"]) or "<root>"
+        raise DatasetError(
+            url,
+            f"{MANIFEST} is not a valid manifest ({err.error_count()} problem(s), first: {where}: {first['msg']})",
+            "rebuild the dataset (tdeploy prepare-data)",
+            file=MANIFEST,
+        ) from err
     if manifest.format_version != FORMAT_VERSION:
         raise DatasetError(
             url, f"format_version={manifest.format_version}", f"this payload reads version {FORMAT_VERSION}; rebuild it"
         )
+    _check_manifest(url, manifest)
     return manifest
+
+
+def _outside_reason(rel: str) -> str | None:
+    """Why `rel` is not a plain relative path under the dataset root, or None when it is one."""
+    if _CONTROL.search(rel):
+        return "contains a control character"
+    if rel.startswith(("/", "\\")):
+        return "is an absolute path"
+    if _SCHEME.match(rel):
+        return "is a URL or a drive path, not a path relative to the dataset root"
+    if "\\" in rel:
+        return "contains a backslash"
+    parts = rel.split("/")
+    if ".." in parts:
+        return "climbs out of the dataset root ('..')"
+    if any(part in ("", ".") for part in parts):
+        return "has an empty or '.' path component"
+    return None
+
+
+def _check_manifest(url: str, manifest: DatasetManifest) -> None:
+    """Refuse file names that leave the dataset root and values no writer produces."""
+    fields = [("tokenizer.path", manifest.tokenizer.path)] if manifest.tokenizer.path is not None else []
+    for name, split in manifest.splits.items():
+        for number, shard in enumerate(split.shards):
+            where = f"splits.{name}.shards[{number}]"
+            fields += [(f"{where}.tokens", shard.tokens), (f"{where}.index", shard.index)]
+    for field, rel in fields:
+        reason = _outside_reason(rel)
+        if reason is not None:
+            raise DatasetError(
+                url,
+                f"{MANIFEST} {field}={rel!r} {reason}",
+                "a manifest may only name files inside its dataset's folder; rebuild the dataset or fix the manifest",
+                file=MANIFEST,
+            )
+    if manifest.vocab_size > np.iinfo(manifest.dtype).max + 1:
+        raise DatasetError(
+            url,
+            f"{MANIFEST} vocab_size={manifest.vocab_size} does not fit dtype={manifest.dtype}",
+            "rebuild the dataset (tdeploy prepare-data)",
+            file=MANIFEST,
+        )
+    if manifest.eos_id is not None and not 0 <= manifest.eos_id < manifest.vocab_size:
+        raise DatasetError(
+            url,
+            f"{MANIFEST} eos_id={manifest.eos_id} is outside the vocabulary [0, {manifest.vocab_size})",
+            "rebuild the dataset (tdeploy prepare-data)",
+            file=MANIFEST,
+        )
 
 
 def verify_dataset(url: str, storage: StorageConfig | None = None) -> list[str]:
@@ -264,13 +350,160 @@ def verify_dataset(url: str, storage: StorageConfig | None = None) -> list[str]:
     return problems
 
 
+def default_cache_dir() -> Path:
+    """Host-local folder of first-use verification markers: $TDEPLOY_CACHE_DIR, else the XDG cache."""
+    if os.environ.get("TDEPLOY_CACHE_DIR"):
+        return Path(os.environ["TDEPLOY_CACHE_DIR"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tdeploy"
+
+
+@dataclass(frozen=True)
+class _File:
+    """One dataset file as found on this host, after its size matched the manifest."""
+
+    rel: str
+    path: str
+    sha256: str
+    tokens: bool
+    identity: tuple[Any, ...]
+    """What changes when the file is rewritten or replaced (size, times, inode; or size and ETag)."""
+
+
+def _split_files(url: str, manifest: DatasetManifest, split: str, fs: Any, base: str, local: bool) -> list[_File]:
+    """The split's token and index files, each present, inside the root and of the size the manifest says."""
+    item = np.dtype(manifest.dtype).itemsize
+    real_root = os.path.realpath(base) if local else base
+    listing = None if local else fs.find(base, detail=True)
+    files = []
+    for shard in manifest.splits[split].shards:
+        for rel, digest, tokens, size, what in (
+            (shard.tokens, shard.tokens_sha256, True, shard.n_tokens * item, f"{shard.n_tokens} x {manifest.dtype}"),
+            (shard.index, shard.index_sha256, False, (shard.n_docs + 1) * 8, f"{shard.n_docs + 1} x int64"),
+        ):
+            if local:
+                path = os.path.realpath(join(base, rel))
+                if not path.startswith(real_root.rstrip(os.sep) + os.sep):
+                    raise DatasetError(
+                        url,
+                        f"{rel} resolves to {path}, outside the dataset root {real_root} (a symbolic link?)",
+                        "copy the file into the dataset's folder instead of linking to it",
+                        file=rel,
+                    )
+                try:
+                    st = os.stat(path)
+                except FileNotFoundError:
+                    info = None
+                else:
+                    info = {"size": st.st_size}
+                    identity: tuple[Any, ...] = (st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev)
+            else:
+                path = join(base, rel)
+                info = listing.get(path) if listing is not None else None
+                if info is not None:
+                    keys = ("ETag", "etag", "LastModified", "last_modified", "mtime", "generation", "md5Hash")
+                    identity = (info.get("size"), *(str(info.get(k)) for k in keys if k in info))
+            if info is None:
+                raise DatasetError(url, f"{rel} is missing", "re-copy the dataset or rebuild it", file=rel)
+            if info["size"] != size:
+                cut = ", truncated" if info["size"] < size else ""
+                raise DatasetError(
+                    url,
+                    f"{rel} has {info['size']} bytes, the manifest says {size} ({what}){cut}",
+                    "re-copy the dataset (a transfer cut short?) or rebuild it",
+                    file=rel,
+                )
+            files.append(_File(rel, path, digest, tokens, identity))
+    return files
+
+
+def _trust_cache(url: str, base: str, local: bool, cache_dir: str | Path | None) -> Path | None:
+    """The marker folder, or None (verify every time) when it cannot be made or lies inside the dataset."""
+    folder = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    folder = folder / "verified"
+    if local:
+        root = os.path.realpath(base)
+        if os.path.realpath(folder) == root or os.path.realpath(folder).startswith(root.rstrip(os.sep) + os.sep):
+            log.warning("%s: the verification cache %s lies inside the dataset; verifying without it", url, folder)
+            return None
+    try:
+        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+    except OSError as err:
+        log.warning("%s: cannot use the verification cache %s (%s); verifying without it", url, folder, err)
+        return None
+    return folder
+
+
+@contextlib.contextmanager
+def _marker(cache: Path | None, key: str) -> Iterator[Path | None]:
+    """The marker path for `key`, held under an exclusive lock so one process per host does the work."""
+    if cache is None:
+        yield None
+        return
+    with open(cache / f"{key}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield cache / f"{key}.json"
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _scan(fs: Any, path: str, dtype: np.dtype | None) -> tuple[str, int]:
+    """sha256 of the file and, for token files, its largest id (-1 when empty), in one streaming pass."""
+    digest, top, rest = hashlib.sha256(), -1, b""
+    with fs.open(path, "rb") as handle:
+        while chunk := handle.read(_CHUNK_BYTES):
+            digest.update(chunk)
+            if dtype is not None:
+                chunk = rest + chunk
+                whole = len(chunk) - len(chunk) % dtype.itemsize
+                if whole:
+                    top = max(top, int(np.frombuffer(chunk[:whole], dtype=dtype).max()))
+                rest = chunk[whole:]
+    return digest.hexdigest(), top
+
+
+def _verify_first_use(url: str, manifest: DatasetManifest, files: list[_File], fs: Any, cache: Path | None) -> None:
+    """sha256 and id range of every file, unless this host's cache says this very file passed already.
+
+    Each local rank starts at a different file, so the ranks of a node share the pass.
+    """
+    dtype = np.dtype(manifest.dtype).newbyteorder("<")
+    start = int(os.environ.get("LOCAL_RANK", "0") or 0) % max(1, len(files))
+    host = socket.gethostname()
+    for f in files[start:] + files[:start]:
+        key = hashlib.sha256(json.dumps([host, f.path, f.sha256, f.identity], default=str).encode()).hexdigest()
+        with _marker(cache, key) as marker:
+            record = json.loads(marker.read_text()) if marker is not None and marker.exists() else None
+            if record is None:
+                digest, top = _scan(fs, f.path, dtype if f.tokens else None)
+                if digest != f.sha256:
+                    raise DatasetError(
+                        url,
+                        f"{f.rel} has sha256 {digest}, the manifest says {f.sha256}",
+                        "the file is corrupt or was replaced; re-copy the dataset or rebuild it",
+                        file=f.rel,
+                    )
+                record = {"file": f.rel, "sha256": digest, "max_id": top}
+                if marker is not None:
+                    tmp = marker.with_suffix(f".tmp-{os.getpid()}")
+                    tmp.write_text(json.dumps(record))
+                    os.replace(tmp, marker)
+        if f.tokens and record["max_id"] >= manifest.vocab_size:
+            raise DatasetError(
+                url,
+                f"{f.rel} holds token id {record['max_id']}, outside the vocabulary [0, {manifest.vocab_size})",
+                "the ids do not come from the tokenizer the manifest names; rebuild the dataset",
+                file=f.rel,
+            )
+
+
 class _Shard:
     """Random access to one token file: a memmap locally, ranged reads remotely."""
 
     def __init__(self, fs: Any, path: str, dtype: str, n_tokens: int, local: bool) -> None:
         self.fs, self.path, self.n_tokens = fs, path, n_tokens
         self.dtype = np.dtype(dtype).newbyteorder("<")
-        self.memmap = np.memmap(path, dtype=self.dtype, mode="r", shape=(n_tokens,)) if local else None
+        self.memmap = np.memmap(path, dtype=self.dtype, mode="r", shape=(n_tokens,)) if local and n_tokens else None
 
     def read(self, start: int, count: int) -> np.ndarray:
         if self.memmap is not None:
@@ -281,19 +514,43 @@ class _Shard:
 
 
 class TokenDataset:
-    """Fixed-length samples (L + 1 tokens) of one split, addressable by global sample index."""
+    """Fixed-length samples (L + 1 tokens) of one split, addressable by global sample index.
 
-    def __init__(self, url: str, split: str, seq_len: int, storage: StorageConfig | None = None) -> None:
+    Opening checks the split's files before anything is read: present, inside the dataset root and of
+    the manifest's size (always); sha256 and token ids below the vocabulary (on first use on this host,
+    remembered in `cache_dir`, default `default_cache_dir()`). `vocab_size` is the model's: a dataset
+    with a larger vocabulary is refused. Every problem is a DatasetError naming the file.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        split: str,
+        seq_len: int,
+        storage: StorageConfig | None = None,
+        *,
+        vocab_size: int | None = None,
+        cache_dir: str | Path | None = None,
+    ) -> None:
         self.url, self.split, self.seq_len = url, split, seq_len
         self.manifest = read_manifest(url, storage)
         if split not in self.manifest.splits:
             raise DatasetError(url, f"no split {split!r}", f"available: {sorted(self.manifest.splits)}")
+        if vocab_size is not None and self.manifest.vocab_size > vocab_size:
+            raise DatasetError(
+                url,
+                f"dataset vocab_size={self.manifest.vocab_size} exceeds model.vocab_size={vocab_size}",
+                f"set model.vocab_size >= {self.manifest.vocab_size} or use a dataset of this vocabulary",
+            )
         fs, root = filesystem(url, storage)
         local = is_local(url)
+        base = local_path(url) if local else root
+        files = _split_files(url, self.manifest, split, fs, base, local)
+        _verify_first_use(url, self.manifest, files, fs, _trust_cache(url, base, local, cache_dir))
         self._shards, counts = [], []
-        for info in self.manifest.splits[split].shards:
-            path = join(local_path(url) if local else root, info.tokens)
-            self._shards.append(_Shard(fs, path, self.manifest.dtype, info.n_tokens, local))
+        token_files = [f for f in files if f.tokens]
+        for info, file in zip(self.manifest.splits[split].shards, token_files, strict=True):
+            self._shards.append(_Shard(fs, file.path, self.manifest.dtype, info.n_tokens, local))
             counts.append(max(0, (info.n_tokens - 1) // seq_len))
         self._first = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
         if len(self) == 0:
