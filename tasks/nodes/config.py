@@ -4,13 +4,53 @@ from __future__ import annotations
 
 import ipaddress
 import re
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import AfterValidator, Field, field_validator, model_validator
 
 from training.config import Problem, StrictModel, raise_problems
 
 HOST_NAME = r"^[A-Za-z0-9]([A-Za-z0-9._-]{0,252})$"
+# Values reach Ansible (inventory, extravars, interpreter command lines): no template syntax, no shell syntax.
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+_TEMPLATE = re.compile(r"\{\{|\{%|\{#")
+_PROGRAM = re.compile(r"[A-Za-z0-9_./+@-]+")
+_USER = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.@-]{0,63}")
+
+
+def _plain_text(value: str) -> str:
+    """Refuse control characters and Jinja markers: a spec value is data, never a template Ansible runs."""
+    if _CONTROL.search(value):
+        raise ValueError(f"{value!r} contains a control character (newline, tab, NUL...); remove it")
+    if _TEMPLATE.search(value):
+        raise ValueError(
+            f"{value!r} contains template syntax ({{{{, {{% or {{#), which Ansible would run on the controller; "
+            "give the literal value"
+        )
+    return value
+
+
+def _program(value: str) -> str:
+    """A program path or name: letters, digits and _ . / + @ - only (no spaces, quotes or shell syntax)."""
+    _plain_text(value)
+    if not _PROGRAM.fullmatch(value):
+        raise ValueError(
+            f"{value!r} is not a plain program path; use letters, digits and _ . / + @ - only, "
+            "e.g. /opt/venv/bin/python (wrap anything more in a script on the nodes)"
+        )
+    return value
+
+
+def _user(value: str) -> str:
+    if not _USER.fullmatch(value):
+        raise ValueError(f"{value!r} is not a user name; use letters, digits and _ . @ - (e.g. trainer)")
+    return value
+
+
+PlainText = Annotated[str, AfterValidator(_plain_text)]
+"""Text that reaches Ansible as a value: one line, no template syntax."""
+Program = Annotated[str, AfterValidator(_program)]
+"""A program path that reaches a command line on the nodes."""
 
 
 class NodeHost(StrictModel):
@@ -28,13 +68,24 @@ class NodeHost(StrictModel):
         default="ssh", description="ssh: over SSH; local: this machine, without SSH (the local scheduler)."
     )
 
+    @field_validator("address")
+    @classmethod
+    def _address_is_a_host(cls, value: str | None) -> str | None:
+        if value is not None and not _is_host(value):
+            raise ValueError(f"{value!r} is not a host name or an IP address; e.g. node-1.example.com or 10.0.0.7")
+        return value
+
 
 class StorageMount(StrictModel):
     """Storage the job needs on every node."""
 
-    path: str = Field(min_length=1, description="Absolute path; must exist and be writable by nodes.ssh_user.")
+    path: PlainText = Field(min_length=1, description="Absolute path; must exist and be writable by nodes.ssh_user.")
     min_free_gb: float | None = Field(
-        default=None, gt=0, description="Free space the path needs, in GB (10^9 bytes); None = no minimum."
+        default=None,
+        gt=0,
+        le=1e9,
+        allow_inf_nan=False,
+        description="Free space the path needs, in GB (10^9 bytes); None = no minimum.",
     )
 
     @field_validator("path")
@@ -54,35 +105,35 @@ class NodesConfig(StrictModel):
         description="Nodes to check, first = rendezvous host; None = localhost over the local connection "
         "(with cluster.scheduler local) or the hosts of `inventory_path`.",
     )
-    inventory_path: str | None = Field(
+    inventory_path: PlainText | None = Field(
         default=None,
         min_length=1,
         description="An existing Ansible inventory instead of `hosts`; its hosts matching `inventory_pattern` "
         "are checked, in inventory order (first = rendezvous host).",
     )
-    inventory_pattern: str = Field(
+    inventory_pattern: PlainText = Field(
         default="all", min_length=1, description="Ansible host pattern selecting the nodes in `inventory_path`."
     )
-    ssh_user: str | None = Field(
+    ssh_user: Annotated[str, AfterValidator(_user)] | None = Field(
         default=None, min_length=1, description="SSH user (the user the job runs as); None = the SSH default."
     )
-    ssh_key_path: str | None = Field(
+    ssh_key_path: PlainText | None = Field(
         default=None,
         min_length=1,
         description="Path of the SSH private key on the controller (a path, never the key); None = agent/defaults.",
     )
-    known_hosts_path: str | None = Field(
+    known_hosts_path: PlainText | None = Field(
         default=None,
         min_length=1,
         description="known_hosts file with the nodes' host keys; None = the SSH default (~/.ssh/known_hosts).",
     )
-    python: str | None = Field(
+    python: Program | None = Field(
         default=None,
         min_length=1,
         description="Python the job runs with on the nodes, compared across nodes with its torch build; "
         "None = python3 (local connection: the Python running tdeploy).",
     )
-    ansible_python: str | None = Field(
+    ansible_python: Program | None = Field(
         default=None,
         min_length=1,
         description="Python that Ansible runs its checks with on the nodes; None = discovered on each node.",
@@ -100,26 +151,31 @@ class NodesConfig(StrictModel):
         min_length=1,
         description="Name or address the nodes connect to for the rendezvous; None = the first host's name.",
     )
-    max_clock_skew_s: float = Field(default=1.0, gt=0, description="Largest clock difference allowed between nodes.")
-    connect_timeout_s: int = Field(
-        default=10, ge=1, description="Seconds to reach a node over SSH (connect, banner, key exchange)."
+    max_clock_skew_s: float = Field(
+        default=1.0, gt=0, le=3600, allow_inf_nan=False, description="Largest clock difference allowed between nodes."
     )
-    task_timeout_s: int = Field(default=120, ge=1, description="Seconds one check may run on one node.")
+    connect_timeout_s: int = Field(
+        default=10, ge=1, le=3600, description="Seconds to reach a node over SSH (connect, banner, key exchange)."
+    )
+    task_timeout_s: int = Field(default=120, ge=1, le=86400, description="Seconds one check may run on one node.")
     rdzv_connect_timeout_s: int = Field(
-        default=5, ge=1, description="Seconds a node waits for its TCP connection to the rendezvous port."
+        default=5, ge=1, le=3600, description="Seconds a node waits for its TCP connection to the rendezvous port."
     )
     run_timeout_s: int | None = Field(
-        default=1800, ge=1, description="Seconds the whole check may take before it is stopped; None = no limit."
+        default=1800,
+        ge=1,
+        le=7 * 86400,
+        description="Seconds the whole check may take before it is stopped; None = no limit.",
     )
     forks: int = Field(default=50, ge=1, le=1000, description="Nodes checked in parallel.")
     check_password_auth: bool = Field(
         default=True, description="Ask every node's sshd whether it still offers password login."
     )
 
-    @field_validator("ssh_key_path")
+    @field_validator("ssh_key_path", mode="before")
     @classmethod
-    def _key_is_a_path(cls, value: str | None) -> str | None:
-        if value is not None and ("PRIVATE KEY" in value or "\n" in value):
+    def _key_is_a_path(cls, value: object) -> object:
+        if isinstance(value, str) and ("PRIVATE KEY" in value or "\n" in value):
             raise ValueError("holds a key, not a path; put the key in a file (mode 0600) and give its path")
         return value
 

@@ -3,6 +3,10 @@
 Results come from the events as they arrive: the `set_stats` data every role publishes per host,
 the unreachable and failed hosts, and the controller-side start and end times of the clock task.
 `runner.get_fact_cache()` cannot be used: it does not read the cache format of ansible-core 2.19.
+
+Every string of the inventory and the extravars reaches Ansible marked unsafe, so Ansible takes it
+literally: ansible-core 2.19 trusts values from `-e` and from inventory files as templates, and a
+spec value such as `{{ lookup('pipe', ...) }}` would otherwise run on the controller.
 """
 
 from __future__ import annotations
@@ -108,6 +112,17 @@ class _Collector:
         return False
 
 
+def ansible_unsafe(value: Any) -> Any:
+    """`value` with every string wrapped as `{"__ansible_unsafe": ...}`: Ansible's JSON form of `!unsafe`."""
+    if isinstance(value, str):
+        return {"__ansible_unsafe": value}
+    if isinstance(value, dict):
+        return {key: ansible_unsafe(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [ansible_unsafe(item) for item in value]
+    return value
+
+
 def _epoch(value: str | dt.datetime) -> float:
     moment = value if isinstance(value, dt.datetime) else dt.datetime.fromisoformat(value)
     if moment.tzinfo is None:
@@ -174,8 +189,8 @@ def run_playbook(
                 ident="check-nodes",
                 project_dir=str(PLAYBOOKS),
                 playbook=str(PLAYBOOK),
-                inventory=inventory,
-                extravars=extravars,
+                inventory=ansible_unsafe(inventory) if isinstance(inventory, dict) else inventory,
+                extravars=ansible_unsafe(extravars),
                 envvars=env,
                 forks=forks,
                 timeout=run_timeout_s,

@@ -38,6 +38,31 @@ BAD_NODES = [
     ({"forks": 0}, "nodes.forks=0: must be >= 1"),
     ({"max_clock_skew_s": 0}, "nodes.max_clock_skew_s=0: must be > 0"),
     ({"timeout_s": 5}, "nodes.timeout_s=5: is not a known field; remove it"),
+    (
+        {"python": "{{ lookup('pipe', 'id') }}"},
+        "contains template syntax ({{, {% or {#), which Ansible would run on the controller; give the literal value",
+    ),
+    ({"inventory_pattern": "{% if 1 %}all{% endif %}"}, "contains template syntax"),
+    ({"storage": [{"path": "/data/{{ x }}"}]}, "nodes.storage.0.path=/data/{{ x }}: '/data/{{ x }}' contains template"),
+    ({"known_hosts_path": "/etc/known\nhosts"}, "contains a control character (newline, tab, NUL...); remove it"),
+    ({"ansible_python": "python3; id"}, "nodes.ansible_python=python3; id: 'python3; id' is not a plain program path"),
+    ({"python": "/usr/bin/python3\n"}, "'/usr/bin/python3\\n' contains a control character"),
+    (
+        {"ssh_user": "root -oProxyCommand=id"},
+        "nodes.ssh_user=root -oProxyCommand=id: 'root -oProxyCommand=id' is not a",
+    ),
+    ({"hosts": [{"name": "a", "address": "x;id"}]}, "nodes.hosts.0.address=x;id: 'x;id' is not a host name or an IP"),
+    ({"hosts": [{"name": "a\n"}]}, "must match the pattern ^[A-Za-z0-9]([A-Za-z0-9._-]{0,252})$"),
+    ({"forks": 10**30}, "nodes.forks=1000000000000000000000000000000: must be <= 1000"),
+    ({"run_timeout_s": 10**30}, "nodes.run_timeout_s=1000000000000000000000000000000: must be <= 604800"),
+    ({"connect_timeout_s": 10**9}, "nodes.connect_timeout_s=1000000000: must be <= 3600"),
+    ({"task_timeout_s": 10**9}, "nodes.task_timeout_s=1000000000: must be <= 86400"),
+    ({"rdzv_connect_timeout_s": 10**9}, "nodes.rdzv_connect_timeout_s=1000000000: must be <= 3600"),
+    ({"max_clock_skew_s": float("nan")}, "nodes.max_clock_skew_s=NaN: must be a finite number"),
+    (
+        {"storage": [{"path": "/d", "min_free_gb": float("inf")}]},
+        "nodes.storage.0.min_free_gb=Infinity: must be a finite",
+    ),
 ]
 
 
