@@ -22,7 +22,8 @@ class CleaningStats:
     invalid_utf8_seen: int = 0
     removed: dict[str, int] = field(default_factory=lambda: dict.fromkeys(RULES, 0))
     rows: list[tuple[int, bool, bool, bool, bool]] = field(default_factory=list, repr=False)
-    """Per document read: (n_chars, invalid_utf8, is_duplicate, dropped, kept), for the document suite."""
+    """Per document read: (n_chars, invalid_utf8, is_duplicate, dropped, kept), for the document suite
+    (n_chars is max_chars + 1, a lower bound, for a record skipped unread)."""
 
     def to_json(self) -> dict[str, object]:
         """Counts for reports."""
@@ -46,6 +47,10 @@ def clean_documents(docs: Iterable[RawDocument], cfg: CleaningConfig, stats: Cle
     seen: set[bytes] = set()
     for doc in docs:
         stats.read += 1
+        if doc.unread_bytes is not None:  # too large to hold max_chars characters: never read in
+            stats.removed["too_long"] += 1
+            stats.rows.append((cfg.max_chars + 1, False, False, True, False))
+            continue
         stats.invalid_utf8_seen += doc.invalid_utf8
         text = clean_text(doc.text, cfg)
         rule = None
@@ -56,7 +61,7 @@ def clean_documents(docs: Iterable[RawDocument], cfg: CleaningConfig, stats: Cle
             rule = "empty"
         elif len(text) < cfg.min_chars:
             rule = "too_short"
-        elif cfg.max_chars is not None and len(text) > cfg.max_chars:
+        elif len(text) > cfg.max_chars:
             rule = "too_long"
         elif cfg.dedup:
             digest = hashlib.sha256(text.encode("utf-8")).digest()

@@ -7,15 +7,17 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from training.config import DataConfig, Problem, StrictModel, raise_problems
+from training.storage import StorageUrl
 from validation.data import DataExpectations
 
 BUILTIN_CORPORA = ("python-docs",)
+MAX_DOC_CHARS = 100_000_000
 
 
 class SourceConfig(StrictModel):
     """Raw text files: one fsspec URL or glob."""
 
-    url: str = Field(min_length=1, description="Local path, fsspec URL or glob (s3://bucket/raw/*.jsonl.gz).")
+    url: StorageUrl = Field(description="Local path, fsspec URL or glob (s3://bucket/raw/*.jsonl.gz).")
     format: Literal["auto", "txt", "jsonl", "parquet"] = Field(
         default="auto", description="auto: from the extension (.txt, .jsonl/.json, .parquet; before .gz/.bz2/.xz/.zst)."
     )
@@ -29,12 +31,31 @@ class CleaningConfig(StrictModel):
     """Rules applied to every document, each one's removals counted."""
 
     unicode_normalization: Literal["NFC", "NFKC"] | None = Field(default="NFC", description="None = off.")
-    min_chars: int = Field(default=32, ge=1, description="Shorter documents (after trimming) are dropped.")
-    max_chars: int | None = Field(default=None, ge=1, description="Longer documents are dropped; None = no limit.")
+    min_chars: int = Field(
+        default=32, ge=1, le=MAX_DOC_CHARS, description="Shorter documents (after trimming) are dropped."
+    )
+    max_chars: int = Field(
+        default=1_000_000,
+        ge=1,
+        le=MAX_DOC_CHARS,
+        description=(
+            "Longer documents (characters, after trimming) are dropped as too_long; a raw record (txt file or "
+            "block, JSON line) too large to hold that many is skipped without being read into memory."
+        ),
+    )
     dedup: bool = Field(default=True, description="Drop exact duplicates (sha256 of the cleaned text).")
     invalid_utf8: Literal["drop", "replace"] = Field(
         default="drop", description="Documents with invalid UTF-8: dropped, or kept with U+FFFD replacements."
     )
+
+    @model_validator(mode="after")
+    def _bounds_in_order(self) -> CleaningConfig:
+        if self.min_chars > self.max_chars:
+            raise_problems(
+                "CleaningConfig",
+                [(("min_chars",), self.min_chars, f"must be <= max_chars={self.max_chars}; nothing would be kept")],
+            )
+        return self
 
 
 class TokenizerConfig(StrictModel):
@@ -43,38 +64,47 @@ class TokenizerConfig(StrictModel):
     kind: Literal["bpe", "bytes"] = Field(
         default="bpe", description="bpe: byte-level BPE (HF tokenizers); bytes: id = byte value, EOS = 256."
     )
-    path: str | None = Field(
+    path: StorageUrl | None = Field(
         default=None, description="bpe: URL of an existing tokenizer.json; None = train one on the training split."
     )
     vocab_size: int = Field(default=4096, ge=260, le=2**32, description="bpe training: target vocabulary size.")
-    min_frequency: int = Field(default=2, ge=1, description="bpe training: minimum pair frequency of a merge.")
+    min_frequency: int = Field(
+        default=2, ge=1, le=10**9, description="bpe training: minimum pair frequency of a merge."
+    )
     eos_token: str = Field(default="<|endoftext|>", min_length=1, description="bpe: the end-of-document token.")
 
 
 class PrepareConfig(StrictModel):
     """Clean, split, tokenize, shard and validate a corpus into the dataset format."""
 
-    output_url: str = Field(
-        min_length=1, description="Folder or prefix for prepared datasets; each goes under <output_url>/<key>/."
+    output_url: StorageUrl = Field(
+        description="Folder or prefix for prepared datasets; each goes under <output_url>/<key>/."
     )
     sources: list[SourceConfig] = Field(default_factory=list, description="Raw text sources.")
     builtin_corpus: Literal["python-docs"] | None = Field(
         default=None, description="python-docs: the standard library's documentation and docstrings (offline)."
     )
-    builtin_max_bytes: int = Field(default=1_000_000, ge=1_000, description="Size cap of the built-in corpus.")
+    builtin_max_bytes: int = Field(
+        default=1_000_000, ge=1_000, le=10**9, description="Size cap of the built-in corpus."
+    )
     cleaning: CleaningConfig = Field(default_factory=CleaningConfig)
-    val_fraction: float = Field(default=0.05, gt=0, lt=1, description="Share of documents held out (by hash).")
+    val_fraction: float = Field(
+        default=0.05, gt=0, lt=1, allow_inf_nan=False, description="Share of documents held out (by hash)."
+    )
     tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig)
     token_dtype: Literal["uint16", "uint32"] | None = Field(
         default=None, description="Token id dtype on disk; None = the smallest that holds the vocabulary."
     )
-    shard_tokens: int = Field(default=1 << 24, ge=1024, description="Tokens per shard file (documents are whole).")
+    shard_tokens: int = Field(
+        default=1 << 24, ge=1024, le=1 << 32, description="Tokens per shard file (documents are whole)."
+    )
     workers: int = Field(
         default=1,
         ge=1,
+        le=256,
         description="1: encode here with the tokenizer's own threads; more: that many spawned worker processes.",
     )
-    batch_documents: int = Field(default=512, ge=1, description="Documents per encode batch.")
+    batch_documents: int = Field(default=512, ge=1, le=1_000_000, description="Documents per encode batch.")
     expectations: DataExpectations = Field(default_factory=DataExpectations)
 
     @model_validator(mode="after")
@@ -106,7 +136,7 @@ class PrepareConfig(StrictModel):
 class DataSpec(StrictModel):
     """Train on an existing dataset (`dataset_url`), or prepare one (`prepare`)."""
 
-    dataset_url: str | None = Field(
+    dataset_url: StorageUrl | None = Field(
         default=None, description="An already prepared dataset (format: training/dataset.py)."
     )
     tokenizer_sha256: str | None = Field(

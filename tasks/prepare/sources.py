@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -19,13 +18,29 @@ _COMPRESSION = (".gz", ".bz2", ".xz", ".zst", ".zstd", ".lz4")
 _FORMATS = {".txt": "txt", ".text": "txt", ".md": "txt", ".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet"}
 
 
+_CHUNK_BYTES = 1 << 20
+# The most bytes one character can take in a record: 4 in UTF-8, 12 as a JSON surrogate-pair escape.
+_BYTES_PER_CHAR = 12
+_RECORD_OVERHEAD_BYTES = 64 << 10
+
+
 @dataclass
 class RawDocument:
-    """One document as read: its text (invalid UTF-8 replaced) and whether the bytes were valid UTF-8."""
+    """One document as read: its text (invalid UTF-8 replaced) and whether the bytes were valid UTF-8.
+
+    `unread_bytes` is set (and `text` empty) for a record skipped without being read into memory
+    because it is too large to hold a document of at most `cleaning.max_chars` characters.
+    """
 
     text: str
     invalid_utf8: bool
     origin: str
+    unread_bytes: int | None = None
+
+
+def record_limit_bytes(max_chars: int) -> int:
+    """Largest raw record (file, block or JSON line) that can hold a document of max_chars characters."""
+    return _BYTES_PER_CHAR * max_chars + _RECORD_OVERHEAD_BYTES
 
 
 @dataclass(frozen=True)
@@ -92,17 +107,19 @@ def _decode(raw: bytes) -> tuple[str, bool]:
         return raw.decode("utf-8", errors="replace"), True
 
 
-def read_file(file: SourceFile, storage: StorageConfig) -> Iterator[RawDocument]:
-    """The documents of one file."""
+def read_file(file: SourceFile, storage: StorageConfig, limit_bytes: int) -> Iterator[RawDocument]:
+    """The documents of one file; a txt or jsonl record over `limit_bytes` comes back unread."""
     opts = storage.fsspec_options(file.url)
     try:
         with fsspec.open(file.url, "rb", compression="infer", **opts) as handle:
             if file.format == "parquet":
                 yield from _parquet(handle, file)
             elif file.format == "jsonl":
-                yield from _jsonl(handle, file)
+                yield from _jsonl(handle, file, limit_bytes)
+            elif file.source.txt_documents == "file":
+                yield from _txt_file(handle, file, limit_bytes)
             else:
-                yield from _txt(handle.read(), file)
+                yield from _txt_blocks(handle, file, limit_bytes)
     except (UserError, TransientError):
         raise
     except Exception as err:
@@ -113,18 +130,75 @@ def read_file(file: SourceFile, storage: StorageConfig) -> Iterator[RawDocument]
         raise
 
 
-def _txt(raw: bytes, file: SourceFile) -> Iterator[RawDocument]:
-    text, invalid = _decode(raw)
-    if file.source.txt_documents == "file":
-        yield RawDocument(text, invalid, file.url)
+def _lines(handle: Any, limit_bytes: int) -> Iterator[tuple[bytes | None, int]]:
+    """(line, length) for each line without its newline; a line over limit_bytes is (None, length), never held."""
+    pending = bytearray()
+    over: int | None = None  # length so far of a line known to be too long
+    while chunk := handle.read(_CHUNK_BYTES):
+        start = 0
+        while True:
+            end = chunk.find(b"\n", start)
+            piece = chunk[start:] if end < 0 else chunk[start:end]
+            if over is not None:
+                over += len(piece)
+            elif len(pending) + len(piece) > limit_bytes:
+                over = len(pending) + len(piece)
+                pending = bytearray()
+            else:
+                pending += piece
+            if end < 0:
+                break
+            yield (bytes(pending), len(pending)) if over is None else (None, over)
+            pending, over, start = bytearray(), None, end + 1
+    if over is not None:
+        yield None, over
+    elif pending:
+        yield bytes(pending), len(pending)
+
+
+def _txt_file(handle: Any, file: SourceFile, limit_bytes: int) -> Iterator[RawDocument]:
+    raw = handle.read(limit_bytes + 1)
+    if len(raw) > limit_bytes:
+        yield RawDocument("", False, file.url, unread_bytes=len(raw))
         return
-    for block in re.split(r"\n\s*\n", text):
-        yield RawDocument(block, invalid and "\ufffd" in block, file.url)
+    text, invalid = _decode(raw)
+    yield RawDocument(text, invalid, file.url)
 
 
-def _jsonl(handle: Any, file: SourceFile) -> Iterator[RawDocument]:
+def _txt_blocks(handle: Any, file: SourceFile, limit_bytes: int) -> Iterator[RawDocument]:
+    """Blocks separated by whitespace-only lines, read line by line; a block over the limit comes back unread."""
+    block: list[bytes] = []
+    size, over = 0, False
+
+    def finish() -> RawDocument | None:
+        if over:
+            return RawDocument("", False, file.url, unread_bytes=size)
+        if not block:
+            return None
+        text, invalid = _decode(b"\n".join(block))
+        return RawDocument(text, invalid, file.url)
+
+    for line, length in _lines(handle, limit_bytes):
+        if line is not None and not line.strip():
+            if (doc := finish()) is not None:
+                yield doc
+            block, size, over = [], 0, False
+            continue
+        size += length + 1
+        if over or line is None or size > limit_bytes:
+            block, over = [], True
+        else:
+            block.append(line)
+    if (doc := finish()) is not None:
+        yield doc
+
+
+def _jsonl(handle: Any, file: SourceFile, limit_bytes: int) -> Iterator[RawDocument]:
     field = file.source.text_field
-    for number, raw in enumerate(handle, start=1):
+    for number, (raw, length) in enumerate(_lines(handle, limit_bytes), start=1):
+        if raw is None:
+            yield RawDocument("", False, f"{file.url}:{number}", unread_bytes=length)
+            continue
         if not raw.strip():
             continue
         line, invalid = _decode(raw)
@@ -170,5 +244,6 @@ def iter_documents(cfg: PrepareConfig, files: list[SourceFile], storage: Storage
     if cfg.builtin_corpus == "python-docs":
         for text in stdlib_documents(cfg.builtin_max_bytes):
             yield RawDocument(text, False, "builtin:python-docs")
+    limit = record_limit_bytes(cfg.cleaning.max_chars)
     for file in files:
-        yield from read_file(file, storage)
+        yield from read_file(file, storage, limit)
