@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import tempfile
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,16 +22,28 @@ class DataExpectations(StrictModel):
     """Thresholds of the data suites."""
 
     max_duplicate_fraction: float = Field(
-        default=0.5, ge=0, le=1, description="Most documents that may be exact duplicates of earlier ones."
+        default=0.5,
+        ge=0,
+        le=1,
+        allow_inf_nan=False,
+        description="Most documents that may be exact duplicates of earlier ones.",
     )
     max_invalid_utf8_fraction: float = Field(
-        default=0.01, ge=0, le=1, description="Most documents that may contain invalid UTF-8."
+        default=0.01, ge=0, le=1, allow_inf_nan=False, description="Most documents that may contain invalid UTF-8."
     )
     max_dropped_fraction: float = Field(
-        default=0.9, ge=0, le=1, description="Most documents that cleaning may drop (empty, short, long)."
+        default=0.9,
+        ge=0,
+        le=1,
+        allow_inf_nan=False,
+        description="Most documents that cleaning may drop (empty, short, long).",
     )
-    min_documents: int = Field(default=10, ge=1, description="Fewest documents that must survive cleaning.")
-    min_val_documents: int = Field(default=1, ge=0, description="Fewest documents in the validation split.")
+    min_documents: int = Field(
+        default=10, ge=1, le=10**12, description="Fewest documents that must survive cleaning."
+    )
+    min_val_documents: int = Field(
+        default=1, ge=0, le=10**12, description="Fewest documents in the validation split."
+    )
 
 
 @dataclass
@@ -87,7 +100,11 @@ def _jsonable(value: Any) -> Any:
 
 
 class SuiteRunner:
-    """One ephemeral Great Expectations context; suites are registered once and run with new dataframes."""
+    """One ephemeral Great Expectations context; suites are registered once and run with new dataframes.
+
+    Without `docs_dir` the Data Docs are rendered into a temporary folder that `close()` (or leaving
+    the `with` block) removes: copy them out first (`build_docs()` returns the folder).
+    """
 
     def __init__(self, docs_dir: str | None = None) -> None:
         os.environ.setdefault("GX_ANALYTICS_ENABLED", "false")
@@ -96,6 +113,7 @@ class SuiteRunner:
         self.gx = gx
         self.context = gx.get_context(mode="ephemeral")
         self.context.variables.progress_bars = {"globally": False}
+        self._owns_docs_dir = docs_dir is None
         self.docs_dir = docs_dir or tempfile.mkdtemp(prefix="tdeploy-datadocs-")
         self.context.add_data_docs_site(
             site_name="tdeploy",
@@ -144,6 +162,17 @@ class SuiteRunner:
         """Render the Data Docs site of every suite run so far; returns its folder."""
         self.context.build_data_docs(site_names=["tdeploy"])
         return self.docs_dir
+
+    def close(self) -> None:
+        """Remove the temporary Data Docs folder (a folder given as docs_dir is left alone)."""
+        if self._owns_docs_dir:
+            shutil.rmtree(self.docs_dir, ignore_errors=True)
+
+    def __enter__(self) -> SuiteRunner:
+        return self
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        self.close()
 
 
 def document_expectations(gx: Any, limits: DataExpectations, min_chars: int, max_chars: int | None) -> list[Any]:

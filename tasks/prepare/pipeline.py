@@ -239,14 +239,37 @@ def _prepare(cfg: PrepareConfig, storage: StorageConfig, progress: Progress | No
         t0 = time.perf_counter()
         runner = SuiteRunner()
         seconds["validate_setup"] = time.perf_counter() - t0
+    try:
+        if fs.exists(join(root, MANIFEST)):
+            log.info("reusing the finished dataset %s (same inputs and settings)", url)
+            stats = json.loads(fs.cat_file(join(root, PREPARE_FILE)))
+            return _finish(cfg, url, storage, runner, None, stats["cleaning"], True, seconds, started)
+        document_report, cleaning = _build(cfg, storage, files, key, url, runner, progress, seconds)
+        return _finish(cfg, url, storage, runner, document_report, cleaning, False, seconds, started)
+    finally:
+        if runner is not None:
+            runner.close()  # the local Data Docs were copied next to the dataset, or the step failed
 
-    if fs.exists(join(root, MANIFEST)):
-        log.info("reusing the finished dataset %s (same inputs and settings)", url)
-        stats = json.loads(fs.cat_file(join(root, PREPARE_FILE)))
-        return _finish(cfg, url, storage, runner, None, stats["cleaning"], True, seconds, started)
 
+def _build(
+    cfg: PrepareConfig,
+    storage: StorageConfig,
+    files: list[SourceFile],
+    key: str,
+    url: str,
+    runner: Any,
+    progress: Progress | None,
+    seconds: dict[str, float],
+) -> tuple[Any, dict[str, Any]]:
+    """Write the dataset at `url`: returns the document suite's report and the cleaning counts.
+
+    On failure nothing is left behind: the local staging folder goes, and so does a dataset
+    folder that was begun but not committed.
+    """
+    fs, root = filesystem(url, storage)
     stats = CleaningStats()
     staging = _Staging()
+    writing = False
     try:
         t0 = time.perf_counter()
         for n, text in enumerate(clean_documents(iter_documents(cfg, files, storage), cfg.cleaning, stats), start=1):
@@ -284,15 +307,30 @@ def _prepare(cfg: PrepareConfig, storage: StorageConfig, progress: Progress | No
             url, tokenizer.vocab_size, tokenizer.info(), tokenizer.eos_id, cfg.shard_tokens, storage,
             overwrite=False, meta=meta, dtype=cfg.token_dtype,
         )  # fmt: skip
+        writing = True
         if tokenizer.json_text:
             write_bytes_atomic(fs, join(root, TOKENIZER_FILE), tokenizer.json_text.encode())
         _write_tokens(cfg, tokenizer, staging, writer, progress)
         write_bytes_atomic(fs, join(root, PREPARE_FILE), json.dumps({"cleaning": stats.to_json()}, indent=2).encode())
         writer.close()  # commits manifest.json
+        writing = False
         seconds["tokenize_write"] = time.perf_counter() - t0
+    except BaseException:
+        if writing:
+            _remove_uncommitted(fs, root, url)
+        raise
     finally:
         staging.remove()
-    return _finish(cfg, url, storage, runner, document_report, stats.to_json(), False, seconds, started)
+    return document_report, stats.to_json()
+
+
+def _remove_uncommitted(fs: Any, root: str, url: str) -> None:
+    """Delete a dataset folder whose manifest was never written; the error being raised stays the one reported."""
+    try:
+        if fs.exists(root) and not fs.exists(join(root, MANIFEST)):
+            fs.rm(root, recursive=True)
+    except Exception as err:  # the original failure matters more than the clean-up's
+        log.warning("could not remove the unfinished dataset %s: %s", url, err)
 
 
 def _finish(

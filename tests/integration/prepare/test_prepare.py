@@ -162,6 +162,7 @@ def _seeded_dataset(tmp_path: Path, defect: str) -> str:
     if defect == "out_of_vocabulary":
         manifest = json.loads((Path(url) / "manifest.json").read_text())
         manifest["vocab_size"] = 100  # ids up to 256 are now outside the declared vocabulary
+        manifest["eos_id"] = None  # (an EOS outside the vocabulary is refused with the manifest itself)
         (Path(url) / "manifest.json").write_text(json.dumps(manifest))
     if defect == "corrupt_shard":
         shard = Path(url) / "train" / "tokens-00000.bin"
