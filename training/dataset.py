@@ -369,46 +369,48 @@ class _File:
     """What changes when the file is rewritten or replaced (size, times, inode; or size and ETag)."""
 
 
+_REMOTE_IDENTITY = ("ETag", "etag", "LastModified", "last_modified", "mtime", "generation", "md5Hash")
+
+
+def _identity(url: str, rel: str, path: str, real_root: str, listing: dict[str, Any] | None) -> tuple[Any, ...] | None:
+    """(size, ...what changes when the file is rewritten), or None when it is missing; locally, refuse links out."""
+    if listing is not None:
+        info = listing.get(path)
+        return None if info is None else (info["size"], *(str(info[k]) for k in _REMOTE_IDENTITY if k in info))
+    if not path.startswith(real_root.rstrip(os.sep) + os.sep):
+        raise DatasetError(
+            url,
+            f"{rel} resolves to {path}, outside the dataset root {real_root} (a symbolic link?)",
+            "copy the file into the dataset's folder instead of linking to it",
+            file=rel,
+        )
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev
+
+
 def _split_files(url: str, manifest: DatasetManifest, split: str, fs: Any, base: str, local: bool) -> list[_File]:
     """The split's token and index files, each present, inside the root and of the size the manifest says."""
     item = np.dtype(manifest.dtype).itemsize
     real_root = os.path.realpath(base) if local else base
-    listing = None if local else fs.find(base, detail=True)
+    listing = None if local else fs.find(base, detail=True)  # one request for all sizes, not one per file
     files = []
     for shard in manifest.splits[split].shards:
         for rel, digest, tokens, size, what in (
             (shard.tokens, shard.tokens_sha256, True, shard.n_tokens * item, f"{shard.n_tokens} x {manifest.dtype}"),
             (shard.index, shard.index_sha256, False, (shard.n_docs + 1) * 8, f"{shard.n_docs + 1} x int64"),
         ):
-            if local:
-                path = os.path.realpath(join(base, rel))
-                if not path.startswith(real_root.rstrip(os.sep) + os.sep):
-                    raise DatasetError(
-                        url,
-                        f"{rel} resolves to {path}, outside the dataset root {real_root} (a symbolic link?)",
-                        "copy the file into the dataset's folder instead of linking to it",
-                        file=rel,
-                    )
-                try:
-                    st = os.stat(path)
-                except FileNotFoundError:
-                    info = None
-                else:
-                    info = {"size": st.st_size}
-                    identity: tuple[Any, ...] = (st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev)
-            else:
-                path = join(base, rel)
-                info = listing.get(path) if listing is not None else None
-                if info is not None:
-                    keys = ("ETag", "etag", "LastModified", "last_modified", "mtime", "generation", "md5Hash")
-                    identity = (info.get("size"), *(str(info.get(k)) for k in keys if k in info))
-            if info is None:
+            path = os.path.realpath(join(base, rel)) if local else join(base, rel)
+            identity = _identity(url, rel, path, real_root, listing)
+            if identity is None:
                 raise DatasetError(url, f"{rel} is missing", "re-copy the dataset or rebuild it", file=rel)
-            if info["size"] != size:
-                cut = ", truncated" if info["size"] < size else ""
+            if identity[0] != size:
+                cut = ", truncated" if identity[0] < size else ""
                 raise DatasetError(
                     url,
-                    f"{rel} has {info['size']} bytes, the manifest says {size} ({what}){cut}",
+                    f"{rel} has {identity[0]} bytes, the manifest says {size} ({what}){cut}",
                     "re-copy the dataset (a transfer cut short?) or rebuild it",
                     file=rel,
                 )
