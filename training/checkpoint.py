@@ -5,23 +5,43 @@ Layout of one checkpoint::
     <url>/step-00000040/.metadata, __<rank>_<n>.distcp   model + optimizer (DCP, sharded)
     <url>/step-00000040/train_state.json                 step, sampler position, LR scheduler, loss scaler
     <url>/step-00000040/rng/rank-00000.json              per-rank python/numpy/torch RNG states
-    <url>/step-00000040/COMMIT.json                      written last: file list with sha256
+    <url>/step-00000040/COMMIT.json                      written last: file list with sha256 (+ hmac_sha256)
 
 A checkpoint exists only once COMMIT.json is there. Loading takes the newest
 committed checkpoint whose files all match their checksums; a partial or
 corrupt one is skipped with a warning that names it. Model and optimizer state
 load under another world size (DCP reshards); per-rank RNG states then cannot
 apply and are re-seeded, which the loader says.
+
+Trust (training/checkpoint_trust.py): DCP's pickles are read with an allow-list,
+so a planted file cannot run code; with TDEPLOY_CHECKPOINT_KEY set, COMMIT.json
+is signed (`hmac_sha256`) and only checkpoints signed with that key are loaded.
+train_state.json and the RNG files are checked before anything is applied; one
+that is not what this module writes raises CheckpointFormatError naming it.
+
+Save failures: only storage and network errors (OSError, ENOSPC included, and
+connection errors by name) are retried; any other exception inside a save is a
+bug and is raised at once, on every rank (CheckpointAbortedError on the ranks
+where it did not happen). When a local disk is short of the checkpoint's
+estimated size, partial and old committed checkpoints are removed first (the
+newest committed one is kept); a save that still cannot fit fails with
+"no space left on <path>: checkpoint needs ~X MB, Y MB free", and the partial
+folder of the last failed attempt is removed.
 """
 
 from __future__ import annotations
 
 import base64
+import binascii
+import errno
 import json
 import logging
+import os
 import random
 import re
+import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,11 +49,21 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from training import faults
+from training.checkpoint_trust import (
+    CheckpointKeyError,
+    SafeFileSystemReader,
+    SafeFsspecReader,
+    SafeLoadPlanner,
+    UnsafeCheckpointError,
+    checkpoint_key,
+    sign_commit,
+    untrusted_reason,
+)
 from training.config import CheckpointConfig
 from training.storage import StorageConfig, filesystem, is_local, join, local_path, sha256_file, write_bytes_atomic
 
@@ -42,14 +72,75 @@ log = logging.getLogger(__name__)
 COMMIT = "COMMIT.json"
 TRAIN_STATE = "train_state.json"
 _STEP_DIR = re.compile(r"step-(\d{8})$")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+# Bytes a checkpoint needs beyond its tensor data: DCP's per-entry zip framing (~1.4 kB seen), the
+# metadata, RNG files (~20 kB per rank) and train_state.json. Only for the pre-save space check.
+_ENTRY_OVERHEAD_BYTES = 2048
+_RANK_OVERHEAD_BYTES = 32 << 10
+_FIXED_OVERHEAD_BYTES = 64 << 10
+# torch's zip writer reports a short write (the disk took fewer bytes than given) only as this.
+_SHORT_WRITE = "unexpected pos"
+# botocore / aiohttp / urllib3 / requests network failures, matched by name so none is a hard dependency
+_NETWORK_ERRORS = frozenset(
+    {
+        "EndpointConnectionError",
+        "ConnectTimeoutError",
+        "ReadTimeoutError",
+        "ConnectionClosedError",
+        "IncompleteReadError",
+        "ResponseStreamingError",
+        "ClientConnectorError",
+        "ClientConnectionError",
+        "ClientOSError",
+        "ClientPayloadError",
+        "ServerDisconnectedError",
+        "ServerTimeoutError",
+        "ProtocolError",
+        "NewConnectionError",
+        "MaxRetryError",
+    }
+)
+_RETRYABLE_S3_CODES = frozenset({"InternalError", "ServiceUnavailable", "SlowDown", "RequestTimeout", "Throttling"})
 
 
 class CheckpointSaveError(RuntimeError):
-    """A save failed after every retry; the previous complete checkpoint is still intact."""
+    """A save failed with storage errors after every retry; the previous complete checkpoint is still intact."""
 
-    def __init__(self, path: str, attempts: int, cause: BaseException) -> None:
+    def __init__(self, path: str, attempts: int, cause: BaseException, no_space: bool = False) -> None:
         super().__init__(f"checkpoint save to {path} failed after {attempts} attempt(s): {cause}")
-        self.path, self.attempts = path, attempts
+        self.path, self.attempts, self.no_space = path, attempts, no_space
+
+
+class CheckpointAbortedError(RuntimeError):
+    """Another rank raised a non-storage error (a bug) inside the save; this rank stops with it."""
+
+    def __init__(self, rank: int, error: str) -> None:
+        super().__init__(f"checkpoint save aborted: rank {rank} raised {error} (not a storage error, so not retried)")
+        self.rank, self.error = rank, error
+
+
+class CheckpointFormatError(ValueError):
+    """A checkpoint file is not what this module writes (train_state.json, an RNG file, COMMIT.json)."""
+
+    def __init__(self, path: str, problem: str) -> None:
+        super().__init__(f"{path} {problem}; the checkpoint was not written by this trainer or was altered: "
+                         "inspect it, and move the step folder away to resume from an older one")  # fmt: skip
+        self.path, self.problem = path, problem
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.path, self.problem))
+
+
+__all__ = [
+    "CheckpointAbortedError",
+    "CheckpointFormatError",
+    "CheckpointKeyError",
+    "CheckpointManager",
+    "CheckpointSaveError",
+    "Restored",
+    "UnsafeCheckpointError",
+    "is_storage_error",
+]
 
 
 @dataclass
@@ -81,15 +172,130 @@ def capture_rng() -> dict[str, Any]:
     return state
 
 
+def _rng_tensor(encoded: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(encoded, validate=True)), dtype=torch.uint8)
+
+
 def restore_rng(state: dict[str, Any]) -> None:
     """Inverse of `capture_rng`."""
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
     name, keys, pos, has_gauss, cached = state["numpy"]
     np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
-    torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(state["torch"])), dtype=torch.uint8))
+    torch.set_rng_state(_rng_tensor(state["torch"]))
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(state["cuda"])), dtype=torch.uint8))
+        torch.cuda.set_rng_state(_rng_tensor(state["cuda"]))
+
+
+def check_rng(state: Any, where: str) -> dict[str, Any]:
+    """`state` if `restore_rng` can apply it (tried on scratch generators), else CheckpointFormatError."""
+    if not isinstance(state, dict) or not {"python", "numpy", "torch"} <= state.keys():
+        raise CheckpointFormatError(where, "is not an RNG state: expected a JSON object with python, numpy and torch")
+    try:
+        version, internal, gauss = state["python"]
+        random.Random().setstate((version, tuple(internal), gauss))
+        name, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.RandomState().set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+        torch.Generator().set_state(_rng_tensor(state["torch"]))
+        if "cuda" in state:
+            _rng_tensor(state["cuda"])
+    except (TypeError, ValueError, LookupError, OverflowError, RuntimeError, binascii.Error) as err:
+        problem = f"is not an RNG state this trainer saved: {type(err).__name__}: {err}"
+        raise CheckpointFormatError(where, problem) from err
+    return state
+
+
+def is_storage_error(exc: BaseException) -> bool:
+    """True for storage and network failures (worth a retry); False for anything else, which is a bug.
+
+    DCP's CheckpointException is judged by the per-rank failures it wraps: all of them must be storage errors.
+    """
+    return all(_is_storage_leaf(leaf) for _, leaf in _leaves(exc))
+
+
+def _leaves(exc: BaseException, rank: int | None = None) -> list[tuple[int | None, BaseException]]:
+    """The underlying exceptions with the rank they came from; DCP's CheckpointException unwrapped."""
+    if isinstance(exc, CheckpointException) and exc.failures:
+        out: list[tuple[int | None, BaseException]] = []
+        for failed_rank, failure in exc.failures.items():
+            inner = failure[0] if isinstance(failure, tuple) else failure
+            out.extend(_leaves(inner, failed_rank) if isinstance(inner, BaseException) else [(failed_rank, exc)])
+        return out
+    return [(rank, exc)]
+
+
+def _causes(exc: BaseException) -> list[BaseException]:
+    """`exc` and what it was raised from (explicit causes only: a bug inside an `except` block stays a bug)."""
+    chain = [exc]
+    while chain[-1].__cause__ is not None and len(chain) < 16:
+        chain.append(chain[-1].__cause__)
+    return chain
+
+
+def _is_storage_leaf(exc: BaseException) -> bool:
+    for err in _causes(exc):
+        if isinstance(err, OSError):  # incl. ConnectionError, TimeoutError, FileNotFoundError, ENOSPC
+            return True
+        if {cls.__name__ for cls in type(err).__mro__} & _NETWORK_ERRORS:
+            return True
+        if isinstance(err, RuntimeError) and _SHORT_WRITE in str(err):
+            return True
+        response = getattr(err, "response", None)  # botocore ClientError: a 5xx or throttling answer
+        if isinstance(response, dict):
+            code = str(response.get("Error", {}).get("Code", ""))
+            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0
+            if code in _RETRYABLE_S3_CODES or int(status) >= 500:
+                return True
+    return False
+
+
+def _says_no_space(exc: BaseException) -> bool:
+    for _, leaf in _leaves(exc):
+        err: BaseException | None = leaf
+        for _hop in range(16):  # here the implicit context counts: torch's short write hides the OSError in it
+            if err is None:
+                break
+            if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+                return True
+            if "No space left on device" in str(err) or "Disk quota exceeded" in str(err):
+                return True
+            err = err.__cause__ or err.__context__
+    return False
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+
+
+def _mb(nbytes: float) -> str:
+    return f"{nbytes / 1e6:.1f} MB"
+
+
+@dataclass
+class _Space:
+    """The pre-save space estimate of one checkpoint."""
+
+    tensor_bytes: int  # tensor data alone: a checkpoint can never be smaller
+    needed_bytes: int  # with DCP's framing and the small files: what to make room for
+    free_bytes: int | None = None  # on the local disk when the attempt started (None: not a local path)
+
+
+def _estimate(state: dict[str, Any], world: int) -> _Space:
+    """Bytes one copy of `state` takes (DCP writes a replicated tensor once, a DTensor at its global size)."""
+    tensor_bytes, entries, todo = 0, 0, [state]
+    while todo:
+        value = todo.pop()
+        if isinstance(value, dict):
+            todo.extend(value.values())
+        elif isinstance(value, (list, tuple)) and any(isinstance(v, (dict, list, tuple, torch.Tensor)) for v in value):
+            todo.extend(value)
+        else:
+            entries += 1
+            if isinstance(value, torch.Tensor):  # a DTensor counts at its global size
+                tensor_bytes += value.numel() * value.element_size()
+    overhead = entries * _ENTRY_OVERHEAD_BYTES + world * _RANK_OVERHEAD_BYTES + _FIXED_OVERHEAD_BYTES
+    return _Space(tensor_bytes, tensor_bytes + overhead)
 
 
 class CheckpointManager:
@@ -100,6 +306,10 @@ class CheckpointManager:
         self.fs, self.root = filesystem(cfg.url, storage)
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
+        self.key = checkpoint_key()
+        if self.key is not None and not cfg.verify_checksums and self.rank == 0:
+            log.warning("checkpoint.verify_checksums=false is overridden: with TDEPLOY_CHECKPOINT_KEY set every "
+                        "checksum is verified, since the signature covers the files only through them")  # fmt: skip
 
     def _dir(self, step: int) -> str:
         return join(self.root, step_dir_name(step))
@@ -109,10 +319,10 @@ class CheckpointManager:
             return dcp.FileSystemWriter(local_path(path))
         return FsspecWriter(path, **self.storage.fsspec_options(self.cfg.url))
 
-    def _reader(self, path: str) -> dcp.StorageReader:
+    def _reader(self, path: str) -> SafeFileSystemReader | SafeFsspecReader:
         if is_local(self.cfg.url):
-            return dcp.FileSystemReader(local_path(path))
-        return FsspecReader(path, **self.storage.fsspec_options(self.cfg.url))
+            return SafeFileSystemReader(local_path(path))
+        return SafeFsspecReader(path, **self.storage.fsspec_options(self.cfg.url))
 
     def _url(self, path: str) -> str:
         """Full URL of a protocol-less path (for fsspec readers/writers and messages)."""
@@ -132,11 +342,23 @@ class CheckpointManager:
         return sorted(steps)
 
     def read_commit(self, step: int) -> dict[str, Any] | None:
-        """The COMMIT.json of `step`, or None while that checkpoint is unfinished."""
+        """The COMMIT.json of `step`, or None while that checkpoint is unfinished (CheckpointFormatError if bad)."""
+        full = join(self._dir(step), COMMIT)
         try:
-            return json.loads(self.fs.cat_file(join(self._dir(step), COMMIT)))
+            raw = self.fs.cat_file(full)
         except FileNotFoundError:
             return None
+        return _check_commit(_parse_json(raw, self._url(full)), step, self._url(full))
+
+    def _believed(self, step: int) -> bool:
+        """Committed, well-formed and (with a key) signed by it: a checkpoint that counts for keep_last."""
+        try:
+            commit = self.read_commit(step)
+        except CheckpointFormatError:
+            return False
+        if commit is None:
+            return False
+        return self.key is None or untrusted_reason(commit, self.key, self._url(self._dir(step))) is None
 
     # ---- save -------------------------------------------------------------------------------
 
@@ -147,19 +369,22 @@ class CheckpointManager:
 
         A storage failure on any rank fails the attempt on every rank together (no rank is left
         waiting in a collective); the attempt is retried with backoff, then CheckpointSaveError.
+        Any other exception is a bug: raised at once on every rank.
         """
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
         if faults.active().checkpoint_without_optimizer:
             del state["optim"]
         path = self._dir(step)
+        space = _estimate(state, self.world)
         delay = self.cfg.save_retry_backoff_s
         for attempt in range(1, self.cfg.save_retries + 2):
             try:
-                return self._save_once(step, state, train_state, path)
+                return self._save_once(step, state, train_state, path, space)
             except _StorageFailure as err:
                 if attempt > self.cfg.save_retries:
-                    raise CheckpointSaveError(self._url(path), attempt, err) from err
+                    self._remove_partial(path)
+                    raise CheckpointSaveError(self._url(path), attempt, err, err.no_space) from err
                 if self.rank == 0:
                     log.warning(
                         "checkpoint save to %s failed (attempt %d): %s; retrying in %.1fs", path, attempt, err, delay
@@ -168,21 +393,52 @@ class CheckpointManager:
                 delay *= 2
         raise AssertionError("unreachable")
 
-    def _save_once(self, step: int, state: dict[str, Any], train_state: dict[str, Any], path: str) -> int:
-        def clear() -> None:
-            if self.rank == 0 and self.fs.exists(path):
+    def _save_once(
+        self, step: int, state: dict[str, Any], train_state: dict[str, Any], path: str, space: _Space
+    ) -> int:
+        def prepare() -> int | None:
+            if self.rank != 0:
+                return None
+            if self.fs.exists(path):
                 self.fs.rm(path, recursive=True)  # leftovers of an attempt that never committed
+            return self._make_room(step, space)
 
-        _agree(clear)
-        _agree(lambda: dcp.save(state, storage_writer=self._writer(self._url(path))))
+        space.free_bytes = _broadcast_from_rank0(_agree(prepare))
+        if space.free_bytes is not None and space.free_bytes < space.tensor_bytes:
+            raise _StorageFailure(self._no_space(path, space), no_space=True)  # same on every rank: broadcast value
+
+        def disk_full() -> bool:
+            free = self._free_bytes()
+            return free is not None and free < space.needed_bytes
+
+        try:
+            nbytes = self._write(step, state, train_state, path, disk_full)
+        except _StorageFailure as err:
+            if err.no_space:
+                raise _StorageFailure(f"{self._no_space(path, space)} ({err})", no_space=True) from err
+            raise
+        if self.rank == 0:
+            try:
+                self._prune()
+            except Exception as err:  # noqa: BLE001 - pruning is housekeeping: the checkpoint is committed
+                log.warning("could not prune old checkpoints under %s: %s", self.cfg.url, err)
+        _barrier()
+        return nbytes
+
+    def _write(
+        self, step: int, state: dict[str, Any], train_state: dict[str, Any], path: str, disk_full: Callable[[], bool]
+    ) -> int:
+        """The data, the small files, the checksums, then COMMIT.json; returns the bytes committed."""
+        _agree(lambda: dcp.save(state, storage_writer=self._writer(self._url(path))), disk_full)
 
         def extras() -> None:
+            faults.maybe_break_save(step)
             rng = json.dumps(capture_rng()).encode()
             write_bytes_atomic(self.fs, join(path, "rng", f"rank-{self.rank:05d}.json"), rng)
             if self.rank == 0:
                 write_bytes_atomic(self.fs, join(path, TRAIN_STATE), json.dumps(train_state, indent=2).encode())
 
-        _agree(extras)
+        _agree(extras, disk_full)
         files = _agree(lambda: sorted(self._relative_files(path)))
         mine = _agree(lambda: {rel: sha256_file(self.fs, join(path, rel)) for rel in files[self.rank :: self.world]})
         hashes = _all_gather(mine)
@@ -193,24 +449,72 @@ class CheckpointManager:
                 return 0
             checksums = {rel: digest for part in hashes for rel, digest in part.items()}
             sizes = {rel: self.fs.size(join(path, rel)) for rel in checksums}
-            record = {
+            record: dict[str, Any] = {
                 "step": step,
                 "world_size": self.world,
                 "contents": sorted(state),
                 "created_unix_s": time.time(),
                 "files": {rel: {"sha256": checksums[rel], "bytes": sizes[rel]} for rel in sorted(checksums)},
             }
+            if self.key is not None:
+                record = sign_commit(record, self.key)
             write_bytes_atomic(self.fs, join(path, COMMIT), json.dumps(record, indent=2).encode())
             return sum(sizes.values())
 
-        nbytes = _agree(commit)
-        if self.rank == 0:
-            try:
-                self._prune()
-            except Exception as err:  # noqa: BLE001 - pruning is housekeeping: the checkpoint is committed
-                log.warning("could not prune old checkpoints under %s: %s", self.cfg.url, err)
-        _barrier()
-        return nbytes
+        return _agree(commit, disk_full)
+
+    def _no_space(self, path: str, space: _Space) -> str:
+        free = "unknown" if space.free_bytes is None else _mb(space.free_bytes)
+        return f"no space left on {self._url(path)}: checkpoint needs ~{_mb(space.needed_bytes)}, {free} free"
+
+    def _free_bytes(self) -> int | None:
+        """Free bytes on the local disk of the checkpoint folder (None for object stores)."""
+        if not is_local(self.cfg.url):
+            return None
+        probe = os.path.abspath(local_path(self.root))
+        while not os.path.exists(probe) and os.path.dirname(probe) != probe:
+            probe = os.path.dirname(probe)
+        return shutil.disk_usage(probe).free
+
+    def _make_room(self, step: int, space: _Space) -> int | None:
+        """Rank 0: remove partial, then the oldest committed checkpoints until `space` fits; returns free bytes.
+
+        The newest committed checkpoint older than `step` stays (it is what a failed save falls back on);
+        newer ones (from a run resumed further back) and untrusted ones are left alone.
+        """
+        free = self._free_bytes()
+        if free is None or free >= space.needed_bytes:
+            return free
+        steps = [s for s in self.steps_on_storage() if s != step]
+        partial = [s for s in steps if self._commit_or_none(s) is None]
+        older = [s for s in steps if s < step and s not in partial and self._believed(s)]
+        for victim in partial + older[:-1]:
+            kind = "partial checkpoint" if victim in partial else f"checkpoint (keep_last={self.cfg.keep_last})"
+            log.warning(
+                "only %s free on %s and the checkpoint of step %d needs ~%s: removing the %s %s early",
+                _mb(free), self._url(self.root), step, _mb(space.needed_bytes), kind, self._url(self._dir(victim)),
+            )  # fmt: skip
+            self.fs.rm(self._dir(victim), recursive=True)
+            free = self._free_bytes() or 0
+            if free >= space.needed_bytes:
+                break
+        return free
+
+    def _commit_or_none(self, step: int) -> dict[str, Any] | None:
+        try:
+            return self.read_commit(step)
+        except CheckpointFormatError:
+            return {}  # committed, but unreadable: not partial, and not believed either
+
+    def _remove_partial(self, path: str) -> None:
+        """Rank 0: remove what the last failed attempt left (a full disk would stay full for the rerun)."""
+        if self.rank != 0:
+            return
+        try:
+            if self.fs.exists(path):
+                self.fs.rm(path, recursive=True)
+        except Exception as err:  # noqa: BLE001 - the save already failed; this is cleanup on broken storage
+            log.warning("could not remove the partial checkpoint %s: %s", self._url(path), err)
 
     def _relative_files(self, path: str) -> list[str]:
         prefix = path.rstrip("/") + "/"
@@ -221,12 +525,14 @@ class CheckpointManager:
 
     def _prune(self) -> None:
         steps = self.steps_on_storage()
-        committed = [s for s in steps if self.read_commit(s) is not None]
+        partial = [s for s in steps if self._commit_or_none(s) is None]
+        committed = [s for s in steps if s not in partial and self._believed(s)]
         keep = set(committed[-self.cfg.keep_last :])
         newest = committed[-1] if committed else -1
         for step in steps:
             # Old committed ones beyond keep_last go; so do unfinished ones older than the newest commit.
-            if step not in keep and step <= newest:
+            # Untrusted ones (unsigned, or signed with another key) are not this run's to delete.
+            if step <= newest and step not in keep and (step in partial or step in committed):
                 self.fs.rm(self._dir(step), recursive=True)
 
     # ---- load -------------------------------------------------------------------------------
@@ -235,6 +541,7 @@ class CheckpointManager:
         """Why checkpoint `step` cannot be used (None when it is sound). Every rank checks a share of the files."""
         path = self._dir(step)
         names = sorted(commit["files"])
+        checksums = self.cfg.verify_checksums or self.key is not None
         problem = None
         for rel in names[self.rank :: self.world]:
             expected = commit["files"][rel]
@@ -243,30 +550,70 @@ class CheckpointManager:
                 problem = f"{rel} is missing"
             elif self.fs.size(full) != expected["bytes"]:
                 problem = f"{rel} has {self.fs.size(full)} bytes, COMMIT.json says {expected['bytes']}"
-            elif self.cfg.verify_checksums and sha256_file(self.fs, full) != expected["sha256"]:
+            elif checksums and sha256_file(self.fs, full) != expected["sha256"]:
                 problem = f"{rel} fails its sha256 check"
             if problem:
                 break
         problems = [p for p in _all_gather(problem) if p]
         return problems[0] if problems else None
 
+    def _inspect(self, step: int) -> tuple[str, Any]:
+        """Rank 0's verdict on `step`'s commit record: ("ok", commit) or (kind, reason) for every rank to act on."""
+        name = self._url(self._dir(step))
+        try:
+            commit = self.read_commit(step)
+        except CheckpointFormatError as err:
+            return "corrupt", err.problem
+        if commit is None:
+            return "partial", None
+        try:
+            reason = untrusted_reason(commit, self.key, name)
+        except CheckpointKeyError as err:
+            return "key", err.problem
+        return ("untrusted", reason) if reason else ("ok", commit)
+
     def latest_sound(self) -> tuple[int, dict[str, Any]] | None:
-        """Newest committed, verified checkpoint; partial and corrupt ones are skipped with a warning."""
+        """Newest committed, trusted, verified checkpoint; partial, untrusted and corrupt ones are skipped."""
         steps = _broadcast_from_rank0(self.steps_on_storage() if self.rank == 0 else None)
         for step in reversed(steps):
-            commit = _broadcast_from_rank0(self.read_commit(step) if self.rank == 0 else None)
+            kind, detail = _broadcast_from_rank0(self._inspect(step) if self.rank == 0 else None)
             name = self._url(self._dir(step))
-            if commit is None:
+            if kind == "key":
+                raise CheckpointKeyError(name, detail)
+            if kind == "partial":
                 if self.rank == 0:
                     log.warning("skipping partial checkpoint %s: no %s (the save never finished)", name, COMMIT)
                 continue
-            problem = self.verify(step, commit)
+            if kind in ("untrusted", "corrupt"):
+                if self.rank == 0:
+                    log.warning("skipping %s checkpoint %s: %s", kind, name, detail)
+                continue
+            problem = self.verify(step, detail)
             if problem:
                 if self.rank == 0:
                     log.warning("skipping corrupt checkpoint %s: %s", name, problem)
                 continue
-            return step, commit
+            return step, detail
         return None
+
+    def _read_small_files(self, step: int, rng_needed: bool) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        """train_state.json and this rank's RNG file, checked on every rank before anything is applied."""
+        path = self._dir(step)
+        train_state: dict[str, Any] = {}
+        rng = None
+        problem = None
+        try:
+            where = self._url(join(path, TRAIN_STATE))
+            train_state = _check_train_state(_parse_json(self.fs.cat_file(join(path, TRAIN_STATE)), where), step, where)
+            if rng_needed:
+                rel = join(path, "rng", f"rank-{self.rank:05d}.json")
+                rng = check_rng(_parse_json(self.fs.cat_file(rel), self._url(rel)), self._url(rel))
+        except CheckpointFormatError as err:
+            problem = (err.path, err.problem)
+        problems = [p for p in _all_gather(problem) if p]
+        if problems:
+            raise CheckpointFormatError(*problems[0])
+        return train_state, rng
 
     def load_latest(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Restored | None:
         """Restore model, optimizer and per-rank RNG from the newest sound checkpoint (None: start fresh)."""
@@ -275,45 +622,148 @@ class CheckpointManager:
             return None
         step, commit = found
         path = self._dir(step)
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        state = {"model": model_sd, "optim": optim_sd}
-        contents = commit.get("contents", ["model", "optim"])
-        if "optim" not in contents:
-            del state["optim"]
-            if self.rank == 0:
-                log.warning("checkpoint %s has no optimizer state: the optimizer starts afresh", self._url(path))
-        dcp.load(state, storage_reader=self._reader(self._url(path)))
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state.get("optim", optim_sd))
-        train_state = json.loads(self.fs.cat_file(join(path, TRAIN_STATE)))
+        url = self._url(path)
         saved_world = int(commit["world_size"])
         rng_restored = saved_world == self.world
-        if rng_restored:
-            restore_rng(json.loads(self.fs.cat_file(join(path, "rng", f"rank-{self.rank:05d}.json"))))
+        train_state, rng = self._read_small_files(step, rng_restored)
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+        if "optim" not in commit.get("contents", ["model", "optim"]):
+            del state["optim"]
+            if self.rank == 0:
+                log.warning("checkpoint %s has no optimizer state: the optimizer starts afresh", url)
+        reader, planner = self._reader(url), SafeLoadPlanner(url)
+        refused = None
+        try:
+            reader.read_metadata()
+        except UnsafeCheckpointError as err:
+            refused = err
+        except Exception:  # noqa: BLE001, S110 - any other failure is dcp.load's to raise, on every rank alike
+            pass
+        refusals = [r for r in _all_gather(refused) if r is not None]
+        if refusals:
+            raise refusals[0]
+        try:
+            dcp.load(state, storage_reader=reader, planner=planner)
+        except (Exception, CheckpointException) as err:  # DCP's exception is a BaseException
+            refusal = planner.refused or _refusal_in(err)
+            if refusal is not None:
+                raise refusal from err
+            raise
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state.get("optim", optim_sd))
+        if rng is not None:
+            restore_rng(rng)
         elif self.rank == 0:
             log.warning(
                 "checkpoint %s was saved by %d ranks and is loaded by %d: model and optimizer resharded, "
                 "per-rank RNG states re-seeded",
-                self._url(path),
+                url,
                 saved_world,
                 self.world,
             )
-        return Restored(step, self._url(path), train_state, saved_world, rng_restored)
+        return Restored(step, url, train_state, saved_world, rng_restored)
+
+
+def _parse_json(raw: bytes, where: str) -> Any:
+    try:
+        return json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CheckpointFormatError(where, f"is not valid JSON: {err}") from err
+
+
+def _check_train_state(value: Any, step: int, where: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise CheckpointFormatError(where, f"holds a JSON {type(value).__name__}, not the object of training state")
+    if "step" in value and value["step"] != step:
+        raise CheckpointFormatError(where, f"says step {value['step']!r}, but it sits in {step_dir_name(step)}")
+    return value
+
+
+def _safe_relative(rel: Any) -> bool:
+    if not isinstance(rel, str) or not rel or rel.startswith("/") or "\\" in rel:
+        return False
+    return all(part not in ("", ".", "..") for part in rel.split("/"))
+
+
+def _check_commit(value: Any, step: int, where: str) -> dict[str, Any]:
+    """A COMMIT.json record as `commit()` writes it, or CheckpointFormatError saying what is off."""
+    if not isinstance(value, dict):
+        raise CheckpointFormatError(where, f"holds a JSON {type(value).__name__}, not a commit record")
+    if value.get("step") != step:
+        raise CheckpointFormatError(where, f"says step {value.get('step')!r}, but it sits in {step_dir_name(step)}")
+    world = value.get("world_size")
+    if not isinstance(world, int) or isinstance(world, bool) or world < 1:
+        raise CheckpointFormatError(where, f"has world_size={world!r}; expected a positive integer")
+    contents = value.get("contents", ["model", "optim"])
+    if not isinstance(contents, list) or not set(contents) <= {"model", "optim"} or "model" not in contents:
+        raise CheckpointFormatError(where, f"has contents={contents!r}; expected ['model'] or ['model', 'optim']")
+    files = value.get("files")
+    if not isinstance(files, dict) or not files:
+        raise CheckpointFormatError(where, "lists no files")
+    for rel, entry in files.items():
+        if not _safe_relative(rel):
+            raise CheckpointFormatError(where, f"lists the file {rel!r}, which is not a path inside the step folder")
+        ok = isinstance(entry, dict) and isinstance(entry.get("sha256"), str) and _SHA256.fullmatch(entry["sha256"])
+        size = entry.get("bytes") if isinstance(entry, dict) else None
+        if not ok or not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise CheckpointFormatError(where, f"has the entry {rel!r}: {entry!r}; expected sha256 and bytes")
+    return value
+
+
+def _refusal_in(err: BaseException) -> UnsafeCheckpointError | None:
+    return next((leaf for _, leaf in _leaves(err) if isinstance(leaf, UnsafeCheckpointError)), None)
 
 
 class _StorageFailure(RuntimeError):
-    """A storage operation failed on some rank during a save."""
+    """A storage operation failed on some rank during a save (every rank raises it together)."""
+
+    def __init__(self, message: str, no_space: bool = False) -> None:
+        super().__init__(message)
+        self.no_space = no_space
 
 
-def _agree(operation: Any) -> Any:
-    """Run a rank-local storage operation; if it fails on any rank, raise _StorageFailure on every rank."""
+@dataclass(frozen=True)
+class _Outcome:
+    """How one rank's operation failed, in a form every rank can judge alike."""
+
+    rank: int
+    retryable: bool
+    no_space: bool
+    message: str
+
+
+def _outcome(err: BaseException, rank: int, disk_full: Callable[[], bool]) -> _Outcome:
+    retryable = is_storage_error(err)
+    no_space = retryable and (_says_no_space(err) or (_SHORT_WRITE in str(err) and disk_full()))
+    leaves = _leaves(err, rank)
+    culprit = next(((r, e) for r, e in leaves if not _is_storage_leaf(e)), leaves[0])
+    return _Outcome(rank if culprit[0] is None else culprit[0], retryable, no_space, _first_line(culprit[1]))
+
+
+def _agree(operation: Callable[[], Any], disk_full: Callable[[], bool] = lambda: False) -> Any:
+    """Run a rank-local part of a save so that every rank takes the same decision about its failure.
+
+    Storage errors on any rank raise _StorageFailure on every rank (the save is retried); any other
+    error is a bug: the rank that has it raises it as itself, the others CheckpointAbortedError.
+    """
+    rank = dist.get_rank() if dist.is_initialized() else 0
     try:
         result, error = operation(), None
     except (Exception, CheckpointException) as err:  # noqa: BLE001 - DCP's exception is a BaseException
-        result, error = None, f"rank {dist.get_rank() if dist.is_initialized() else 0}: {type(err).__name__}: {err}"
-    errors = [e for e in _all_gather(error) if e]
-    if errors:
-        raise _StorageFailure(errors[0])
-    return result
+        result, error = None, err
+    mine = None if error is None else _outcome(error, rank, disk_full)
+    failed = [o for o in _all_gather(mine) if o is not None]
+    if not failed:
+        return result
+    bug = next((o for o in failed if not o.retryable), None)
+    if bug is not None:
+        if error is not None and mine is not None and not mine.retryable:
+            if isinstance(error, CheckpointException):
+                raise next(e for _, e in _leaves(error) if not _is_storage_leaf(e)) from error
+            raise error
+        raise CheckpointAbortedError(bug.rank, bug.message)
+    first = failed[0]
+    raise _StorageFailure(f"rank {first.rank}: {first.message}", no_space=any(o.no_space for o in failed))
 
 
 def _barrier() -> None:

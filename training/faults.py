@@ -47,6 +47,9 @@ class TestFaults(BaseModel):
     slow_step_s: float = Field(default=0.2, ge=0, description="Extra compute time per step of slow_rank.")
     checkpoint_without_optimizer: bool = Field(default=False, description="Checkpoints leave the optimizer out.")
     nan_at_step: int | None = Field(default=None, ge=1, description="The loss of this step is NaN on every rank.")
+    save_bug_rank: int | None = Field(
+        default=None, ge=0, description="This rank raises a TypeError (a bug, not a storage error) inside every save."
+    )
 
 
 @functools.cache
@@ -109,3 +112,10 @@ def maybe_kill_during_save(step: int) -> None:
         if not dist.is_initialized() or dist.get_rank() == 0:
             log.warning("test fault: SIGKILL during the save of step %d", step)
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+def maybe_break_save(step: int) -> None:
+    """Raise a non-storage error inside the checkpoint save on save_bug_rank."""
+    rank = _rank()
+    if active().save_bug_rank == rank:
+        raise TypeError(f"test fault: a bug inside the checkpoint save of step {step} on rank {rank}")
