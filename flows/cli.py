@@ -189,7 +189,10 @@ def submit(
     wait: bool = typer.Option(False, "--wait", help="Stream the job's log and wait until it ends."),
     image: str | None = typer.Option(None, "--image", help="Image reference to run (default: none, bare metal)."),
 ) -> None:
-    """Submit the training job to the spec's scheduler (local, slurm, kubernetes); prints the job reference."""
+    """Submit the training job to the spec's scheduler (local, slurm, kubernetes); prints the job reference.
+
+    The job runs on its own: stopping this command (also with --wait) leaves it running; `tdeploy cancel` stops it.
+    """
     from tasks.launch.base import JobState, wait_for
     from tasks.launch.slurm import SlurmLauncher
     from tasks.launch.submit import submit as submit_job
@@ -202,7 +205,7 @@ def submit(
     else:
         cfg = parsed.training_config()
     try:
-        launcher, handle = submit_job(parsed.cluster, cfg, parsed.name, image, parsed.cluster.env)
+        launcher, handle = submit_job(parsed.cluster, cfg, parsed.name, image, parsed.cluster.env, supervised=False)
     except DeployError as err:
         err_console.print(f"submit failed: {err}", markup=False)
         raise typer.Exit(1 if isinstance(err, TransientError) else 2) from err

@@ -4,11 +4,16 @@ Rank 0 logs a line every `run.log_every_steps`; every rank appends one JSON line
 per step to `metrics/rank-NNNNN.jsonl` and its sample indices to
 `samples/rank-NNNNN.jsonl`; `ranks.json` is written at start-up, `eval.jsonl`
 at each evaluation and `result.json` at the end.
+
+Before anything is written, rank 0 takes the leases of `run.output_url` and
+`checkpoint.url` (training/lease.py): a second job on the same roots stops at
+once with who holds them. Under torchrun every worker dies with its agent.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import logging
 import math
@@ -16,6 +21,7 @@ import os
 import random
 import socket
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,10 +32,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from training import faults
+from training import faults, process
 from training.checkpoint import CheckpointManager, CheckpointSaveError
 from training.config import OptimConfig, TrainConfig
 from training.dataset import DatasetError, TokenDataset
+from training.lease import Lease
 from training.metrics import CommTimer, RunOutput, peak_memory_bytes
 from training.model import Transformer
 from training.parallel import gradient_sync, parallelize
@@ -79,6 +86,40 @@ def init_distributed(env: DistEnv) -> tuple[torch.device, str]:
     return device, backend
 
 
+class LeaseRefused(RuntimeError):
+    """Rank 0 could not lease the run's roots; the other ranks stop with its reason."""
+
+
+@contextlib.contextmanager
+def exclusive_roots(cfg: TrainConfig) -> Iterator[list[Lease]]:
+    """Rank 0 holds the leases of run.output_url and checkpoint.url for the run; every rank stops if it could not.
+
+    Collective: rank 0 broadcasts its outcome, so no rank waits in a collective for a rank 0 that gave up.
+    """
+    leases: list[Lease] = []
+    failure: Exception | None = None
+    if dist.get_rank() == 0:
+        roots = {cfg.run.output_url: "run.output_url"}
+        roots.setdefault(cfg.checkpoint.url, "checkpoint.url")
+        job_id = os.environ.get("TORCHELASTIC_RUN_ID")  # a restarted attempt of this job takes its leases back
+        try:
+            for url, label in roots.items():
+                leases.append(Lease(url, cfg.storage, label=label, job_id=job_id).acquire())
+        except Exception as err:  # noqa: BLE001 - re-raised below, after the other ranks were told
+            failure = err
+    outcome = [None if failure is None else str(failure)]
+    dist.broadcast_object_list(outcome, src=0)
+    try:
+        if failure is not None:
+            raise failure
+        if outcome[0] is not None:
+            raise LeaseRefused(outcome[0])
+        yield leases
+    finally:
+        for lease in reversed(leases):
+            lease.release()
+
+
 def lr_lambda(cfg: OptimConfig, total_steps: int):  # noqa: ANN201 - returns a float function of the step
     """Multiplier of lr_peak at a step: linear warmup, then cosine/linear decay to lr_min, or constant."""
     floor = cfg.lr_min / cfg.lr_peak
@@ -124,8 +165,9 @@ def _to_float(value: torch.Tensor | float) -> float:
 class Trainer:
     """Builds everything from a TrainConfig, resumes if it can, trains, evaluates, checkpoints."""
 
-    def __init__(self, cfg: TrainConfig) -> None:
+    def __init__(self, cfg: TrainConfig, leases: list[Lease] | None = None) -> None:
         self.cfg = cfg
+        self.leases = leases or []  # checked every step: a job whose lease was taken over stops writing
         self.env = DistEnv.from_environ()
         self.device, self.backend = init_distributed(self.env)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
@@ -383,6 +425,8 @@ class Trainer:
         last_eval: dict[str, Any] | None = None
         last_step = min(cfg.run.steps, cfg.run.stop_after_steps or cfg.run.steps)
         while self.step < last_step:
+            for lease in self.leases:
+                lease.check()
             last = self.train_step()
             first_loss = first_loss if first_loss is not None else last["loss"]
             if not math.isfinite(last["loss"]) and not last["skipped"]:
@@ -434,11 +478,16 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     rank = os.environ.get("RANK", "0")
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s")
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        # Workers run in sessions of their own: without this, a SIGKILLed agent leaves them training unsupervised.
+        process.die_with_parent()
     cfg = TrainConfig.from_json_file(args.config)
     trainer: Trainer | None = None
     try:
-        trainer = Trainer(cfg)
-        trainer.fit()
+        init_distributed(DistEnv.from_environ())
+        with exclusive_roots(cfg) as leases:
+            trainer = Trainer(cfg, leases)
+            trainer.fit()
     finally:
         # Free the model (DDP's reducer holds the process group and its last work) while the interpreter is
         # fully alive: left to interpreter shutdown, gloo's teardown can abort a job that finished its work.

@@ -3,6 +3,13 @@
 Each agent runs under a small `sh` wrapper that records torchrun's exit code, in a
 session of its own, so that `cancel` can end exactly the job's processes and any
 later command can tell how the job ended.
+
+A supervised job (the default: `tdeploy train`, `tdeploy run`, acceptance, drills)
+dies with the process that submitted it, however that process ends: the wrapper
+polls the supervisor's pid and start time and stops torchrun when it is gone; the
+agent dies with its wrapper and the workers with their agent (parent-death signals).
+A detached job (`tdeploy submit`) outlives its submitter. A new job is refused in an
+output folder whose previous job still runs.
 """
 
 from __future__ import annotations
@@ -12,6 +19,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -33,20 +41,39 @@ from tasks.launch.base import (
 )
 from tasks.launch.torchrun import free_port, torchrun_args, worker_env
 from training.config import TrainConfig
+from training.process import alive, start_time
 from training.storage import is_local, local_path
 
 log = logging.getLogger(__name__)
 
-CANCELLED_MARKER = "cancelled"
+CANCELLED_MARKER = "cancelled"  # holds why the job was stopped
+SUPERVISOR_ENV = ("TDEPLOY_SUPERVISOR_PID", "TDEPLOY_SUPERVISOR_START")
 # Records torchrun's exit code; on SIGTERM it passes the signal on and stays until torchrun has stopped its workers.
-_WRAPPER = """
+# Supervised, a watchdog stops torchrun once the supervisor (pid + start time) is gone, or the wrapper itself.
+_WRAPPER = r"""
 "$@" &
 child=$!
 trap 'kill -TERM "$child" 2>/dev/null' TERM INT
+started() {
+  stat=$(cat "/proc/$1/stat" 2>/dev/null) || return 0
+  set -- ${stat##*") "}
+  [ "$1" = Z ] || [ "$1" = X ] || echo "${20}"
+}
+if [ -n "${TDEPLOY_SUPERVISOR_PID:-}" ]; then
+  (
+    while [ "$(started "$TDEPLOY_SUPERVISOR_PID")" = "$TDEPLOY_SUPERVISOR_START" ] && kill -0 $$ 2>/dev/null; do
+      sleep 1
+    done
+    echo "stopped: its supervising process (pid $TDEPLOY_SUPERVISOR_PID) exited" > "$TDEPLOY_STOP_FILE"
+    kill -TERM "$child" 2>/dev/null
+  ) &
+  watchdog=$!
+fi
 while :; do
   wait "$child"; code=$?
   kill -0 "$child" 2>/dev/null || break
 done
+[ -z "${watchdog:-}" ] || kill "$watchdog" 2>/dev/null
 echo "$code" > "$TDEPLOY_EXIT_FILE"
 """
 
@@ -60,21 +87,26 @@ class TrainingFailed(RuntimeError):
         self.returncode = status.exit_code
 
 
-def _start_time(pid: int) -> str | None:
-    """The process's start time (field 22 of /proc/PID/stat), or None if it is gone or a zombie."""
+def running_agents(handle: JobHandle) -> list[dict[str, str | int | None]]:
+    """The agents of a local job that still run (pid and start time as job.json recorded them)."""
+    return [a for a in handle.details.get("agents", []) if alive(a["pid"], a["start_time"])]
+
+
+def _refuse_if_running(out: Path) -> None:
+    """UserError when job.json in `out` records a local job whose agents still run."""
+    record = out / "job.json"
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = stat[stat.rindex(")") + 2 :].split()
-    return None if fields[0] in ("Z", "X") else fields[19]
-
-
-def _alive(pid: int, started: str | None) -> bool:
-    with contextlib.suppress(ChildProcessError, OSError):
-        os.waitpid(pid, os.WNOHANG)  # reap it if it is our own child
-    now = _start_time(pid)
-    return now is not None and (started is None or now == started)
+        previous = JobHandle.from_json(json.loads(record.read_text()))
+    except (OSError, ValueError, TypeError):
+        return  # no job there, or not one this launcher can check
+    if previous.scheduler != "local" or not (agents := running_agents(previous)):
+        return
+    pids = ", ".join(str(a["pid"]) for a in agents)
+    since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(previous.submitted_unix_s))
+    raise UserError(
+        f"run.output_url={out}: job {previous.ref} still runs there (agent pid {pids}, since {since})",
+        f"wait for it to end, stop it with `tdeploy cancel {previous.ref}`, or use another run.output_url",
+    )
 
 
 class LocalLauncher:
@@ -83,15 +115,26 @@ class LocalLauncher:
     scheduler = "local"
 
     def submit(
-        self, cluster: ClusterConfig, train: TrainConfig, name: str, extra_env: dict[str, str] | None = None
+        self,
+        cluster: ClusterConfig,
+        train: TrainConfig,
+        name: str,
+        extra_env: dict[str, str] | None = None,
+        supervised: bool = True,
     ) -> JobHandle:
-        """Write run.json, start the agents, record the job; returns at once."""
+        """Write run.json, start the agents, record the job; returns at once.
+
+        Supervised, the job stops when this process ends; detached, it runs on without it.
+        Refused (UserError) while the previous job in the output folder still runs.
+        """
         if not is_local(train.run.output_url):
             raise UserError(
                 f"run.output_url={train.run.output_url}: the local launcher needs a local folder",
                 "use a path on this machine",
             )
         out = Path(local_path(train.run.output_url)).resolve()
+        _refuse_if_running(out)  # before anything of that job's is touched
+        supervisor = self._supervisor() if supervised else None
         out.mkdir(parents=True, exist_ok=True)
         for stale in [*out.glob("exit-*.txt"), out / CANCELLED_MARKER]:
             stale.unlink(missing_ok=True)
@@ -107,36 +150,49 @@ class LocalLauncher:
                 args = torchrun_args(cluster, endpoint, job_id, str(config_path), str(out / "logs" / f"node{node}"))
                 env = worker_env(extra_env)
                 env["TDEPLOY_EXIT_FILE"] = str(out / f"exit-{node}.txt")
+                env["TDEPLOY_STOP_FILE"] = str(out / CANCELLED_MARKER)
+                for key in SUPERVISOR_ENV:
+                    env.pop(key, None)  # a detached job must not inherit its submitter's supervisor
+                if supervisor:
+                    env.update(TDEPLOY_SUPERVISOR_PID=str(supervisor["pid"]),
+                               TDEPLOY_SUPERVISOR_START=str(supervisor["start_time"]))  # fmt: skip
                 proc = subprocess.Popen(
-                    ["/bin/sh", "-c", _WRAPPER, "sh", sys.executable, "-m", "torch.distributed.run", *args],
+                    ["/bin/sh", "-c", _WRAPPER, "sh", sys.executable, "-m", "tasks.launch.agent", *args],
                     env=env,
                     stdout=log_file,
                     stderr=subprocess.STDOUT,
                     start_new_session=True,
                 )
-                agents.append({"pid": proc.pid, "start_time": _start_time(proc.pid)})
+                agents.append({"pid": proc.pid, "start_time": start_time(proc.pid)})
         handle = JobHandle(
             scheduler=self.scheduler,
             job_id=job_id,
             name=name,
             output_dir=str(out),
             log_path=str(log_path),
-            details={"agents": agents, "log_offset": offset, "endpoint": endpoint},
+            details={"agents": agents, "log_offset": offset, "endpoint": endpoint, "supervisor": supervisor},
         )
         record_job(handle)
         log.info("started %d torchrun agent(s) at %s; job %s; log %s", len(agents), endpoint, handle.ref, log_path)
         return handle
 
+    @staticmethod
+    def _supervisor() -> dict[str, str | int] | None:
+        """This process, as the wrapper's watchdog recognises it (None where start times are unknown)."""
+        started = start_time(os.getpid())
+        return None if started is None else {"pid": os.getpid(), "start_time": started, "host": socket.gethostname()}
+
     def status(self, handle: JobHandle) -> JobStatus:
         """Running while an agent lives; then succeeded, failed (with the root cause) or cancelled."""
         out = Path(handle.output_dir)
         agents = handle.details["agents"]
-        if any(_alive(a["pid"], a["start_time"]) for a in agents):
+        if running_agents(handle):
             ranks = out / "ranks.json"
             started = ranks.exists() and ranks.stat().st_mtime >= handle.submitted_unix_s
             return JobStatus(JobState.RUNNING if started else JobState.PENDING, "running" if started else "rendezvous")
-        if (out / CANCELLED_MARKER).exists():
-            return JobStatus(JobState.CANCELLED, "cancelled", "cancelled by the user")
+        marker = out / CANCELLED_MARKER
+        if marker.exists():
+            return JobStatus(JobState.CANCELLED, "cancelled", marker.read_text().strip() or "cancelled")
         codes = []
         for node in range(len(agents)):
             exit_file = out / f"exit-{node}.txt"
@@ -161,26 +217,26 @@ class LocalLauncher:
     def cancel(self, handle: JobHandle, grace_s: float = 30.0) -> None:
         """SIGTERM the agents' process groups (torchrun stops its workers), then SIGKILL whatever is left."""
         out = Path(handle.output_dir)
-        (out / CANCELLED_MARKER).write_text(time.strftime("%Y-%m-%dT%H:%M:%S"))
-        agents = [(a["pid"], a["start_time"]) for a in handle.details["agents"] if _alive(a["pid"], a["start_time"])]
+        (out / CANCELLED_MARKER).write_text(f"cancelled by the user at {time.strftime('%Y-%m-%dT%H:%M:%S')}")
+        agents = [(a["pid"], a["start_time"]) for a in handle.details["agents"] if alive(a["pid"], a["start_time"])]
         for pid, _ in agents:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pid, signal.SIGTERM)
         # Workers run in sessions of their own (torchrun starts them so): follow them by pid too.
         processes = agents + self._workers(out)
         deadline = time.monotonic() + grace_s
-        while any(_alive(*p) for p in processes) and time.monotonic() < deadline:
+        while any(alive(*p) for p in processes) and time.monotonic() < deadline:
             time.sleep(0.2)
         for pid, started in agents:
-            if _alive(pid, started):
+            if alive(pid, started):
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(pid, signal.SIGKILL)
         for pid, started in processes:
-            if _alive(pid, started):
+            if alive(pid, started):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
         deadline = time.monotonic() + 10
-        while any(_alive(*p) for p in processes) and time.monotonic() < deadline:
+        while any(alive(*p) for p in processes) and time.monotonic() < deadline:
             time.sleep(0.1)
 
     def _workers(self, out: Path) -> list[tuple[int, str | None]]:
@@ -196,7 +252,7 @@ class LocalLauncher:
             except OSError:
                 continue
             if b"training.train" in cmdline and str(out).encode() in cmdline:
-                found.append((pid, _start_time(pid)))
+                found.append((pid, start_time(pid)))
         return found
 
 

@@ -34,12 +34,21 @@ def launcher_for(scheduler: str) -> Any:
 
 
 def submit(
-    cluster: ClusterConfig, train: TrainConfig, name: str, image: str | None = None, env: dict[str, str] | None = None
+    cluster: ClusterConfig,
+    train: TrainConfig,
+    name: str,
+    image: str | None = None,
+    env: dict[str, str] | None = None,
+    supervised: bool = True,
 ) -> tuple[Any, JobHandle]:
-    """Submit through the cluster's scheduler; returns the launcher and the job handle."""
+    """Submit through the cluster's scheduler; returns the launcher and the job handle.
+
+    `supervised`: a local job stops when this process ends (callers that wait for it); False leaves it
+    running on its own (`tdeploy submit`). Slurm and Kubernetes jobs always run on their own.
+    """
     launcher = launcher_for(cluster.scheduler)
     if cluster.scheduler == "local":
-        return launcher, launcher.submit(cluster, train, name, env)
+        return launcher, launcher.submit(cluster, train, name, env, supervised=supervised)
     if cluster.scheduler == "slurm":
         if env:
             launcher = SlurmLauncher(env)

@@ -33,7 +33,8 @@ def submit_job(
 ) -> dict[str, Any]:
     """Submit the training job and wait until it is submitted, running or finished; a failed job raises JobFailed."""
     logger = get_run_logger()
-    launcher, handle = submit(cluster, train, name, image, env)
+    # A job this task waits for dies with this process; one it only starts must outlive the flow run.
+    launcher, handle = submit(cluster, train, name, image, env, supervised=wait_until == "finished")
     logger.info("submitted %s (output %s)", handle.ref, handle.output_dir)
     status = wait_for(
         launcher,

@@ -1,0 +1,89 @@
+"""Processes on this machine: who a pid is (its start time), whether it still runs, and dying with a parent.
+
+A pid alone is not an identity: pids are reused. A pid together with its start
+time (field 22 of /proc/PID/stat, in clock ticks since boot) is, on one boot of
+one machine and within one pid namespace; `machine()` names those two.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import logging
+import os
+import signal
+import socket
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+# The parent this process was started by, read as early as the module is imported: if the parent
+# dies before die_with_parent() runs, getppid() no longer matches it.
+_PARENT_AT_IMPORT = os.getppid()
+
+
+def start_time(pid: int) -> str | None:
+    """The process's start time (field 22 of /proc/PID/stat), or None if it is gone or a zombie."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return None if fields[0] in ("Z", "X") else fields[19]
+
+
+def alive(pid: int, started: str | None) -> bool:
+    """The process runs and, when `started` is given, is the one that started then (not a reused pid)."""
+    with contextlib.suppress(ChildProcessError, OSError):
+        os.waitpid(pid, os.WNOHANG)  # reap it if it is our own child
+    now = start_time(pid)
+    return now is not None and (started is None or now == started)
+
+
+@dataclass(frozen=True)
+class Machine:
+    """Where pids mean something: this boot of this host, in this pid namespace."""
+
+    host: str
+    boot_id: str | None
+    pid_namespace: str | None
+
+    def same_pid_space(self, other: Machine) -> bool:
+        """A pid recorded on `other` can be looked up here (known boot and namespace, both equal)."""
+        return (
+            self.boot_id is not None
+            and self.pid_namespace is not None
+            and (self.boot_id, self.pid_namespace) == (other.boot_id, other.pid_namespace)
+        )
+
+
+def machine() -> Machine:
+    """This machine's host name, boot id and pid namespace (None where the system does not tell)."""
+    boot_id = pid_namespace = None
+    with contextlib.suppress(OSError):
+        boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    with contextlib.suppress(OSError):
+        pid_namespace = os.readlink("/proc/self/ns/pid")
+    return Machine(socket.gethostname(), boot_id, pid_namespace)
+
+
+def die_with_parent(sig: int = signal.SIGTERM) -> bool:
+    """Ask Linux to send `sig` to this process when its parent (thread) exits; exit now if it already has.
+
+    Returns False where the system has no such request (not Linux). Only for processes whose
+    parent is their supervisor and lives as long as they should: torchrun workers and agents.
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"prctl(PR_SET_PDEATHSIG) failed: {os.strerror(err)}")
+    if os.getppid() != _PARENT_AT_IMPORT:  # the parent died before the request was in place
+        log.error("parent process %d exited before this process (%d) started: exiting", _PARENT_AT_IMPORT, os.getpid())
+        os.kill(os.getpid(), sig)
+    return True
