@@ -268,8 +268,11 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
 
 
-def _mb(nbytes: float) -> str:
-    return f"{nbytes / 1e6:.1f} MB"
+def _size(nbytes: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes / 1e3:.0f} kB"
 
 
 @dataclass
@@ -464,8 +467,8 @@ class CheckpointManager:
         return _agree(commit, disk_full)
 
     def _no_space(self, path: str, space: _Space) -> str:
-        free = "unknown" if space.free_bytes is None else _mb(space.free_bytes)
-        return f"no space left on {self._url(path)}: checkpoint needs ~{_mb(space.needed_bytes)}, {free} free"
+        free = "unknown" if space.free_bytes is None else _size(space.free_bytes)
+        return f"no space left on {self._url(path)}: checkpoint needs ~{_size(space.needed_bytes)}, {free} free"
 
     def _free_bytes(self) -> int | None:
         """Free bytes on the local disk of the checkpoint folder (None for object stores)."""
@@ -492,7 +495,7 @@ class CheckpointManager:
             kind = "partial checkpoint" if victim in partial else f"checkpoint (keep_last={self.cfg.keep_last})"
             log.warning(
                 "only %s free on %s and the checkpoint of step %d needs ~%s: removing the %s %s early",
-                _mb(free), self._url(self.root), step, _mb(space.needed_bytes), kind, self._url(self._dir(victim)),
+                _size(free), self._url(self.root), step, _size(space.needed_bytes), kind, self._url(self._dir(victim)),
             )  # fmt: skip
             self.fs.rm(self._dir(victim), recursive=True)
             free = self._free_bytes() or 0
