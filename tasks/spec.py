@@ -13,10 +13,12 @@ from pydantic import Field, ValidationError, model_validator
 from tasks.acceptance.config import AcceptanceConfig, DrillConfig
 from tasks.capacity.config import CapacityConfig, capacity_problems
 from tasks.cluster import ClusterConfig
+from tasks.errors import TransientError, is_connection_error
 from tasks.image.config import ImageConfig
 from tasks.nodes.config import NodesConfig
 from tasks.prepare.config import DataSpec
 from training.config import (
+    MAX_RANKS,
     CheckpointConfig,
     ModelConfig,
     OptimConfig,
@@ -26,11 +28,18 @@ from training.config import (
     RunConfig,
     StrictModel,
     TrainConfig,
+    divisors,
     format_validation_error,
     raise_problems,
     training_problems,
 )
-from training.storage import StorageConfig
+from training.secrets import REDACTED, credential_message, find_credentials
+from training.storage import StorageConfig, is_local
+
+MAX_SPEC_BYTES = 1 << 20
+"""A spec is a few kB; anything past 1 MiB is the wrong file (or an attack on the parser)."""
+MAX_SPEC_DEPTH = 32
+"""Deepest nesting of mappings and lists a spec may have (the schema needs 5)."""
 
 
 class SpecError(ValueError):
@@ -71,6 +80,18 @@ class DeploymentSpec(StrictModel):
     @model_validator(mode="after")
     def _consistent(self) -> DeploymentSpec:
         c = self.cluster
+        if c.world_size > MAX_RANKS:  # every check below multiplies or factors the world size
+            raise_problems(
+                "DeploymentSpec",
+                [
+                    (
+                        ("cluster", "nodes"),
+                        c.nodes,
+                        f"nodes x procs_per_node = {c.world_size} processes must be <= {MAX_RANKS}; "
+                        "use fewer nodes or processes per node",
+                    )
+                ],
+            )
         capacity = capacity_problems(self.capacity, c.accelerator, c.nodes, c.procs_per_node, self.model, self.parallel)
         raise_problems("DeploymentSpec", training_problems(self) + self._cluster_problems() + capacity)
         return self
@@ -78,6 +99,17 @@ class DeploymentSpec(StrictModel):
     def _cluster_problems(self) -> list[Problem]:
         problems: list[Problem] = []
         world, par = self.cluster.world_size, self.parallel
+        scheduler = self.cluster.scheduler
+        if scheduler in ("local", "slurm") and not is_local(self.run.output_url):
+            where = "this machine" if scheduler == "local" else "a filesystem every node shares"
+            problems.append(
+                (
+                    ("run", "output_url"),
+                    self.run.output_url,
+                    f"cluster.scheduler={scheduler} writes the run's logs and metrics to a folder on {where}; "
+                    f"use a path such as runs/{self.name}/output (object stores suit checkpoint.url)",
+                )
+            )
         if par.data_parallel is not None and par.data_parallel != world:
             problems.append(
                 (
@@ -89,7 +121,7 @@ class DeploymentSpec(StrictModel):
         if par.sharding == "hsdp":
             shard = par.hsdp_shard_size or self.cluster.procs_per_node
             if world % shard:
-                valid = [d for d in range(1, world + 1) if world % d == 0]
+                valid = divisors(world)
                 problems.append(
                     (("parallel", "hsdp_shard_size"), shard, f"must divide the world size {world}; use one of {valid}")
                 )
@@ -146,26 +178,121 @@ class DeploymentSpec(StrictModel):
         )
 
 
+def credential_problems(data: Any) -> list[str]:
+    """One line per credential-like key with a value, at any depth of raw spec data (values never shown)."""
+    return [
+        f"{'.'.join(str(part) for part in loc)}={REDACTED}: {credential_message(variable)}"
+        for loc, variable in find_credentials(data)
+    ]
+
+
 def parse_spec(data: Any, source: str = "<spec>") -> DeploymentSpec:
     """Validate spec data, raising SpecError with every problem at once."""
+    if data is None:
+        raise SpecError(source, ["<spec>: the spec is empty; it must be a YAML mapping of sections (name, cluster, ...)"])
     if not isinstance(data, dict):
         raise SpecError(source, [f"<spec>={type(data).__name__}: the spec must be a YAML mapping of sections"])
+    problems = credential_problems(data)
     try:
-        return DeploymentSpec.model_validate(data)
+        spec = DeploymentSpec.model_validate(data)
     except ValidationError as err:
-        raise SpecError(source, format_validation_error(err)) from err
+        problems += [p for p in format_validation_error(err) if p not in problems]
+    if problems:
+        raise SpecError(source, problems)
+    return spec
+
+
+class _SpecLoader(yaml.SafeLoader):
+    """PyYAML's safe loader without aliases (a few lines of them expand without bound), deep nesting or
+    duplicate keys (the second one silently won)."""
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self._depth = 0
+
+    def compose_node(self, parent: yaml.Node | None, index: object) -> yaml.Node | None:
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise yaml.composer.ComposerError(
+                None,
+                None,
+                f"found the alias *{event.anchor}: aliases are not allowed in a deployment spec; write the value out",
+                event.start_mark,
+            )
+        self._depth += 1
+        try:
+            if self._depth > MAX_SPEC_DEPTH:
+                raise yaml.composer.ComposerError(
+                    None,
+                    None,
+                    f"nesting deeper than {MAX_SPEC_DEPTH} levels; a deployment spec needs a handful",
+                    self.peek_event().start_mark,
+                )
+            return super().compose_node(parent, index)  # type: ignore[arg-type]
+        finally:
+            self._depth -= 1
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=True)  # type: ignore[no-untyped-call]
+            if isinstance(key, (str, int, float, bool)) and key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"the key {key!r} appears twice in one mapping; keep one", key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
+def read_spec_text(source: str) -> str:
+    """The text of a spec file: at most MAX_SPEC_BYTES of UTF-8; SpecError for a user error, TransientError else."""
+    try:
+        with fsspec.open(source, "rb") as handle:
+            raw = handle.read(MAX_SPEC_BYTES + 1)
+    except FileNotFoundError as err:
+        raise SpecError(source, [f"spec file {source} does not exist; pass the path of a YAML spec"]) from err
+    except IsADirectoryError as err:
+        raise SpecError(source, [f"{source} is a folder; pass the path of a YAML spec file"]) from err
+    except Exception as err:
+        if is_connection_error(err):
+            raise TransientError(f"reading the spec {source} failed: {err}", "retry once storage answers") from err
+        raise SpecError(source, [f"spec file {source} cannot be read: {type(err).__name__}: {err}"]) from err
+    if len(raw) > MAX_SPEC_BYTES:
+        raise SpecError(
+            source, [f"spec file {source} is larger than {MAX_SPEC_BYTES} bytes; a spec is a few kB: check the path"]
+        )
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise SpecError(
+            source,
+            [
+                f"spec file {source} is not UTF-8 text: byte 0x{raw[err.start]:02x} at offset {err.start} "
+                "cannot be decoded; save the file as UTF-8"
+            ],
+        ) from err
+
+
+def parse_spec_text(text: str, source: str = "<spec>") -> DeploymentSpec:
+    """Parse YAML text (no aliases, no duplicate keys) and validate it."""
+    try:
+        data = yaml.load(text, Loader=_SpecLoader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.YAMLError as err:
+        raise SpecError(source, [_yaml_problem(err)]) from err
+    return parse_spec(data, source)
+
+
+def _yaml_problem(err: yaml.YAMLError) -> str:
+    mark = getattr(err, "problem_mark", None)
+    if isinstance(err, yaml.MarkedYAMLError) and mark is not None:
+        what = "; ".join(str(part) for part in (err.context, err.problem) if part)
+        return f"not valid YAML at line {mark.line + 1}, column {mark.column + 1}: {what}"
+    return "not valid YAML: " + " ".join(str(err).split())
 
 
 def load_spec(source: str | Path) -> DeploymentSpec:
     """Read and validate a spec from a local path or fsspec URL."""
     source = str(source)
-    try:
-        with fsspec.open(source, "r", encoding="utf-8") as handle:
-            text = handle.read()
-    except FileNotFoundError as err:
-        raise SpecError(source, [f"spec file {source} does not exist; pass the path of a YAML spec"]) from err
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as err:
-        raise SpecError(source, [f"not valid YAML: {err}"]) from err
-    return parse_spec(data, source)
+    return parse_spec_text(read_spec_text(source), source)

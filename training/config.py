@@ -8,19 +8,35 @@ validation that ran on the operator's machine runs again on every node.
 from __future__ import annotations
 
 import json
+import math
+import re
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic_core import PydanticCustomError
 
-from training.storage import StorageConfig
+from training.secrets import REDACTED, is_credential_name, redact
+from training.storage import StorageConfig, StorageUrl
+
+# Upper bounds of the counts: far beyond any real run, low enough that every loop and product over them stays cheap.
+MAX_LAYERS = 1024
+MAX_WIDTH = 1 << 18  # d_model, ffn_hidden
+MAX_HEADS = 1024
+MAX_VOCAB = 1 << 22
+MAX_SEQ_LEN = 1 << 20
+MAX_EXPERTS = 1024
+MAX_RANKS = 1 << 20  # processes of one job
+MAX_BATCH = 1 << 16  # micro-batch, accumulation steps, evaluation batches
+MAX_STEPS = 10**9
+MAX_SEED = 2**32 - 1  # numpy's legacy seeding takes 32 bits
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
 class StrictModel(BaseModel):
-    """Base for every config model: unknown fields are errors, defaults are validated."""
+    """Base for every config model: unknown fields are errors, defaults are validated, no Inf or NaN floats."""
 
-    model_config = ConfigDict(extra="forbid", validate_default=True, validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_default=True, validate_assignment=True, allow_inf_nan=False)
 
 
 Problem = tuple[tuple[str | int, ...], Any, str]
@@ -62,7 +78,21 @@ def _describe_constraint(err: dict[str, Any]) -> str:
         return f"must match the pattern {ctx.get('pattern')}"
     if kind == "value_error":
         return err["msg"].removeprefix("Value error, ")
+    if kind == "finite_number":
+        return "must be a finite number (not Inf or NaN)"
     return err["msg"]
+
+
+def _shown(loc: tuple[str | int, ...], value: Any, limit: int = 200) -> str:
+    """The offending value as the message shows it: credentials redacted, containers elided, long ones cut."""
+    if any(is_credential_name(part) for part in loc):
+        return REDACTED
+    if isinstance(value, dict):
+        return "{...}"
+    value = redact(value)
+    shown = value if isinstance(value, str) else json.dumps(value, default=str)
+    shown = _CONTROL.sub(lambda m: repr(m.group())[1:-1], shown)  # a NUL or a newline shows escaped
+    return shown if len(shown) <= limit else f"{shown[:limit]}... ({len(shown)} characters)"
 
 
 def format_validation_error(error: ValidationError) -> list[str]:
@@ -74,20 +104,29 @@ def format_validation_error(error: ValidationError) -> list[str]:
         if err["type"] == "missing":
             lines.append(f"{loc}: {message}")
         else:
-            value = err.get("input")
-            shown = json.dumps(value, default=str) if not isinstance(value, str) else value
-            if isinstance(value, dict):
-                shown = "{...}"
-            lines.append(f"{loc}={shown}: {message}")
+            lines.append(f"{loc}={_shown(err['loc'], err.get('input'))}: {message}")
     return lines
+
+
+def divisors(n: int) -> list[int]:
+    """Every divisor of n >= 1, ascending, in O(sqrt n) steps."""
+    small, large = [], []
+    for d in range(1, math.isqrt(n) + 1):
+        if n % d == 0:
+            small.append(d)
+            if d != n // d:
+                large.append(n // d)
+    return small + large[::-1]
 
 
 class MoEConfig(StrictModel):
     """Mixture-of-Experts MLP: every block's MLP becomes a routed set of experts."""
 
-    n_experts: int = Field(ge=2, description="Number of experts per MoE layer.")
-    top_k: int = Field(default=2, ge=1, description="Experts each token is routed to.")
-    aux_loss_coef: float = Field(default=0.01, ge=0, description="Weight of the Switch-style load-balancing loss.")
+    n_experts: int = Field(ge=2, le=MAX_EXPERTS, description="Number of experts per MoE layer.")
+    top_k: int = Field(default=2, ge=1, le=MAX_EXPERTS, description="Experts each token is routed to.")
+    aux_loss_coef: float = Field(
+        default=0.01, ge=0, le=100, description="Weight of the Switch-style load-balancing loss."
+    )
 
     @model_validator(mode="after")
     def _top_k_fits(self) -> MoEConfig:
@@ -102,20 +141,20 @@ class MoEConfig(StrictModel):
 class ModelConfig(StrictModel):
     """Decoder-only Transformer architecture."""
 
-    n_layers: int = Field(ge=1, description="Number of Transformer blocks.")
-    d_model: int = Field(ge=1, description="Hidden size.")
-    n_heads: int = Field(ge=1, description="Attention (query) heads.")
+    n_layers: int = Field(ge=1, le=MAX_LAYERS, description="Number of Transformer blocks.")
+    d_model: int = Field(ge=1, le=MAX_WIDTH, description="Hidden size.")
+    n_heads: int = Field(ge=1, le=MAX_HEADS, description="Attention (query) heads.")
     n_kv_heads: int | None = Field(
-        default=None, ge=1, description="Key/value heads for grouped-query attention; None = n_heads."
+        default=None, ge=1, le=MAX_HEADS, description="Key/value heads for grouped-query attention; None = n_heads."
     )
-    ffn_hidden: int = Field(ge=1, description="Hidden size of the MLP (per expert under MoE).")
+    ffn_hidden: int = Field(ge=1, le=MAX_WIDTH, description="Hidden size of the MLP (per expert under MoE).")
     mlp: Literal["swiglu", "gelu"] = Field(default="swiglu", description="MLP kind.")
-    vocab_size: int = Field(ge=2, description="Vocabulary size of the embedding and output layer.")
-    seq_len: int = Field(ge=1, description="Training sequence length in tokens.")
+    vocab_size: int = Field(ge=2, le=MAX_VOCAB, description="Vocabulary size of the embedding and output layer.")
+    seq_len: int = Field(ge=1, le=MAX_SEQ_LEN, description="Training sequence length in tokens.")
     tie_embeddings: bool = Field(default=False, description="Share input embedding and output weights.")
-    norm_eps: float = Field(default=1e-5, gt=0, description="RMSNorm epsilon.")
-    rope_theta: float = Field(default=10000.0, gt=0, description="Rotary embedding base.")
-    init_std: float = Field(default=0.02, gt=0, description="Std of the normal weight init.")
+    norm_eps: float = Field(default=1e-5, gt=0, le=1, description="RMSNorm epsilon.")
+    rope_theta: float = Field(default=10000.0, gt=0, le=1e12, description="Rotary embedding base.")
+    init_std: float = Field(default=0.02, gt=0, le=10, description="Std of the normal weight init.")
     moe: MoEConfig | None = Field(default=None, description="Mixture-of-Experts MLP; None = dense.")
 
     @property
@@ -132,16 +171,16 @@ class ModelConfig(StrictModel):
     def _shapes_agree(self) -> ModelConfig:
         problems: list[Problem] = []
         if self.d_model % self.n_heads:
-            divisors = [h for h in range(1, self.d_model + 1) if self.d_model % h == 0 and h <= 128]
+            valid = [h for h in divisors(self.d_model) if h <= 128]
             problems.append(
-                (("n_heads",), self.n_heads, f"must divide d_model={self.d_model}; use one of {divisors[-6:]}")
+                (("n_heads",), self.n_heads, f"must divide d_model={self.d_model}; use one of {valid[-6:]}")
             )
         elif self.head_dim % 2:
             problems.append(
                 (("d_model",), self.d_model, f"d_model/n_heads={self.head_dim} must be even for rotary embeddings")
             )
         if self.n_heads % self.kv_heads:
-            valid = [k for k in range(1, self.n_heads + 1) if self.n_heads % k == 0]
+            valid = divisors(self.n_heads)
             problems.append(
                 (("n_kv_heads",), self.n_kv_heads, f"must divide n_heads={self.n_heads}; use one of {valid}")
             )
@@ -160,13 +199,16 @@ class ParallelConfig(StrictModel):
     data_parallel: int | None = Field(
         default=None,
         ge=1,
+        le=MAX_RANKS,
         description="Data-parallel degree; must equal the number of training processes. None = all of them.",
     )
     hsdp_shard_size: int | None = Field(
-        default=None, ge=1, description="hsdp: ranks per shard group; None = processes per node."
+        default=None, ge=1, le=MAX_RANKS, description="hsdp: ranks per shard group; None = processes per node."
     )
-    micro_batch: int = Field(ge=1, description="Sequences per rank per forward/backward pass.")
-    grad_accum_steps: int = Field(default=1, ge=1, description="Micro-batches accumulated per optimizer step.")
+    micro_batch: int = Field(ge=1, le=MAX_BATCH, description="Sequences per rank per forward/backward pass.")
+    grad_accum_steps: int = Field(
+        default=1, ge=1, le=MAX_BATCH, description="Micro-batches accumulated per optimizer step."
+    )
     activation_recompute: Literal["none", "selective", "full"] = Field(
         default="none",
         description="none; selective: recompute attention only; full: recompute every block in backward.",
@@ -174,7 +216,7 @@ class ParallelConfig(StrictModel):
     ddp_grad_compression: Literal["bf16", "fp16"] | None = Field(
         default=None, description="ddp only: compress gradients for the all-reduce (DDP comm hook)."
     )
-    ddp_bucket_cap_mb: float = Field(default=25.0, gt=0, description="ddp only: gradient bucket size in MB.")
+    ddp_bucket_cap_mb: float = Field(default=25.0, gt=0, le=65536, description="ddp only: gradient bucket size in MB.")
 
 
 class PrecisionConfig(StrictModel):
@@ -183,9 +225,9 @@ class PrecisionConfig(StrictModel):
     dtype: Literal["fp32", "bf16", "fp16"] = Field(
         default="fp32", description="fp32; bf16 autocast; fp16 autocast with dynamic loss scaling."
     )
-    fp16_init_scale: float = Field(default=2.0**16, gt=0, description="fp16: initial loss scale.")
+    fp16_init_scale: float = Field(default=2.0**16, gt=0, le=2.0**64, description="fp16: initial loss scale.")
     fp16_growth_interval_steps: int = Field(
-        default=2000, ge=1, description="fp16: overflow-free steps before the loss scale doubles."
+        default=2000, ge=1, le=MAX_STEPS, description="fp16: overflow-free steps before the loss scale doubles."
     )
 
 
@@ -193,15 +235,17 @@ class OptimConfig(StrictModel):
     """AdamW with linear warmup and a decay schedule."""
 
     name: Literal["adamw"] = Field(default="adamw", description="Optimizer.")
-    lr_peak: float = Field(gt=0, description="Learning rate reached after warmup.")
-    lr_min: float = Field(default=0.0, ge=0, description="Learning rate at the end of the decay.")
-    warmup_steps: int = Field(default=0, ge=0, description="Linear warmup steps.")
+    lr_peak: float = Field(gt=0, le=10, description="Learning rate reached after warmup.")
+    lr_min: float = Field(default=0.0, ge=0, le=10, description="Learning rate at the end of the decay.")
+    warmup_steps: int = Field(default=0, ge=0, le=MAX_STEPS, description="Linear warmup steps.")
     schedule: Literal["cosine", "linear", "constant"] = Field(default="cosine", description="Decay after warmup.")
-    weight_decay: float = Field(default=0.1, ge=0, description="Decoupled weight decay (matrices only).")
+    weight_decay: float = Field(default=0.1, ge=0, le=10, description="Decoupled weight decay (matrices only).")
     beta1: float = Field(default=0.9, ge=0, lt=1, description="AdamW beta1.")
     beta2: float = Field(default=0.95, ge=0, lt=1, description="AdamW beta2.")
-    eps: float = Field(default=1e-8, gt=0, description="AdamW epsilon.")
-    grad_clip_norm: float | None = Field(default=1.0, gt=0, description="Clip the global grad norm; None = off.")
+    eps: float = Field(default=1e-8, gt=0, le=1, description="AdamW epsilon.")
+    grad_clip_norm: float | None = Field(
+        default=1.0, gt=0, le=1e9, description="Clip the global grad norm; None = off."
+    )
 
     @model_validator(mode="after")
     def _lr_range(self) -> OptimConfig:
@@ -213,7 +257,7 @@ class OptimConfig(StrictModel):
 class DataConfig(StrictModel):
     """Where the tokenized dataset is (format: training/dataset.py)."""
 
-    dataset_url: str = Field(min_length=1, description="Local path or fsspec URL of the tokenized dataset.")
+    dataset_url: StorageUrl = Field(description="Local path or fsspec URL of the tokenized dataset.")
     tokenizer_sha256: str | None = Field(
         default=None, description="Refuse a dataset made with another tokenizer (sha256 of tokenizer.json); None = any."
     )
@@ -224,14 +268,20 @@ class DataConfig(StrictModel):
 class CheckpointConfig(StrictModel):
     """Distributed checkpoints (torch.distributed.checkpoint) on any fsspec URL."""
 
-    url: str = Field(min_length=1, description="Local path or fsspec URL (s3://...) of the checkpoint folder.")
-    save_every_steps: int | None = Field(default=None, ge=1, description="Save every N steps; None = off.")
+    url: StorageUrl = Field(description="Local path or fsspec URL (s3://...) of the checkpoint folder.")
+    save_every_steps: int | None = Field(
+        default=None, ge=1, le=MAX_STEPS, description="Save every N steps; None = off."
+    )
     save_at_end: bool = Field(default=True, description="Save after the last step.")
-    keep_last: int = Field(default=3, ge=1, description="Complete checkpoints kept; older ones are deleted.")
+    keep_last: int = Field(default=3, ge=1, le=10_000, description="Complete checkpoints kept; older ones are deleted.")
     resume: bool = Field(default=True, description="Resume from the latest complete checkpoint on start.")
     verify_checksums: bool = Field(default=True, description="Check sha256 of every file before loading.")
-    save_retries: int = Field(default=2, ge=0, description="Retries of a failed save (transient storage errors).")
-    save_retry_backoff_s: float = Field(default=1.0, ge=0, description="First retry delay; doubles each retry.")
+    save_retries: int = Field(
+        default=2, ge=0, le=100, description="Retries of a failed save (transient storage errors)."
+    )
+    save_retry_backoff_s: float = Field(
+        default=1.0, ge=0, le=3600, description="First retry delay; doubles each retry."
+    )
     continue_on_save_failure: bool = Field(
         default=False,
         description="After the retries, log the lost checkpoint loudly and keep training (false: stop the job).",
@@ -241,17 +291,24 @@ class CheckpointConfig(StrictModel):
 class RunConfig(StrictModel):
     """Length, seed, outputs and cadence of the training run."""
 
-    steps: int = Field(ge=1, description="Optimizer steps to train for (the LR schedule spans them).")
+    steps: int = Field(ge=1, le=MAX_STEPS, description="Optimizer steps to train for (the LR schedule spans them).")
     stop_after_steps: int | None = Field(
-        default=None, ge=1, description="End this launch early at this step, schedule unchanged; None = run.steps."
+        default=None,
+        ge=1,
+        le=MAX_STEPS,
+        description="End this launch early at this step, schedule unchanged; None = run.steps.",
     )
-    seed: int = Field(default=0, ge=0, description="Seed for init, data order and every RNG.")
-    output_url: str = Field(min_length=1, description="Local folder for metrics, ranks.json and sample records.")
-    log_every_steps: int = Field(default=10, ge=1, description="Rank 0 logs a line every N steps.")
-    eval_every_steps: int | None = Field(default=None, ge=1, description="Validation every N steps; None = end only.")
-    eval_batches: int = Field(default=4, ge=1, description="Validation micro-batches per rank per evaluation.")
+    seed: int = Field(default=0, ge=0, le=MAX_SEED, description="Seed for init, data order and every RNG.")
+    output_url: StorageUrl = Field(description="Local folder for metrics, ranks.json and sample records.")
+    log_every_steps: int = Field(default=10, ge=1, le=MAX_STEPS, description="Rank 0 logs a line every N steps.")
+    eval_every_steps: int | None = Field(
+        default=None, ge=1, le=MAX_STEPS, description="Validation every N steps; None = end only."
+    )
+    eval_batches: int = Field(
+        default=4, ge=1, le=MAX_BATCH, description="Validation micro-batches per rank per evaluation."
+    )
     threads_per_rank: int | None = Field(
-        default=None, ge=1, description="torch intra-op threads per rank; None = CPU cores / local ranks."
+        default=None, ge=1, le=1024, description="torch intra-op threads per rank; None = CPU cores / local ranks."
     )
     record_samples: bool = Field(default=True, description="Record the sample indices each rank consumed.")
     metrics_port: int | None = Field(
@@ -264,6 +321,7 @@ class RunConfig(StrictModel):
     throughput_baseline_tokens_per_s: float | None = Field(
         default=None,
         gt=0,
+        le=1e15,
         description="Accepted tokens/s of this job (the acceptance run's figure), exported as "
         "tdeploy_train_baseline_tokens_per_second for the throughput-drop alert; None = no baseline, no alert.",
     )

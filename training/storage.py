@@ -10,9 +10,11 @@ from typing import Annotated, Any
 import fsspec
 from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic_core import PydanticCustomError
 
-_SECRET_WORDS = ("secret", "password", "token", "key")
+from training.secrets import REDACTED, credential_message, find_credentials
+
 # Schemes a storage URL may use: local files and the object stores fsspec reaches with the spec's options.
 URL_SCHEMES = ("file", "s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "hdfs", "memory")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
@@ -30,6 +32,26 @@ def check_storage_url(value: str) -> str:
         raise ValueError("is not a URL fsspec can open; use a local path or scheme://path")
     if match is not None and match.group(1).lower() not in URL_SCHEMES:
         raise ValueError(f"has the unknown scheme {match.group(1)!r}; use a local path or one of {list(URL_SCHEMES)}")
+    _no_password(value)
+    return value
+
+
+def _no_password(value: str) -> None:
+    authority = value.split("://", 1)[1].split("/", 1)[0] if "://" in value else ""
+    if ":" in authority.rpartition("@")[0]:
+        raise ValueError(
+            "holds a password (user:password@); secrets never sit in specs: set it in the job's environment "
+            "or a Prefect Secret block"
+        )
+
+
+def check_endpoint_url(value: str) -> str:
+    """Refuse an endpoint that is not http(s)://host[:port][/path], or that holds control characters or a password."""
+    if _CONTROL.search(value):
+        raise ValueError("contains a control character (NUL, newline, tab...); remove it")
+    if not re.match(r"^https?://[^/\s]+(/\S*)?$", value):
+        raise ValueError("must be an http:// or https:// URL, e.g. http://127.0.0.1:9000")
+    _no_password(value)
     return value
 
 
@@ -37,28 +59,42 @@ StorageUrl = Annotated[str, AfterValidator(check_storage_url)]
 """A local path or an fsspec URL with a known scheme (the spec boundary's type for every storage location)."""
 
 
+def check_local_path(value: str) -> str:
+    """A storage URL that names a folder on this machine (a path or file://)."""
+    check_storage_url(value)
+    if not is_local(value):
+        raise ValueError("must be a local folder (a path or file://...), not an object-store URL")
+    return value
+
+
+LocalPath = Annotated[str, AfterValidator(check_local_path)]
+"""A path (or file:// URL) on the machine that runs the step, with the checks of StorageUrl."""
+
+
 class StorageConfig(BaseModel):
     """Options for remote URLs. Credentials come from the environment (AWS_ACCESS_KEY_ID, ...), never the spec."""
 
-    model_config = ConfigDict(extra="forbid", validate_default=True)
+    model_config = ConfigDict(extra="forbid", validate_default=True, allow_inf_nan=False)
 
-    s3_endpoint_url: str | None = Field(
+    s3_endpoint_url: Annotated[str, AfterValidator(check_endpoint_url)] | None = Field(
         default=None, description="S3-compatible endpoint, e.g. http://127.0.0.1:9000; None = AWS."
     )
     options: dict[str, Any] = Field(
         default_factory=dict, description="Extra fsspec storage options for remote URLs (no credentials)."
     )
 
-    @field_validator("options")
-    @classmethod
-    def _no_secrets(cls, value: dict[str, Any]) -> dict[str, Any]:
-        for name in value:
-            if any(word in name.lower() for word in _SECRET_WORDS):
-                raise ValueError(
-                    f"option {name!r} looks like a credential; secrets never sit in specs: "
-                    "set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY (or the backend's variables) instead"
-                )
-        return value
+    @model_validator(mode="after")
+    def _no_secrets(self) -> StorageConfig:
+        found = find_credentials(self.options, ("options",))
+        if found:
+            raise ValidationError.from_exception_data(
+                "StorageConfig",
+                [
+                    {"type": PydanticCustomError("spec", credential_message(variable)), "loc": loc, "input": REDACTED}
+                    for loc, variable in found
+                ],
+            )
+        return self
 
     def fsspec_options(self, url: str) -> dict[str, Any]:
         """Storage options for `url`'s protocol."""

@@ -6,7 +6,8 @@ from typing import Literal
 
 from pydantic import Field
 
-from training.config import StrictModel
+from training.config import MAX_STEPS, StrictModel
+from training.storage import LocalPath
 from validation.acceptance import AcceptanceThresholds
 
 DrillName = Literal["rank_kill", "kill_during_save", "corrupt_checkpoint", "reshard", "storage_outage"]
@@ -17,17 +18,27 @@ class AcceptanceConfig(StrictModel):
     """How the deployment is accepted."""
 
     thresholds: AcceptanceThresholds = Field(default_factory=AcceptanceThresholds)
-    steps: int = Field(default=200, ge=10, description="Steps of the distributed acceptance run (and its drills).")
-    save_every_steps: int = Field(default=20, ge=1, description="Checkpoint cadence of the acceptance runs.")
-    reference_steps: int = Field(default=10, ge=2, description="K: steps of the single-process reference.")
-    soak_steps: int | None = Field(default=None, ge=10, description="Nightly: a longer stability run; None = steps.")
-    work_url: str | None = Field(
+    steps: int = Field(
+        default=200, ge=10, le=MAX_STEPS, description="Steps of the distributed acceptance run (and its drills)."
+    )
+    save_every_steps: int = Field(
+        default=20, ge=1, le=MAX_STEPS, description="Checkpoint cadence of the acceptance runs."
+    )
+    reference_steps: int = Field(
+        default=10, ge=2, le=MAX_STEPS, description="K: steps of the single-process reference."
+    )
+    soak_steps: int | None = Field(
+        default=None, ge=10, le=MAX_STEPS, description="Nightly: a longer stability run; None = steps."
+    )
+    work_url: LocalPath | None = Field(
         default=None, description="Local folder for acceptance runs; None = 'acceptance' beside run.output_url."
     )
     bit_identical_recovery: bool = Field(
         default=True, description="Recovery must reproduce the uninterrupted losses bit for bit (deterministic CPU)."
     )
-    job_timeout_s: float = Field(default=3600.0, gt=0, description="Longest any one acceptance job may take.")
+    job_timeout_s: float = Field(
+        default=3600.0, gt=0, le=30 * 86400, description="Longest any one acceptance job may take."
+    )
 
 
 class DrillConfig(StrictModel):
@@ -35,5 +46,8 @@ class DrillConfig(StrictModel):
 
     only: list[DrillName] | None = Field(default=None, description="Run just these drills ([] = none); None = all.")
     catch_save_attempts: int = Field(
-        default=8, ge=1, description="kill_during_save: saves to try before giving up on catching one in flight."
+        default=8,
+        ge=1,
+        le=1000,
+        description="kill_during_save: saves to try before giving up on catching one in flight.",
     )

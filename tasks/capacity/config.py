@@ -7,7 +7,10 @@ from typing import Literal
 from pydantic import Field
 
 from tasks.capacity.catalogue import CATALOGUE, Accelerator, accelerator_names, resolve_accelerator
-from training.config import ModelConfig, ParallelConfig, Problem, StrictModel
+from training.config import MAX_BATCH, MAX_RANKS, ModelConfig, ParallelConfig, Problem, StrictModel, divisors
+from training.storage import StorageUrl
+
+_MAX_FIGURE = 1e9  # GiB, TFLOP/s, TB/s, GB/s: a million times today's largest accelerator
 
 _ACCELERATOR_FIELDS = [
     name for name in Accelerator.__dataclass_fields__ if name not in ("name", "description", "max_per_node")
@@ -18,14 +21,26 @@ class AcceleratorOverride(StrictModel):
     """Figures of an accelerator that replace the catalogue's (all of them for a type the catalogue lacks)."""
 
     kind: Literal["gpu", "cpu"] | None = Field(default=None, description="gpu or cpu.")
-    memory_gib: float | None = Field(default=None, gt=0, description="Device memory in GiB.")
-    peak_tflops_bf16: float | None = Field(default=None, gt=0, description="Dense bf16 peak in TFLOP/s.")
-    peak_tflops_fp16: float | None = Field(default=None, gt=0, description="Dense fp16 peak in TFLOP/s.")
-    peak_tflops_fp32: float | None = Field(default=None, gt=0, description="fp32 (no TF32) peak in TFLOP/s.")
-    hbm_tb_s: float | None = Field(default=None, gt=0, description="Memory bandwidth in TB/s.")
-    intra_node_gb_s: float | None = Field(default=None, gt=0, description="Per-GPU, per-direction GB/s in a node.")
-    inter_node_gb_s: float | None = Field(default=None, gt=0, description="Per-GPU, per-direction GB/s across nodes.")
-    max_per_node: int | None = Field(default=None, ge=1, description="Most devices one node holds; None = no limit.")
+    memory_gib: float | None = Field(default=None, gt=0, le=_MAX_FIGURE, description="Device memory in GiB.")
+    peak_tflops_bf16: float | None = Field(
+        default=None, gt=0, le=_MAX_FIGURE, description="Dense bf16 peak in TFLOP/s."
+    )
+    peak_tflops_fp16: float | None = Field(
+        default=None, gt=0, le=_MAX_FIGURE, description="Dense fp16 peak in TFLOP/s."
+    )
+    peak_tflops_fp32: float | None = Field(
+        default=None, gt=0, le=_MAX_FIGURE, description="fp32 (no TF32) peak in TFLOP/s."
+    )
+    hbm_tb_s: float | None = Field(default=None, gt=0, le=_MAX_FIGURE, description="Memory bandwidth in TB/s.")
+    intra_node_gb_s: float | None = Field(
+        default=None, gt=0, le=_MAX_FIGURE, description="Per-GPU, per-direction GB/s in a node."
+    )
+    inter_node_gb_s: float | None = Field(
+        default=None, gt=0, le=_MAX_FIGURE, description="Per-GPU, per-direction GB/s across nodes."
+    )
+    max_per_node: int | None = Field(
+        default=None, ge=1, le=MAX_RANKS, description="Most devices one node holds; None = no limit."
+    )
 
     def fields(self) -> dict[str, object]:
         """The figures that are set."""
@@ -35,16 +50,18 @@ class AcceleratorOverride(StrictModel):
 class LayoutOverride(StrictModel):
     """Plan a layout beyond what the payload runs: tensor, pipeline and expert parallelism, ZeRO-1/2."""
 
-    tensor_parallel: int = Field(default=1, ge=1, description="Tensor-parallel degree (within a node).")
-    pipeline_parallel: int = Field(default=1, ge=1, description="Pipeline stages.")
-    expert_parallel: int = Field(default=1, ge=1, description="Ranks the experts of an MoE layer are spread over.")
+    tensor_parallel: int = Field(default=1, ge=1, le=MAX_RANKS, description="Tensor-parallel degree (within a node).")
+    pipeline_parallel: int = Field(default=1, ge=1, le=MAX_RANKS, description="Pipeline stages.")
+    expert_parallel: int = Field(
+        default=1, ge=1, le=MAX_RANKS, description="Ranks the experts of an MoE layer are spread over."
+    )
     zero_stage: Literal[0, 1, 2, 3] | None = Field(
         default=None,
         description="Sharding over the data-parallel group; None = from parallel.sharding (ddp 0, fsdp 3).",
     )
     sequence_parallel: bool = Field(default=False, description="Megatron sequence parallelism (needs TP > 1).")
     pipeline_schedule: Literal["1f1b", "interleaved"] = Field(default="1f1b", description="Pipeline schedule.")
-    virtual_stages: int = Field(default=1, ge=1, description="interleaved: model chunks per pipeline stage.")
+    virtual_stages: int = Field(default=1, ge=1, le=1024, description="interleaved: model chunks per pipeline stage.")
 
 
 class CapacityConfig(StrictModel):
@@ -62,13 +79,14 @@ class CapacityConfig(StrictModel):
     framework_overhead_gib: float | None = Field(
         default=None,
         ge=0,
+        le=_MAX_FIGURE,
         description="CUDA context, NCCL and library workspaces per GPU in GiB; None = 1 on GPUs, 0 on CPU.",
     )
     mfu: float = Field(
         default=0.4, gt=0, le=1, description="Fraction of the dense peak the kernels achieve (before communication)."
     )
     achieved_tflops_per_gpu: float | None = Field(
-        default=None, gt=0, description="Measured hardware TFLOP/s per GPU; overrides mfu when set."
+        default=None, gt=0, le=_MAX_FIGURE, description="Measured hardware TFLOP/s per GPU; overrides mfu when set."
     )
     mixed_precision: Literal["autocast", "master-weights"] = Field(
         default="autocast",
@@ -78,11 +96,15 @@ class CapacityConfig(StrictModel):
         default="flash", description="flash: fused SDPA (no score matrices kept); math: scores kept (Korthikanti)."
     )
     train_tokens: int | None = Field(
-        default=None, ge=1, description="Token budget for the time estimate; None = run.steps x global batch x seq_len."
+        default=None,
+        ge=1,
+        le=10**18,
+        description="Token budget for the time estimate; None = run.steps x global batch x seq_len.",
     )
     global_batch: int | None = Field(
         default=None,
         ge=1,
+        le=MAX_BATCH * MAX_RANKS,
         description="Sequences per optimizer step to plan for; None = the spec's (micro x accum x world).",
     )
     layout: LayoutOverride | None = Field(
@@ -91,25 +113,23 @@ class CapacityConfig(StrictModel):
     accelerators: dict[str, AcceleratorOverride] = Field(
         default_factory=dict, description="Catalogue overrides by name, or whole entries for unlisted accelerators."
     )
-    calibration_url: str | None = Field(
+    calibration_url: StorageUrl | None = Field(
         default=None,
         description="JSON of measured corrections per accelerator ({name: {peak_scale: ...}}); None = off.",
     )
     comm_warn_ratio: float = Field(
-        default=1.0, gt=0, description="Warn when communication time exceeds this multiple of compute time."
+        default=1.0, gt=0, le=1e6, description="Warn when communication time exceeds this multiple of compute time."
     )
     comm_overlap: bool = Field(default=True, description="Data-parallel traffic overlaps the backward pass.")
-    search_top: int = Field(default=5, ge=1, description="Fitting layouts listed in the plan.")
-    max_micro_batch: int = Field(default=64, ge=1, description="Largest micro-batch the plan search tries.")
-    output_url: str | None = Field(default=None, description="Folder for plan.json; None = runs/<name>/.")
+    search_top: int = Field(default=5, ge=1, le=1000, description="Fitting layouts listed in the plan.")
+    max_micro_batch: int = Field(
+        default=64, ge=1, le=MAX_BATCH, description="Largest micro-batch the plan search tries."
+    )
+    output_url: StorageUrl | None = Field(default=None, description="Folder for plan.json; None = runs/<name>/.")
 
     def accelerator_overrides(self) -> dict[str, dict[str, object]]:
         """The overrides as plain dictionaries."""
         return {name: entry.fields() for name, entry in self.accelerators.items()}
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def _choices(values: list[int]) -> str:
@@ -169,15 +189,15 @@ def capacity_problems(
             (
                 (*loc, "tensor_parallel"),
                 tp,
-                f"does not divide cluster.procs_per_node={procs_per_node}; use {_choices(_divisors(procs_per_node))}",
+                f"does not divide cluster.procs_per_node={procs_per_node}; use {_choices(divisors(procs_per_node))}",
             )
         )
     for heads, name in ((model.n_heads, "n_heads"), (model.kv_heads, "kv heads (n_kv_heads)")):
         if heads % tp:
-            valid = [d for d in _divisors(heads) if procs_per_node % d == 0]
+            valid = [d for d in divisors(heads) if procs_per_node % d == 0]
             problems.append(((*loc, "tensor_parallel"), tp, f"must divide model {name}={heads}; use {_choices(valid)}"))
     if world % (tp * pp):
-        valid = [d for d in _divisors(world // tp if world % tp == 0 else world) if model.n_layers % d == 0]
+        valid = [d for d in divisors(world // tp if world % tp == 0 else world) if model.n_layers % d == 0]
         problems.append(
             (
                 (*loc, "pipeline_parallel"),
@@ -188,7 +208,7 @@ def capacity_problems(
         )
     chunks = pp * (lo.virtual_stages if lo and lo.pipeline_schedule == "interleaved" else 1)
     if model.n_layers % chunks:
-        valid = [d for d in _divisors(model.n_layers) if world % (tp * d) == 0]
+        valid = [d for d in divisors(model.n_layers) if world % (tp * d) == 0]
         problems.append(
             (
                 (*loc, "pipeline_parallel"),
@@ -207,7 +227,7 @@ def capacity_problems(
         if model.moe is None:
             problems.append(((*loc, "expert_parallel"), ep, "applies to MoE models only (model.moe is null); use 1"))
         elif dp and (dp % ep or model.moe.n_experts % ep):
-            valid = [d for d in _divisors(model.moe.n_experts) if dp % d == 0]
+            valid = [d for d in divisors(model.moe.n_experts) if dp % d == 0]
             problems.append(
                 (
                     (*loc, "expert_parallel"),

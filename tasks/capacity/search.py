@@ -14,6 +14,7 @@ from tasks.capacity.comm import CommEstimate, communication
 from tasks.capacity.compute import flops_per_token
 from tasks.capacity.memory import GIB, Layout, MemoryBreakdown, MemoryModel
 from tasks.capacity.params import Architecture
+from training.config import divisors
 
 
 @dataclass(frozen=True)
@@ -119,31 +120,27 @@ class Estimator:
         )
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def enumerate_layouts(
     arch: Architecture, world: int, gpus_per_node: int, global_batch: int, max_micro_batch: int = 64
 ) -> Iterator[Layout]:
     """Every valid layout: DP x TP x PP x EP x ZeRO x micro-batch x recompute x SP x schedule for a fixed batch."""
-    tps = [t for t in _divisors(gpus_per_node) if arch.n_heads % t == 0 and arch.kv_heads % t == 0]
+    tps = [t for t in divisors(gpus_per_node) if arch.n_heads % t == 0 and arch.kv_heads % t == 0]
     for tp in tps:
-        for pp in _divisors(arch.n_layers):
+        for pp in divisors(arch.n_layers):
             if world % (tp * pp):
                 continue
             dp = world // (tp * pp)
             if global_batch % dp:
                 continue
             per_rank = global_batch // dp
-            eps = [e for e in _divisors(dp) if arch.n_experts and arch.n_experts % e == 0] or [1]
+            eps = [e for e in divisors(dp) if arch.n_experts and arch.n_experts % e == 0] or [1]
             schedules: list[tuple[str, int]] = [("1f1b", 1)]
             schedules += [("interleaved", v) for v in (2, 4) if pp > 1 and arch.n_layers % (v * pp) == 0]
             shards = [dp]
             node_shard = gpus_per_node // tp
             if 1 < node_shard < dp and dp % node_shard == 0:
                 shards.append(node_shard)
-            for mb in _divisors(per_rank):
+            for mb in divisors(per_rank):
                 if mb > max_micro_batch:
                     break
                 accum = per_rank // mb

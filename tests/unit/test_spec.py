@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import get_args
 
 import pytest
 import yaml
+from pydantic import BaseModel, ValidationError
 from typer.testing import CliRunner
 
 from flows.cli import app
-from tasks.spec import SpecError, load_spec, parse_spec
+from tasks.errors import TransientError
+from tasks.spec import DeploymentSpec, SpecError, load_spec, parse_spec
 from tests.conftest import REPO, TINY_SPEC, deep_merge
-from training.config import TrainConfig
+from training.config import TrainConfig, divisors, format_validation_error
+from training.secrets import is_credential_name
 
 BASE = deep_merge(
     TINY_SPEC,
@@ -53,7 +58,35 @@ BAD_SPECS = [
     ({"name": "My Run"}, "name=My Run: must match the pattern ^[a-z0-9][a-z0-9-]{0,62}$"),
     (
         {"storage": {"options": {"secret": "x"}}},
-        "storage.options={...}: option 'secret' looks like a credential; secrets never sit in specs",
+        "storage.options.secret=<redacted>: looks like a credential; secrets never sit in specs: "
+        "set AWS_SECRET_ACCESS_KEY in the job's environment or a Prefect Secret block",
+    ),
+    ({"model": {"n_layers": 10**30}}, f"model.n_layers={10**30}: must be <= 1024"),
+    ({"parallel": {"micro_batch": 10**30}}, f"parallel.micro_batch={10**30}: must be <= 65536"),
+    ({"parallel": {"grad_accum_steps": 10**30}}, f"parallel.grad_accum_steps={10**30}: must be <= 65536"),
+    ({"run": {"threads_per_rank": 10**30}}, f"run.threads_per_rank={10**30}: must be <= 1024"),
+    ({"run": {"seed": 2**64}}, f"run.seed={2**64}: must be <= 4294967295"),
+    ({"optim": {"lr_peak": float("inf")}}, "optim.lr_peak=Infinity: must be a finite number (not Inf or NaN)"),
+    ({"optim": {"lr_peak": float("nan")}}, "optim.lr_peak=NaN: must be a finite number (not Inf or NaN)"),
+    ({"capacity": {"mfu": float("nan")}}, "capacity.mfu=NaN: must be a finite number"),
+    ({"checkpoint": {"url": "ftp://host/c"}}, "checkpoint.url=ftp://host/c: has the unknown scheme 'ftp'"),
+    ({"data": {"dataset_url": "/tmp/d\x00x"}}, "data.dataset_url=/tmp/d\\x00x: contains a control character"),
+    ({"run": {"output_url": "/tmp/o\nx"}}, "run.output_url=/tmp/o\\nx: contains a control character"),
+    ({"capacity": {"calibration_url": "gopher://c"}}, "capacity.calibration_url=gopher://c: has the unknown scheme"),
+    ({"capacity": {"output_url": "x\x00"}}, "capacity.output_url=x\\x00: contains a control character"),
+    ({"acceptance": {"work_url": "s3://b/acc"}}, "acceptance.work_url=s3://b/acc: must be a local folder"),
+    (
+        {"run": {"output_url": "s3://bucket/out"}},
+        "run.output_url=s3://bucket/out: cluster.scheduler=local writes the run's logs and metrics to a folder on "
+        "this machine; use a path such as runs/tiny/output",
+    ),
+    (
+        {"storage": {"s3_endpoint_url": "ftp://127.0.0.1:9000"}},
+        "storage.s3_endpoint_url=ftp://127.0.0.1:9000: must be an http:// or https:// URL",
+    ),
+    (
+        {"storage": {"s3_endpoint_url": "http://minio:hunter2@127.0.0.1:9000"}},
+        "storage.s3_endpoint_url=http://minio:<redacted>@127.0.0.1:9000: holds a password (user:password@)",
     ),
 ]
 
@@ -101,3 +134,99 @@ def test_validate_spec_cli_prints_ok_or_every_problem(tmp_path: Path) -> None:
 def test_missing_spec_file_names_the_path(tmp_path: Path) -> None:
     with pytest.raises(SpecError, match="does not exist"):
         load_spec(tmp_path / "nope.yaml")
+
+
+def test_a_secret_nested_anywhere_is_refused_by_its_full_path_without_echoing_it() -> None:
+    nested = {
+        "storage": {"options": {"client_kwargs": {"aws_secret_access_key": "hunter2-nested"}}},
+        "cluster": {"env": {"AWS_SECRET_ACCESS_KEY": "hunter2-env", "NCCL_DEBUG": "WARN"}},
+        "nodes": {"hosts": [{"name": "n1", "password": "hunter2-host"}]},
+    }
+    with pytest.raises(SpecError) as caught:
+        parse_spec(deep_merge(BASE, nested))
+    problems = caught.value.problems
+    assert (
+        "storage.options.client_kwargs.aws_secret_access_key=<redacted>: looks like a credential; secrets never sit "
+        "in specs: set AWS_SECRET_ACCESS_KEY in the job's environment or a Prefect Secret block"
+    ) in problems
+    assert any(p.startswith("cluster.env.AWS_SECRET_ACCESS_KEY=<redacted>: looks like a credential") for p in problems)
+    assert any(p.startswith("nodes.hosts.0.password=<redacted>: looks like a credential") for p in problems)
+    assert "hunter2" not in str(caught.value)
+
+
+def test_the_cluster_side_of_the_boundary_refuses_a_nested_secret_too(tmp_path: Path) -> None:
+    cfg = parse_spec(BASE).training_config().model_dump()
+    cfg["storage"]["options"] = {"client_kwargs": {"aws_session_token": "hunter2"}}
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(cfg))
+    with pytest.raises(ValidationError) as caught:
+        TrainConfig.from_json_file(path)
+    lines = format_validation_error(caught.value)
+    assert lines == [
+        "storage.options.client_kwargs.aws_session_token=<redacted>: looks like a credential; secrets never sit in "
+        "specs: set AWS_SESSION_TOKEN in the job's environment or a Prefect Secret block"
+    ]
+    assert "hunter2" not in str(caught.value)
+
+
+def _schema_field_names(model: type[BaseModel], seen: set[type] | None = None) -> set[str]:
+    seen = seen if seen is not None else set()
+    names: set[str] = set()
+    for name, info in model.model_fields.items():
+        names.add(name)
+        for kind in [info.annotation, *get_args(info.annotation)]:
+            for inner in [kind, *get_args(kind)]:
+                if isinstance(inner, type) and issubclass(inner, BaseModel) and inner not in seen:
+                    seen.add(inner)
+                    names |= _schema_field_names(inner, seen)
+    return names
+
+
+def test_no_field_of_the_spec_schema_or_the_examples_looks_like_a_credential() -> None:
+    names = _schema_field_names(DeploymentSpec)
+    assert {"tokenizer", "tokenizer_sha256", "eos_token", "ssh_key_path", "train_tokens"} <= names
+    assert sorted(n for n in names if is_credential_name(n)) == []
+    for example in sorted((REPO / "examples").glob("*.yaml")):
+        load_spec(example)
+
+
+@pytest.mark.parametrize(
+    ("content", "expected"),
+    [
+        (b"name: caf\xe9\n", "is not UTF-8 text: byte 0xe9 at offset 9 cannot be decoded; save the file as UTF-8"),
+        (
+            b"a: &a [x, x]\nb: &b [*a, *a]\nc: [*b, *b]\n",
+            "not valid YAML at line 2, column 8: found the alias *a: aliases are not allowed in a deployment spec",
+        ),
+        (b"name: a\nname: b\n", "not valid YAML at line 2, column 1: the key 'name' appears twice in one mapping"),
+        (b"name: " + b"[" * 200 + b"]" * 200 + b"\n", "nesting deeper than 32 levels"),
+        (b"name: x\n" + b"#" * (1 << 20), "is larger than 1048576 bytes; a spec is a few kB: check the path"),
+        (b"", "<spec>: the spec is empty"),
+        (b"- name: x\n", "<spec>=list: the spec must be a YAML mapping of sections"),
+    ],
+    ids=["not-utf8", "alias-bomb", "duplicate-key", "deep-nesting", "too-large", "empty", "list"],
+)
+def test_a_spec_file_that_is_no_yaml_mapping_is_refused_with_one_clear_line(
+    tmp_path: Path, content: bytes, expected: str
+) -> None:
+    path = tmp_path / "spec.yaml"
+    path.write_bytes(content)
+    with pytest.raises(SpecError) as caught:
+        load_spec(path)
+    assert len(caught.value.problems) == 1 and expected in caught.value.problems[0], caught.value.problems
+    assert "\n" not in caught.value.problems[0]
+
+
+def test_a_connection_error_while_reading_the_spec_is_transient(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refused(*args: object, **kwargs: object) -> None:
+        raise ConnectionRefusedError("connection refused")
+
+    monkeypatch.setattr("tasks.spec.fsspec.open", refused)
+    with pytest.raises(TransientError, match="reading the spec s3://bucket/spec.yaml failed"):
+        load_spec("s3://bucket/spec.yaml")
+
+
+def test_divisors_are_every_divisor_in_ascending_order() -> None:
+    for n in range(1, 400):
+        assert divisors(n) == [d for d in range(1, n + 1) if n % d == 0], n
+    assert divisors(2**40) == [2**k for k in range(41)]
