@@ -377,9 +377,16 @@ def run(spec: str = typer.Argument(..., help="Path or fsspec URL of a deployment
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
     logging.getLogger("great_expectations").setLevel(logging.WARNING)
     parsed = _load(spec)  # a bad spec fails here, before Prefect starts
-    from flows.deploy import deploy_training
+    from prefect import tags
 
-    state = deploy_training(parsed, return_state=True)
+    from flows.deploy import deploy_training
+    from tasks.launch.orphans import Supervisor, crash_orphaned_flow_runs
+
+    # An earlier `tdeploy run` killed outright could not end its flow run: say so in Prefect now.
+    for crashed in crash_orphaned_flow_runs():
+        err_console.print(crashed.describe(), markup=False, highlight=False)
+    with tags(Supervisor.current().tag()):  # how the next `tdeploy run` recognises this one if it is killed
+        state = deploy_training(parsed, return_state=True)
     if not state.is_completed():
         err_console.print(f"deploy-training {state.name}: {state.message}", markup=False)
         raise typer.Exit(1)
