@@ -112,10 +112,21 @@ def test_corrupt_checkpoint_is_detected_and_the_previous_one_used(make_spec) -> 
     assert json.loads((again.output_dir / "ranks.json").read_text())["ranks"][0]["resumed_from_step"] == 10
 
 
+def test_a_bug_on_one_rank_inside_a_save_stops_every_rank_even_when_lost_saves_are_tolerated(make_spec) -> None:
+    spec = make_spec({**STEPS_30, "checkpoint": {"save_every_steps": 10, "continue_on_save_failure": True}})
+    job = start_local(spec.cluster, spec.training_config(), {ENV_VAR: json.dumps({"save_bug_rank": 1})})
+    assert job.wait(timeout_s=120).state is JobState.FAILED
+    log = job.log_tail(400)
+    assert "TypeError: test fault: a bug inside the checkpoint save of step 10 on rank 1" in log
+    assert "checkpoint of step 10 lost" not in log and "retrying" not in log
+    assert not (Path(spec.checkpoint.url) / "step-00000010" / "COMMIT.json").exists()
+
+
 def test_only_the_last_k_checkpoints_are_kept(make_spec) -> None:
     spec = make_spec({"run": {"steps": 40}, "checkpoint": {"save_every_steps": 10, "keep_last": 2}})
     run_local(spec.cluster, spec.training_config())
-    assert sorted(p.name for p in Path(spec.checkpoint.url).iterdir()) == ["step-00000030", "step-00000040"]
+    kept = sorted(p.name for p in Path(spec.checkpoint.url).iterdir() if p.name.startswith("step-"))
+    assert kept == ["step-00000030", "step-00000040"]
 
 
 def test_two_rank_checkpoint_resumes_on_one_rank_with_model_and_optimizer_state(make_spec) -> None:
@@ -168,7 +179,7 @@ def test_checkpoints_and_dataset_on_s3(make_spec, s3_endpoint: str, s3_bucket: s
     longer = make_spec({**remote, "run": {"steps": 14}})
     job = run_local(longer.cluster, longer.training_config())
     assert json.loads((job.output_dir / "ranks.json").read_text())["ranks"][0]["resumed_from_step"] == 10
-    assert sorted(p.rsplit("/", 1)[-1] for p in fs.ls(f"{s3_bucket}/ckpt")) == [
+    assert sorted(n for p in fs.ls(f"{s3_bucket}/ckpt") if (n := p.rsplit("/", 1)[-1]).startswith("step-")) == [
         "step-00000005",
         "step-00000010",
         "step-00000014",
