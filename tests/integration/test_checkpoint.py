@@ -16,6 +16,7 @@ from tasks.launch.base import JobState
 from tasks.launch.local import LocalJob, run_local, start_local
 from tests.conftest import metrics_by_step
 from training.checkpoint import CheckpointManager
+from training.checkpoint_trust import KEY_ENV
 from training.faults import ENV_VAR
 from training.model import Transformer
 from training.storage import StorageConfig, filesystem
@@ -120,6 +121,21 @@ def test_a_bug_on_one_rank_inside_a_save_stops_every_rank_even_when_lost_saves_a
     assert "TypeError: test fault: a bug inside the checkpoint save of step 10 on rank 1" in log
     assert "checkpoint of step 10 lost" not in log and "retrying" not in log
     assert not (Path(spec.checkpoint.url) / "step-00000010" / "COMMIT.json").exists()
+
+
+def test_a_signed_two_rank_checkpoint_resumes_with_its_key_and_is_refused_without_it(make_spec) -> None:
+    key = {KEY_ENV: "a-test-key-of-32-characters-000"}
+    spec = make_spec({"run": {"steps": 10}, "checkpoint": {"save_every_steps": 10}})
+    run_local(spec.cluster, spec.training_config(), key)
+    assert "hmac_sha256" in json.loads((Path(spec.checkpoint.url) / "step-00000010" / "COMMIT.json").read_text())
+
+    longer = make_spec({"run": {"steps": 12}, "checkpoint": {"save_every_steps": 10}})
+    job = run_local(longer.cluster, longer.training_config(), key)
+    assert json.loads((job.output_dir / "ranks.json").read_text())["ranks"][0]["resumed_from_step"] == 10
+
+    unkeyed = start_local(longer.cluster, longer.training_config())
+    assert unkeyed.wait(timeout_s=120).state is JobState.FAILED
+    assert f"is signed (hmac_sha256) but {KEY_ENV} is not set" in unkeyed.log_tail(400)
 
 
 def test_only_the_last_k_checkpoints_are_kept(make_spec) -> None:
