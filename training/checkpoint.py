@@ -123,24 +123,14 @@ class CheckpointFormatError(ValueError):
     """A checkpoint file is not what this module writes (train_state.json, an RNG file, COMMIT.json)."""
 
     def __init__(self, path: str, problem: str) -> None:
-        super().__init__(f"{path} {problem}; the checkpoint was not written by this trainer or was altered: "
-                         "inspect it, and move the step folder away to resume from an older one")  # fmt: skip
+        super().__init__(
+            f"{path} {problem}; the checkpoint was not written by this trainer or was altered: "
+            "inspect it, and move the step folder away to resume from an older one"
+        )
         self.path, self.problem = path, problem
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (self.path, self.problem))
-
-
-__all__ = [
-    "CheckpointAbortedError",
-    "CheckpointFormatError",
-    "CheckpointKeyError",
-    "CheckpointManager",
-    "CheckpointSaveError",
-    "Restored",
-    "UnsafeCheckpointError",
-    "is_storage_error",
-]
 
 
 @dataclass
