@@ -1,45 +1,105 @@
-"""Scheduler settings of the `cluster` section: Slurm and Kubernetes."""
+"""Scheduler settings of the `cluster` section: Slurm and Kubernetes.
+
+Every string here ends up in a shell script (job.sbatch) or a manifest, and the spec may come from
+people who are not the operator (the Prefect UI). So each field is checked against a full-string
+pattern here, and the launchers quote what they write as well.
+"""
 
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field, field_validator
+from pydantic import AfterValidator, Field, field_validator
 
 from training.config import StrictModel
 
 SLURM_TIME = re.compile(
-    r"^(\d+|\d+:\d{1,2}|\d+:\d{1,2}:\d{1,2}|\d+-\d{1,2}|\d+-\d{1,2}:\d{1,2}|\d+-\d{1,2}:\d{1,2}:\d{1,2})$"
+    r"\d+|\d+:\d{1,2}|\d+:\d{1,2}:\d{1,2}|\d+-\d{1,2}|\d+-\d{1,2}:\d{1,2}|\d+-\d{1,2}:\d{1,2}:\d{1,2}"
 )
+_SLURM_NAME = re.compile(r"[A-Za-z0-9_.+-]+")
+_SLURM_NAMES = re.compile(r"[A-Za-z0-9_.+-]+(,[A-Za-z0-9_.+-]+)*")
+# A long or short option; its value printable ASCII without spaces, quotes, backslash or # (sbatch syntax).
+_SBATCH_OPTION = re.compile(r"--?[A-Za-z][A-Za-z0-9-]*(=[!$-&(-\[\]-~]+)?")
+_PROGRAM = re.compile(r"[A-Za-z0-9_./+@-]+")
+_MOUNT_PATH = r"/[A-Za-z0-9_./+@=-]*"
+_MOUNT = re.compile(rf"{_MOUNT_PATH}:{_MOUNT_PATH}(:[A-Za-z+]+)?")
+_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
+_DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?")
+_RESOURCE_NAME = re.compile(r"([a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?")
+
+
+def _matching(pattern: re.Pattern[str], what: str) -> AfterValidator:
+    """A validator that refuses any value `pattern` does not match in full (a trailing newline included)."""
+
+    def check(value: str) -> str:
+        if not pattern.fullmatch(value):
+            raise ValueError(f"{value!r} is not {what}")
+        return value
+
+    return AfterValidator(check)
+
+
+SlurmName = Annotated[str, _matching(_SLURM_NAME, "a Slurm name; use letters, digits and _ . + - (e.g. gpu)")]
+SlurmNames = Annotated[
+    str, _matching(_SLURM_NAMES, "a Slurm name or comma-separated names; use letters, digits and _ . + - (gpu,cpu)")
+]
+SbatchOption = Annotated[
+    str,
+    _matching(
+        _SBATCH_OPTION,
+        "an sbatch option; write --option or --option=value, the value without spaces, quotes, \\, # or "
+        "control characters (e.g. --exclusive, --constraint=a100&ib)",
+    ),
+]
+ProgramPath = Annotated[
+    str,
+    _matching(_PROGRAM, "a plain program path; use letters, digits and _ . / + @ - only (e.g. /opt/venv/bin/python)"),
+]
+ContainerMount = Annotated[
+    str,
+    _matching(
+        _MOUNT,
+        "a SRC:DST[:FLAGS] mount of absolute paths; paths of letters, digits and _ . / + @ = - "
+        "(no spaces, commas or colons), flags of letters and + (e.g. /data:/data:ro)",
+    ),
+]
 
 
 class SlurmConfig(StrictModel):
     """sbatch settings; resources per node come from the cluster section."""
 
-    partition: str | None = Field(default=None, description="Partition; None = the cluster's default.")
-    account: str | None = Field(default=None, description="Account to charge.")
-    qos: str | None = Field(default=None, description="Quality of service (priority class).")
-    nice: int | None = Field(default=None, ge=0, description="Lower the job's priority by this much; None = off.")
+    partition: SlurmNames | None = Field(default=None, description="Partition(s); None = the cluster's default.")
+    account: SlurmName | None = Field(default=None, description="Account to charge.")
+    qos: SlurmName | None = Field(default=None, description="Quality of service (priority class).")
+    nice: int | None = Field(
+        default=None, ge=0, le=2_147_483_645, description="Lower the job's priority by this much; None = off."
+    )
     time_limit: str = Field(default="01:00:00", description="Wall-clock limit: MM, MM:SS, HH:MM:SS or D-HH:MM:SS.")
-    cpus_per_node: int | None = Field(default=None, ge=1, description="CPUs of the one task per node; None = default.")
-    mem_per_node_mb: int | None = Field(default=None, ge=1, description="Memory per node in MB; None = default.")
+    cpus_per_node: int | None = Field(
+        default=None, ge=1, le=65_536, description="CPUs of the one task per node; None = default."
+    )
+    mem_per_node_mb: int | None = Field(
+        default=None, ge=1, le=1_000_000_000, description="Memory per node in MB (up to 1 PB); None = default."
+    )
     container: Literal["pyxis", "apptainer"] | None = Field(
         default=None, description="Run the image from the image-build step through pyxis or apptainer; None = bare."
     )
-    container_mounts: list[str] = Field(
+    container_mounts: list[ContainerMount] = Field(
         default_factory=list, description="Extra SRC:DST mounts into the container (the output folder is mounted)."
     )
-    python: str | None = Field(
+    python: ProgramPath | None = Field(
         default=None, description="Python on the nodes (bare metal); None = this interpreter (a shared venv)."
     )
     rdzv_port: int = Field(default=29500, ge=1, le=65535, description="c10d rendezvous port on the first node.")
-    extra_args: list[str] = Field(default_factory=list, description="More `#SBATCH` options, e.g. --exclusive.")
+    extra_args: list[SbatchOption] = Field(
+        default_factory=list, description="More `#SBATCH` options, e.g. --exclusive."
+    )
 
     @field_validator("time_limit")
     @classmethod
     def _slurm_time(cls, value: str) -> str:
-        if not SLURM_TIME.match(value):
+        if not SLURM_TIME.fullmatch(value):
             raise ValueError(
                 f"{value!r} is not a Slurm time; use MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS (e.g. 02:00:00)"
             )
@@ -49,9 +109,23 @@ class SlurmConfig(StrictModel):
 class KubernetesConfig(StrictModel):
     """Kubeflow PyTorchJob settings."""
 
-    namespace: str = Field(default="default", min_length=1, description="Namespace of the job.")
-    cpu_per_node: float | None = Field(default=None, gt=0, description="CPU request and limit per pod.")
-    memory_per_node_gb: float | None = Field(default=None, gt=0, description="Memory request and limit per pod.")
+    namespace: Annotated[
+        str, _matching(_DNS_LABEL, "a Kubernetes namespace; use up to 63 lowercase letters, digits and - (e.g. train)")
+    ] = Field(default="default", description="Namespace of the job.")
+    cpu_per_node: float | None = Field(
+        default=None, gt=0, le=65_536, allow_inf_nan=False, description="CPU request and limit per pod."
+    )
+    memory_per_node_gb: float | None = Field(
+        default=None, gt=0, le=1_000_000, allow_inf_nan=False, description="Memory request and limit per pod, in GB."
+    )
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(default="IfNotPresent")
-    service_account: str | None = Field(default=None, description="Service account of the pods.")
-    gpu_resource: str = Field(default="nvidia.com/gpu", description="Extended resource name of the GPUs.")
+    service_account: (
+        Annotated[
+            str,
+            _matching(_DNS_SUBDOMAIN, "a service account name; use lowercase letters, digits, - and . (e.g. trainer)"),
+        ]
+        | None
+    ) = Field(default=None, description="Service account of the pods.")
+    gpu_resource: Annotated[
+        str, _matching(_RESOURCE_NAME, "a Kubernetes resource name such as nvidia.com/gpu or amd.com/gpu")
+    ] = Field(default="nvidia.com/gpu", description="Extended resource name of the GPUs.")

@@ -50,7 +50,8 @@ def render_manifests(cluster: ClusterConfig, train: TrainConfig, name: str, imag
             "--config",
             f"{CONFIG_DIR}/run.json",
         ],  # fmt: skip
-        "env": [{"name": k, "value": v} for k, v in sorted({**WORKER_ENV, **cluster.env}.items())],
+        # Kubernetes expands $(NAME) in env values; $$ keeps a literal $.
+        "env": [{"name": k, "value": v.replace("$", "$$")} for k, v in sorted({**WORKER_ENV, **cluster.env}.items())],
         "volumeMounts": [{"name": "tdeploy-config", "mountPath": CONFIG_DIR, "readOnly": True}],
     }
     if resources:

@@ -16,10 +16,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tasks.cluster import ClusterConfig
+from tasks.cluster import ENV_NAME, ClusterConfig
 from tasks.errors import TransientError, UserError
 from tasks.launch.base import JobHandle, JobState, JobStatus, parse_root_cause, read_log, record_job
-from tasks.launch.torchrun import WORKER_ENV, torchrun_args
+from tasks.launch.torchrun import LOG_ARGS, WORKER_ENV, agent_args, payload_args
 from training.config import TrainConfig
 from training.storage import is_local, local_path
 
@@ -38,6 +38,9 @@ HOPELESS_REASONS = {
     "PartitionConfig", "PartitionNodeLimit", "PartitionTimeLimit", "BadConstraints", "AccountNotAllowed",
     "QOSMaxNodePerJobLimit", "QOSMaxWallDurationPerJobLimit", "InvalidAccount", "InvalidQOS", "JobHeldAdmin",
 }  # fmt: skip
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+# Run by `sh -c` in every task: $1 is the logs folder; the rest is the torchrun command.
+PER_NODE_LOG_DIR = 'PET_LOG_DIR="$1/$SLURMD_NODENAME"; export PET_LOG_DIR; shift; exec "$@"'
 _TRANSIENT = re.compile(
     r"Socket timed out|Unable to contact slurm controller|Connection refused|Zero Bytes were transmitted|"
     r"Slurm temporarily unable|Resource temporarily unavailable|Communication connection failure",
@@ -96,14 +99,14 @@ class SlurmLauncher:
     # ---- script -------------------------------------------------------------------------
 
     def render(self, cluster: ClusterConfig, config_path: str, name: str, output_dir: str, image: str | None) -> str:
-        """The sbatch script."""
+        """The sbatch script: every value from the spec is quoted for sbatch (directives) or the shell (commands)."""
         slurm = cluster.slurm
         directives = [
             f"--job-name={name}",
             f"--nodes={cluster.nodes}",
             "--ntasks-per-node=1",
             f"--time={slurm.time_limit}",
-            f"--output={output_dir}/slurm-%j.out",
+            f"--output={_slurm_filename(output_dir)}/slurm-%j.out",
             "--open-mode=append",
         ]
         if cluster.accelerator != "cpu":
@@ -119,29 +122,38 @@ class SlurmLauncher:
         directives += [f"{flag}={value}" for flag, value in optional.items() if value is not None]
         directives += slurm.extra_args
         env = {**WORKER_ENV, **cluster.env}
-        args = torchrun_args(
-            cluster,
-            f"$head_node:{slurm.rdzv_port}",
-            "$SLURM_JOB_ID",
-            config_path,
-            f"{output_dir}/logs/$SLURMD_NODENAME",
-        )
+        bad_names = [key for key in env if not ENV_NAME.fullmatch(key)]
+        if bad_names:  # names cannot be quoted: `export` takes them as shell words
+            raise UserError(f"cluster.env: {bad_names} are not variable names", "use letters, digits and _")
+        if image and slurm.container and re.search(r"[,:]", output_dir):
+            raise UserError(
+                f"run.output_url={output_dir}: a folder mounted into the container cannot hold ',' or ':'",
+                "use a folder without them",
+            )
         mounts = ",".join([f"{output_dir}:{output_dir}", *slurm.container_mounts])
         if image and slurm.container == "pyxis":
-            launch = [f"--container-image={image}", f"--container-mounts={mounts}", "python"]
+            srun_options, launch = [f"--container-image={image}", f"--container-mounts={mounts}"], ["python"]
         elif image and slurm.container == "apptainer":
-            binds = " ".join(f"--bind {shlex.quote(m)}" for m in mounts.split(","))
-            launch = ["apptainer", "exec", "--nv", *binds.split(), image, "python"]
+            binds = [part for mount in mounts.split(",") for part in ("--bind", mount)]
+            srun_options, launch = [], ["apptainer", "exec", "--nv", *binds, image, "python"]
         else:
-            launch = [slurm.python or sys.executable]
-        # $head_node, $SLURM_JOB_ID and $SLURMD_NODENAME must expand in the job, so they stay unquoted.
-        agent = " ".join([*launch, "-m", "torch.distributed.run", *(_quote_keep_vars(a) for a in args)])
-        lines = ["#!/bin/bash", *(f"#SBATCH {d}" for d in directives), "set -euo pipefail"]
+            srun_options, launch = [], [slurm.python or sys.executable]
+        # $head_node and $SLURM_JOB_ID are the same for every node: the batch shell expands them. Each task
+        # sets its own log folder (torchrun reads --log-dir from PET_LOG_DIR), as only there $SLURMD_NODENAME
+        # names the node the task runs on. Everything else is data and quoted.
+        agent = [
+            _shell(["srun", "--ntasks-per-node=1", "--kill-on-bad-exit=1", *srun_options]),
+            _shell(["sh", "-c", PER_NODE_LOG_DIR, "tdeploy-task", f"{output_dir}/logs"]),
+            _shell([*launch, "-m", "torch.distributed.run", *agent_args(cluster)]),
+            f'"--rdzv-endpoint=$head_node:{slurm.rdzv_port:d}" "--rdzv-id=$SLURM_JOB_ID"',
+            _shell([*LOG_ARGS, *payload_args(config_path)]),
+        ]
+        lines = ["#!/bin/bash", *(f"#SBATCH {_sbatch_quote(d)}" for d in directives), "set -euo pipefail"]
         lines += [f"export {key}={shlex.quote(value)}" for key, value in sorted(env.items())]
         lines += [
             'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
             'echo "tdeploy: job $SLURM_JOB_ID on $SLURM_JOB_NODELIST, rendezvous $head_node"',
-            f"srun --ntasks-per-node=1 --kill-on-bad-exit=1 {agent}",
+            " ".join(agent),
         ]
         return "\n".join(lines) + "\n"
 
@@ -237,6 +249,26 @@ class SlurmLauncher:
         return status.state is JobState.PENDING and status.reason in HOPELESS_REASONS
 
 
-def _quote_keep_vars(arg: str) -> str:
-    """Shell-quote an argument but leave $VARS in it to expand."""
-    return arg if re.fullmatch(r"[\w./:=$-]+", arg) else shlex.quote(arg)
+def _shell(words: list[str]) -> str:
+    """Words as shell text that gives exactly these words back (shlex quoting; a NUL cannot be written)."""
+    if any("\0" in word for word in words):
+        raise UserError(f"{[w for w in words if chr(0) in w]} hold a NUL character, which no script can", "remove it")
+    return shlex.join(words)
+
+
+def _slurm_filename(path: str) -> str:
+    """`path` as a literal part of a Slurm filename pattern: % doubled; a backslash cannot be written."""
+    if "\\" in path:
+        # Slurm drops a backslash from --output and stops expanding %j after it
+        raise UserError(f"run.output_url={path}: Slurm cannot write its log under a path with a backslash", "rename it")
+    return path.replace("%", "%%")
+
+
+def _sbatch_quote(directive: str) -> str:
+    """One `#SBATCH` argument as sbatch reads it: quoted and backslash-escaped unless plain."""
+    if _CONTROL.search(directive):
+        # a newline would end the directive and start a line of shell code
+        raise UserError(f"#SBATCH {directive!r} has a control character", "remove it from the spec")
+    if re.fullmatch(r"[\w./:=%@+,&\[\]-]+", directive):
+        return directive
+    return '"' + directive.replace("\\", "\\\\").replace('"', '\\"') + '"'

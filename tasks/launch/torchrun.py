@@ -18,21 +18,33 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+# Every rank's stdout and stderr go to files under the log folder, and to the agent's output too.
+LOG_ARGS = ["--redirects=3", "--tee=3"]
+
+
+def agent_args(cluster: ClusterConfig) -> list[str]:
+    """The size and restart arguments of one torchrun agent (not the rendezvous endpoint and id)."""
+    return [
+        f"--nnodes={cluster.nodes}",
+        f"--nproc-per-node={cluster.procs_per_node}",
+        "--rdzv-backend=c10d",
+        f"--max-restarts={cluster.max_restarts}",
+    ]
+
+
+def payload_args(config_path: str) -> list[str]:
+    """What torchrun starts on every rank: the training module and its config."""
+    return ["-m", "training.train", "--config", config_path]
+
+
 def torchrun_args(
     cluster: ClusterConfig, endpoint: str, run_id: str, config_path: str, log_dir: str | None = None
 ) -> list[str]:
     """Arguments after `python -m torch.distributed.run` for one agent."""
-    args = [
-        f"--nnodes={cluster.nodes}",
-        f"--nproc-per-node={cluster.procs_per_node}",
-        "--rdzv-backend=c10d",
-        f"--rdzv-endpoint={endpoint}",
-        f"--rdzv-id={run_id}",
-        f"--max-restarts={cluster.max_restarts}",
-    ]
+    args = [*agent_args(cluster), f"--rdzv-endpoint={endpoint}", f"--rdzv-id={run_id}"]
     if log_dir:
-        args += [f"--log-dir={log_dir}", "--redirects=3", "--tee=3"]
-    return args + ["-m", "training.train", "--config", config_path]
+        args += [f"--log-dir={log_dir}", *LOG_ARGS]
+    return args + payload_args(config_path)
 
 
 def worker_env(extra: dict[str, str] | None = None) -> dict[str, str]:

@@ -35,6 +35,33 @@ def test_training_job_runs_two_ranks_to_completion_through_sbatch(slurm_cluster,
     assert ranks["world_size"] == 2
     assert (Path(spec.checkpoint.url) / "step-00000010" / "COMMIT.json").exists()
     assert any("tdeploy: job" in line for line in launcher.logs(handle)[0])
+    node_logs = sorted(Path(spec.run.output_url, "logs").glob("*/*/attempt_0/*/stderr.log"))
+    assert {p.relative_to(spec.run.output_url).parts[1] for p in node_logs} == {"localhost"}, "named after the node"
+    assert len(node_logs) == 2, "one log per rank"
+
+
+def test_shell_syntax_in_the_output_path_env_and_sbatch_options_is_taken_literally(
+    slurm_cluster, make_spec, tmp_path: Path
+) -> None:
+    marker = tmp_path / "pwned"
+    odd = tmp_path / f'out $(touch {marker}) `touch {marker}` it\'s #1 100% "q"'
+    spec = make_spec(
+        {
+            "cluster": {
+                "scheduler": "slurm",
+                "env": {"JOB_NOTE": f"'; touch {marker}; ' $(touch {marker})"},
+                "slurm": {"extra_args": [f"--comment=x;touch&{marker}|y"]},
+            },
+            "run": {"output_url": str(odd), "steps": 2},
+        }
+    )
+    launcher = SlurmLauncher(slurm_cluster)
+    handle = launcher.submit(spec.cluster, spec.training_config(), "tdeploy-odd")
+    status = wait_for(launcher, handle, timeout_s=300)
+    assert status.state is JobState.SUCCEEDED, "\n".join(launcher.logs(handle)[0][-40:])
+    assert Path(handle.log_path).parent == odd, "sbatch read the quoted --output directive whole"
+    assert json.loads((odd / "ranks.json").read_text())["world_size"] == 2
+    assert not marker.exists(), "a spec value ran as shell code"
 
 
 def test_scancel_cancels_a_running_job(slurm_cluster, make_spec) -> None:

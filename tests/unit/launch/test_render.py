@@ -162,3 +162,31 @@ def test_more_gpus_per_node_than_the_accelerator_has_is_refused(make_spec) -> No
         "cluster.procs_per_node=16: a h100-sxm node holds at most 8 devices; use procs_per_node <= 8 and more nodes"
         in caught.value.problems[0]
     )
+
+
+def test_pytorchjob_env_values_are_literal_and_the_command_is_a_list_of_words(make_spec) -> None:
+    spec = make_spec({"cluster": {"scheduler": "kubernetes", "env": {"NOTE": "$(HOME) and $$ and `id`"}}})
+    _, job = render_manifests(spec.cluster, spec.training_config(), "tiny", "img:1")
+    validate_pytorchjob(job)
+    container = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]
+    assert {"name": "NOTE", "value": "$$(HOME) and $$$$ and `id`"} in container["env"], "kubelet turns $$ into $"
+    assert all(isinstance(word, str) for word in container["command"]) and "args" not in container
+
+
+BAD_KUBERNETES = [
+    ({"namespace": "Train;x"}, "cluster.kubernetes.namespace=Train;x: 'Train;x' is not a Kubernetes namespace"),
+    ({"namespace": "train\n"}, "is not a Kubernetes namespace"),
+    ({"service_account": "a b"}, "cluster.kubernetes.service_account=a b: 'a b' is not a service account name"),
+    ({"gpu_resource": "nvidia.com/gpu\n"}, "is not a Kubernetes resource name such as nvidia.com/gpu"),
+    ({"cpu_per_node": float("inf")}, "cluster.kubernetes.cpu_per_node=Infinity: must be a finite number"),
+    ({"cpu_per_node": 1e30}, "cluster.kubernetes.cpu_per_node=1e+30: must be <= 65536"),
+    ({"memory_per_node_gb": float("nan")}, "cluster.kubernetes.memory_per_node_gb=NaN: must be a finite number"),
+    ({"memory_per_node_gb": 1e30}, "cluster.kubernetes.memory_per_node_gb=1e+30: must be <= 1000000"),
+]
+
+
+@pytest.mark.parametrize(("kubernetes", "expected"), BAD_KUBERNETES, ids=[e for _, e in BAD_KUBERNETES])
+def test_bad_kubernetes_settings_are_refused_by_the_spec(make_spec, kubernetes, expected) -> None:
+    with pytest.raises(SpecError) as caught:
+        make_spec({"cluster": {"scheduler": "kubernetes", "kubernetes": kubernetes}})
+    assert any(expected in problem for problem in caught.value.problems), caught.value.problems
