@@ -10,7 +10,14 @@ from pydantic import Field, field_validator
 
 from training.config import StrictModel
 
-_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+# An image reference: [host[:port]/]path[:tag][@sha256:digest], as registries and `FROM` accept it.
+_COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
+IMAGE_REF = re.compile(
+    rf"(?:[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?(?::[0-9]{{1,5}})?/)?{_COMPONENT}(?:/{_COMPONENT})*"
+    r"(?::[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?(?:@sha256:[0-9a-f]{64})?"
+)
 _SECRET_WORDS = ("secret", "password", "passwd", "token", "credential", "access_key", "private_key")
 # Set by the Containerfile itself; a spec value would silently lose or break the build.
 _RESERVED_ENV = ("PATH", "HOME", "PYTHONPATH")
@@ -24,7 +31,6 @@ class ImageConfig(StrictModel):
     base_image: str = Field(
         default="docker.io/pytorch/pytorch:2.7.1-cuda12.6-cudnn9-runtime",
         min_length=1,
-        pattern=r"^[^\s]+$",
         description="Base image with Python 3, pip and PyTorch (torchrun), e.g. nvcr.io/nvidia/pytorch:25.01-py3. "
         "Pin it by digest (name@sha256:...) for builds that stay identical when the tag moves upstream.",
     )
@@ -81,7 +87,26 @@ class ImageConfig(StrictModel):
         description="buildah/podman: a private container store (vfs driver; storage/ and run/ inside); "
         "None = the builder's default store.",
     )
-    build_timeout_s: float = Field(default=3600.0, gt=0, description="Longest a build, pull or push may take.")
+    build_timeout_s: float = Field(
+        default=3600.0, gt=0, le=7 * 86400, allow_inf_nan=False, description="Longest a build, pull or push may take."
+    )
+
+    @field_validator("base_image")
+    @classmethod
+    def _image_reference(cls, value: str) -> str:
+        if not IMAGE_REF.fullmatch(value):
+            raise ValueError(
+                f"{value!r} is not an image reference; write [registry[:port]/]name[:tag][@sha256:digest], "
+                "e.g. nvcr.io/nvidia/pytorch:25.01-py3"
+            )
+        return value
+
+    @field_validator("storage_dir")
+    @classmethod
+    def _one_line(cls, value: str | None) -> str | None:
+        if value is not None and _CONTROL.search(value):
+            raise ValueError(f"{value!r} contains a control character (newline, tab, NUL...); remove it")
+        return value
 
     @field_validator("extra_requirements")
     @classmethod
@@ -96,7 +121,7 @@ class ImageConfig(StrictModel):
     @classmethod
     def _env_names(cls, value: dict[str, str]) -> dict[str, str]:
         for name, text in value.items():
-            if not _ENV_NAME.match(name):
+            if not _ENV_NAME.fullmatch(name):
                 raise ValueError(f"{name!r} is not a valid variable name; use letters, digits and _ (NCCL_DEBUG)")
             if name in _RESERVED_ENV:
                 raise ValueError(f"{name!r} is set by the image itself; remove it")
@@ -105,8 +130,8 @@ class ImageConfig(StrictModel):
                     f"{name!r} looks like a credential; secrets never sit in specs or images: "
                     "pass it at run time from the scheduler's secret store"
                 )
-            if "\n" in text:
-                raise ValueError(f"{name}: the value must be one line")
+            if _CONTROL.search(text):
+                raise ValueError(f"{name}: the value must be one line without control characters (newline, NUL...)")
         return value
 
 

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
+import shlex
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from tasks.image.config import IMAGE_SHAPING_FIELDS, ImageConfig
+from tasks.image.config import IMAGE_REF, IMAGE_SHAPING_FIELDS, ImageConfig
+from tasks.errors import UserError
 from tasks.image.payload import PayloadWheel
 
 LABEL_PREFIX = "io.transformer-deploy"
@@ -25,10 +28,13 @@ WORKDIR = "/workspace"
 # Default command: one process on one node; job submission replaces it with the cluster's torchrun arguments.
 DEFAULT_CMD = ["--standalone", "--nproc-per-node=1", "-m", "training.train", "--config", f"{WORKDIR}/run.json"]
 # pip must leave nothing behind that depends on when it ran: no caches, no bytecode (its header stores mtimes).
-_PIP = (
-    "PYTHONDONTWRITEBYTECODE=1 PIP_BREAK_SYSTEM_PACKAGES=1 PIP_ROOT_USER_ACTION=ignore "
-    "python3 -m pip install --no-cache-dir --no-compile --disable-pip-version-check"
-)
+# Exec form (a JSON array, through env(1)): no shell reads these words.
+_PIP = [
+    "env", "PYTHONDONTWRITEBYTECODE=1", "PIP_BREAK_SYSTEM_PACKAGES=1", "PIP_ROOT_USER_ACTION=ignore",
+    "python3", "-m", "pip", "install", "--no-cache-dir", "--no-compile", "--disable-pip-version-check",
+]  # fmt: skip
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 @dataclass(frozen=True)
@@ -67,6 +73,8 @@ class BuildInputs:
 
 def _quote(value: str) -> str:
     """A Containerfile double-quoted string; `$` is escaped so values are taken literally."""
+    if _CONTROL.search(value):  # a newline would end the instruction and start another
+        raise UserError(f"{value!r} has a control character and cannot go into the Containerfile", "remove it")
     return '"' + value.replace("\\", "\\\\").replace('"', '\\"').replace("$", "\\$") + '"'
 
 
@@ -88,6 +96,11 @@ def render(cfg: ImageConfig, wheel: PayloadWheel, requirements: list[str], revis
     """The Containerfile for `cfg`, with the payload wheel and pinned requirements it installs."""
     labels = image_labels(cfg, wheel, revision)
     env = {"PYTHONUNBUFFERED": "1", **dict(sorted(cfg.env.items()))}
+    bad = [name for name in env if not _ENV_NAME.fullmatch(name)]
+    if not IMAGE_REF.fullmatch(cfg.base_image) or bad or not re.fullmatch(r"[a-z_][a-z0-9_-]{0,31}", cfg.user):
+        # These are words of the Containerfile that no quoting covers; the spec refuses them first.
+        raise UserError(f"image: base_image, user or env names {bad} cannot be written safely", "fix the spec")
+    user, uid, home = cfg.user, int(cfg.uid), f"/home/{cfg.user}"
     lines = [
         "# Rendered by transformer-deploy from the spec's image section; edit the spec, not this file.",
         f"FROM {cfg.base_image}",
@@ -97,19 +110,19 @@ def render(cfg: ImageConfig, wheel: PayloadWheel, requirements: list[str], revis
         f"CMD {json.dumps(DEFAULT_CMD)}",
         "# Non-root user, written directly so that the layer does not depend on the build date or the base's tools.",
         "RUN set -eu; "
-        f"grep -q '^[^:]*:[^:]*:{cfg.uid}:' /etc/passwd "
-        f"|| echo '{cfg.user}:x:{cfg.uid}:{cfg.uid}::/home/{cfg.user}:/bin/sh' >> /etc/passwd; "
-        f"grep -q '^[^:]*:[^:]*:{cfg.uid}:' /etc/group || echo '{cfg.user}:x:{cfg.uid}:' >> /etc/group; "
-        f"mkdir -p /home/{cfg.user} {WORKDIR}; chown {cfg.uid}:{cfg.uid} /home/{cfg.user} {WORKDIR}",
+        f"grep -q '^[^:]*:[^:]*:{uid}:' /etc/passwd "
+        f"|| echo {shlex.quote(f'{user}:x:{uid}:{uid}::{home}:/bin/sh')} >> /etc/passwd; "
+        f"grep -q '^[^:]*:[^:]*:{uid}:' /etc/group || echo {shlex.quote(f'{user}:x:{uid}:')} >> /etc/group; "
+        f"mkdir -p {shlex.quote(home)} {WORKDIR}; chown {uid}:{uid} {shlex.quote(home)} {WORKDIR}",
     ]
     if requirements:
         lines += [
             f"COPY {REQUIREMENTS} {INSTALL_DIR}/{REQUIREMENTS}",
-            f"RUN {_PIP} --requirement {INSTALL_DIR}/{REQUIREMENTS}",
+            "RUN " + json.dumps([*_PIP, "--requirement", f"{INSTALL_DIR}/{REQUIREMENTS}"]),
         ]
     lines += [
         f"COPY {PAYLOAD_DIR}/{wheel.filename} {INSTALL_DIR}/{PAYLOAD_DIR}/{wheel.filename}",
-        f"RUN {_PIP} --no-deps --no-index {INSTALL_DIR}/{PAYLOAD_DIR}/{wheel.filename}",
+        "RUN " + json.dumps([*_PIP, "--no-deps", "--no-index", f"{INSTALL_DIR}/{PAYLOAD_DIR}/{wheel.filename}"]),
         "LABEL " + " \\\n      ".join(f"{key}={_quote(value)}" for key, value in labels.items()),
         f"USER {cfg.uid}:{cfg.uid}",
         "",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import email.parser
 import importlib.metadata
+import json
 import re
 import subprocess
 import sys
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from tasks.errors import UserError
 from tasks.image.build import image_requirements, prepare_inputs
 from tasks.image.config import ImageConfig
 from tasks.image.payload import (
@@ -44,7 +46,17 @@ BAD_IMAGES = [
     ({"env": {"HF_TOKEN": "x"}}, "image.env={...}: 'HF_TOKEN' looks like a credential; secrets never sit in specs"),
     ({"env": {"NCCL-DEBUG": "x"}}, "image.env={...}: 'NCCL-DEBUG' is not a valid variable name"),
     ({"env": {"PATH": "/x"}}, "image.env={...}: 'PATH' is set by the image itself; remove it"),
-    ({"base_image": "pytorch/pytorch: 2"}, "image.base_image=pytorch/pytorch: 2: must match the pattern"),
+    ({"base_image": "pytorch/pytorch: 2"}, "image.base_image=pytorch/pytorch: 2: 'pytorch/pytorch: 2' is not an image"),
+    ({"base_image": "alpine\nRUN id"}, "image.base_image="),
+    (
+        {"base_image": "alpine AS build"},
+        "image.base_image=alpine AS build: 'alpine AS build' is not an image reference",
+    ),
+    ({"env": {"A\n": "x"}}, "image.env={...}: 'A\\n' is not a valid variable name"),
+    ({"env": {"NOTE": "a\rRUN id"}}, "image.env={...}: NOTE: the value must be one line without control characters"),
+    ({"storage_dir": "/var/store\n"}, "image.storage_dir="),
+    ({"build_timeout_s": float("inf")}, "image.build_timeout_s=Infinity: must be a finite number"),
+    ({"build_timeout_s": 1e30}, "image.build_timeout_s=1e+30: must be <= 604800"),
     ({"build_timeout_s": 0}, "image.build_timeout_s=0: must be > 0"),
     ({"pull": "never"}, "image.pull=never: is not a known field; remove it"),
 ]
@@ -159,7 +171,7 @@ def test_containerfile_pins_everything_and_tag_follows_content_only(payload_copy
     text = inputs.containerfile
     assert text.splitlines()[1] == "FROM nvcr.io/nvidia/pytorch:25.01-py3"
     assert 'NCCL_DEBUG="WARN"' in text and r'NOTE="a \"\$b\" \\ c"' in text
-    assert f"--no-deps --no-index /opt/transformer-deploy/payload/{inputs.wheel.filename}" in text
+    assert f'"--no-deps", "--no-index", "/opt/transformer-deploy/payload/{inputs.wheel.filename}"]' in text
     assert text.rstrip().endswith("USER 1000:1000") and 'ENTRYPOINT ["torchrun"]' in text
     assert 'org.opencontainers.image.base.name="nvcr.io/nvidia/pytorch:25.01-py3"' in text
     assert f'io.transformer-deploy.payload-sha256="{inputs.wheel.sha256}"' in text
@@ -179,3 +191,25 @@ def test_source_revision_names_the_last_commit_of_training_or_unknown(tmp_path: 
     revision = source_revision(payload_source())
     assert re.fullmatch(r"[0-9a-f]{40}(-dirty)?", revision), revision
     assert source_revision(tmp_path) == "unknown"
+
+
+def test_pip_steps_are_exec_form_and_no_spec_value_reaches_a_shell_unquoted(payload_copy: Path) -> None:
+    inputs = prepare_inputs(ImageConfig(extra_requirements=["nvidia-ml-py==12.560.30"]), source=payload_copy)
+    runs = [line.removeprefix("RUN ") for line in inputs.containerfile.splitlines() if line.startswith("RUN ")]
+    exec_form = [json.loads(run) for run in runs if run.startswith("[")]
+    assert len(exec_form) == 2 and all(words[:2] == ["env", "PYTHONDONTWRITEBYTECODE=1"] for words in exec_form)
+    assert exec_form[1][-1] == f"/opt/transformer-deploy/payload/{inputs.wheel.filename}"
+    shell_form = [run for run in runs if not run.startswith("[")]
+    assert len(shell_form) == 1 and "echo trainer:x:1000:1000::/home/trainer:/bin/sh >> /etc/passwd" in shell_form[0]
+
+
+def test_values_that_bypassed_the_spec_cannot_add_containerfile_instructions(payload_copy: Path) -> None:
+    cfg = ImageConfig()
+    for update in (
+        {"env": {"NOTE": "x\nRUN touch /pwned"}},
+        {"env": {"A=1\nRUN touch /pwned\nENV B": "1"}},
+        {"base_image": "alpine\nRUN touch /pwned"},
+        {"user": "x; touch /pwned"},
+    ):
+        with pytest.raises(UserError, match="cannot"):
+            prepare_inputs(cfg.model_copy(update=update), source=payload_copy)
