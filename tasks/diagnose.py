@@ -20,6 +20,7 @@ _RENDEZVOUS = re.compile(
     r"Watchdog caught collective operation timeout|rendezvous.*timed out|Name or service not known",
 )
 _OOM = re.compile(r"CUDA out of memory|OutOfMemoryError|out of memory|Cannot allocate memory|exitcode\s*:\s*-9")
+_SPEC = re.compile(r"invalid deployment spec")
 _CHECKPOINT = re.compile(
     r"CheckpointSaveError|checkpoint save to .* failed|checkpoint of step \d+ lost|Permission denied|"
     r"No space left on device|Read-only file system|Not a directory"
@@ -82,6 +83,17 @@ def diagnose(
     text = f"{error}\n{log_text}"
     diagnosis = Diagnosis(inputs=[k for k, v in {"error": error, "log": log_text, "plan": plan,
                                                   "node_report": node_report}.items() if v])  # fmt: skip
+    if _SPEC.search(error):
+        problems = [line.strip().removeprefix("- ") for line in error.splitlines() if line.strip().startswith("- ")]
+        diagnosis.findings.append(
+            Finding(
+                "invalid deployment spec",
+                problems or [error.strip()[:300]],
+                "nothing was started: fix every field as its line says (field=value: what is wrong and the fix), "
+                "check the file with `tdeploy validate-spec SPEC`, then run again",
+            )
+        )
+        return diagnosis
     rendezvous = _matching_lines(text, _RENDEZVOUS)
     node_findings = _node_findings(node_report)
     if rendezvous or node_findings:

@@ -9,11 +9,15 @@ from typing import Any
 from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 
+from tasks.capacity.memory import GIB
 from tasks.diagnose import diagnose, diagnose_run
-from tasks.spec import DeploymentSpec, load_spec
+from tasks.errors import retry_on_transient
+from tasks.spec import DeploymentSpec, SpecError, credential_problems, load_spec, parse_spec
+from training.secrets import redact
 
-STEPS = ("capacity", "nodes", "image", "data", "job", "acceptance", "drills")
+STEPS = ("spec", "capacity", "nodes", "image", "data", "job", "acceptance", "drills")
 STEP_TITLES = {
+    "spec": "spec validation",
     "capacity": "capacity estimation",
     "nodes": "node environment checks",
     "image": "image build",
@@ -23,6 +27,7 @@ STEP_TITLES = {
     "drills": "checkpoint-restore drills",
 }
 ARTIFACTS = {
+    "spec": "diagnosis",
     "capacity": "capacity-plan",
     "nodes": "node-checks",
     "image": "image-build",
@@ -33,10 +38,49 @@ ARTIFACTS = {
 }
 
 
-@task(name="load_spec", retries=2, retry_delay_seconds=5)
-def load_deployment_spec(spec: DeploymentSpec | str) -> DeploymentSpec:
-    """The spec itself, or the one at a path/URL (validated; a bad spec fails here, before any work)."""
-    return spec if isinstance(spec, DeploymentSpec) else load_spec(spec)
+SpecSource = DeploymentSpec | dict[str, Any] | str
+"""What a flow receives: a validated spec, raw spec data (a deployment's JSON parameter), or a path/URL."""
+
+
+def spec_label(spec: SpecSource) -> str:
+    """A name for the summary page of a spec that may not have been validated."""
+    if isinstance(spec, DeploymentSpec):
+        return spec.name
+    if isinstance(spec, dict):
+        name = spec.get("name")
+        return name if isinstance(name, str) and name.isprintable() and len(name) <= 63 else "<spec parameter>"
+    return str(redact(spec))
+
+
+@task(name="load_spec", retries=2, retry_delay_seconds=5, retry_condition_fn=retry_on_transient)
+def load_deployment_spec(spec: SpecSource) -> DeploymentSpec:
+    """The validated spec: as given, from raw data, or read from a path/URL (storage hiccups are retried).
+
+    A bad spec fails here at once, before any work. A credential in raw spec data is also taken out of the
+    flow run's stored parameters, so that Prefect's database keeps no copy of it.
+    """
+    if isinstance(spec, DeploymentSpec):
+        return spec
+    if isinstance(spec, str):
+        return load_spec(spec)
+    try:
+        return parse_spec(spec, "<spec parameter>")
+    except SpecError:
+        if credential_problems(spec):
+            _redact_flow_run_parameters()
+        raise
+
+
+def _redact_flow_run_parameters() -> None:
+    from prefect.client.orchestration import get_client
+    from prefect.runtime import flow_run
+
+    if not flow_run.id:
+        return
+    with get_client(sync_client=True) as client:
+        stored = client.read_flow_run(flow_run.id).parameters
+        client.update_flow_run(flow_run.id, parameters=redact(stored))
+    get_run_logger().warning("the spec parameter held a credential: redacted in the flow run's stored parameters")
 
 
 @task(name="diagnose_failure")
@@ -63,8 +107,11 @@ def diagnose_failure(
 
 def _figures(step: str, result: dict[str, Any]) -> str:
     if step == "capacity":
-        mem = result.get("memory", {})
-        return f"fits: {result.get('fits')}; plan `{result.get('plan_url')}`; peak {mem.get('total_gib', '?')} GiB"
+        peak, usable = result["memory"]["total_bytes"] / GIB, result["usable_bytes"] / GIB
+        return (
+            f"fits: {result['fits']}; peak {peak:.2f} GiB of {usable:.2f} GiB usable per device "
+            f"({result['layout']['name']}); step {result['step_seconds']:.3g} s; plan `{result['plan_url']}`"
+        )
     if step == "nodes":
         hosts, warnings = len(result.get("hosts", [])), result.get("warnings", 0)
         return f"{hosts} host(s), {warnings} warning(s); `{result.get('report_path')}`"
@@ -92,25 +139,45 @@ def _figures(step: str, result: dict[str, Any]) -> str:
     return ""
 
 
-@task(name="publish_summary")
-def publish_summary(
+def _failure(error: str | None) -> str:
+    """The error's first line, and the problems a SpecError lists under it."""
+    lines = (error or "").splitlines()
+    if not lines:
+        return ""
+    problems = [line.strip().removeprefix("- ") for line in lines[1:] if line.strip().startswith("- ")]
+    return (lines[0][:300] + (" " + "; ".join(problems) if problems else ""))[:2000]
+
+
+def summary_markdown(
     name: str, results: dict[str, Any], failed_step: str | None, error: str | None, diagnosis: dict | None
 ) -> str:
-    """One markdown page with every step's verdict, key figures and the detailed artifacts' keys."""
+    """The summary page: one row per step with its verdict, key figures and the detailed artifact's key."""
     verdict = "failed" if failed_step else "succeeded"
     lines = [f"# Deployment `{name}`: {verdict}", "", "| step | verdict | key figures | details |", "|---|---|---|---|"]
     for step in STEPS:
         if step in results:
             status, figures = "passed", _figures(step, results[step])
         elif step == failed_step:
-            status, figures = "**FAILED**", (error or "").splitlines()[0][:300] if error else ""
+            status, figures = "**FAILED**", _failure(error)
+        elif step == "spec":
+            status, figures = "passed", ""
         else:
             status, figures = "not run", ""
         figures = figures.replace("|", "\\|")
-        lines.append(f"| {STEP_TITLES[step]} | {status} | {figures} | artifact `{ARTIFACTS[step]}` |")
+        details = f"artifact `{ARTIFACTS[step]}`" if step != "spec" or step == failed_step else "-"
+        lines.append(f"| {STEP_TITLES[step]} | {status} | {figures} | {details} |")
     if diagnosis and diagnosis.get("findings"):
         lines += ["", "## Diagnosis", ""]
         lines += [f"- **{f['cause']}**: {f['fix']}" for f in diagnosis["findings"]]
-    markdown = "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n"
+
+
+@task(name="publish_summary")
+def publish_summary(
+    name: str, results: dict[str, Any], failed_step: str | None, error: str | None, diagnosis: dict | None
+) -> str:
+    """One markdown page with every step's verdict, key figures and the detailed artifacts' keys."""
+    verdict = "failed" if failed_step else "succeeded"
+    markdown = summary_markdown(name, results, failed_step, error, diagnosis)
     create_markdown_artifact(key="deployment-summary", markdown=markdown, description=f"{name}: {verdict}")
     return markdown

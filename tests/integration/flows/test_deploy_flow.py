@@ -168,3 +168,50 @@ def test_a_step_that_fails_transiently_once_is_retried_and_the_flow_succeeds(
     assert state.is_completed(), state.message
     assert runs["prepare_data"].run_count == 2 and runs["prepare_data"].state.is_completed()
     assert "| data preprocessing and validation | passed |" in _artifact("deployment-summary")
+
+
+def _flow_run_parameters(flow_run_id) -> dict:  # noqa: ANN001
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        return client.read_flow_run(flow_run_id).parameters
+
+
+def test_a_bad_spec_file_fails_at_once_with_a_diagnosis_and_a_summary_that_name_the_field(
+    prefect_harness, tmp_path: Path
+) -> None:
+    import yaml
+
+    from tests.conftest import TINY_SPEC, deep_merge
+
+    bad = deep_merge(TINY_SPEC, {"parallel": {"micro_batch": 0}, "data": {"dataset_url": str(tmp_path / "d")}})
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(bad))
+    state, runs = _run(str(path))
+    assert state.is_failed()
+    assert runs["load_spec"].state.is_failed() and runs["load_spec"].run_count == 1, "a spec error is never retried"
+    assert "estimate_capacity" not in runs
+    diagnosis = _artifact("diagnosis")
+    assert "**invalid deployment spec**" in diagnosis and "parallel.micro_batch=0: must be >= 1" in diagnosis
+    summary = _artifact("deployment-summary")
+    assert "| spec validation | **FAILED** |" in summary and "parallel.micro_batch=0: must be >= 1" in summary
+    assert "| capacity estimation | not run |" in summary
+
+
+def test_a_secret_in_the_spec_parameter_is_refused_and_redacted_from_the_stored_parameters(
+    prefect_harness, tmp_path: Path
+) -> None:
+    from tests.conftest import TINY_SPEC, deep_merge
+
+    paths = {"data": {"dataset_url": str(tmp_path / "d")}, "checkpoint": {"url": str(tmp_path / "c")}}
+    secret = {"storage": {"options": {"client_kwargs": {"aws_secret_access_key": "hunter2-in-db"}}}}
+    data = deep_merge(deep_merge(TINY_SPEC, paths), {**secret, "run": {"output_url": str(tmp_path / "o")}})
+    state, runs = _run(data)
+    assert state.is_failed() and runs["load_spec"].run_count == 1
+    stored = _flow_run_parameters(state.state_details.flow_run_id)
+    assert stored["spec"]["storage"]["options"]["client_kwargs"] == {"aws_secret_access_key": "<redacted>"}
+    assert stored["spec"]["model"] == TINY_SPEC["model"]  # the rest of the parameter is kept for the record
+    field = "storage.options.client_kwargs.aws_secret_access_key=<redacted>: looks like a credential"
+    for key in ("diagnosis", "deployment-summary"):
+        assert field in _artifact(key) and "hunter2" not in _artifact(key)
+    assert "hunter2" not in str(state.message)

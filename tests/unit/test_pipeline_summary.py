@@ -1,0 +1,36 @@
+"""The deployment summary page: every step's verdict with the figures its result really holds."""
+
+from __future__ import annotations
+
+from tasks.capacity.plan import plan_capacity
+from tasks.pipeline import summary_markdown
+from tasks.spec import SpecError, parse_spec
+from tests.conftest import TINY_SPEC, deep_merge
+
+BASE = deep_merge(
+    TINY_SPEC, {"data": {"dataset_url": "/tmp/d"}, "checkpoint": {"url": "/tmp/c"}, "run": {"output_url": "/tmp/o"}}
+)
+
+
+def test_the_summary_shows_the_capacity_plans_peak_memory_per_device() -> None:
+    spec = parse_spec(BASE)
+    plan = plan_capacity(spec.name, spec.capacity, spec.cluster, spec.model, spec.parallel, spec.precision, spec.run)
+    result = {"plan_url": "runs/tiny/plan.json", "fits": plan.fits, **plan.to_json()["requested"]}  # estimate_capacity
+    peak, usable = plan.requested.memory.total / 2**30, plan.requested.usable_bytes / 2**30
+    page = summary_markdown(spec.name, {"capacity": result}, None, None, None)
+    row = next(line for line in page.splitlines() if line.startswith("| capacity estimation |"))
+    assert f"peak {peak:.2f} GiB of {usable:.2f} GiB usable per device" in row and "?" not in row
+    assert "plan `runs/tiny/plan.json`" in row and "| passed |" in row
+    assert "| spec validation | passed |" in page and "| node environment checks | not run |" in page
+
+
+def test_a_spec_failure_lists_every_problem_in_the_summary_row() -> None:
+    try:
+        parse_spec(deep_merge(BASE, {"parallel": {"micro_batch": 0}, "optim": {"lr_peak": 0}}), "bad.yaml")
+    except SpecError as err:
+        error = f"SpecError: {err}"
+    diagnosis = {"findings": [{"cause": "invalid deployment spec", "fix": "fix every field", "evidence": []}]}
+    page = summary_markdown("bad.yaml", {}, "spec", error, diagnosis)
+    row = next(line for line in page.splitlines() if line.startswith("| spec validation |"))
+    assert "**FAILED**" in row and "parallel.micro_batch=0: must be >= 1; optim.lr_peak=0: must be > 0" in row
+    assert "| capacity estimation | not run |" in page and "- **invalid deployment spec**: fix every field" in page
