@@ -4,14 +4,21 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from tasks.launch.local import TrainingFailed, run_local
+from tasks.launch.base import JobState
+from tasks.launch.local import TrainingFailed, run_local, start_local
 from tests.conftest import metrics_by_step, read_jsonl, run_lone_process
 from training.dataset import DatasetWriter, TokenDataset, TokenizerInfo
+from training.faults import ENV_VAR
+from training.lease import LEASE_FILE, Lease
 from training.sampler import GlobalBatchSampler
 
 pytestmark = pytest.mark.integration
@@ -156,3 +163,64 @@ def test_dataset_with_a_larger_vocabulary_than_the_model_is_refused(make_spec) -
     with pytest.raises(TrainingFailed) as caught:
         run_local(spec.cluster, spec.training_config())
     assert "dataset vocab_size=257 exceeds model.vocab_size=200; set model.vocab_size >= 257" in caught.value.log_tail
+
+
+def _train_lone(spec) -> subprocess.CompletedProcess:  # noqa: ANN001 - DeploymentSpec
+    """The trainer as one plain process; returns the finished process with its output."""
+    cfg = spec.training_config()
+    out = Path(cfg.run.output_url)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg.to_json_file(out / "run.json")
+    command = [sys.executable, "-m", "training.train", "--config", str(out / "run.json")]
+    return subprocess.run(command, capture_output=True, text=True, timeout=300)
+
+
+def test_training_writes_nothing_into_an_output_folder_that_another_live_job_holds(make_spec) -> None:
+    spec = make_spec({"cluster": {"procs_per_node": 1}, "run": {"steps": 3}})
+    out = Path(spec.run.output_url)
+    with Lease(str(out), label="run.output_url", job_id="the-other-job"):
+        proc = _train_lone(spec)
+    assert proc.returncode != 0
+    assert f"run.output_url={out}: held by pid {os.getpid()} on host" in proc.stderr
+    assert "(job the-other-job)" in proc.stderr and "wait for it, cancel that job, or use another" in proc.stderr
+    assert sorted(p.name for p in out.iterdir()) == [".LEASE.lock", "run.json"]  # no ranks.json, metrics, ...
+    assert not Path(spec.checkpoint.url).exists()
+
+
+def test_a_lease_left_by_a_killed_job_is_taken_over_with_a_warning(make_spec) -> None:
+    spec = make_spec({"cluster": {"procs_per_node": 1}, "run": {"steps": 3}})
+    killed = subprocess.Popen(
+        [sys.executable, "-c", "import os, signal, sys; from training.lease import Lease; "
+         "Lease(sys.argv[1], job_id='killed-job').acquire(); os.kill(os.getpid(), signal.SIGKILL)",
+         spec.checkpoint.url],
+    )  # fmt: skip
+    assert killed.wait(timeout=60) == -9 and (Path(spec.checkpoint.url) / LEASE_FILE).exists()
+    proc = _train_lone(spec)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"checkpoint.url={spec.checkpoint.url}: took over a stale lease held by pid {killed.pid}" in proc.stderr
+    assert "(job killed-job)" in proc.stderr and "is gone" in proc.stderr
+    assert not (Path(spec.checkpoint.url) / LEASE_FILE).exists()  # released at the end
+
+
+def test_a_second_job_on_a_checkpoint_folder_in_use_stops_on_every_rank_naming_the_holder(make_spec) -> None:
+    first = make_spec({"cluster": {"procs_per_node": 1}, "run": {"steps": 50}}, name="first")
+    job = start_local(first.cluster, first.training_config(), {ENV_VAR: json.dumps({"pause_after_step": 2})})
+    try:
+        deadline = time.monotonic() + 120
+        while job.status().state is not JobState.RUNNING:
+            assert time.monotonic() < deadline, job.log_tail()
+            time.sleep(0.2)
+        holder = json.loads((job.output_dir / "ranks.json").read_text())["ranks"][0]["pid"]
+        second = make_spec({"checkpoint": {"url": first.checkpoint.url}}, name="second")
+        with pytest.raises(TrainingFailed) as caught:
+            run_local(second.cluster, second.training_config())
+        failure = caught.value.status.failure
+        assert failure is not None and caught.value.status.state is JobState.FAILED
+        assert f"checkpoint.url={first.checkpoint.url}: held by pid {holder} on host" in failure.error
+        log_text = caught.value.log_path.read_text()
+        # rank 0 was refused the lease, rank 1 stopped with its reason: neither waits for the other
+        assert "LeaseHeld: checkpoint.url=" in log_text and "LeaseRefused: checkpoint.url=" in log_text, log_text
+        assert not (Path(second.run.output_url) / "ranks.json").exists()
+        assert job.status().state is JobState.RUNNING  # the holder was left alone
+    finally:
+        job.cancel()
