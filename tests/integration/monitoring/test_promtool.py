@@ -20,7 +20,7 @@ def _promtool(promtool: str, *args: str) -> subprocess.CompletedProcess[str]:
 def test_promtool_check_rules_accepts_the_rules_file(promtool: str) -> None:
     proc = _promtool(promtool, "check", "rules", str(MONITORING / "alerts.yml"))
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "SUCCESS: 10 rules found" in proc.stdout
+    assert "SUCCESS: 12 rules found" in proc.stdout
 
 
 def test_promtool_unit_tests_pass_for_both_levels_of_every_alert(promtool: str) -> None:
@@ -41,6 +41,10 @@ MOVED = [
     ("memory-critical", "> 0.95", "> 0.96"),
     ("throughput-warning", "< 0.80 *", "< 0.79 *"),
     ("throughput-critical", "< 0.50 *", "<= 0.50 *"),
+    ("rank-down-warning", 'up{job="tdeploy-training"} == 0', 'up{job=~"tdeploy-training|node-exporter"} == 0'),
+    ("rank-down-warning-for", "== 0\n        for: 2m", "== 0\n        for: 3m"),
+    ("rank-down-critical-running", "and on(train_job) tdeploy_train_step", "or on(train_job) tdeploy_train_step"),
+    ("rank-down-critical-window", "tdeploy_train_step[1h]", "tdeploy_train_step[10m]"),
 ]
 
 

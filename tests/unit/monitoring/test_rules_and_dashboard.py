@@ -28,10 +28,20 @@ def test_metric_names_finds_selected_metrics_only(expr: str, names: set[str]) ->
 
 
 def test_every_alert_expression_uses_only_exported_metrics(alert_rules: list[dict[str, Any]]) -> None:
+    known = EXPORTED_METRICS | {"up"}  # Prometheus writes `up` for every scrape target itself
     for rule in alert_rules:
         used = metric_names(rule["expr"])
         assert used, f"{rule['alert']}: no metric found in {rule['expr']!r}"
-        assert used <= EXPORTED_METRICS, f"{rule['alert']} uses {sorted(used - EXPORTED_METRICS)}"
+        assert used <= known, f"{rule['alert']} uses {sorted(used - known)}"
+
+
+def test_a_rank_that_stops_answering_is_alerted_on_by_its_target_and_by_its_vanished_series(
+    alert_rules: list[dict[str, Any]],
+) -> None:
+    down = {rule["labels"]["severity"]: rule["expr"] for rule in alert_rules if rule["alert"] == "TrainingRankDown"}
+    assert metric_names(down["warning"]) == {"up"} and 'job="tdeploy-training"' in down["warning"]
+    assert metric_names(down["critical"]) == {"tdeploy_train_step"}
+    assert "unless on(rank, host, train_job)" in down["critical"] and "and on(train_job)" in down["critical"]
 
 
 def test_every_alert_has_a_warning_and_a_critical_level_with_a_summary(alert_rules: list[dict[str, Any]]) -> None:
@@ -45,6 +55,7 @@ def test_every_alert_has_a_warning_and_a_critical_level_with_a_summary(alert_rul
         "TrainingStalled": ["critical", "warning"],
         "TrainingMemoryHigh": ["critical", "warning"],
         "TrainingThroughputBelowBaseline": ["critical", "warning"],
+        "TrainingRankDown": ["critical", "warning"],
     }
 
 
