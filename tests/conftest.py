@@ -56,8 +56,10 @@ def deep_merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any
 
 
 @pytest.fixture(autouse=True, scope="session")
-def _quiet_cpu_env() -> None:
+def _quiet_cpu_env(tmp_path_factory: pytest.TempPathFactory) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # The dataset reader's first-use markers: per test session, not in the user's ~/.cache.
+    os.environ.setdefault("TDEPLOY_CACHE_DIR", str(tmp_path_factory.mktemp("tdeploy-cache")))
 
 
 @pytest.fixture(scope="session")
