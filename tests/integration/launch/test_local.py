@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from tasks.errors import UserError
 from tasks.launch.base import JobState, find_job
 from tasks.launch.local import LocalLauncher, TrainingFailed, run_local, start_local
 from tests.conftest import process_running
@@ -70,3 +71,26 @@ def test_cancel_ends_every_process_of_the_job(make_spec) -> None:
     assert job.status().state is JobState.CANCELLED
     assert not [pid for pid in workers + agents if process_running(pid)]
     assert not _live_members(agents[0])  # nothing of the agent's process group runs (zombies aside)
+
+
+def test_a_second_job_in_the_folder_of_a_running_one_is_refused_before_anything_is_touched(make_spec) -> None:
+    spec = make_spec({"run": {"steps": 50}})
+    job = start_local(spec.cluster, spec.training_config(), {ENV_VAR: json.dumps({"pause_after_step": 2})})
+    try:
+        deadline = time.monotonic() + 120
+        while job.status().state is not JobState.RUNNING:
+            assert time.monotonic() < deadline, job.log_tail()
+            time.sleep(0.2)
+        before = {name: (job.output_dir / name).read_bytes() for name in ("run.json", "train.log", "job.json")}
+        again = make_spec({"run": {"steps": 60}})  # same folders, another run.json
+        with pytest.raises(UserError) as refused:
+            start_local(again.cluster, again.training_config(), name="again")
+        agent = job.handle.details["agents"][0]["pid"]
+        message = str(refused.value)
+        assert f"job {job.handle.ref} still runs there (agent pid {agent}, since " in message
+        assert f"tdeploy cancel {job.handle.ref}" in message
+        assert before == {name: (job.output_dir / name).read_bytes() for name in before}
+        assert job.status().state is JobState.RUNNING
+    finally:
+        job.cancel()
+    start_local(spec.cluster, spec.training_config(), name="after").cancel()  # a finished job no longer blocks
