@@ -85,8 +85,8 @@ class DeploymentSpec(StrictModel):
                 "DeploymentSpec",
                 [
                     (
-                        ("cluster", "nodes"),
-                        c.nodes,
+                        ("cluster", "procs_per_node") if c.procs_per_node > c.nodes else ("cluster", "nodes"),
+                        max(c.nodes, c.procs_per_node),
                         f"nodes x procs_per_node = {c.world_size} processes must be <= {MAX_RANKS}; "
                         "use fewer nodes or processes per node",
                     )
