@@ -230,3 +230,26 @@ def test_divisors_are_every_divisor_in_ascending_order() -> None:
     for n in range(1, 400):
         assert divisors(n) == [d for d in range(1, n + 1) if n % d == 0], n
     assert divisors(2**40) == [2**k for k in range(41)]
+
+
+@pytest.mark.parametrize(
+    "secret",
+    [
+        {"storage": {"options": {"client_kwargs": {"aws_secret_access_key": "hunter2"}}}},
+        {"cluster": {"env": {"AWS_SECRET_ACCESS_KEY": "hunter2"}}},
+    ],
+    ids=["storage-options", "cluster-env"],
+)
+def test_a_nested_secret_never_reaches_run_json_or_the_kubernetes_manifests(tmp_path: Path, secret: dict) -> None:
+    from tasks.launch.kubernetes import render_manifests
+
+    data = deep_merge(deep_merge(BASE, {"cluster": {"scheduler": "kubernetes"}}), secret)
+    try:
+        spec = parse_spec(data)
+    except SpecError as err:
+        assert "hunter2" not in str(err)
+        return
+    train = spec.training_config()  # only reached if the boundary let the secret through
+    train.to_json_file(tmp_path / "run.json")
+    written = (tmp_path / "run.json").read_text() + json.dumps(render_manifests(spec.cluster, train, "tiny", "img"))
+    assert "hunter2" not in written, "the secret reached run.json or the manifests"
