@@ -1,4 +1,4 @@
-"""Flow runs left Running by a `tdeploy run` that was killed are marked Crashed, on a real (temporary) Prefect server."""
+"""Flow runs left Running by a killed `tdeploy run` are marked Crashed, on a real (temporary) Prefect server."""
 
 from __future__ import annotations
 
