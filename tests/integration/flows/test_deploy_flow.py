@@ -215,3 +215,15 @@ def test_a_secret_in_the_spec_parameter_is_refused_and_redacted_from_the_stored_
     for key in ("diagnosis", "deployment-summary"):
         assert field in _artifact(key) and "hunter2" not in _artifact(key)
     assert "hunter2" not in str(state.message)
+
+
+def test_the_nightly_flow_also_diagnoses_a_bad_spec_without_retrying_it(prefect_harness, tmp_path: Path) -> None:
+    from flows.nightly import nightly_validation
+    from tests.conftest import TINY_SPEC, deep_merge
+
+    bad = deep_merge(TINY_SPEC, {"optim": {"lr_peak": float("inf")}, "data": {"dataset_url": str(tmp_path / "d")}})
+    state = nightly_validation(bad, return_state=True)
+    runs = {r.name.rsplit("-", 1)[0]: r for r in _task_runs(state.state_details.flow_run_id)}
+    assert state.is_failed() and runs["load_spec"].run_count == 1 and "run_acceptance" not in runs
+    assert "optim.lr_peak=Infinity: must be a finite number" in _artifact("diagnosis")
+    assert "| spec validation | **FAILED** |" in _artifact("deployment-summary")
