@@ -6,11 +6,13 @@ import json
 import logging
 from pathlib import Path
 
+import click
 import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from rich.text import Text
+from typer.core import TyperGroup
 
 from tasks.capacity.plan import plan_capacity, write_plan
 from tasks.capacity.report import format_self_check, rich_report
@@ -20,18 +22,50 @@ from tasks.launch.local import TrainingFailed, run_local
 from tasks.nodes.check import run_node_checks, write_report
 from tasks.prepare.pipeline import PrepareResult, prepare_dataset
 from tasks.spec import DeploymentSpec, SpecError, load_spec
+from training.checkpoint import CheckpointFormatError
+from training.checkpoint_trust import CheckpointKeyError, UnsafeCheckpointError
+from training.dataset import DatasetError
+from training.lease import LeaseHeld
 from training.storage import local_path
 
-app = typer.Typer(
-    help="Deploy Transformer training jobs: plan, check, build, prepare, submit, accept.", no_args_is_help=True
-)
 console = Console(soft_wrap=True)
 err_console = Console(stderr=True, soft_wrap=True)
+
+# Failures that a command reports as one line (exit 2: fix the input; exit 1: it may pass, run again), never as
+# a traceback: the pipeline's typed errors, storage errors, and the payload's refusals of untrusted input.
+_USER_FAILURES: tuple[type[BaseException], ...] = (
+    DeployError, SpecError, DatasetError, CheckpointFormatError, LeaseHeld, UnsafeCheckpointError, CheckpointKeyError,
+)  # fmt: skip
+
+
+class _Commands(TyperGroup):
+    """The command group: every command's known failures end as one message and an exit code."""
+
+    def invoke(self, ctx: click.Context) -> object:
+        try:
+            return super().invoke(ctx)
+        except _USER_FAILURES as err:
+            err_console.print(f"error: {err}", markup=False, highlight=False)
+            raise typer.Exit(1 if isinstance(err, TransientError) else 2) from err
+        except OSError as err:
+            where = f" {err.filename}" if getattr(err, "filename", None) else ""
+            err_console.print(f"error:{where} {err.strerror or err}; check the path and its permissions", markup=False)
+            raise typer.Exit(1) from err
+
+
+app = typer.Typer(
+    cls=_Commands,
+    help="Deploy Transformer training jobs: plan, check, build, prepare, submit, accept.",
+    no_args_is_help=True,
+)
 
 
 def _load(spec: str) -> DeploymentSpec:
     try:
         return load_spec(spec)
+    except TransientError as err:
+        err_console.print(f"{spec}: {err}", markup=False, highlight=False)
+        raise typer.Exit(1) from err
     except SpecError as err:
         err_console.print(f"[red]{err.source}: invalid deployment spec[/red]")
         for problem in err.problems:

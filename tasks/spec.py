@@ -189,7 +189,9 @@ def credential_problems(data: Any) -> list[str]:
 def parse_spec(data: Any, source: str = "<spec>") -> DeploymentSpec:
     """Validate spec data, raising SpecError with every problem at once."""
     if data is None:
-        raise SpecError(source, ["<spec>: the spec is empty; it must be a YAML mapping of sections (name, cluster, ...)"])
+        raise SpecError(
+            source, ["<spec>: the spec is empty; it must be a YAML mapping of sections (name, cluster, ...)"]
+        )
     if not isinstance(data, dict):
         raise SpecError(source, [f"<spec>={type(data).__name__}: the spec must be a YAML mapping of sections"])
     problems = credential_problems(data)

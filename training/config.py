@@ -261,8 +261,14 @@ class DataConfig(StrictModel):
     tokenizer_sha256: str | None = Field(
         default=None, description="Refuse a dataset made with another tokenizer (sha256 of tokenizer.json); None = any."
     )
-    train_split: str = Field(default="train", description="Split used for training.")
-    val_split: str = Field(default="val", description="Held-out split used for evaluation.")
+    train_split: str = Field(
+        default="train",
+        pattern=r"^[A-Za-z0-9_-]{1,64}$",
+        description="Split used for training (a name: letters, digits, _ -).",
+    )
+    val_split: str = Field(
+        default="val", pattern=r"^[A-Za-z0-9_-]{1,64}$", description="Held-out split used for evaluation (a name)."
+    )
 
 
 class CheckpointConfig(StrictModel):

@@ -174,8 +174,12 @@ class Trainer:
         torch.set_num_threads(cfg.run.threads_per_rank or max(1, (os.cpu_count() or 1) // self.env.local_world_size))
 
         par, model_cfg = cfg.parallel, cfg.model
-        self.train_data = TokenDataset(cfg.data.dataset_url, cfg.data.train_split, model_cfg.seq_len, cfg.storage)
-        self.val_data = TokenDataset(cfg.data.dataset_url, cfg.data.val_split, model_cfg.seq_len, cfg.storage)
+        self.train_data = TokenDataset(
+            cfg.data.dataset_url, cfg.data.train_split, model_cfg.seq_len, cfg.storage, vocab_size=model_cfg.vocab_size
+        )
+        self.val_data = TokenDataset(
+            cfg.data.dataset_url, cfg.data.val_split, model_cfg.seq_len, cfg.storage, vocab_size=model_cfg.vocab_size
+        )
         data_vocab, data_tokenizer = self.train_data.manifest.vocab_size, self.train_data.manifest.tokenizer
         if cfg.data.tokenizer_sha256 and data_tokenizer.sha256 != cfg.data.tokenizer_sha256:
             raise DatasetError(

@@ -38,12 +38,8 @@ class DataExpectations(StrictModel):
         allow_inf_nan=False,
         description="Most documents that cleaning may drop (empty, short, long).",
     )
-    min_documents: int = Field(
-        default=10, ge=1, le=10**12, description="Fewest documents that must survive cleaning."
-    )
-    min_val_documents: int = Field(
-        default=1, ge=0, le=10**12, description="Fewest documents in the validation split."
-    )
+    min_documents: int = Field(default=10, ge=1, le=10**12, description="Fewest documents that must survive cleaning.")
+    min_val_documents: int = Field(default=1, ge=0, le=10**12, description="Fewest documents in the validation split.")
 
 
 @dataclass

@@ -15,8 +15,8 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from tasks.image.config import IMAGE_REF, IMAGE_SHAPING_FIELDS, ImageConfig
 from tasks.errors import UserError
+from tasks.image.config import IMAGE_REF, IMAGE_SHAPING_FIELDS, ImageConfig
 from tasks.image.payload import PayloadWheel
 
 LABEL_PREFIX = "io.transformer-deploy"

@@ -145,8 +145,14 @@ class DataSpec(StrictModel):
     prepare: PrepareConfig | None = Field(
         default=None, description="How to prepare the dataset; None = use dataset_url."
     )
-    train_split: str = Field(default="train", description="Split used for training.")
-    val_split: str = Field(default="val", description="Held-out split used for evaluation.")
+    train_split: str = Field(
+        default="train",
+        pattern=r"^[A-Za-z0-9_-]{1,64}$",
+        description="Split used for training (a name: letters, digits, _ -).",
+    )
+    val_split: str = Field(
+        default="val", pattern=r"^[A-Za-z0-9_-]{1,64}$", description="Held-out split used for evaluation (a name)."
+    )
 
     @model_validator(mode="after")
     def _one_way(self) -> DataSpec:

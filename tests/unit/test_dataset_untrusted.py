@@ -197,7 +197,9 @@ def test_a_malformed_manifest_is_a_dataset_error_naming_the_field(root: Path) ->
     manifest = json.loads((root / "manifest.json").read_text())
     manifest["splits"]["train"]["shards"][0]["n_tokens"] = -5
     (root / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(DatasetError, match=r"manifest.json is not a valid manifest .*splits\.train\.shards\.0\.n_tokens"):
+    with pytest.raises(
+        DatasetError, match=r"manifest.json is not a valid manifest .*splits\.train\.shards\.0\.n_tokens"
+    ):
         read_manifest(str(root))
 
 

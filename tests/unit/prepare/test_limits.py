@@ -23,7 +23,9 @@ NORMAL = "a perfectly ordinary document that is long enough to keep"
 def _clean(cfg: PrepareConfig) -> tuple[list[str], CleaningStats]:
     storage = StorageConfig()
     stats = CleaningStats()
-    kept = list(clean_documents(iter_documents(cfg, expand_sources(cfg.sources, storage), storage), cfg.cleaning, stats))
+    kept = list(
+        clean_documents(iter_documents(cfg, expand_sources(cfg.sources, storage), storage), cfg.cleaning, stats)
+    )
     return kept, stats
 
 
@@ -116,7 +118,9 @@ def test_a_count_beyond_its_limit_is_refused_naming_value_and_limit(fields: dict
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])
 @pytest.mark.parametrize("field", ["val_fraction", "expectations.max_duplicate_fraction"])
 def test_a_fraction_that_is_not_a_finite_number_is_refused(field: str, value: float) -> None:
-    fields: dict = {"val_fraction": value} if field == "val_fraction" else {"expectations": {field.split(".")[1]: value}}
+    fields: dict = (
+        {"val_fraction": value} if field == "val_fraction" else {"expectations": {field.split(".")[1]: value}}
+    )
     assert any(p.startswith(f"{field}=") for p in _problems(**fields))
 
 
