@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +14,11 @@ from tasks.capacity.memory import GIB
 from tasks.diagnose import diagnose, diagnose_run
 from tasks.errors import retry_on_transient
 from tasks.spec import DeploymentSpec, SpecError, credential_problems, load_spec, parse_spec
+from training.checkpoint_trust import KEY_ENV as CHECKPOINT_KEY_ENV
 from training.secrets import redact
+
+# The Prefect Secret block that holds the checkpoint signing key (used when TDEPLOY_CHECKPOINT_KEY is unset).
+CHECKPOINT_KEY_BLOCK = "tdeploy-checkpoint-key"
 
 STEPS = ("spec", "capacity", "nodes", "image", "data", "job", "acceptance", "drills")
 STEP_TITLES = {
@@ -60,15 +65,34 @@ def load_deployment_spec(spec: SpecSource) -> DeploymentSpec:
     flow run's stored parameters, so that Prefect's database keeps no copy of it.
     """
     if isinstance(spec, DeploymentSpec):
-        return spec
-    if isinstance(spec, str):
-        return load_spec(spec)
+        parsed = spec
+    elif isinstance(spec, str):
+        parsed = load_spec(spec)
+    else:
+        try:
+            parsed = parse_spec(spec, "<spec parameter>")
+        except SpecError:
+            if credential_problems(spec):
+                _redact_flow_run_parameters()
+            raise
+    if checkpoint_key_from_secret_block():
+        get_run_logger().info("checkpoint signing key taken from the Prefect Secret block %r", CHECKPOINT_KEY_BLOCK)
+    return parsed
+
+
+def checkpoint_key_from_secret_block() -> bool:
+    """Put the checkpoint signing key of the Secret block into this process's environment, which every job
+    started from here inherits; only when TDEPLOY_CHECKPOINT_KEY is unset and the block exists."""
+    if os.environ.get(CHECKPOINT_KEY_ENV):
+        return False
+    from prefect.blocks.system import Secret
+
     try:
-        return parse_spec(spec, "<spec parameter>")
-    except SpecError:
-        if credential_problems(spec):
-            _redact_flow_run_parameters()
-        raise
+        secret = Secret.load(CHECKPOINT_KEY_BLOCK)
+    except ValueError:  # no such block: checkpoints stay unsigned unless the variable is set
+        return False
+    os.environ[CHECKPOINT_KEY_ENV] = secret.get()
+    return True
 
 
 def _redact_flow_run_parameters() -> None:

@@ -20,9 +20,12 @@ from tasks.cluster import ClusterConfig
 from tasks.errors import TransientError, UserError
 from tasks.launch.base import JobHandle, JobState, JobStatus
 from tasks.launch.torchrun import WORKER_ENV
+from training.checkpoint_trust import KEY_ENV as CHECKPOINT_KEY_ENV
 from training.config import TrainConfig
 
 CONFIG_DIR = "/etc/tdeploy"
+# The Kubernetes Secret (key `key`) whose value reaches every pod as TDEPLOY_CHECKPOINT_KEY, when it exists.
+CHECKPOINT_KEY_SECRET = "tdeploy-checkpoint-key"
 
 
 def render_manifests(cluster: ClusterConfig, train: TrainConfig, name: str, image: str) -> list[dict[str, Any]]:
@@ -51,7 +54,14 @@ def render_manifests(cluster: ClusterConfig, train: TrainConfig, name: str, imag
             f"{CONFIG_DIR}/run.json",
         ],  # fmt: skip
         # Kubernetes expands $(NAME) in env values; $$ keeps a literal $.
-        "env": [{"name": k, "value": v.replace("$", "$$")} for k, v in sorted({**WORKER_ENV, **cluster.env}.items())],
+        "env": [
+            *({"name": k, "value": v.replace("$", "$$")} for k, v in sorted({**WORKER_ENV, **cluster.env}.items())),
+            # The checkpoint signing key comes from a Kubernetes Secret, never from the spec or the ConfigMap.
+            {
+                "name": CHECKPOINT_KEY_ENV,
+                "valueFrom": {"secretKeyRef": {"name": CHECKPOINT_KEY_SECRET, "key": "key", "optional": True}},
+            },
+        ],
         "volumeMounts": [{"name": "tdeploy-config", "mountPath": CONFIG_DIR, "readOnly": True}],
     }
     if resources:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 
@@ -96,6 +97,22 @@ def test_pytorchjob_manifest_validates_and_matches_the_spec(make_spec) -> None:
     assert container["resources"]["limits"] == {"nvidia.com/gpu": "8", "cpu": "96", "memory": "512000Mi"}
     assert {"name": "NCCL_IB_HCA", "value": "mlx5"} in container["env"]
     assert '"steps": 20' in config_map["data"]["run.json"]
+
+
+def test_pods_take_the_checkpoint_key_from_a_kubernetes_secret_and_the_config_map_never_holds_it(
+    make_spec, monkeypatch
+) -> None:
+    monkeypatch.setenv("TDEPLOY_CHECKPOINT_KEY", "operator-key-0123456789")
+    spec = make_spec({"cluster": {"scheduler": "kubernetes"}})
+    config_map, job = render_manifests(spec.cluster, spec.training_config(), "tiny", "img:1")
+    validate_pytorchjob(job)
+    container = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]
+    key = next(e for e in container["env"] if e["name"] == "TDEPLOY_CHECKPOINT_KEY")
+    assert key == {
+        "name": "TDEPLOY_CHECKPOINT_KEY",
+        "valueFrom": {"secretKeyRef": {"name": "tdeploy-checkpoint-key", "key": "key", "optional": True}},
+    }
+    assert "operator-key" not in json.dumps([config_map, job])
 
 
 def test_pytorchjob_validation_catches_unknown_fields_and_missing_required_ones(make_spec) -> None:
