@@ -23,8 +23,13 @@ _OOM = re.compile(r"CUDA out of memory|OutOfMemoryError|out of memory|Cannot all
 _SPEC = re.compile(r"invalid deployment spec")
 _CHECKPOINT = re.compile(
     r"CheckpointSaveError|checkpoint save to .* failed|checkpoint of step \d+ lost|Permission denied|"
-    r"No space left on device|Read-only file system|Not a directory"
+    r"No space left on device|no space left on|Read-only file system|Not a directory"
 )
+_UNTRUSTED = re.compile(
+    r"UnsafeCheckpointError|CheckpointKeyError|CheckpointFormatError|refusing to load .*\.metadata|"
+    r"untrusted checkpoint|TDEPLOY_CHECKPOINT_KEY|DatasetError|climbs out of the dataset|outside the vocabulary"
+)
+_LEASE = re.compile(r"LeaseHeld|LeaseRefused|LeaseLost|: held by pid \d+")
 
 
 @dataclass
@@ -126,6 +131,27 @@ def diagnose(
                 checkpoint,
                 "make the checkpoint location writable by the job user and check free space (and the object "
                 "store's reachability and credentials for s3://)",
+            )
+        )
+    lease = _matching_lines(text, _LEASE)
+    if lease:
+        diagnosis.findings.append(
+            Finding(
+                "run folder in use by another job",
+                lease,
+                "another job holds this run's output or checkpoint folder: wait for it, `tdeploy cancel` it, "
+                "or give this deployment its own run.output_url and checkpoint.url",
+            )
+        )
+    untrusted = _matching_lines(text, _UNTRUSTED)
+    if untrusted:
+        diagnosis.findings.append(
+            Finding(
+                "untrusted checkpoint or dataset refused",
+                untrusted,
+                "a file on shared storage was not what this project writes (planted, tampered with, truncated or "
+                "signed with another key): find out who wrote it, remove it, and check TDEPLOY_CHECKPOINT_KEY "
+                "(or the tdeploy-checkpoint-key Secret block) matches the key the checkpoints were signed with",
             )
         )
     if output_dir is not None and (output_dir / "metrics").exists():
