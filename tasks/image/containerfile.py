@@ -28,9 +28,9 @@ WORKDIR = "/workspace"
 # Default command: one process on one node; job submission replaces it with the cluster's torchrun arguments.
 DEFAULT_CMD = ["--standalone", "--nproc-per-node=1", "-m", "training.train", "--config", f"{WORKDIR}/run.json"]
 # pip must leave nothing behind that depends on when it ran: no caches, no bytecode (its header stores mtimes).
-# Exec form (a JSON array, through env(1)): no shell reads these words.
+# Every word is shell-quoted (the base image's /bin/sh runs it; exec form would need env(1) on the image's PATH).
 _PIP = [
-    "env", "PYTHONDONTWRITEBYTECODE=1", "PIP_BREAK_SYSTEM_PACKAGES=1", "PIP_ROOT_USER_ACTION=ignore",
+    "PYTHONDONTWRITEBYTECODE=1", "PIP_BREAK_SYSTEM_PACKAGES=1", "PIP_ROOT_USER_ACTION=ignore",
     "python3", "-m", "pip", "install", "--no-cache-dir", "--no-compile", "--disable-pip-version-check",
 ]  # fmt: skip
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
@@ -118,11 +118,11 @@ def render(cfg: ImageConfig, wheel: PayloadWheel, requirements: list[str], revis
     if requirements:
         lines += [
             f"COPY {REQUIREMENTS} {INSTALL_DIR}/{REQUIREMENTS}",
-            "RUN " + json.dumps([*_PIP, "--requirement", f"{INSTALL_DIR}/{REQUIREMENTS}"]),
+            "RUN " + shlex.join([*_PIP, "--requirement", f"{INSTALL_DIR}/{REQUIREMENTS}"]),
         ]
     lines += [
         f"COPY {PAYLOAD_DIR}/{wheel.filename} {INSTALL_DIR}/{PAYLOAD_DIR}/{wheel.filename}",
-        "RUN " + json.dumps([*_PIP, "--no-deps", "--no-index", f"{INSTALL_DIR}/{PAYLOAD_DIR}/{wheel.filename}"]),
+        "RUN " + shlex.join([*_PIP, "--no-deps", "--no-index", f"{INSTALL_DIR}/{PAYLOAD_DIR}/{wheel.filename}"]),
         "LABEL " + " \\\n      ".join(f"{key}={_quote(value)}" for key, value in labels.items()),
         f"USER {cfg.uid}:{cfg.uid}",
         "",

@@ -5,8 +5,8 @@ from __future__ import annotations
 import ast
 import email.parser
 import importlib.metadata
-import json
 import re
+import shlex
 import subprocess
 import sys
 import zipfile
@@ -171,7 +171,7 @@ def test_containerfile_pins_everything_and_tag_follows_content_only(payload_copy
     text = inputs.containerfile
     assert text.splitlines()[1] == "FROM nvcr.io/nvidia/pytorch:25.01-py3"
     assert 'NCCL_DEBUG="WARN"' in text and r'NOTE="a \"\$b\" \\ c"' in text
-    assert f'"--no-deps", "--no-index", "/opt/transformer-deploy/payload/{inputs.wheel.filename}"]' in text
+    assert f"--no-deps --no-index /opt/transformer-deploy/payload/{inputs.wheel.filename}\n" in text
     assert text.rstrip().endswith("USER 1000:1000") and 'ENTRYPOINT ["torchrun"]' in text
     assert 'org.opencontainers.image.base.name="nvcr.io/nvidia/pytorch:25.01-py3"' in text
     assert f'io.transformer-deploy.payload-sha256="{inputs.wheel.sha256}"' in text
@@ -193,14 +193,15 @@ def test_source_revision_names_the_last_commit_of_training_or_unknown(tmp_path: 
     assert source_revision(tmp_path) == "unknown"
 
 
-def test_pip_steps_are_exec_form_and_no_spec_value_reaches_a_shell_unquoted(payload_copy: Path) -> None:
+def test_pip_steps_are_quoted_word_by_word_and_no_spec_value_reaches_a_shell_unquoted(payload_copy: Path) -> None:
     inputs = prepare_inputs(ImageConfig(extra_requirements=["nvidia-ml-py==12.560.30"]), source=payload_copy)
     runs = [line.removeprefix("RUN ") for line in inputs.containerfile.splitlines() if line.startswith("RUN ")]
-    exec_form = [json.loads(run) for run in runs if run.startswith("[")]
-    assert len(exec_form) == 2 and all(words[:2] == ["env", "PYTHONDONTWRITEBYTECODE=1"] for words in exec_form)
-    assert exec_form[1][-1] == f"/opt/transformer-deploy/payload/{inputs.wheel.filename}"
-    shell_form = [run for run in runs if not run.startswith("[")]
-    assert len(shell_form) == 1 and "echo trainer:x:1000:1000::/home/trainer:/bin/sh >> /etc/passwd" in shell_form[0]
+    pip = [shlex.split(run) for run in runs if "pip" in run]
+    assert len(pip) == 2 and all(words[:1] == ["PYTHONDONTWRITEBYTECODE=1"] for words in pip)
+    assert all(shlex.join(words) == run for words, run in zip(pip, [r for r in runs if "pip" in r], strict=True))
+    assert pip[1][-1] == f"/opt/transformer-deploy/payload/{inputs.wheel.filename}"
+    users = [run for run in runs if "pip" not in run]
+    assert len(users) == 1 and "echo trainer:x:1000:1000::/home/trainer:/bin/sh >> /etc/passwd" in users[0]
 
 
 def test_values_that_bypassed_the_spec_cannot_add_containerfile_instructions(payload_copy: Path) -> None:
