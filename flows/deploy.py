@@ -24,6 +24,7 @@ from tasks.launch.task import submit_job
 from tasks.nodes.task import check_nodes
 from tasks.pipeline import SpecSource, diagnose_failure, load_deployment_spec, publish_summary, spec_label
 from tasks.prepare.task import prepare_data
+from tasks.spec import DeploymentSpec
 
 _CACHED = {"cache_policy": INPUTS + TASK_SOURCE, "persist_result": True, "cache_expiration": timedelta(days=7)}
 plan_step = estimate_capacity.with_options(timeout_seconds=1800, **_CACHED)
@@ -31,16 +32,20 @@ image_step = build_image.with_options(**_CACHED)
 data_step = prepare_data.with_options(**_CACHED)
 
 
-@flow(name="deploy-training", description="Deploy a Transformer training job from its spec, step by step.")
-def deploy_training(spec: SpecSource = "examples/local.yaml") -> dict[str, Any]:
-    """Run the whole deployment sequence for one spec (a DeploymentSpec, its data, or a path/URL of its YAML)."""
-    source = spec
+def load_or_diagnose(source: SpecSource) -> DeploymentSpec:
+    """The validated spec; a bad one fails the flow at once, still with its diagnosis and summary."""
     try:
-        spec = load_deployment_spec(source)
+        return load_deployment_spec(source)
     except Exception as err:
         diagnosis = diagnose_failure("spec", str(err), None, None, None)
         publish_summary(spec_label(source), {}, "spec", f"{type(err).__name__}: {err}", diagnosis)
         raise
+
+
+@flow(name="deploy-training", description="Deploy a Transformer training job from its spec, step by step.")
+def deploy_training(spec: SpecSource = "examples/local.yaml") -> dict[str, Any]:
+    """Run the whole deployment sequence for one spec (a DeploymentSpec, its data, or a path/URL of its YAML)."""
+    spec = load_or_diagnose(spec)
     results: dict[str, Any] = {}
     step = "capacity"
     try:

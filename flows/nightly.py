@@ -6,22 +6,17 @@ from typing import Any
 
 from prefect import flow
 
+from flows.deploy import load_or_diagnose
 from tasks.acceptance.suite import work_dir
 from tasks.acceptance.task import run_acceptance, run_drills
-from tasks.pipeline import SpecSource, diagnose_failure, load_deployment_spec, publish_summary, spec_label
+from tasks.pipeline import SpecSource, diagnose_failure, publish_summary
 from tasks.prepare.task import prepare_data
 
 
 @flow(name="nightly-validation", description="Acceptance with a stability soak, and the checkpoint-restore drills.")
 def nightly_validation(spec: SpecSource = "examples/local.yaml") -> dict[str, Any]:
     """Re-accept a deployment: soak-length acceptance, then every drill; publish the report."""
-    source = spec
-    try:
-        spec = load_deployment_spec(source)
-    except Exception as err:
-        diagnosis = diagnose_failure("spec", str(err), None, None, None)
-        publish_summary(spec_label(source), {}, "spec", f"{type(err).__name__}: {err}", diagnosis)
-        raise
+    spec = load_or_diagnose(spec)
     results: dict[str, Any] = {}
     step = "data"
     try:
