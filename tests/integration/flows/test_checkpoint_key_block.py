@@ -19,9 +19,13 @@ def test_the_secret_block_fills_the_checkpoint_key_only_when_the_environment_has
     assert "TDEPLOY_CHECKPOINT_KEY" not in os.environ
 
     Secret(value="block-key-0123456789abcdef").save(CHECKPOINT_KEY_BLOCK, overwrite=True)
-    assert checkpoint_key_from_secret_block() is True
-    assert os.environ["TDEPLOY_CHECKPOINT_KEY"] == "block-key-0123456789abcdef"
+    try:
+        assert checkpoint_key_from_secret_block() is True
+        assert os.environ["TDEPLOY_CHECKPOINT_KEY"] == "block-key-0123456789abcdef"
 
-    monkeypatch.setenv("TDEPLOY_CHECKPOINT_KEY", "operator-key-0123456789")
-    assert checkpoint_key_from_secret_block() is False  # the operator's own variable wins
-    assert os.environ["TDEPLOY_CHECKPOINT_KEY"] == "operator-key-0123456789"
+        monkeypatch.setenv("TDEPLOY_CHECKPOINT_KEY", "operator-key-0123456789")
+        assert checkpoint_key_from_secret_block() is False  # the operator's own variable wins
+        assert os.environ["TDEPLOY_CHECKPOINT_KEY"] == "operator-key-0123456789"
+    finally:
+        # Every later flow run of this test session would take the key from the block otherwise.
+        Secret.delete(CHECKPOINT_KEY_BLOCK)
