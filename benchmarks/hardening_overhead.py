@@ -1,8 +1,8 @@
 """What the issue-12 hardening costs, measured side by side in one run.
 
 - Checkpoint load: `CheckpointManager.load_latest` (allow-listed unpickler, COMMIT.json HMAC, sha256 of every
-  file, JSON checks) against a bare `dcp.load` of the same checkpoint (pickle, no checks); and the same with
-  TDEPLOY_CHECKPOINT_KEY set. Save with the key against save without it.
+  file, JSON checks) against a bare `dcp.load` of the same checkpoint (pickle, no checks); the same with
+  TDEPLOY_CHECKPOINT_KEY set, and without the sha256 pass. Save with the key against save without it.
 - Dataset open: `TokenDataset` on first use on this host (sizes, sha256 and token-id range of every shard), then
   with the host's trust marker present (sizes only), against a bare sha256 pass over the same files.
 - Spec read: `load_spec` of examples/local.yaml (bounded UTF-8 YAML without aliases, credential walk, every
@@ -67,11 +67,14 @@ def checkpoint_figures(work: Path, mb: int, repeats: int) -> dict[str, float]:
         manager = CheckpointManager(CheckpointConfig(url=str(url), keep_last=1), StorageConfig())
         step = iter(range(1, 10_000))
         out[f"save_s_{'signed' if signed else 'unsigned'}"] = timed(
-            lambda m=manager, s=step: m.save(next(s), model, optimizer, {"step": 0}), repeats
+            lambda m=manager, s=step: m.save((n := next(s)), model, optimizer, {"step": n}), repeats
         )
         out[f"load_s_{'signed' if signed else 'unsigned'}"] = timed(
             lambda m=manager: m.load_latest(model, optimizer), repeats
         )
+        if not signed:  # the allow-listed unpickler and JSON checks alone, without the sha256 pass
+            unverified = CheckpointManager(manager.cfg.model_copy(update={"verify_checksums": False}), StorageConfig())
+            out["load_s_unverified"] = timed(lambda m=unverified: m.load_latest(model, optimizer), repeats)
         newest = max(p for p in url.iterdir() if p.name.startswith("step-"))
         model_sd, optim_sd = get_state_dict(model, optimizer)
         out[f"bare_load_s_{'signed' if signed else 'unsigned'}"] = timed(
@@ -130,6 +133,10 @@ def main() -> None:
                 f"  {kind:8s} load {ck[f'load_s_{kind}']:.3f} s vs bare dcp.load {ck[f'bare_load_s_{kind}']:.3f} s: "
                 f"ratio {ck[f'bare_load_s_{kind}'] / ck[f'load_s_{kind}']:.2f} of bare speed"
             )
+        print(
+            f"  unsigned load without the sha256 pass {ck['load_s_unverified']:.3f} s: ratio "
+            f"{ck['bare_load_s_unsigned'] / ck['load_s_unverified']:.2f} of bare speed"
+        )
         print(f"  signed save / unsigned save: {ck['save_s_signed'] / ck['save_s_unsigned']:.3f} (time ratio)")
         ds = dataset_figures(work, args.repeats)
         print(f"dataset of {ds['MB']:.1f} MB:")
