@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 
+from tests.lease_race import race
 from training.lease import LEASE_FILE, Lease, LeaseHeld, LeaseLost, LeaseRecord
 from training.storage import StorageConfig, filesystem
 
@@ -36,32 +35,7 @@ def test_racing_takeovers_of_a_stale_s3_lease_have_exactly_one_winner(s3_endpoin
     stale._stop.set()  # its heartbeat stops, as a dead holder's would
     expired = stale.record.expires_unix_s + 1
     contenders = [Lease(url, storage, job_id=f"job-{i}", clock=lambda: expired) for i in range(3)]
-    everyone_read = threading.Barrier(len(contenders))
-    for lease in contenders:  # all read the stale record (and its ETag) before any of them writes
-        read, seen = lease._store.read, []
-
-        def read_together(read=read, seen=seen):  # noqa: ANN001, ANN202
-            current = read()
-            if not seen:
-                seen.append(True)
-                everyone_read.wait(timeout=30)
-            return current
-
-        lease._store.read = read_together
-    outcomes: list[object] = []
-
-    def contend(lease: Lease) -> None:
-        try:
-            outcomes.append(lease.acquire())
-        except LeaseHeld as err:
-            outcomes.append(err)
-
-    threads = [threading.Thread(target=contend, args=(lease,)) for lease in contenders]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=60)
-    winners = [o for o in outcomes if isinstance(o, Lease)]
+    outcomes, winners = race(contenders)
     try:
         assert len(outcomes) == 3 and len(winners) == 1
         assert _record(url, storage).job_id == winners[0].job_id

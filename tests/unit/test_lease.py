@@ -6,12 +6,12 @@ import dataclasses
 import logging
 import os
 import subprocess
-import threading
 import time
 from pathlib import Path
 
 import pytest
 
+from tests.lease_race import race
 from training import process
 from training.lease import LEASE_FILE, Lease, LeaseHeld, LeaseLost, LeaseRecord
 
@@ -118,32 +118,7 @@ def test_of_many_contenders_that_all_saw_a_stale_lease_exactly_one_wins(tmp_path
     pid, started = _dead_process()
     _plant(tmp_path, pid=pid, pid_start_time=started)
     contenders = [Lease(str(tmp_path), job_id=f"job-{i}") for i in range(4)]
-    everyone_read = threading.Barrier(len(contenders))
-    for lease in contenders:  # each reads the stale record, then waits until all have, before writing
-        read, seen = lease._store.read, []
-
-        def read_together(read=read, seen=seen):  # noqa: ANN001, ANN202
-            current = read()
-            if not seen:
-                seen.append(True)
-                everyone_read.wait(timeout=30)
-            return current
-
-        lease._store.read = read_together
-    outcomes: list[object] = []
-
-    def contend(lease: Lease) -> None:
-        try:
-            outcomes.append(lease.acquire())
-        except LeaseHeld as err:
-            outcomes.append(err)
-
-    threads = [threading.Thread(target=contend, args=(lease,)) for lease in contenders]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=60)
-    winners = [o for o in outcomes if isinstance(o, Lease)]
+    outcomes, winners = race(contenders)
     try:
         assert len(outcomes) == 4 and len(winners) == 1
         assert _holder(tmp_path).job_id == winners[0].job_id
