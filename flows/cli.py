@@ -20,6 +20,7 @@ from tasks.errors import DeployError, TransientError
 from tasks.image.build import IMAGE_JSON, ensure_image_for_spec
 from tasks.launch.local import TrainingFailed, run_local
 from tasks.nodes.check import run_node_checks, write_report
+from tasks.preflight import preflight
 from tasks.prepare.pipeline import PrepareResult, prepare_dataset
 from tasks.spec import DeploymentSpec, SpecError, load_spec
 from training.checkpoint import CheckpointFormatError
@@ -62,7 +63,9 @@ app = typer.Typer(
 
 def _load(spec: str) -> DeploymentSpec:
     try:
-        return load_spec(spec)
+        parsed = load_spec(spec)
+        preflight(parsed)
+        return parsed
     except TransientError as err:
         err_console.print(f"{spec}: {err}", markup=False, highlight=False)
         raise typer.Exit(1) from err

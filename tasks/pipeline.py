@@ -13,6 +13,7 @@ from prefect.artifacts import create_markdown_artifact
 from tasks.capacity.memory import GIB
 from tasks.diagnose import diagnose, diagnose_run
 from tasks.errors import retry_on_transient
+from tasks.preflight import preflight
 from tasks.spec import DeploymentSpec, SpecError, credential_problems, load_spec, parse_spec
 from training.checkpoint_trust import KEY_ENV as CHECKPOINT_KEY_ENV
 from training.secrets import redact
@@ -75,6 +76,7 @@ def load_deployment_spec(spec: SpecSource) -> DeploymentSpec:
             if credential_problems(spec):
                 _redact_flow_run_parameters()
             raise
+    preflight(parsed)
     if checkpoint_key_from_secret_block():
         get_run_logger().info("checkpoint signing key taken from the Prefect Secret block %r", CHECKPOINT_KEY_BLOCK)
     return parsed
