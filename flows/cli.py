@@ -408,26 +408,12 @@ def drill(
 @app.command()
 def run(spec: str = typer.Argument(..., help="Path or fsspec URL of a deployment spec (YAML).")) -> None:
     """Run the whole deploy-training flow on this machine (ephemeral Prefect; no server needed)."""
-    import os
+    from flows.runner import run_deployment
 
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
-    logging.getLogger("great_expectations").setLevel(logging.WARNING)
     parsed = _load(spec)  # a bad spec fails here, before Prefect starts
-    from prefect import tags
-
-    from flows.deploy import deploy_training
-    from tasks.launch.orphans import Supervisor, crash_orphaned_flow_runs
-
-    # An earlier `tdeploy run` killed outright could not end its flow run: say so in Prefect now.
-    for crashed in crash_orphaned_flow_runs():
-        err_console.print(crashed.describe(), markup=False, highlight=False)
-    with tags(Supervisor.current().tag()):  # how the next `tdeploy run` recognises this one if it is killed
-        state = deploy_training(parsed, return_state=True)
-    if not state.is_completed():
-        err_console.print(f"deploy-training {state.name}: {state.message}", markup=False)
-        raise typer.Exit(1)
-    console.print(f"deploy-training completed for {parsed.name}", style="green")
+    code = run_deployment(parsed)
+    if code:
+        raise typer.Exit(code)
 
 
 @app.command()
