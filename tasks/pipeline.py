@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -174,36 +175,135 @@ def _failure(error: str | None) -> str:
     return (lines[0][:300] + (" " + "; ".join(problems) if problems else ""))[:2000]
 
 
+VERDICTS = ("passed", "skipped", "FAILED", "not run")
+SUMMARY_JSON, SUMMARY_MD = "summary.json", "summary.md"  # in the reports folder
+
+
+def step_verdict(result: dict[str, Any]) -> str:
+    """`skipped` for a step that did not do its work (an image step on a machine without a builder), else `passed`."""
+    return "skipped" if result.get("status") == "skipped" else "passed"
+
+
+@dataclass
+class StepRow:
+    """One step of the summary: its verdict, its key figures (full text) and where its details are."""
+
+    step: str
+    title: str
+    verdict: str
+    figures: str
+    details: str
+
+
+@dataclass
+class RunSummary:
+    """What a deploy-training run did: one row per step, and the diagnosis of a failed one."""
+
+    name: str
+    failed_step: str | None
+    steps: list[StepRow]
+    error: str | None = None
+    diagnosis: dict[str, Any] | None = None
+
+    @property
+    def succeeded(self) -> bool:
+        """No step failed."""
+        return self.failed_step is None
+
+    @property
+    def findings(self) -> list[dict[str, Any]]:
+        """The diagnosis's findings (cause, evidence, fix), most likely first."""
+        return list((self.diagnosis or {}).get("findings") or [])
+
+    def to_json(self) -> dict[str, Any]:
+        """As a dict (summary.json)."""
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> RunSummary:
+        """Inverse of to_json."""
+        return cls(**{**data, "steps": [StepRow(**row) for row in data["steps"]]})
+
+    def markdown(self) -> str:
+        """The summary page: one row per step with its verdict, key figures and the detailed artifact's key."""
+        verdict = "failed" if self.failed_step else "succeeded"
+        lines = [
+            f"# Deployment `{self.name}`: {verdict}",
+            "",
+            "| step | verdict | key figures | details |",
+            "|---|---|---|---|",
+        ]
+        for row in self.steps:
+            status = "**FAILED**" if row.verdict == "FAILED" else row.verdict
+            lines.append(f"| {row.title} | {status} | {row.figures.replace('|', chr(92) + '|')} | {row.details} |")
+        if self.findings:
+            lines += ["", "## Diagnosis", ""]
+            lines += [f"- **{f['cause']}**: {f['fix']}" for f in self.findings]
+        return "\n".join(lines) + "\n"
+
+    def write(self, folder: str | Path) -> Path:
+        """summary.json (for programs) and summary.md (for people) in `folder`; the JSON's path."""
+        out = Path(folder)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / SUMMARY_MD).write_text(self.markdown())
+        path = out / SUMMARY_JSON
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(self.to_json(), indent=2, default=str))
+        tmp.replace(path)  # a reader never sees half a file
+        return path
+
+    @classmethod
+    def read(cls, folder: str | Path) -> RunSummary | None:
+        """The summary a run wrote into `folder`, if any."""
+        path = Path(folder) / SUMMARY_JSON
+        try:
+            return cls.from_json(json.loads(path.read_text()))
+        except FileNotFoundError:
+            return None
+
+
+
+def summarize(
+    name: str, results: dict[str, Any], failed_step: str | None, error: str | None, diagnosis: dict | None
+) -> RunSummary:
+    """The run's summary from the steps' results, the failed step and its error, and the diagnosis."""
+    rows = []
+    for step in STEPS:
+        if step in results:
+            verdict, figures = step_verdict(results[step]), _figures(step, results[step])
+        elif step == failed_step:
+            verdict, figures = "FAILED", _failure(error)
+        elif step == "spec":
+            verdict, figures = "passed", ""
+        else:
+            verdict, figures = "not run", ""
+        details = f"artifact `{ARTIFACTS[step]}`" if step != "spec" or step == failed_step else "-"
+        rows.append(StepRow(step, STEP_TITLES[step], verdict, figures, details))
+    return RunSummary(name, failed_step, rows, error, diagnosis)
+
+
 def summary_markdown(
     name: str, results: dict[str, Any], failed_step: str | None, error: str | None, diagnosis: dict | None
 ) -> str:
     """The summary page: one row per step with its verdict, key figures and the detailed artifact's key."""
-    verdict = "failed" if failed_step else "succeeded"
-    lines = [f"# Deployment `{name}`: {verdict}", "", "| step | verdict | key figures | details |", "|---|---|---|---|"]
-    for step in STEPS:
-        if step in results:
-            status, figures = "passed", _figures(step, results[step])
-        elif step == failed_step:
-            status, figures = "**FAILED**", _failure(error)
-        elif step == "spec":
-            status, figures = "passed", ""
-        else:
-            status, figures = "not run", ""
-        figures = figures.replace("|", "\\|")
-        details = f"artifact `{ARTIFACTS[step]}`" if step != "spec" or step == failed_step else "-"
-        lines.append(f"| {STEP_TITLES[step]} | {status} | {figures} | {details} |")
-    if diagnosis and diagnosis.get("findings"):
-        lines += ["", "## Diagnosis", ""]
-        lines += [f"- **{f['cause']}**: {f['fix']}" for f in diagnosis["findings"]]
-    return "\n".join(lines) + "\n"
+    return summarize(name, results, failed_step, error, diagnosis).markdown()
 
 
 @task(name="publish_summary")
 def publish_summary(
-    name: str, results: dict[str, Any], failed_step: str | None, error: str | None, diagnosis: dict | None
+    name: str,
+    results: dict[str, Any],
+    failed_step: str | None,
+    error: str | None,
+    diagnosis: dict | None,
+    reports_dir: str | None = None,
 ) -> str:
-    """One markdown page with every step's verdict, key figures and the detailed artifacts' keys."""
+    """One markdown page with every step's verdict, key figures and the detailed artifacts' keys; with
+    `reports_dir`, also summary.json and summary.md there (what `tdeploy run` prints at the end)."""
+    summary = summarize(name, results, failed_step, error, diagnosis)
+    markdown = summary.markdown()
     verdict = "failed" if failed_step else "succeeded"
-    markdown = summary_markdown(name, results, failed_step, error, diagnosis)
     create_markdown_artifact(key="deployment-summary", markdown=markdown, description=f"{name}: {verdict}")
+    if reports_dir is not None:
+        get_run_logger().info("summary: %s", summary.write(reports_dir))
     return markdown
