@@ -1,42 +1,53 @@
-"""`tdeploy`: the command line of transformer-deploy."""
+"""`tdeploy`: the command line of transformer-deploy.
+
+Only typer and rich load at import: `tdeploy --help` must answer at once, so every command imports the
+pipeline modules it needs (torch, Prefect, Great Expectations and the spec model among them) in its body.
+"""
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import logging
+import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from rich.text import Text
 from typer.core import TyperGroup
 
-from tasks.capacity.plan import plan_capacity, write_plan
-from tasks.capacity.report import format_self_check, rich_report
-from tasks.errors import DeployError, TransientError
-from tasks.image.build import IMAGE_JSON, ensure_image_for_spec
-from tasks.launch.local import TrainingFailed, run_local
-from tasks.nodes.check import run_node_checks, write_report
-from tasks.preflight import preflight
-from tasks.prepare.pipeline import PrepareResult, prepare_dataset
-from tasks.spec import DeploymentSpec, SpecError, load_spec
-from training.checkpoint import CheckpointFormatError
-from training.checkpoint_trust import CheckpointKeyError, UnsafeCheckpointError
-from training.dataset import DatasetError
-from training.lease import LeaseHeld
-from training.storage import local_path
+if TYPE_CHECKING:
+    from tasks.prepare.pipeline import PrepareResult
+    from tasks.spec import DeploymentSpec
 
 console = Console(soft_wrap=True)
 err_console = Console(stderr=True, soft_wrap=True)
 
 # Failures that a command reports as one line (exit 2: fix the input; exit 1: it may pass, run again), never as
 # a traceback: the pipeline's typed errors, storage errors, and the payload's refusals of untrusted input.
-_USER_FAILURES: tuple[type[BaseException], ...] = (
-    DeployError, SpecError, DatasetError, CheckpointFormatError, LeaseHeld, UnsafeCheckpointError, CheckpointKeyError,
+# Named by (module, class) so that the CLI need not import torch to know them: an exception of one of these
+# classes can only exist once its module is loaded, so the handler looks them up in sys.modules.
+_USER_FAILURES: tuple[tuple[str, str], ...] = (
+    ("tasks.errors", "DeployError"), ("tasks.spec", "SpecError"), ("training.dataset", "DatasetError"),
+    ("training.checkpoint", "CheckpointFormatError"), ("training.lease", "LeaseHeld"),
+    ("training.checkpoint_trust", "UnsafeCheckpointError"), ("training.checkpoint_trust", "CheckpointKeyError"),
 )  # fmt: skip
+
+SPEC_HELP = "Path or fsspec URL of a deployment spec (YAML)."
+
+
+def _loaded_user_failures() -> tuple[type[BaseException], ...]:
+    """The classes of _USER_FAILURES whose modules are loaded (the others cannot have been raised)."""
+    return tuple(getattr(sys.modules[module], name) for module, name in _USER_FAILURES if module in sys.modules)
+
+
+def _is_transient(err: BaseException) -> bool:
+    errors = sys.modules.get("tasks.errors")
+    return errors is not None and isinstance(err, errors.TransientError)
 
 
 class _Commands(TyperGroup):
@@ -45,23 +56,53 @@ class _Commands(TyperGroup):
     def invoke(self, ctx: click.Context) -> object:
         try:
             return super().invoke(ctx)
-        except _USER_FAILURES as err:
-            err_console.print(f"error: {err}", markup=False, highlight=False)
-            raise typer.Exit(1 if isinstance(err, TransientError) else 2) from err
-        except OSError as err:
-            where = f" {err.filename}" if getattr(err, "filename", None) else ""
-            err_console.print(f"error:{where} {err.strerror or err}; check the path and its permissions", markup=False)
-            raise typer.Exit(1) from err
+        except Exception as err:
+            if isinstance(err, _loaded_user_failures()):
+                err_console.print(f"error: {err}", markup=False, highlight=False)
+                raise typer.Exit(1 if _is_transient(err) else 2) from err
+            if isinstance(err, OSError):
+                where = f" {err.filename}" if getattr(err, "filename", None) else ""
+                err_console.print(
+                    f"error:{where} {err.strerror or err}; check the path and its permissions", markup=False
+                )
+                raise typer.Exit(1) from err
+            raise
 
 
-app = typer.Typer(
-    cls=_Commands,
-    help="Deploy Transformer training jobs: plan, check, build, prepare, submit, accept.",
-    no_args_is_help=True,
-)
+def _example(*lines: str) -> str:
+    """A help epilog with example invocations."""
+    return ("Example:" if len(lines) == 1 else "Examples:") + "\n\n" + "\n\n".join(f"  {line}" for line in lines)
+
+
+app = typer.Typer(cls=_Commands, no_args_is_help=True)
+
+
+def _print_version(value: bool) -> None:
+    if not value:
+        return
+    try:
+        version = importlib.metadata.version("transformer-deploy")
+    except importlib.metadata.PackageNotFoundError as err:
+        err_console.print("transformer-deploy is not installed; install it with `pip install -e .`", markup=False)
+        raise typer.Exit(2) from err
+    console.print(f"tdeploy {version}", markup=False, highlight=False)
+    raise typer.Exit()
+
+
+@app.callback(epilog=_example("tdeploy validate-spec examples/local.yaml", "tdeploy run examples/local.yaml"))
+def _root(
+    version: bool = typer.Option(
+        False, "--version", callback=_print_version, is_eager=True, help="Print the installed version and exit."
+    ),
+) -> None:
+    """Deploy Transformer training jobs: plan, check, build, prepare, submit, accept."""
 
 
 def _load(spec: str) -> DeploymentSpec:
+    from tasks.errors import TransientError
+    from tasks.preflight import preflight
+    from tasks.spec import SpecError, load_spec
+
     try:
         parsed = load_spec(spec)
         preflight(parsed)
@@ -76,17 +117,20 @@ def _load(spec: str) -> DeploymentSpec:
         raise typer.Exit(2) from err
 
 
-@app.command("validate-spec")
-def validate_spec(spec: str = typer.Argument(..., help="Path or fsspec URL of a deployment spec (YAML).")) -> None:
+@app.command("validate-spec", epilog=_example("tdeploy validate-spec examples/local.yaml"))
+def validate_spec(spec: str = typer.Argument(..., help=SPEC_HELP)) -> None:
     """Check a spec; print 'ok' and a summary, or every problem at once."""
     parsed = _load(spec)
     console.print("ok", style="green")
     console.print(parsed.summary(), markup=False, highlight=False)
 
 
-@app.command()
-def train(spec: str = typer.Argument(..., help="Path or fsspec URL of a deployment spec (YAML).")) -> None:
+@app.command(epilog=_example("tdeploy train examples/local.yaml"))
+def train(spec: str = typer.Argument(..., help=SPEC_HELP)) -> None:
     """Prepare the data if the spec says how, then run the training job on this machine under torchrun."""
+    from tasks.launch.local import TrainingFailed, run_local
+    from training.storage import local_path
+
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("great_expectations").setLevel(logging.WARNING)
     parsed = _load(spec)
@@ -97,11 +141,7 @@ def train(spec: str = typer.Argument(..., help="Path or fsspec URL of a deployme
             markup=False,
         )
         raise typer.Exit(2)
-    if parsed.data.prepare is not None:
-        prepared = _prepare_with_progress(parsed)
-        cfg = parsed.training_config(prepared.dataset_url, prepared.tokenizer_sha256)
-    else:
-        cfg = parsed.training_config()
+    cfg = _training_config_prepared(parsed)
     try:
         job = run_local(parsed.cluster, cfg, on_line=lambda line: console.print(line, markup=False, highlight=False))
     except TrainingFailed as err:
@@ -119,6 +159,11 @@ def train(spec: str = typer.Argument(..., help="Path or fsspec URL of a deployme
 
 def _prepare_with_progress(spec: DeploymentSpec) -> PrepareResult:
     """Run the data-preparation step with a progress bar; exits 2 on a user error, 1 on anything transient."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
+
+    from tasks.errors import DeployError, TransientError
+    from tasks.prepare.pipeline import prepare_dataset
+
     assert spec.data.prepare is not None
     with Progress(
         TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console
@@ -150,8 +195,8 @@ def _prepare_with_progress(spec: DeploymentSpec) -> PrepareResult:
     return result
 
 
-@app.command("prepare-data")
-def prepare_data(spec: str = typer.Argument(..., help="Path or fsspec URL of a deployment spec (YAML).")) -> None:
+@app.command("prepare-data", epilog=_example("tdeploy prepare-data examples/local.yaml"))
+def prepare_data(spec: str = typer.Argument(..., help=SPEC_HELP)) -> None:
     """Clean, tokenize, shard and validate the corpus of data.prepare (reuses a finished identical dataset)."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("great_expectations").setLevel(logging.WARNING)
@@ -162,21 +207,24 @@ def prepare_data(spec: str = typer.Argument(..., help="Path or fsspec URL of a d
     _prepare_with_progress(parsed)
 
 
-@app.command("build-image")
+@app.command("build-image", epilog=_example("tdeploy build-image examples/local.yaml --out runs/local/image"))
 def build_image(
-    spec: str = typer.Argument(..., help="Path or fsspec URL of a deployment spec (YAML)."),
-    record_dir: Path | None = typer.Option(
-        None, "--record-dir", help="Folder for image.json, build.log and the build context; default runs/<name>/image."
+    spec: str = typer.Argument(..., help=SPEC_HELP),
+    out: Path | None = typer.Option(
+        None, "--out", help="Folder for image.json, build.log and the build context; default runs/<name>/image."
     ),
 ) -> None:
     """Build and push the training image unless its content-addressed tag exists; write image.json."""
+    from tasks.errors import DeployError, TransientError
+    from tasks.image.build import IMAGE_JSON, ensure_image_for_spec
+
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     parsed = _load(spec)
     if parsed.image is None:
         console.print("image: null in the spec: no image to build", markup=False)
         return
     try:
-        result = ensure_image_for_spec(parsed, record_dir)
+        result = ensure_image_for_spec(parsed, out)
     except DeployError as err:
         err_console.print(f"build-image failed: {err}", markup=False, highlight=False)
         raise typer.Exit(1 if isinstance(err, TransientError) else 2) from err
@@ -189,16 +237,17 @@ def build_image(
     console.print(f"record {Path(result.record_dir) / IMAGE_JSON}", markup=False, highlight=False)
 
 
-@app.command("check-nodes")
+@app.command("check-nodes", epilog=_example("tdeploy check-nodes examples/local.yaml --out runs/local"))
 def check_nodes(
-    spec: str = typer.Argument(..., help="Path or fsspec URL of a deployment spec (YAML)."),
-    report: Path | None = typer.Option(
-        None,
-        "--report",
-        help="Where to write the JSON report (and the playbook log beside it); default runs/<name>/node-check.json.",
+    spec: str = typer.Argument(..., help=SPEC_HELP),
+    out: Path | None = typer.Option(
+        None, "--out", help="Folder for node-check.json and the playbook log (node-check.log); default runs/<name>."
     ),
 ) -> None:
     """Check that the nodes are consistent, reachable and ready; exit 1 on any blocking finding."""
+    from tasks.errors import DeployError
+    from tasks.nodes.check import run_node_checks, write_report
+
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     parsed = _load(spec)
     try:
@@ -206,7 +255,7 @@ def check_nodes(
     except DeployError as err:
         err_console.print(f"check-nodes could not run: {err}", markup=False, highlight=False)
         raise typer.Exit(2) from err
-    path = write_report(result, report or Path("runs") / parsed.name / "node-check.json")
+    path = write_report(result, (out or Path("runs") / parsed.name) / "node-check.json")
     table = Table("check", "severity", "values", "finding / fix", show_lines=True)
     style = {"ok": "green", "warning": "yellow", "blocking": "red"}
     for row in result.table():
@@ -220,9 +269,9 @@ def check_nodes(
         raise typer.Exit(1)
 
 
-@app.command()
+@app.command(epilog=_example("tdeploy submit examples/local.yaml --wait"))
 def submit(
-    spec: str = typer.Argument(..., help="Path or fsspec URL of a deployment spec (YAML)."),
+    spec: str = typer.Argument(..., help=SPEC_HELP),
     wait: bool = typer.Option(False, "--wait", help="Stream the job's log and wait until it ends."),
     image: str | None = typer.Option(None, "--image", help="Image reference to run (default: none, bare metal)."),
 ) -> None:
@@ -230,17 +279,14 @@ def submit(
 
     The job runs on its own: stopping this command (also with --wait) leaves it running; `tdeploy cancel` stops it.
     """
+    from tasks.errors import DeployError, TransientError
     from tasks.launch.base import JobState, wait_for
     from tasks.launch.slurm import SlurmLauncher
     from tasks.launch.submit import submit as submit_job
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     parsed = _load(spec)
-    if parsed.data.prepare is not None:
-        prepared = _prepare_with_progress(parsed)
-        cfg = parsed.training_config(prepared.dataset_url, prepared.tokenizer_sha256)
-    else:
-        cfg = parsed.training_config()
+    cfg = _training_config_prepared(parsed)
     try:
         launcher, handle = submit_job(parsed.cluster, cfg, parsed.name, image, parsed.cluster.env, supervised=False)
     except DeployError as err:
@@ -260,9 +306,10 @@ def submit(
         raise typer.Exit(1)
 
 
-@app.command()
+@app.command(epilog=_example("tdeploy status slurm:1234", "tdeploy status runs/local/output"))
 def status(job: str = typer.Argument(..., help="Job reference (scheduler:id) or the run's output folder.")) -> None:
     """Show a submitted job's state, with the scheduler's own state and reason."""
+    from tasks.errors import DeployError
     from tasks.launch.base import find_job
     from tasks.launch.submit import launcher_for
 
@@ -275,9 +322,10 @@ def status(job: str = typer.Argument(..., help="Job reference (scheduler:id) or 
     console.print(f"{handle.ref}: {current.describe()}", markup=False, highlight=False)
 
 
-@app.command()
+@app.command(epilog=_example("tdeploy cancel slurm:1234"))
 def cancel(job: str = typer.Argument(..., help="Job reference (scheduler:id) or the run's output folder.")) -> None:
     """Cancel a submitted job and every process it started."""
+    from tasks.errors import DeployError
     from tasks.launch.base import find_job
     from tasks.launch.submit import launcher_for
 
@@ -291,9 +339,9 @@ def cancel(job: str = typer.Argument(..., help="Job reference (scheduler:id) or 
     console.print(f"{handle.ref}: cancel requested", markup=False, highlight=False)
 
 
-@app.command("plan")
+@app.command("plan", epilog=_example("tdeploy plan examples/local.yaml", "tdeploy plan examples/local.yaml --json"))
 def plan(
-    spec: str = typer.Argument(..., help="Path or fsspec URL of a deployment spec (YAML)."),
+    spec: str = typer.Argument(..., help=SPEC_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print plan.json to stdout instead of the table."),
     out: str | None = typer.Option(
         None, "--out", help="Folder for plan.json; default capacity.output_url, else runs/<name>."
@@ -303,6 +351,9 @@ def plan(
     ),
 ) -> None:
     """Estimate memory, time and communication, search the layouts; exit 1 if the requested one does not fit."""
+    from tasks.capacity.plan import plan_capacity, write_plan
+    from tasks.capacity.report import format_self_check, rich_report
+
     parsed = _load(spec)
     result = plan_capacity(
         parsed.name, parsed.capacity, parsed.cluster, parsed.model, parsed.parallel, parsed.precision, parsed.run
@@ -348,20 +399,25 @@ def _print_acceptance(report, root: Path) -> None:  # noqa: ANN001 - AcceptanceR
     console.print(f"verdict: {verdict}; " + ", ".join(str(p) for p in written), markup=False, highlight=False)
 
 
-@app.command()
+_WORKSPACE_HELP = "Folder for the runs and reports (acceptance.json, junit.xml, loss_curve.png); default: the spec's."
+
+
+@app.command(epilog=_example("tdeploy accept examples/local.yaml --drills --out runs/local/acceptance"))
 def accept(
-    spec: str = typer.Argument(..., help="Path or fsspec URL of a deployment spec (YAML)."),
+    spec: str = typer.Argument(..., help=SPEC_HELP),
     drills: bool = typer.Option(False, "--drills", help="Also run every checkpoint-restore drill."),
     soak: bool = typer.Option(False, "--soak", help="Use acceptance.soak_steps for the stability run."),
     image: str | None = typer.Option(None, "--image", help="Image reference the jobs run in."),
+    out: Path | None = typer.Option(None, "--out", help=_WORKSPACE_HELP),
 ) -> None:
     """Accept the deployment along six dimensions; exit 1 when any fails."""
     from tasks.acceptance.suite import run_acceptance, work_dir
+    from tasks.errors import DeployError
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     parsed = _load(spec)
     cfg = _training_config_prepared(parsed)
-    root = work_dir(parsed.acceptance, cfg)
+    root = out or work_dir(parsed.acceptance, cfg)
     try:
         report = run_acceptance(
             parsed.cluster, cfg, parsed.acceptance, root, parsed.cluster.env, image, soak, parsed.drills, drills
@@ -374,16 +430,18 @@ def accept(
         raise typer.Exit(1)
 
 
-@app.command()
+@app.command(epilog=_example("tdeploy drill examples/local.yaml --only rank_kill --out runs/local/drills"))
 def drill(
-    spec: str = typer.Argument(..., help="Path or fsspec URL of a deployment spec (YAML)."),
+    spec: str = typer.Argument(..., help=SPEC_HELP),
     only: list[str] | None = typer.Option(None, "--only", help="Run just this drill (repeatable)."),
     image: str | None = typer.Option(None, "--image", help="Image reference the jobs run in."),
+    out: Path | None = typer.Option(None, "--out", help=_WORKSPACE_HELP),
 ) -> None:
     """Run the checkpoint-restore drills; exit 1 when one fails."""
     from tasks.acceptance.config import DRILLS
     from tasks.acceptance.drills import DrillContext, run_drills
     from tasks.acceptance.suite import AcceptanceReport, work_dir
+    from tasks.errors import DeployError
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     parsed = _load(spec)
@@ -392,7 +450,7 @@ def drill(
         err_console.print(f"--only {unknown[0]}: no such drill; use one of {list(DRILLS)}", markup=False)
         raise typer.Exit(2)
     cfg = _training_config_prepared(parsed)
-    root = work_dir(parsed.acceptance, cfg) / "drills"
+    root = out or work_dir(parsed.acceptance, cfg) / "drills"
     ctx = DrillContext(parsed.cluster, cfg, root, parsed.acceptance, parsed.drills, parsed.cluster.env, image)
     try:
         results = run_drills(ctx, only)
@@ -405,8 +463,8 @@ def drill(
         raise typer.Exit(1)
 
 
-@app.command()
-def run(spec: str = typer.Argument(..., help="Path or fsspec URL of a deployment spec (YAML).")) -> None:
+@app.command(epilog=_example("tdeploy run examples/local.yaml"))
+def run(spec: str = typer.Argument(..., help=SPEC_HELP)) -> None:
     """Run the whole deploy-training flow on this machine (ephemeral Prefect; no server needed)."""
     from flows.runner import run_deployment
 
@@ -416,7 +474,7 @@ def run(spec: str = typer.Argument(..., help="Path or fsspec URL of a deployment
         raise typer.Exit(code)
 
 
-@app.command()
+@app.command(epilog=_example("tdeploy diagnose runs/local/output"))
 def diagnose(
     run_dir: Path = typer.Argument(..., help="A run's output folder (train.log, metrics/), or an acceptance run's."),
 ) -> None:
