@@ -97,7 +97,7 @@ def test_cli_builds_or_reports_exactly_why_not(image_store: Path, tmp_path: Path
     runner = CliRunner()
     # The first run builds unless an earlier test built this tag already; the second finds it either way.
     for expected in ({"built", "cached"}, {"cached"}):
-        out = runner.invoke(app, ["build-image", str(spec_file), "--record-dir", str(tmp_path / "rec")])
+        out = runner.invoke(app, ["build-image", str(spec_file), "--out", str(tmp_path / "rec")])
         assert out.exit_code == 0, out.output
         record = json.loads((tmp_path / "rec" / "image.json").read_text())
         assert record["status"] in expected and f"{record['status']}: " in out.output
@@ -106,12 +106,12 @@ def test_cli_builds_or_reports_exactly_why_not(image_store: Path, tmp_path: Path
 
     missing = {**cfg, "base_image": "localhost/tdeploy-test/not-there:1"}
     spec_file.write_text(json.dumps(make_spec(tmp_path, missing, scheduler="slurm").model_dump(mode="json")))
-    out = runner.invoke(app, ["build-image", str(spec_file), "--record-dir", str(tmp_path / "rec")])
+    out = runner.invoke(app, ["build-image", str(spec_file), "--out", str(tmp_path / "rec")])
     assert (
         out.exit_code == 2 and "build-image failed: image.base_image=localhost/tdeploy-test/not-there:1" in out.output
     )
 
     spec_file.write_text(json.dumps(make_spec(tmp_path, missing, scheduler="local").model_dump(mode="json")))
-    out = runner.invoke(app, ["build-image", str(spec_file), "--record-dir", str(tmp_path / "rec")])
+    out = runner.invoke(app, ["build-image", str(spec_file), "--out", str(tmp_path / "rec")])
     assert out.exit_code == 0 and "skipped: image.base_image=localhost/tdeploy-test/not-there:1" in out.output
     assert "the local run uses the current environment instead" in out.output

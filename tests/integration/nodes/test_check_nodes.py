@@ -73,15 +73,15 @@ def test_cli_with_an_existing_inventory_exits_1_naming_hosts_and_fix(consistent:
         },
     )
     (tmp_path / "spec.yaml").write_text(yaml.safe_dump(spec))
-    out = CliRunner().invoke(app, ["check-nodes", str(tmp_path / "spec.yaml"), "--report", str(tmp_path / "r.json")])
+    out = CliRunner().invoke(app, ["check-nodes", str(tmp_path / "spec.yaml"), "--out", str(tmp_path)])
     assert out.exit_code == 1, out.output
     assert "2 node(s) NOT ready (blocking on node-a, node-b)" in out.output
-    report = json.loads((tmp_path / "r.json").read_text())
+    report = json.loads((tmp_path / "node-check.json").read_text())
     assert report["hosts"] == ["node-a", "node-b"], "only the hosts of the pattern, in inventory order"
     (row,) = [r for r in report["rows"] if r["severity"] == "blocking"]
     assert row["check"] == f"storage {consistent.scratch}"
     assert "needs 1e+09 GB" in row["finding"] and "with at least 1e+09 GB free" in row["remediation"]
-    assert (tmp_path / "r.log").read_text().count("PLAY RECAP") == 1
+    assert (tmp_path / "node-check.log").read_text().count("PLAY RECAP") == 1
 
 
 def test_host_with_a_different_python_is_blocking_drift_with_both_values(faulty: FaultyRun) -> None:

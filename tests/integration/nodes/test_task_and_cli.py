@@ -72,12 +72,10 @@ def test_task_publishes_the_table_and_retries_unreachable_nodes_but_never_findin
 
 
 def test_cli_checks_the_embedded_default_spec_on_localhost(tmp_path: Path) -> None:
-    out = CliRunner().invoke(
-        app, ["check-nodes", str(REPO / "examples" / "local.yaml"), "--report", str(tmp_path / "local.json")]
-    )
+    out = CliRunner().invoke(app, ["check-nodes", str(REPO / "examples" / "local.yaml"), "--out", str(tmp_path)])
     assert out.exit_code == 0, out.output
     assert "1 node(s) ready: 0 blocking" in out.output
-    report = json.loads((tmp_path / "local.json").read_text())
+    report = json.loads((tmp_path / "node-check.json").read_text())
     assert report["ok"] is True and report["hosts"] == ["localhost"]
 
 
