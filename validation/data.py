@@ -11,6 +11,7 @@ import os
 import shutil
 import tempfile
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any
 
 from pydantic import Field
@@ -59,6 +60,41 @@ class FailedExpectation:
 
 
 @dataclass
+class ExpectationOutcome:
+    """One expectation as evaluated: what it asked, what was observed, and whether it held."""
+
+    expectation: str
+    column: str | None
+    kwargs: dict[str, Any]
+    observed: Any
+    success: bool
+
+
+@dataclass
+class SuiteRun:
+    """One validation: a suite run on one table, with its rows per dataset split and its time (UTC, ISO 8601)."""
+
+    suite: str
+    rows_per_split: dict[str, int]
+    run_time: str
+    outcomes: list[ExpectationOutcome]
+
+    @property
+    def success(self) -> bool:
+        """Every expectation held."""
+        return all(o.success for o in self.outcomes)
+
+    @property
+    def failed(self) -> list[FailedExpectation]:
+        """The expectations that did not hold."""
+        return [
+            FailedExpectation(self.suite, o.expectation, o.column, o.kwargs, o.observed)
+            for o in self.outcomes
+            if not o.success
+        ]
+
+
+@dataclass
 class SuiteReport:
     """Outcome of the suites that ran."""
 
@@ -95,6 +131,27 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
+def _outcome(item: Any) -> ExpectationOutcome:
+    """Our record of one GE expectation result; `observed` is the observed value or the unexpected counts."""
+    config = item.expectation_config
+    kwargs = {k: _jsonable(v) for k, v in config.kwargs.items() if k != "batch_id"}
+    observed = item.result.get("observed_value")
+    if observed is None:
+        observed = {
+            "unexpected_count": item.result.get("unexpected_count"),
+            "element_count": item.result.get("element_count"),
+            "examples": item.result.get("partial_unexpected_list", [])[:5],
+        }
+    return ExpectationOutcome(config.type, kwargs.get("column"), kwargs, _jsonable(observed), bool(item.success))
+
+
+def _rows_per_split(dataframe: Any) -> dict[str, int]:
+    """Rows of the validated table per dataset split; `all` for a table read before the split."""
+    if "split" not in dataframe.columns:
+        return {"all": len(dataframe)}
+    return {str(k): int(v) for k, v in dataframe["split"].value_counts(sort=False).sort_index().items()}
+
+
 class SuiteRunner:
     """One ephemeral Great Expectations context; suites are registered once and run with new dataframes.
 
@@ -121,6 +178,8 @@ class SuiteRunner:
         )
         self.source = self.context.data_sources.add_pandas("tdeploy")
         self._definitions: dict[str, Any] = {}
+        self.runs: list[SuiteRun] = []
+        """Every validation run so far, in order (the offline report renders these)."""
 
     def run(self, name: str, dataframe: Any, expectations: list[Any]) -> tuple[int, list[FailedExpectation]]:
         """Run suite `name` on `dataframe`; each distinct set of expectations gets its own suite."""
@@ -138,21 +197,12 @@ class SuiteRunner:
                 self.gx.ValidationDefinition(name=key, data=batch, suite=suite)
             )
             self._definitions[key] = definition
+        run_time = datetime.now(UTC).isoformat(timespec="seconds")
         result = definition.run(batch_parameters={"dataframe": dataframe})
-        failed = []
-        for item in result.results:
-            if item.success:
-                continue
-            config = item.expectation_config
-            kwargs = {k: _jsonable(v) for k, v in config.kwargs.items() if k != "batch_id"}
-            observed = item.result.get("observed_value")
-            if observed is None:
-                observed = {
-                    "unexpected_count": item.result.get("unexpected_count"),
-                    "examples": item.result.get("partial_unexpected_list", [])[:5],
-                }
-            failed.append(FailedExpectation(name, config.type, kwargs.get("column"), kwargs, _jsonable(observed)))
-        return len(result.results), failed
+        outcomes = [_outcome(item) for item in result.results]
+        run = SuiteRun(name, _rows_per_split(dataframe), run_time, outcomes)
+        self.runs.append(run)
+        return len(outcomes), run.failed
 
     def build_docs(self) -> str:
         """Render the Data Docs site of every suite run so far; returns its folder."""

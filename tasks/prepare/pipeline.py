@@ -19,7 +19,9 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
+from posixpath import relpath
 from typing import Any
 
 from tasks.errors import TransientError, UserError, is_connection_error
@@ -40,6 +42,9 @@ Progress = Callable[[str, int, int | None], None]
 PREPARE_FILE = "prepare.json"
 VALIDATION_FILE = "validation/validation.json"
 DATA_DOCS_DIR = "validation/data_docs"
+"""Great Expectations' own Data Docs (their styling and scripts come from CDNs)."""
+REPORT_DIR = "validation/report"
+"""The offline report: `index.html` and one page per validation; `data_docs_url` points at its index."""
 
 
 class DataValidationError(UserError):
@@ -68,6 +73,7 @@ class PrepareResult:
     validation: dict[str, Any]
     validation_url: str
     data_docs_url: str
+    """Index of the offline report (self-contained pages); GE's own Data Docs are in DATA_DOCS_DIR beside it."""
     seconds: dict[str, float] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
@@ -195,15 +201,32 @@ def _validate_dataset(
     return SuiteReport(success=not failed, evaluated=evaluated, failed=failed)
 
 
-def _publish_validation(url: str, storage: StorageConfig, report: Any, runner: Any) -> tuple[str, str]:
+def _publish_validation(
+    url: str, storage: StorageConfig, report: Any, runner: Any, manifest: DatasetManifest
+) -> tuple[str, str]:
+    """Write validation.json, the offline report and GE's Data Docs beside the dataset.
+
+    Returns the URLs of validation.json and of the offline report's index.
+    """
+    from validation.data_report import INDEX, ReportContext, render_pages
+
     fs, root = filesystem(url, storage)
     report_path = join(root, VALIDATION_FILE)
     write_bytes_atomic(fs, report_path, json.dumps(report.to_json(), indent=2, default=str).encode())
     docs_local = runner.build_docs()
     docs_path = join(root, DATA_DOCS_DIR)
     fs.put(docs_local.rstrip("/") + "/", docs_path, recursive=True)
+    context = ReportContext(
+        dataset_url=url,
+        splits={name: {"docs": s.n_docs, "tokens": s.n_tokens} for name, s in manifest.splits.items()},
+        generated_at=datetime.now(UTC).isoformat(timespec="seconds"),
+        ge_docs_href=f"{relpath(DATA_DOCS_DIR, REPORT_DIR)}/index.html",
+    )
+    pages_path = join(root, REPORT_DIR)
+    for name, page in render_pages(runner.runs, context).items():
+        write_bytes_atomic(fs, join(pages_path, name), page.encode())
     prefix = f"{url.split('://', 1)[0]}://" if "://" in url else ""
-    return prefix + report_path, prefix + join(docs_path, "index.html")
+    return prefix + report_path, prefix + join(pages_path, INDEX)
 
 
 def prepare_dataset(
@@ -350,7 +373,7 @@ def _finish(
     if runner is not None:
         t0 = time.perf_counter()
         report = _validate_dataset(cfg, url, storage, runner, document_report)
-        report_url, docs_url = _publish_validation(url, storage, report, runner)
+        report_url, docs_url = _publish_validation(url, storage, report, runner, manifest)
         validation = report.to_json()
         seconds["validate_dataset"] = time.perf_counter() - t0
         if not report.success:
