@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from rich.console import Group
@@ -15,7 +16,22 @@ from tasks.capacity.search import Evaluation, explain_win, ranked
 
 
 def _gib(nbytes: float) -> str:
-    return f"{nbytes / GIB:.3g}"
+    """Bytes as GiB with two decimals: 0.05, 12.34, 1,234.56."""
+    return f"{nbytes / GIB:,.2f}"
+
+
+def _sig(value: float, digits: int = 3) -> str:
+    """`value` to `digits` significant digits in plain notation with thousands separators: 0.0123, 1.23, 1,230."""
+    if value == 0 or not math.isfinite(value):
+        return f"{value:g}"
+    rounded = float(f"{value:.{digits}g}")
+    decimals = max(0, digits - 1 - math.floor(math.log10(abs(rounded))))
+    return f"{rounded:,.{decimals}f}"
+
+
+def _count(value: float) -> str:
+    """A count with thousands separators: 1,234,567."""
+    return f"{value:,.0f}"
 
 
 def memory_rows(ev: Evaluation) -> list[tuple[str, str]]:
@@ -40,57 +56,76 @@ def _summary_lines(plan: CapacityPlan) -> list[str]:
     pc_total = count_params(plan.arch).total
     days = plan.steps * ev.step_seconds / 86400
     return [
-        f"{plan.name}: {pc_total:,} parameters on {plan.cluster.nodes} x {plan.cluster.procs_per_node} {acc.name} "
-        f"({acc.memory_gib:g} GiB each); {plan.precision.recipe} precision",
+        f"{plan.name}: {_count(pc_total)} parameters on {plan.cluster.nodes} x {plan.cluster.procs_per_node} "
+        f"{acc.name} ({acc.memory_gib:,.2f} GiB each); {plan.precision.recipe} precision",
         f"layout {ev.layout.describe()}: {'fits' if ev.fits else 'DOES NOT FIT'}, peak at {ev.memory.phase}",
-        f"step {ev.step_seconds:.4g} s (compute {ev.compute_seconds:.4g} s, exposed communication "
-        f"{ev.comm.exposed_seconds:.4g} s, bubble {ev.comm.bubble_seconds:.4g} s), MFU {ev.mfu:.1%}; "
-        f"{plan.train_tokens:.3g} tokens = {plan.steps:,.0f} steps = {days:.3g} days",
-        f"communication/compute ratio {ev.comm.ratio_to_compute:.2f}; inference KV cache "
-        f"{plan.kv_cache_bytes / GIB:.3g} GiB for {ev.layout.micro_batch} x {plan.arch.seq_len} tokens",
+        f"step {_sig(ev.step_seconds)} s (compute {_sig(ev.compute_seconds)} s, exposed communication "
+        f"{_sig(ev.comm.exposed_seconds)} s, bubble {_sig(ev.comm.bubble_seconds)} s), MFU {ev.mfu:.1%}; "
+        f"{_count(plan.train_tokens)} tokens = {_count(plan.steps)} steps = {_sig(days)} days",
+        f"communication/compute ratio {_sig(ev.comm.ratio_to_compute)}; inference KV cache "
+        f"{_gib(plan.kv_cache_bytes)} GiB for {ev.layout.micro_batch} x {_count(plan.arch.seq_len)} tokens",
     ]
 
 
+_FITTING_COLUMNS = ("layout", "GiB per GPU", "step s", "MFU", "why")
+_MISSES_COLUMNS = ("layout", "GiB per GPU", "why not")
+
+
+def _fitting_rows(plan: CapacityPlan) -> list[tuple[str, str, str, str, str]]:
+    """The fastest layouts that fit, with why each ranks where it does."""
+    rows = []
+    for ev, nxt in ranked(plan.search.fitting):
+        why = "; ".join(explain_win(ev, nxt))
+        rows.append((ev.layout.describe(), _gib(ev.memory.total), _sig(ev.step_seconds), f"{ev.mfu:.1%}", why))
+    return rows
+
+
+def _miss_rows(plan: CapacityPlan) -> list[tuple[str, str, str]]:
+    """The nearest layouts that do not fit, with what to attack."""
+    return [(ev.layout.describe(), _gib(ev.memory.total), ev.why_not()) for ev in plan.search.rejected[:3]]
+
+
 def rich_report(plan: CapacityPlan) -> Group:
-    """Summary, memory breakdown of the requested layout, and the best and nearest-miss layouts."""
+    """Summary, memory breakdown of the requested layout, the fastest layouts that fit and the nearest misses."""
     memory = Table("component", "GiB per GPU", title="memory of the requested layout", title_justify="left")
     for name, value in memory_rows(plan.requested):
         memory.add_row(name, value, style="bold" if name == "total" else None)
-    layouts = Table(
-        "layout", "GiB", "step s", "MFU", "why", title="layouts that fit, fastest first", title_justify="left"
-    )
-    for ev, nxt in ranked(plan.search.fitting):
-        layouts.add_row(
-            ev.layout.describe(), _gib(ev.memory.total), f"{ev.step_seconds:.4g}", f"{ev.mfu:.1%}",
-            Text("; ".join(explain_win(ev, nxt))),
-        )  # fmt: skip
-    for ev in plan.search.rejected[:3]:
-        layouts.add_row(Text(ev.layout.describe(), style="red"), _gib(ev.memory.total), "-", "-", Text(ev.why_not()))
     parts: list[Text | Table] = [Text(line) for line in _summary_lines(plan)]
-    parts += [memory, layouts]
+    parts.append(memory)
+    if plan.search.fitting:
+        layouts = Table(*_FITTING_COLUMNS, title="layouts that fit, fastest first", title_justify="left")
+        for row in _fitting_rows(plan):
+            layouts.add_row(*(Text(cell) for cell in row))
+        parts.append(layouts)
+    else:
+        parts.append(Text("no layout fits", style="red"))
+    if plan.search.rejected:
+        misses = Table(*_MISSES_COLUMNS, title="nearest layouts that do not fit", title_justify="left")
+        for layout, gib, why in _miss_rows(plan):
+            misses.add_row(Text(layout, style="red"), Text(gib), Text(why))
+        parts.append(misses)
     parts.append(
         Text(
-            f"searched {plan.search.evaluated:,} layouts in {plan.search.seconds:.3f} s; "
-            f"{plan.search.fitting_count:,} fit"
+            f"searched {_count(plan.search.evaluated)} layouts in {_sig(plan.search.seconds)} s; "
+            f"{_count(plan.search.fitting_count)} fit"
         )
     )
     parts += [Text(f"warning: {w}", style="yellow") for w in plan.warnings]
     return Group(*parts)
 
 
+def _markdown_table(columns: tuple[str, ...], rows: list[tuple[str, ...]]) -> list[str]:
+    return [f"| {' | '.join(columns)} |", "|" + "---|" * len(columns)] + [f"| {' | '.join(row)} |" for row in rows]
+
+
 def markdown_report(plan: CapacityPlan) -> str:
     """The same content as markdown (for a Prefect artifact)."""
     lines = [f"# Capacity plan: {plan.name}", ""] + [f"- {line}" for line in _summary_lines(plan)]
-    lines += ["", "| component | GiB per GPU |", "|---|---|"]
-    lines += [f"| {name} | {value} |" for name, value in memory_rows(plan.requested)]
-    lines += ["", "| layout | GiB | step s | MFU | why |", "|---|---|---|---|---|"]
-    for ev, nxt in ranked(plan.search.fitting):
-        why = "; ".join(explain_win(ev, nxt))
-        lines.append(
-            f"| {ev.layout.describe()} | {_gib(ev.memory.total)} | {ev.step_seconds:.4g} | {ev.mfu:.1%} | {why} |"
-        )
-    for ev in plan.search.rejected[:3]:
-        lines.append(f"| {ev.layout.describe()} (does not fit) | {_gib(ev.memory.total)} | - | - | {ev.why_not()} |")
+    lines += ["", *_markdown_table(("component", "GiB per GPU"), memory_rows(plan.requested))]
+    lines += ["", "## Layouts that fit, fastest first", ""]
+    lines += _markdown_table(_FITTING_COLUMNS, _fitting_rows(plan)) if plan.search.fitting else ["No layout fits."]
+    if plan.search.rejected:
+        lines += ["", "## Nearest layouts that do not fit", "", *_markdown_table(_MISSES_COLUMNS, _miss_rows(plan))]
     lines += [""] + [f"**warning**: {w}" for w in plan.warnings]
     return "\n".join(lines) + "\n"
 
