@@ -32,12 +32,16 @@ class NodeCheckFailed(UserError):
 
 
 class NodesUnreachable(TransientError):
-    """Only connection failures (host down, sshd hung or restarting): worth another try."""
+    """Only connection failures that may pass (timeout, connection reset): worth another try."""
 
-    def __init__(self, report: NodeReport, report_path: Path | None) -> None:
+    def __init__(self, report: NodeReport, report_path: Path | None, retries_left: int = 0) -> None:
         where = f"see {report_path}" if report_path else "see the report"
-        super().__init__(_failure_message(report), f"retrying; if it persists, apply the fixes above ({where})")
-        self.report, self.hosts = report, report.blocking_hosts
+        if retries_left > 0:
+            fix = f"retrying ({retries_left} more attempt(s)); if it persists, apply the fixes above ({where})"
+        else:
+            fix = f"no retry left: apply the fixes above ({where}) and check again"
+        super().__init__(_failure_message(report), fix)
+        self.report, self.hosts, self.retries_left = report, report.blocking_hosts, retries_left
 
 
 def run_node_checks(nodes: NodesConfig, cluster: ClusterConfig) -> NodeReport:
@@ -65,10 +69,13 @@ def write_report(report: NodeReport, path: str | Path) -> Path:
     return path
 
 
-def raise_for_blocking(report: NodeReport, report_path: Path | None = None) -> None:
-    """NodesUnreachable when every blocking finding is a connection failure; NodeCheckFailed for any other."""
+def raise_for_blocking(report: NodeReport, report_path: Path | None = None, retries_left: int = 0) -> None:
+    """NodesUnreachable when every blocking finding may pass by itself; NodeCheckFailed for any other.
+
+    `retries_left` is how many more attempts follow, so that the message says "retrying" only when one does.
+    """
     if report.ok:
         return
     if all(row.transient for row in report.blocking):
-        raise NodesUnreachable(report, report_path)
+        raise NodesUnreachable(report, report_path, retries_left)
     raise NodeCheckFailed(report, report_path)

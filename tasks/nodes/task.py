@@ -7,6 +7,7 @@ from typing import Any
 
 from prefect import get_run_logger, task
 from prefect.artifacts import create_table_artifact
+from prefect.context import TaskRunContext
 
 from tasks.cluster import ClusterConfig
 from tasks.errors import retry_on_transient
@@ -34,7 +35,7 @@ def check_nodes(
         logger.warning("%s: %s; fix: %s", row.check, row.finding, row.remediation)
     for row in report.blocking:
         logger.error("%s: %s; fix: %s", row.check, row.finding, row.remediation)
-    raise_for_blocking(report, Path(path))
+    raise_for_blocking(report, Path(path), _retries_left())
     return {
         "ok": report.ok,
         "hosts": report.hosts,
@@ -42,3 +43,11 @@ def check_nodes(
         "report_path": str(path),
         "elapsed_s": round(report.elapsed_s, 3),
     }
+
+
+def _retries_left() -> int:
+    """How many more attempts Prefect makes after this one if it fails with a TransientError."""
+    ctx = TaskRunContext.get()
+    if ctx is None:
+        return 0
+    return max(0, (ctx.task.retries or 0) - (ctx.task_run.run_count - 1))
