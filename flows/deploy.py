@@ -14,16 +14,26 @@ from typing import Any
 from prefect import flow
 from prefect.cache_policies import INPUTS, TASK_SOURCE
 
-from tasks.acceptance.suite import work_dir
+from tasks.acceptance.suite import workspace_root
 from tasks.acceptance.task import run_acceptance, run_drills
 from tasks.capacity.plan import plan_location
 from tasks.capacity.task import estimate_capacity
 from tasks.image.build import uses_s3
 from tasks.image.task import build_image
 from tasks.launch.task import submit_job
+from tasks.logs import install_user_error_filter
 from tasks.nodes.task import check_nodes
-from tasks.pipeline import SpecSource, diagnose_failure, load_deployment_spec, publish_summary, spec_label
+from tasks.pipeline import (
+    STEP_TITLES,
+    STEPS,
+    SpecSource,
+    diagnose_failure,
+    load_deployment_spec,
+    publish_summary,
+    spec_label,
+)
 from tasks.prepare.task import prepare_data
+from tasks.progress import report
 from tasks.spec import DeploymentSpec
 
 _CACHED = {"cache_policy": INPUTS + TASK_SOURCE, "persist_result": True, "cache_expiration": timedelta(days=7)}
@@ -45,20 +55,28 @@ def load_or_diagnose(source: SpecSource) -> DeploymentSpec:
 @flow(name="deploy-training", description="Deploy a Transformer training job from its spec, step by step.")
 def deploy_training(spec: SpecSource = "examples/local.yaml") -> dict[str, Any]:
     """Run the whole deployment sequence for one spec (a DeploymentSpec, its data, or a path/URL of its YAML)."""
+    install_user_error_filter()
+    report("deploy", STEP_TITLES["spec"], 0, len(STEPS))
     spec = load_or_diagnose(spec)
     results: dict[str, Any] = {}
     step = "capacity"
+
+    def begin(name: str) -> str:
+        report("deploy", STEP_TITLES[name], STEPS.index(name), len(STEPS))
+        return name
+
     try:
+        begin(step)
         results["capacity"] = plan_step(
             spec.name, spec.capacity, spec.cluster, spec.model, spec.parallel, spec.precision, spec.run
         )
-        step = "nodes"
+        step = begin("nodes")
         results["nodes"] = check_nodes(spec.nodes, spec.cluster, f"{spec.reports_dir}/node-check.json")
-        step = "image"
+        step = begin("image")
         results["image"] = image_step(
             spec.image, f"{spec.reports_dir}/image", uses_s3(spec), spec.cluster.scheduler == "local", spec.digest()
         )
-        step = "data"
+        step = begin("data")
         if spec.data.prepare is not None:
             results["data"] = data_step(spec.data.prepare, spec.storage)
             train = spec.training_config(results["data"]["dataset_url"], results["data"]["tokenizer_sha256"])
@@ -66,13 +84,13 @@ def deploy_training(spec: SpecSource = "examples/local.yaml") -> dict[str, Any]:
             results["data"] = {"dataset_url": spec.data.dataset_url, "reused": True, "splits": {}}
             train = spec.training_config()
         image = results["image"].get("reference_by_digest") if results["image"].get("pushed") else None
-        step = "job"
+        step = begin("job")
         results["job"] = submit_job(spec.cluster, train, spec.name, image, env=spec.cluster.env)
-        root = str(work_dir(spec.acceptance, train))
-        step = "acceptance"
+        root = workspace_root(spec.acceptance, train)  # this run's own acceptance workspace: nothing resumes
+        step = begin("acceptance")
         results["acceptance"] = run_acceptance(spec.cluster, train, spec.acceptance, root, image, drills=spec.drills)
-        step = "drills"
-        results["drills"] = run_drills(spec.cluster, train, spec.acceptance, spec.drills, f"{root}/drills", image=image)
+        step = begin("drills")
+        results["drills"] = run_drills(spec.cluster, train, spec.acceptance, spec.drills, root, image=image)
     except Exception as err:
         run_dir = results.get("job", {}).get("output_dir") or getattr(getattr(err, "handle", None), "output_dir", None)
         diagnosis = diagnose_failure(
@@ -84,5 +102,6 @@ def deploy_training(spec: SpecSource = "examples/local.yaml") -> dict[str, Any]:
         )
         publish_summary(spec.name, results, step, f"{type(err).__name__}: {err}", diagnosis)
         raise
+    report("deploy", "done", len(STEPS), len(STEPS))
     publish_summary(spec.name, results, None, None, None)
     return results

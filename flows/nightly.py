@@ -7,34 +7,47 @@ from typing import Any
 from prefect import flow
 
 from flows.deploy import load_or_diagnose
-from tasks.acceptance.suite import work_dir
+from tasks.acceptance.suite import workspace_root
 from tasks.acceptance.task import run_acceptance, run_drills
-from tasks.pipeline import SpecSource, diagnose_failure, publish_summary
+from tasks.logs import install_user_error_filter
+from tasks.pipeline import STEP_TITLES, SpecSource, diagnose_failure, publish_summary
 from tasks.prepare.task import prepare_data
+from tasks.progress import report
+
+STEPS = ("spec", "data", "acceptance", "drills")
 
 
 @flow(name="nightly-validation", description="Acceptance with a stability soak, and the checkpoint-restore drills.")
 def nightly_validation(spec: SpecSource = "examples/local.yaml") -> dict[str, Any]:
     """Re-accept a deployment: soak-length acceptance, then every drill; publish the report."""
+    install_user_error_filter()
+    report("nightly", STEP_TITLES["spec"], 0, len(STEPS))
     spec = load_or_diagnose(spec)
     results: dict[str, Any] = {}
     step = "data"
+
+    def begin(name: str) -> str:
+        report("nightly", STEP_TITLES[name], STEPS.index(name), len(STEPS))
+        return name
+
     try:
+        begin(step)
         if spec.data.prepare is not None:
             results["data"] = prepare_data(spec.data.prepare, spec.storage)  # reuses the finished dataset
             train = spec.training_config(results["data"]["dataset_url"], results["data"]["tokenizer_sha256"])
         else:
             train = spec.training_config()
-        root = str(work_dir(spec.acceptance, train)) + "-nightly"
-        step = "acceptance"
+        root = workspace_root(spec.acceptance, train, nightly=True)  # a fresh workspace per night
+        step = begin("acceptance")
         results["acceptance"] = run_acceptance(
             spec.cluster, train, spec.acceptance, root, soak=True, drills=spec.drills
         )
-        step = "drills"
-        results["drills"] = run_drills(spec.cluster, train, spec.acceptance, spec.drills, f"{root}/drills")
+        step = begin("drills")
+        results["drills"] = run_drills(spec.cluster, train, spec.acceptance, spec.drills, root)
     except Exception as err:
         diagnosis = diagnose_failure(step, str(err), None, None, None)
         publish_summary(spec.name, results, step, f"{type(err).__name__}: {err}", diagnosis)
         raise
+    report("nightly", "done", len(STEPS), len(STEPS))
     publish_summary(spec.name, results, None, None, None)
     return results

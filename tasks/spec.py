@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import re
 from pathlib import Path
 from typing import Any
 
@@ -34,12 +35,52 @@ from training.config import (
     training_problems,
 )
 from training.secrets import REDACTED, credential_message, find_credentials
-from training.storage import StorageConfig, is_local
+from training.storage import LocalPath, StorageConfig, is_local
 
 MAX_SPEC_BYTES = 1 << 20
 """A spec is a few kB; anything past 1 MiB is the wrong file (or an attack on the parser)."""
 MAX_SPEC_DEPTH = 32
 """Deepest nesting of mappings and lists a spec may have (the schema needs 5)."""
+
+
+NAME_PATTERN = r"^[a-z0-9][a-z0-9-]{0,62}$"
+RUNS_DIR = "runs"
+"""Deployment folders go under runs/<name>/ (relative to where tdeploy runs) unless deployment_dir says otherwise."""
+_UNNAMED = "unnamed"
+"""Stands in for an invalid name while deriving paths, so the spec fails on the name alone."""
+
+
+def derived_paths(data: dict[str, Any]) -> dict[str, Any]:
+    """Raw spec data with every path the deployment's folder implies filled in where the spec omits it.
+
+    The folder is deployment_dir, else runs/<name>: run.output_url (output/), checkpoint.url (checkpoints/),
+    data.prepare.output_url (datasets/), capacity.output_url (plan.json) and acceptance.work_url (acceptance/).
+    """
+    name = data.get("name")
+    folder = data.get("deployment_dir")
+    if folder is None:
+        valid = isinstance(name, str) and re.fullmatch(NAME_PATTERN, name) is not None
+        folder = f"{RUNS_DIR}/{name if valid else _UNNAMED}"
+    if not isinstance(folder, str):
+        return data  # the field's own validation reports it
+    base = folder.rstrip("/")
+    out = {**data, "deployment_dir": folder}
+    targets = [
+        ("run", "output_url", f"{base}/output", False),
+        ("checkpoint", "url", f"{base}/checkpoints", False),
+        ("capacity", "output_url", base, True),
+        ("acceptance", "work_url", f"{base}/acceptance", True),
+    ]
+    for section, key, value, optional_section in targets:
+        current = out.get(section, {} if optional_section else None)
+        if isinstance(current, dict) and current.get(key) is None:
+            out[section] = {**current, key: value}
+    data_section = out.get("data")
+    if isinstance(data_section, dict) and isinstance(data_section.get("prepare"), dict):
+        prepare = data_section["prepare"]
+        if prepare.get("output_url") is None:
+            out["data"] = {**data_section, "prepare": {**prepare, "output_url": f"{base}/datasets"}}
+    return out
 
 
 class SpecError(ValueError):
@@ -53,7 +94,13 @@ class SpecError(ValueError):
 class DeploymentSpec(StrictModel):
     """A whole deployment: cluster, model, parallelism, precision, optimizer, data, checkpoints, run, storage."""
 
-    name: str = Field(pattern=r"^[a-z0-9][a-z0-9-]{0,62}$", description="Deployment name (lowercase, digits, -).")
+    name: str = Field(pattern=NAME_PATTERN, description="Deployment name (lowercase, digits, -).")
+    deployment_dir: LocalPath = Field(
+        default=f"{RUNS_DIR}/{_UNNAMED}",
+        description="This deployment's folder: every report (plan.json, node-check.json, image/, acceptance/) "
+        "and, where the spec omits them, run.output_url (output/), checkpoint.url (checkpoints/) and "
+        "data.prepare.output_url (datasets/); default runs/<name> (relative to where tdeploy runs).",
+    )
     cluster: ClusterConfig
     model: ModelConfig
     parallel: ParallelConfig
@@ -76,6 +123,11 @@ class DeploymentSpec(StrictModel):
         default_factory=AcceptanceConfig, description="Acceptance tests (tdeploy accept): thresholds and run lengths."
     )
     drills: DrillConfig = Field(default_factory=DrillConfig, description="Checkpoint-restore drills (tdeploy drill).")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _derive_paths(cls, data: Any) -> Any:
+        return derived_paths(data) if isinstance(data, dict) else data
 
     @model_validator(mode="after")
     def _consistent(self) -> DeploymentSpec:
@@ -107,7 +159,8 @@ class DeploymentSpec(StrictModel):
                     ("run", "output_url"),
                     self.run.output_url,
                     f"cluster.scheduler={scheduler} writes the run's logs and metrics to a folder on {where}; "
-                    f"use a path such as runs/{self.name}/output (object stores suit checkpoint.url)",
+                    f"use a path such as {self.deployment_dir}/output, or remove it to get that default "
+                    "(object stores suit checkpoint.url)",
                 )
             )
         if par.data_parallel is not None and par.data_parallel != world:
@@ -156,10 +209,8 @@ class DeploymentSpec(StrictModel):
 
     @property
     def reports_dir(self) -> str:
-        """Where pipeline reports go (node checks, image record): beside run.output_url, else runs/<name>."""
-        if "://" in self.run.output_url and not self.run.output_url.startswith("file://"):
-            return f"runs/{self.name}"
-        return str(Path(self.run.output_url.removeprefix("file://")).parent)
+        """The one folder of this deployment's reports: plan.json, node-check.json, image/, acceptance/."""
+        return self.deployment_dir.removeprefix("file://").rstrip("/") or "/"
 
     def digest(self) -> str:
         """sha256 of the normalised spec (for cache keys and labels)."""

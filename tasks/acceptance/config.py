@@ -31,7 +31,16 @@ class AcceptanceConfig(StrictModel):
         default=None, ge=10, le=MAX_STEPS, description="Nightly: a longer stability run; None = steps."
     )
     work_url: LocalPath | None = Field(
-        default=None, description="Local folder for acceptance runs; None = 'acceptance' beside run.output_url."
+        default=None,
+        description="Local folder for the acceptance run workspaces (<work_url>/<run-id>/, latest.json); "
+        "None = <deployment_dir>/acceptance (runs/<name>/acceptance).",
+    )
+    keep_runs: int = Field(
+        default=3,
+        ge=1,
+        le=1000,
+        description="Run workspaces kept under work_url (the current one and the latest finished one included); "
+        "older ones are deleted when a new run starts.",
     )
     bit_identical_recovery: bool = Field(
         default=True, description="Recovery must reproduce the uninterrupted losses bit for bit (deterministic CPU)."

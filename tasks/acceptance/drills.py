@@ -21,6 +21,7 @@ from tasks.acceptance.outage import TcpProxy
 from tasks.acceptance.workspace import Job, RunOutcome, first_step_time_after, last_step, single_process, variant
 from tasks.cluster import ClusterConfig
 from tasks.errors import UserError
+from tasks.progress import report
 from training.checkpoint import CheckpointManager, step_dir_name
 from training.config import TrainConfig
 from validation.acceptance import DimensionResult, check_recovery, latest_by_step, read_jsonl
@@ -71,8 +72,10 @@ class DrillContext:
         env: dict[str, str] | None = None,
         image: str | None = None,
         reference: RunOutcome | None = None,
+        progress_step: str = "drills",
     ) -> None:
         self.cluster, self.root, self.acceptance = cluster, root, acceptance
+        self.progress_step = progress_step
         self.drills = drills or DrillConfig()
         self.env, self.image = env or {}, image
         self.base = variant(
@@ -88,15 +91,15 @@ class DrillContext:
     def reference(self) -> RunOutcome:
         """The same job, never interrupted (run on first use)."""
         if self._reference is None:
-            job = Job(self.cluster, self.train("drill-reference"), "drill-reference", self.env, self.image)
+            job = self.job(self.train("drill-reference"), "drill-reference")
             self._reference = job.wait(self.acceptance.job_timeout_s)
             if not self._reference.ok:
                 raise UserError(f"the drills' reference run failed: {self._reference.status.describe()}", "see its log")
         return self._reference
 
     def job(self, train: TrainConfig, name: str, cluster: ClusterConfig | None = None) -> Job:
-        """Submit a drill job."""
-        return Job(cluster or self.cluster, train, name, self.env, self.image)
+        """Submit a drill job (its training steps reported as progress of `progress_step`)."""
+        return Job(cluster or self.cluster, train, name, self.env, self.image, self.progress_step, name)
 
     def recovery(
         self, resumed: RunOutcome, checkpoint_step: int | None, bit_identical: bool | None = None
@@ -332,11 +335,10 @@ def run_drills(ctx: DrillContext, only: list[str] | None = None,
                on_result: Callable[[DrillResult], None] | None = None) -> list[DrillResult]:  # fmt: skip
     """Run the chosen drills (all by default) and return their results."""
     chosen = only if only is not None else (ctx.drills.only if ctx.drills.only is not None else list(DRILLS))
+    names = [name for name in DRILLS if name in chosen]
     results = []
-    for name in DRILLS:
-        if name not in chosen:
-            continue
-        log.info("drill %s", name)
+    for k, name in enumerate(names):
+        report(ctx.progress_step, f"drill {name}", k, len(names))
         if name == "rank_kill":
             result = drill_rank_kill(ctx)[0]
         else:
@@ -349,4 +351,6 @@ def run_drills(ctx: DrillContext, only: list[str] | None = None,
         results.append(result)
         if on_result:
             on_result(result)
+    if names:
+        report(ctx.progress_step, "drills done", len(names), len(names))
     return results

@@ -9,8 +9,17 @@ from typing import Any
 
 from tasks.acceptance.config import DRILLS, AcceptanceConfig, DrillConfig
 from tasks.acceptance.drills import DrillContext, DrillResult, drill_rank_kill, run_drills
-from tasks.acceptance.workspace import Job, RunOutcome, single_process, variant
+from tasks.acceptance.workspace import (
+    Job,
+    RunOutcome,
+    new_run_id,
+    open_workspace,
+    single_process,
+    variant,
+    workspace_base,
+)
 from tasks.cluster import ClusterConfig
+from tasks.progress import report
 from training.config import TrainConfig
 from training.dataset import TokenDataset
 from validation.acceptance import (
@@ -49,11 +58,14 @@ class AcceptanceReport:
         }
 
 
+def workspace_root(acceptance: AcceptanceConfig, train: TrainConfig, nightly: bool = False) -> str:
+    """A new run workspace's root, <work_url>/<run-id> (nothing is created: `open_workspace` does that)."""
+    return str(workspace_base(acceptance.work_url, train.run.output_url, nightly) / new_run_id())
+
+
 def work_dir(acceptance: AcceptanceConfig, train: TrainConfig) -> Path:
-    """Where acceptance runs write: acceptance.work_url, or 'acceptance' beside run.output_url."""
-    if acceptance.work_url:
-        return Path(acceptance.work_url)
-    return Path(train.run.output_url).resolve().parent / "acceptance"
+    """A fresh, empty run workspace for `tdeploy accept` / `tdeploy drill` (older ones pruned); its root."""
+    return open_workspace(workspace_root(acceptance, train), acceptance.keep_runs).root
 
 
 def run_acceptance(
@@ -73,8 +85,9 @@ def run_acceptance(
     dist_train = variant(
         train, root, "distributed", run={"steps": steps}, checkpoint={"save_every_steps": acceptance.save_every_steps}
     )
-    log.info("acceptance: distributed run of %d steps", steps)
-    dist = Job(cluster, dist_train, "accept-distributed", env, image).wait(
+    phase = f"{'stability soak' if soak and acceptance.soak_steps else 'distributed run'} ({cluster.world_size} ranks)"
+    report("acceptance", phase, 0, steps)
+    dist = Job(cluster, dist_train, "accept-distributed", env, image, phase=phase).wait(
         acceptance.job_timeout_s, limits.stall_timeout_s
     )
     one, sections = single_process(cluster, train)
@@ -84,8 +97,10 @@ def run_acceptance(
         "checkpoint": {"save_every_steps": None, "save_at_end": False},
     }
     ref_train = variant(train, root, "reference", **sections)
-    log.info("acceptance: single-process reference of %d steps", acceptance.reference_steps)
-    reference = Job(one, ref_train, "accept-reference", env, image).wait(acceptance.job_timeout_s)
+    phase = "single-process reference"
+    report("acceptance", phase, 0, acceptance.reference_steps)
+    reference = Job(one, ref_train, "accept-reference", env, image, phase=phase).wait(acceptance.job_timeout_s)
+    report("acceptance", "judging connectivity, correctness, performance, stability, data consistency")
     dimensions = judge(cluster, dist_train, acceptance, dist, reference)
     ctx = DrillContext(
         cluster,
@@ -96,9 +111,11 @@ def run_acceptance(
         env,
         image,
         reference=dist if steps == acceptance.steps and dist.ok else None,
+        progress_step="acceptance",
     )
     drill_results: list[DrillResult] = []
     if dist.ok:
+        report("acceptance", "recovery: rank_kill drill")
         kill, recovery = drill_rank_kill(ctx)
         drill_results.append(kill)
     else:

@@ -14,6 +14,7 @@ from tasks.acceptance.drills import run_drills as run_drill_list
 from tasks.acceptance.report import plot_losses, table_rows, write_json, write_junit
 from tasks.acceptance.suite import AcceptanceReport
 from tasks.acceptance.suite import run_acceptance as run_acceptance_suite
+from tasks.acceptance.workspace import Workspace, mark_latest, open_workspace
 from tasks.cluster import ClusterConfig
 from tasks.errors import UserError, retry_on_transient
 from training.config import TrainConfig
@@ -23,15 +24,19 @@ class AcceptanceFailed(UserError):
     """A dimension or drill failed; the report says which and what to look at first."""
 
 
-def publish(report: AcceptanceReport, root: Path, key: str) -> dict[str, Any]:
-    """Write acceptance.json, junit.xml and the loss plot; publish the table; return a small summary."""
+def publish(report: AcceptanceReport, root: Path, key: str, workspace: Workspace | None = None) -> dict[str, Any]:
+    """Write acceptance.json, junit.xml and the loss plot into `root`; publish the table; point latest.json at
+    `workspace` (once the reports exist); return a small summary."""
     paths = {
         "json": str(write_json(report, root / "acceptance.json")),
         "junit": str(write_junit(report, root / "junit.xml")),
         "plot": str(plot_losses(report, root / "loss_curve.png")) if report.runs else None,
     }
     create_table_artifact(key=key, table=table_rows(report), description=f"verdict: {report.to_json()['verdict']}")
-    return {"verdict": report.to_json()["verdict"], "files": paths, "report": report.to_json()}
+    summary = {"verdict": report.to_json()["verdict"], "files": paths, "report": report.to_json(), "root": str(root)}
+    if workspace is not None:
+        summary["latest"] = str(mark_latest(workspace))
+    return summary
 
 
 @task(name="run_acceptance", retries=1, retry_delay_seconds=30, retry_condition_fn=retry_on_transient)
@@ -46,10 +51,13 @@ def run_acceptance(
     with_drills: bool = False,
     env: dict[str, str] | None = None,
 ) -> dict[str, Any]:
-    """Run the acceptance suite (optionally with the drills); fails when any dimension fails."""
+    """Run the acceptance suite (optionally with the drills) in the fresh run workspace `root`
+    (see `workspace_root`); fails when any dimension fails."""
     logger = get_run_logger()
-    report = run_acceptance_suite(cluster, train, acceptance, Path(root), env, image, soak, drills, with_drills)
-    summary = publish(report, Path(root), "acceptance")
+    workspace = open_workspace(root, acceptance.keep_runs)
+    logger.info("acceptance workspace %s", workspace.root)
+    report = run_acceptance_suite(cluster, train, acceptance, workspace.root, env, image, soak, drills, with_drills)
+    summary = publish(report, workspace.root, "acceptance", workspace)
     for row in table_rows(report):
         logger.info("%s: %s %s", row["check"], row["verdict"], row["look first"])
     if not report.passed:
@@ -71,12 +79,15 @@ def run_drills(
     image: str | None = None,
     env: dict[str, str] | None = None,
 ) -> dict[str, Any]:
-    """Run the checkpoint-restore drills; fails when a drill fails."""
+    """Run the checkpoint-restore drills under `root`/drills of a run workspace (the acceptance step's, or a
+    new one); fails when a drill fails."""
     logger = get_run_logger()
-    ctx = DrillContext(cluster, train, Path(root), acceptance, drills, env, image)
+    workspace = open_workspace(root, acceptance.keep_runs, "drills")
+    logger.info("drills workspace %s", workspace.drills)
+    ctx = DrillContext(cluster, train, workspace.drills, acceptance, drills, env, image)
     results = run_drill_list(ctx, only, on_result=lambda r: logger.info("drill %s: %s %s", r.name, r.passed, r.message))
     report = AcceptanceReport([], results, {})
-    summary = publish(report, Path(root), "drills")
+    summary = publish(report, workspace.drills, "drills", workspace)
     if any(r.passed is False for r in results):
         failed = [r.name for r in results if r.passed is False]
         raise AcceptanceFailed(f"drills failed: {', '.join(failed)}", f"see {summary['files']['json']}")

@@ -1,27 +1,161 @@
-"""Runs of the acceptance suite and the drills: config variants, watched jobs, killing a rank."""
+"""Runs of the acceptance suite and the drills: per-run workspaces, config variants, watched jobs, killing a rank.
+
+Every acceptance (or drill) invocation writes into a fresh workspace `<base>/<run-id>/` (drills under
+`<run-id>/drills/`), so no job ever resumes from an earlier invocation's checkpoints. The run id sorts by
+time (UTC, microseconds) and ends in a random suffix. `latest.json` beside the workspaces (and the `latest`
+symlink) name the last run whose reports were written; older workspaces beyond `keep_runs` are pruned.
+"""
 
 from __future__ import annotations
 
 import json
 import logging
 import os
+import re
+import secrets
+import shutil
 import signal
 import socket
 import subprocess
+import tempfile
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from tasks.cluster import ClusterConfig
 from tasks.errors import TransientError, UserError
 from tasks.launch.base import JobHandle, JobState, JobStatus
 from tasks.launch.submit import submit
+from tasks.progress import report
 from training.config import TrainConfig
 from validation.acceptance import latest_by_step, read_jsonl
 
 log = logging.getLogger(__name__)
+
+LATEST = "latest.json"
+"""Beside the run workspaces: the last run whose reports were written (see `mark_latest`, `latest_run`)."""
+LATEST_LINK = "latest"
+"""A symlink beside the run workspaces to the same run, for people (`ls runs/<name>/acceptance/latest/`)."""
+RUN_ID = re.compile(r"^\d{8}T\d{6}\.\d{6}Z-[0-9a-f]{6}$")
+_last_time = datetime.min.replace(tzinfo=UTC)
+_id_lock = threading.Lock()
+
+
+def new_run_id(now: datetime | None = None) -> str:
+    """A unique run id that sorts by time: `20260102T030405.123456Z-1a2b3c` (later ids of a process sort later)."""
+    global _last_time
+    with _id_lock:
+        stamp = max(now or datetime.now(UTC), _last_time + timedelta(microseconds=1))
+        _last_time = stamp
+    return f"{stamp.strftime('%Y%m%dT%H%M%S.%f')}Z-{secrets.token_hex(3)}"
+
+
+@dataclass(frozen=True)
+class Workspace:
+    """One acceptance invocation's folder: `root` = base/run_id, the drills' jobs and reports under `drills`."""
+
+    base: Path
+    run_id: str
+
+    @property
+    def root(self) -> Path:
+        """base/run_id: the acceptance jobs and acceptance.json, junit.xml, loss_curve.png."""
+        return self.base / self.run_id
+
+    @property
+    def drills(self) -> Path:
+        """root/drills: the drill jobs and the drills' reports."""
+        return self.root / "drills"
+
+    @classmethod
+    def at(cls, root: str | Path) -> Workspace:
+        """The workspace whose root is `root` (a path `workspace_root` returned)."""
+        path = Path(root)
+        if not RUN_ID.match(path.name):
+            raise ValueError(f"{path}: not a run workspace (its name must be a run id such as {new_run_id()})")
+        return cls(path.parent, path.name)
+
+
+def workspace_base(work_url: str | None, output_url: str, nightly: bool = False) -> Path:
+    """Where run workspaces go: acceptance.work_url (the spec sets it to <deployment_dir>/acceptance), else
+    'acceptance' beside run.output_url (an AcceptanceConfig used on its own); the nightly runs under nightly/."""
+    if work_url:
+        base = Path(work_url.removeprefix("file://")).resolve()
+    else:
+        base = Path(output_url.removeprefix("file://")).resolve().parent / "acceptance"
+    return base / "nightly" if nightly else base
+
+
+def run_workspaces(base: Path) -> list[Path]:
+    """The run workspaces under `base`, oldest first."""
+    if not base.is_dir():
+        return []
+    return sorted(p for p in base.iterdir() if RUN_ID.match(p.name) and p.is_dir() and not p.is_symlink())
+
+
+def prune_workspaces(base: Path, keep: int, current: Path) -> list[Path]:
+    """Delete all but the newest `keep` run workspaces; never `current` nor the one latest.json names."""
+    protected = {current.resolve()}
+    latest = latest_run(base)
+    if latest is not None:
+        protected.add(latest.resolve())
+    others = [p for p in run_workspaces(base) if p.resolve() not in protected]
+    room = max(0, keep - len(protected))
+    doomed = others[: max(0, len(others) - room)]
+    for path in doomed:
+        log.info("pruning acceptance workspace %s (acceptance.keep_runs=%d)", path, keep)
+        shutil.rmtree(path)
+    return doomed
+
+
+def _fresh(path: Path) -> None:
+    if path.exists():  # a retry of the same step: start it over, never resume from the failed attempt
+        shutil.rmtree(path)
+    path.mkdir(parents=True)
+
+
+def open_workspace(root: str | Path, keep: int, part: Literal["acceptance", "drills"] = "acceptance") -> Workspace:
+    """Make `root` (base/run_id) ready for a step: acceptance empties the whole workspace, drills only its
+    drills folder (the acceptance reports beside it stay); older workspaces beyond `keep` are pruned."""
+    workspace = Workspace.at(root)
+    if part == "acceptance":
+        _fresh(workspace.root)
+    else:
+        workspace.root.mkdir(parents=True, exist_ok=True)
+        _fresh(workspace.drills)
+    prune_workspaces(workspace.base, keep, workspace.root)
+    return workspace
+
+
+def mark_latest(workspace: Workspace) -> Path:
+    """Point latest.json (and the `latest` symlink) at `workspace`, atomically; call once its reports exist."""
+    record = {
+        "run_id": workspace.run_id,
+        "root": str(workspace.root),
+        "finished_at": datetime.now(UTC).isoformat(timespec="seconds"),
+    }
+    fd, tmp = tempfile.mkstemp(dir=workspace.base, prefix=".latest-", suffix=".json")
+    with os.fdopen(fd, "w") as handle:
+        json.dump(record, handle, indent=2)
+    os.replace(tmp, workspace.base / LATEST)
+    link_tmp = workspace.base / f".latest-{workspace.run_id}"
+    link_tmp.unlink(missing_ok=True)
+    link_tmp.symlink_to(workspace.run_id, target_is_directory=True)
+    os.replace(link_tmp, workspace.base / LATEST_LINK)
+    return workspace.base / LATEST
+
+
+def latest_run(base: Path) -> Path | None:
+    """The root of the last run whose reports were written (latest.json), or None before the first."""
+    path = base / LATEST
+    if not path.exists():
+        return None
+    run_id = json.loads(path.read_text())["run_id"]
+    return base / run_id if RUN_ID.match(run_id) else None
 
 
 def _merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
@@ -99,12 +233,20 @@ def last_step(output_dir: Path) -> int:
 
 
 class Job:
-    """A submitted acceptance or drill job, watched for progress."""
+    """A submitted acceptance or drill job, watched for progress (reported as `step`: `phase`, k of n steps)."""
 
     def __init__(
-        self, cluster: ClusterConfig, train: TrainConfig, name: str, env: dict[str, str] | None, image: str | None
+        self,
+        cluster: ClusterConfig,
+        train: TrainConfig,
+        name: str,
+        env: dict[str, str] | None,
+        image: str | None,
+        step: str = "acceptance",
+        phase: str | None = None,
     ) -> None:
         self.cluster, self.train = cluster, train
+        self.progress_step, self.phase = step, phase or name
         self.launcher, self.handle = submit(cluster, train, name, image, env)
         self.output_dir = Path(self.handle.output_dir)
 
@@ -119,6 +261,8 @@ class Job:
         """Until it ends; a job without step progress for stall_timeout_s is cancelled and reported as a hang."""
         deadline = time.monotonic() + timeout_s
         progress_at, seen = time.monotonic(), last_step(self.output_dir)
+        total = self.train.run.stop_after_steps or self.train.run.steps
+        report(self.progress_step, self.phase, seen, total, quiet=True)
         while True:
             status = self.status()
             if status.state.terminal:
@@ -126,6 +270,7 @@ class Job:
             step = last_step(self.output_dir)
             if step != seen:
                 progress_at, seen = time.monotonic(), step
+                report(self.progress_step, self.phase, step, total, quiet=True)
             elif stall_timeout_s and seen > 0 and time.monotonic() - progress_at > stall_timeout_s:
                 log.warning("job %s made no progress for %.0fs after step %d: cancelling it", self.handle.ref,
                             stall_timeout_s, seen)  # fmt: skip

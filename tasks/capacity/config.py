@@ -125,7 +125,9 @@ class CapacityConfig(StrictModel):
     max_micro_batch: int = Field(
         default=64, ge=1, le=MAX_BATCH, description="Largest micro-batch the plan search tries."
     )
-    output_url: StorageUrl | None = Field(default=None, description="Folder for plan.json; None = runs/<name>/.")
+    output_url: StorageUrl | None = Field(
+        default=None, description="Folder for plan.json; None = the spec's deployment_dir (runs/<name>/)."
+    )
 
     def accelerator_overrides(self) -> dict[str, dict[str, object]]:
         """The overrides as plain dictionaries."""

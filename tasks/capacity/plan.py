@@ -283,7 +283,8 @@ def plan_capacity(
 
 
 def plan_location(name: str, capacity: CapacityConfig, folder: str | None = None) -> str:
-    """Where plan.json goes: `folder`, else capacity.output_url, else runs/<name>."""
+    """Where plan.json goes: `folder`, else capacity.output_url (a spec sets it to its deployment_dir,
+    runs/<name>), else runs/<name>."""
     return f"{(folder or capacity.output_url or f'runs/{name}').rstrip('/')}/plan.json"
 
 

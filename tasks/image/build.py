@@ -233,8 +233,9 @@ def _ensure_base(builder: Builder, cfg: ImageConfig) -> None:
 
 
 def default_record_dir(spec: DeploymentSpec) -> Path:
-    """Where image.json, build.log and the build context go unless told otherwise: runs/<name>/image."""
-    return Path("runs") / spec.name / "image"
+    """Where image.json, build.log and the build context go unless told otherwise: <reports_dir>/image
+    (runs/<name>/image by default)."""
+    return Path(spec.reports_dir) / "image"
 
 
 def uses_s3(spec: DeploymentSpec) -> bool:
