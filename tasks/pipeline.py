@@ -253,14 +253,15 @@ class RunSummary:
         return path
 
     @classmethod
-    def read(cls, folder: str | Path) -> RunSummary | None:
-        """The summary a run wrote into `folder`, if any."""
+    def read(cls, folder: str | Path, since_unix_s: float = 0.0) -> RunSummary | None:
+        """The summary a run wrote into `folder` (at or after `since_unix_s`), if any."""
         path = Path(folder) / SUMMARY_JSON
         try:
+            if path.stat().st_mtime < since_unix_s:
+                return None  # an earlier run's
             return cls.from_json(json.loads(path.read_text()))
         except FileNotFoundError:
             return None
-
 
 
 def summarize(
@@ -307,3 +308,17 @@ def publish_summary(
     if reports_dir is not None:
         get_run_logger().info("summary: %s", summary.write(reports_dir))
     return markdown
+
+
+def published_markdown(flow_run_id: str, key: str) -> str | None:
+    """The markdown a flow run published under artifact `key` (its latest), if any."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
+    from prefect.client.schemas.sorting import ArtifactSort
+
+    artifacts = ArtifactFilter(
+        key=ArtifactFilterKey(any_=[key]), flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])
+    )
+    with get_client(sync_client=True) as client:
+        found = client.read_artifacts(artifact_filter=artifacts, sort=ArtifactSort.CREATED_DESC, limit=1)
+    return str(found[0].data) if found else None

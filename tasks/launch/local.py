@@ -22,6 +22,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -78,6 +79,46 @@ echo "$code" > "$TDEPLOY_EXIT_FILE"
 """
 
 
+class JobsStopped(RuntimeError):
+    """This process is being interrupted: it stopped its supervised jobs and starts no new one."""
+
+
+# The supervised jobs this process started, by job id: what `stop_supervised_jobs` ends on an interrupt.
+_supervised: dict[str, JobHandle] = {}
+_stopping = threading.Event()
+
+
+def supervised_jobs() -> list[JobHandle]:
+    """The supervised jobs this process started whose agents still run."""
+    return [handle for handle in list(_supervised.values()) if running_agents(handle)]
+
+
+def stop_supervised_jobs(grace_s: float = 10.0) -> list[JobHandle]:
+    """Refuse new jobs from now on and stop every supervised job this process started (agents and workers, by
+    pid); the jobs that were still running."""
+    _stopping.set()
+    running = supervised_jobs()
+    launcher = LocalLauncher()
+    for handle in running:
+        log.warning(
+            "stopping job %s (agent pid %s)", handle.ref, ", ".join(str(a["pid"]) for a in handle.details["agents"])
+        )
+        launcher.cancel(handle, grace_s=grace_s, reason="its `tdeploy run` was interrupted")
+    return running
+
+
+def kill_supervised_jobs() -> None:
+    """SIGKILL every supervised job's agents and workers at once (a second interrupt: no grace)."""
+    _stopping.set()
+    for handle in list(_supervised.values()):
+        processes = [(a["pid"], a["start_time"]) for a in handle.details["agents"]]
+        processes += LocalLauncher._workers(Path(handle.output_dir))
+        for pid, started in processes:
+            if alive(pid, started):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+
+
 class TrainingFailed(RuntimeError):
     """The training job did not succeed; says which rank failed first and with what."""
 
@@ -132,6 +173,8 @@ class LocalLauncher:
                 f"run.output_url={train.run.output_url}: the local launcher needs a local folder",
                 "use a path on this machine",
             )
+        if _stopping.is_set():
+            raise JobsStopped(f"job {name} not started: this process is being interrupted")
         out = Path(local_path(train.run.output_url)).resolve()
         _refuse_if_running(out)  # before anything of that job's is touched
         supervisor = self._supervisor() if supervised else None
@@ -173,6 +216,8 @@ class LocalLauncher:
             details={"agents": agents, "log_offset": offset, "endpoint": endpoint, "supervisor": supervisor},
         )
         record_job(handle)
+        if supervisor:
+            _supervised[job_id] = handle
         log.info("started %d torchrun agent(s) at %s; job %s; log %s", len(agents), endpoint, handle.ref, log_path)
         return handle
 
@@ -214,10 +259,10 @@ class LocalLauncher:
         start = max(offset, handle.details.get("log_offset", 0))
         return read_log(handle.log_path, start)
 
-    def cancel(self, handle: JobHandle, grace_s: float = 30.0) -> None:
+    def cancel(self, handle: JobHandle, grace_s: float = 30.0, reason: str = "cancelled by the user") -> None:
         """SIGTERM the agents' process groups (torchrun stops its workers), then SIGKILL whatever is left."""
         out = Path(handle.output_dir)
-        (out / CANCELLED_MARKER).write_text(f"cancelled by the user at {time.strftime('%Y-%m-%dT%H:%M:%S')}")
+        (out / CANCELLED_MARKER).write_text(f"{reason} at {time.strftime('%Y-%m-%dT%H:%M:%S')}")
         agents = [(a["pid"], a["start_time"]) for a in handle.details["agents"] if alive(a["pid"], a["start_time"])]
         for pid, _ in agents:
             with contextlib.suppress(ProcessLookupError):
@@ -239,7 +284,8 @@ class LocalLauncher:
         while any(alive(*p) for p in processes) and time.monotonic() < deadline:
             time.sleep(0.1)
 
-    def _workers(self, out: Path) -> list[tuple[int, str | None]]:
+    @staticmethod
+    def _workers(out: Path) -> list[tuple[int, str | None]]:
         """The job's worker processes still running (from ranks.json, checked against their command line)."""
         ranks = out / "ranks.json"
         if not ranks.exists():

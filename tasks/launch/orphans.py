@@ -21,12 +21,13 @@ from prefect.client.schemas.filters import (
     FlowRunFilterId,
     FlowRunFilterState,
     FlowRunFilterStateType,
+    FlowRunFilterTags,
     TaskRunFilter,
     TaskRunFilterState,
     TaskRunFilterStateType,
 )
 from prefect.client.schemas.objects import StateType
-from prefect.states import Crashed
+from prefect.states import Cancelled, Crashed
 
 from training import process
 
@@ -34,6 +35,8 @@ log = logging.getLogger(__name__)
 
 TAG_PREFIX = "tdeploy-supervisor:"
 _UNFINISHED = [StateType.RUNNING, StateType.PENDING]
+# What an interrupt leaves behind: Prefect marks the runs it was in the middle of Crashed.
+_INTERRUPTED = [*_UNFINISHED, StateType.CRASHED, StateType.CANCELLING, StateType.SCHEDULED]
 
 
 @dataclass(frozen=True)
@@ -125,3 +128,46 @@ def crash_orphaned_flow_runs(client: Any | None = None) -> list[CrashedRun]:
         log.warning("%s", record.describe())
         crashed.append(record)
     return crashed
+
+
+def flow_runs_of(supervisor: Supervisor, client: Any | None = None) -> list[Any]:
+    """The flow runs this supervisor ran (found by its tag), newest first."""
+    if client is None:
+        with get_client(sync_client=True) as owned:
+            return flow_runs_of(supervisor, owned)
+    tagged = FlowRunFilter(tags=FlowRunFilterTags(all_=[supervisor.tag()]))
+    runs = client.read_flow_runs(flow_run_filter=tagged, limit=200)
+    return sorted(runs, key=lambda run: run.created or 0, reverse=True)
+
+
+@dataclass
+class CancelledRun:
+    """A flow run marked Cancelled because its supervisor was interrupted, with the task runs marked with it."""
+
+    flow_run_id: UUID
+    flow_run_name: str
+    task_runs: list[str] = field(default_factory=list)
+
+
+def cancel_flow_runs(supervisor: Supervisor, message: str, client: Any | None = None) -> list[CancelledRun]:
+    """Mark Cancelled this supervisor's interrupted flow runs (unfinished, or Crashed by the interrupt) and their
+    unfinished or crashed task runs."""
+    if client is None:
+        with get_client(sync_client=True) as owned:
+            return cancel_flow_runs(supervisor, message, owned)
+    cancelled = []
+    for run in flow_runs_of(supervisor, client):
+        if run.state is None or run.state.type not in _INTERRUPTED:
+            continue
+        record = CancelledRun(run.id, run.name)
+        tasks = client.read_task_runs(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run.id])),
+            task_run_filter=TaskRunFilter(state=TaskRunFilterState(type=TaskRunFilterStateType(any_=_INTERRUPTED))),
+        )
+        for task_run in tasks:
+            client.set_task_run_state(task_run.id, Cancelled(message=message), force=True)
+            record.task_runs.append(task_run.name)
+        client.set_flow_run_state(run.id, Cancelled(message=message), force=True)
+        log.info("flow run %s (%s) marked Cancelled: %s", run.name, run.id, message)
+        cancelled.append(record)
+    return cancelled

@@ -34,3 +34,9 @@ def test_a_spec_failure_lists_every_problem_in_the_summary_row() -> None:
     row = next(line for line in page.splitlines() if line.startswith("| spec validation |"))
     assert "**FAILED**" in row and "parallel.micro_batch=0: must be >= 1; optim.lr_peak=0: must be > 0" in row
     assert "| capacity estimation | not run |" in page and "- **invalid deployment spec**: fix every field" in page
+
+
+def test_a_skipped_step_reads_skipped_on_the_summary_page_not_passed() -> None:
+    page = summary_markdown("x", {"image": {"status": "skipped", "reason": "no builder"}}, None, None, None)
+    row = next(line for line in page.splitlines() if line.startswith("| image build |"))
+    assert "| skipped |" in row and "passed" not in row
