@@ -48,15 +48,19 @@ REPORT_DIR = "validation/report"
 
 
 class DataValidationError(UserError):
-    """A data suite failed; `failed` lists each failed expectation with what was observed."""
+    """A data suite failed; `failed` lists each failed expectation with what was observed.
 
-    def __init__(self, where: str, failed: list[Any], report_url: str | None) -> None:
+    `report_url` is validation.json and `docs_url` the offline report's index, where they were published.
+    """
+
+    def __init__(self, where: str, failed: list[Any], report_url: str | None, docs_url: str | None = None) -> None:
         names = "; ".join(f.describe() for f in failed)
+        published = f" (report: {report_url}; page: {docs_url})" if docs_url else f" (report: {report_url})"
         super().__init__(
             f"{where}: data validation failed: {names}",
-            f"fix the data or the thresholds in data.prepare.expectations (report: {report_url})",
+            f"fix the data or the thresholds in data.prepare.expectations{published}",
         )
-        self.failed, self.report_url = failed, report_url
+        self.failed, self.report_url, self.docs_url = failed, report_url, docs_url
 
 
 @dataclass
@@ -379,7 +383,7 @@ def _finish(
         if not report.success:
             fs, root = filesystem(url, storage)
             fs.mv(join(root, MANIFEST), join(root, "manifest.rejected.json"))
-            raise DataValidationError(f"dataset {url}", report.failed, report_url)
+            raise DataValidationError(f"dataset {url}", report.failed, report_url, docs_url)
     seconds["total"] = time.perf_counter() - started
     return PrepareResult(
         dataset_url=url,

@@ -44,7 +44,7 @@ def prepare_data(prepare: PrepareConfig, storage: StorageConfig) -> dict[str, An
             f"# Data validation of `{result.dataset_url}`\n\n"
             f"- result: **{'passed' if result.validation.get('success') else 'skipped'}**\n"
             f"- report: `{result.validation_url}`\n"
-            f"- Data Docs: [{result.data_docs_url}]({result.data_docs_url})\n"
+            f"- Data Docs (offline pages): [{result.data_docs_url}]({result.data_docs_url})\n"
         ),
         description="Great Expectations suites of the prepared dataset",
     )
