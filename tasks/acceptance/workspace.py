@@ -124,6 +124,7 @@ def open_workspace(root: str | Path, keep: int, part: Literal["acceptance", "dri
     workspace = Workspace.at(root)
     if part == "acceptance":
         _fresh(workspace.root)
+        workspace.drills.mkdir()
     else:
         workspace.root.mkdir(parents=True, exist_ok=True)
         _fresh(workspace.drills)

@@ -1,23 +1,43 @@
-"""The README's main job: `tdeploy run examples/local.yaml` runs every step of deploy-training and passes."""
+"""The README's main job: `tdeploy run examples/local.yaml` runs every step of deploy-training and passes,
+and a second run in the same folder passes too: its training resumes, its acceptance starts afresh."""
 
 from __future__ import annotations
 
 import json
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import REPO
+from tests.processes import run_group
 
 pytestmark = pytest.mark.e2e
 
+DRILLS = {"rank_kill", "kill_during_save", "corrupt_checkpoint", "reshard", "storage_outage"}
 
-def test_deploy_training_passes_every_step_on_the_embedded_default(tmp_path: Path) -> None:
+
+def _tdeploy_run(tmp_path: Path, env: dict[str, str]) -> None:
     tdeploy = shutil.which("tdeploy", path=str(Path(sys.executable).parent))
+    proc = run_group([tdeploy, "run", str(REPO / "examples" / "local.yaml")], timeout=2400, cwd=tmp_path, env=env)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "deploy-training completed for local" in proc.stdout
+
+
+def _latest_acceptance(runs: Path) -> Path:
+    root = Path(json.loads((runs / "acceptance" / "latest.json").read_text())["root"])
+    acceptance = json.loads((root / "acceptance.json").read_text())
+    assert acceptance["verdict"] == "passed" and len(acceptance["dimensions"]) == 6, acceptance
+    drills = json.loads((root / "drills" / "acceptance.json").read_text())
+    assert {d["name"] for d in drills["drills"]} == DRILLS
+    assert all(d["passed"] for d in drills["drills"]), drills
+    return root
+
+
+@pytest.mark.timeout(5400)  # two whole runs, each ~6 min alone and far longer on two shared cores
+def test_the_main_job_passes_twice_in_a_row_resuming_training_and_accepting_afresh(tmp_path: Path) -> None:
     env = {
         **os.environ,
         "PREFECT_HOME": str(tmp_path / "prefect"),
@@ -26,20 +46,18 @@ def test_deploy_training_passes_every_step_on_the_embedded_default(tmp_path: Pat
         "TDEPLOY_HOME": str(tmp_path / "tdeploy-home"),
     }
     env.pop("PREFECT_API_URL", None)
-    proc = subprocess.run(
-        [tdeploy, "run", str(REPO / "examples" / "local.yaml")],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=2400,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    assert "deploy-training completed for local" in proc.stdout
     runs = tmp_path / "runs" / "local"
+
+    _tdeploy_run(tmp_path, env)
     assert json.loads((runs / "plan.json").read_text())["fits"]
     assert json.loads((runs / "node-check.json").read_text())["ok"]
-    assert json.loads((runs / "output" / "result.json").read_text())["steps"] == 200
-    acceptance = json.loads((runs / "acceptance" / "acceptance.json").read_text())
-    assert acceptance["verdict"] == "passed" and len(acceptance["dimensions"]) == 6
-    drills = json.loads((runs / "acceptance" / "drills" / "acceptance.json").read_text())
-    assert {d["name"] for d in drills["drills"]} == {
-        "rank_kill", "kill_during_save", "corrupt_checkpoint", "reshard", "storage_outage",
-    }  # fmt: skip
-    assert all(d["passed"] for d in drills["drills"])
+    first_result = json.loads((runs / "output" / "result.json").read_text())
+    assert first_result["steps"] == 200 and first_result["resumed_from_step"] is None
+    first = _latest_acceptance(runs)
+
+    _tdeploy_run(tmp_path, env)
+    second_result = json.loads((runs / "output" / "result.json").read_text())
+    assert second_result["steps"] == 200 and second_result["resumed_from_step"] == 200, second_result
+    second = _latest_acceptance(runs)
+    assert second != first and second.parent == first.parent == runs / "acceptance"
+    assert first.is_dir(), "the first run's workspace is kept (acceptance.keep_runs=3)"

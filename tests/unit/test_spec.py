@@ -253,3 +253,65 @@ def test_a_nested_secret_never_reaches_run_json_or_the_kubernetes_manifests(tmp_
     train.to_json_file(tmp_path / "run.json")
     written = (tmp_path / "run.json").read_text() + json.dumps(render_manifests(spec.cluster, train, "tiny", "img"))
     assert "hunter2" not in written, "the secret reached run.json or the manifests"
+
+
+def _example(**changes: object) -> dict:
+    data = yaml.safe_load((REPO / "examples" / "local.yaml").read_text())
+    return {**data, **changes}
+
+
+def _paths(spec: DeploymentSpec) -> dict[str, str | None]:
+    assert spec.data.prepare is not None
+    return {
+        "output": spec.run.output_url,
+        "checkpoints": spec.checkpoint.url,
+        "datasets": spec.data.prepare.output_url,
+        "plan": spec.capacity.output_url,
+        "acceptance": spec.acceptance.work_url,
+        "reports": spec.reports_dir,
+    }
+
+
+def test_the_example_derives_every_path_from_its_name_so_a_renamed_copy_writes_elsewhere() -> None:
+    local, other = parse_spec(_example()), parse_spec(_example(name="other"))
+    assert _paths(local) == {
+        "output": "runs/local/output",
+        "checkpoints": "runs/local/checkpoints",
+        "datasets": "runs/local/datasets",
+        "plan": "runs/local",
+        "acceptance": "runs/local/acceptance",
+        "reports": "runs/local",
+    }
+    assert _paths(other) == {k: v.replace("runs/local", "runs/other") for k, v in _paths(local).items()}
+
+
+def test_deployment_dir_moves_every_derived_path_and_explicit_paths_are_kept(tmp_path: Path) -> None:
+    data = _example(deployment_dir=str(tmp_path / "dep"))
+    data["checkpoint"] = {**data["checkpoint"], "url": "s3://bucket/ckpt"}
+    data["acceptance"] = {**data["acceptance"], "work_url": str(tmp_path / "acc")}
+    paths = _paths(parse_spec(data))
+    assert paths == {
+        "output": str(tmp_path / "dep" / "output"),
+        "checkpoints": "s3://bucket/ckpt",
+        "datasets": str(tmp_path / "dep" / "datasets"),
+        "plan": str(tmp_path / "dep"),
+        "acceptance": str(tmp_path / "acc"),
+        "reports": str(tmp_path / "dep"),
+    }
+
+
+def test_a_spec_with_derived_paths_round_trips_unchanged() -> None:
+    spec = parse_spec(_example(name="other"))
+    assert parse_spec(spec.model_dump()) == spec
+
+
+def test_a_bad_name_is_the_only_problem_reported_when_paths_derive_from_it() -> None:
+    with pytest.raises(SpecError) as caught:
+        parse_spec(_example(name="My Run"))
+    assert [p.split(":")[0] for p in caught.value.problems] == ["name=My Run"]
+
+
+def test_an_object_store_deployment_dir_is_refused_with_the_field_named() -> None:
+    with pytest.raises(SpecError) as caught:
+        parse_spec(_example(deployment_dir="s3://bucket/dep"))
+    assert any(p.startswith("deployment_dir=s3://bucket/dep: must be a local folder") for p in caught.value.problems)
