@@ -1,4 +1,9 @@
-"""Shared fixtures: a tiny byte-level dataset, spec factories, and run-output readers."""
+"""Shared fixtures: a tiny byte-level dataset, spec factories, run-output readers, and the servers the tests use.
+
+Every server a fixture starts is stopped by the PID or process group it recorded, also when the test or the
+fixture's own setup times out or raises; whatever is still recorded at the end of the session (or when pytest
+gets SIGTERM) is stopped by tests.processes.stop_all.
+"""
 
 from __future__ import annotations
 
@@ -16,6 +21,8 @@ import pytest
 from tasks.prepare.config import PrepareConfig
 from tasks.prepare.pipeline import prepare_dataset
 from tasks.spec import DeploymentSpec, parse_spec
+from tests import processes
+from tests.processes import run_group
 from training.storage import StorageConfig
 
 REPO = Path(__file__).resolve().parents[1]
@@ -53,6 +60,18 @@ def deep_merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any
         else:
             out[key] = value
     return out
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Stop the test session's processes at interpreter exit and on SIGTERM, even if pytest never finishes."""
+    processes.install_safety_net()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Stop every process group the session started that a fixture or test did not stop itself."""
+    left = processes.stop_all()
+    if left:
+        session.config.get_terminal_writer().line(f"tests/processes: stopped {len(left)} leftover process(es): {left}")
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -107,12 +126,7 @@ def run_lone_process(spec: DeploymentSpec) -> dict[str, Any]:
     out = Path(cfg.run.output_url)
     out.mkdir(parents=True, exist_ok=True)
     cfg.to_json_file(out / "run.json")
-    proc = subprocess.run(
-        [sys.executable, "-m", "training.train", "--config", str(out / "run.json")],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = run_group([sys.executable, "-m", "training.train", "--config", str(out / "run.json")], timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads((out / "result.json").read_text())
 
@@ -153,10 +167,27 @@ def prefect_harness(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
             "PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW": "ignore",
         }
     )
+    from prefect.server.api.server import SubprocessASGIServer
     from prefect.testing.utilities import prefect_test_harness
 
-    with prefect_test_harness(server_startup_timeout=180):
-        yield
+    # The harness does not stop its server when the start times out or is interrupted (pytest's timeout):
+    # record every server process it starts, and stop those here however the fixture ends.
+    started: list[subprocess.Popen] = []
+    start_server = SubprocessASGIServer._run_uvicorn_command
+
+    def start_tracked(server: SubprocessASGIServer) -> subprocess.Popen:
+        proc = processes.track(start_server(server))
+        started.append(proc)
+        return proc
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(SubprocessASGIServer, "_run_uvicorn_command", start_tracked)
+        try:
+            with prefect_test_harness(server_startup_timeout=180):
+                yield
+        finally:
+            for proc in started:
+                processes.stop_process(proc)
 
 
 def process_running(pid: int) -> bool:
