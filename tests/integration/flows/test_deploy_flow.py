@@ -4,6 +4,7 @@ diagnosis made from real failures, user errors are not retried, finished pure st
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 import threading
 from pathlib import Path
@@ -49,7 +50,7 @@ def _run(spec) -> tuple:  # noqa: ANN001
 
 def _spec(make_spec, tmp_path: Path, overrides: dict, name: str):  # noqa: ANN001, ANN202
     base = {
-        "capacity": {"output_url": str(tmp_path / name)},
+        "deployment_dir": str(tmp_path / name),  # every report of the deployment, derived in the spec
         "image": None,
         "run": {"steps": 20},
         "acceptance": {
@@ -168,6 +169,14 @@ def test_a_step_that_fails_transiently_once_is_retried_and_the_flow_succeeds(
     assert state.is_completed(), state.message
     assert runs["prepare_data"].run_count == 2 and runs["prepare_data"].state.is_completed()
     assert "| data preprocessing and validation | passed |" in _artifact("deployment-summary")
+    assert json.loads((tmp_path / "flaky" / "plan.json").read_text())["fits"]
+    assert (tmp_path / "flaky" / "node-check.json").exists()
+    # acceptance ran in its own run workspace under the deployment's folder, and latest.json names it
+    workspace = Path(state.result()["acceptance"]["root"])
+    assert workspace.parent == tmp_path / "flaky" / "acceptance"
+    assert json.loads((workspace.parent / "latest.json").read_text())["root"] == str(workspace)
+    assert json.loads((workspace / "acceptance.json").read_text())["verdict"] == "passed"
+    assert (workspace / "drills" / "acceptance.json").exists()
 
 
 def _flow_run_parameters(flow_run_id) -> dict:  # noqa: ANN001
