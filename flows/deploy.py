@@ -100,8 +100,8 @@ def deploy_training(spec: SpecSource = "examples/local.yaml") -> dict[str, Any]:
             results.get("capacity", {}).get("plan_url") or plan_location(spec.name, spec.capacity),
             results.get("nodes", {}).get("report_path") or f"{spec.reports_dir}/node-check.json",
         )
-        publish_summary(spec.name, results, step, f"{type(err).__name__}: {err}", diagnosis)
+        publish_summary(spec.name, results, step, f"{type(err).__name__}: {err}", diagnosis, spec.reports_dir)
         raise
     report("deploy", "done", len(STEPS), len(STEPS))
-    publish_summary(spec.name, results, None, None, None)
+    publish_summary(spec.name, results, None, None, None, spec.reports_dir)
     return results

@@ -46,8 +46,8 @@ def nightly_validation(spec: SpecSource = "examples/local.yaml") -> dict[str, An
         results["drills"] = run_drills(spec.cluster, train, spec.acceptance, spec.drills, root)
     except Exception as err:
         diagnosis = diagnose_failure(step, str(err), None, None, None)
-        publish_summary(spec.name, results, step, f"{type(err).__name__}: {err}", diagnosis)
+        publish_summary(spec.name, results, step, f"{type(err).__name__}: {err}", diagnosis, spec.reports_dir)
         raise
     report("nightly", "done", len(STEPS), len(STEPS))
-    publish_summary(spec.name, results, None, None, None)
+    publish_summary(spec.name, results, None, None, None, spec.reports_dir)
     return results
