@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -13,6 +12,7 @@ import pytest
 import yaml
 
 from tests.conftest import REPO
+from tests.processes import run_group
 
 pytestmark = pytest.mark.e2e
 
@@ -27,6 +27,7 @@ def test_readme_quick_start_has_exactly_two_commands_and_ci_runs_the_second() ->
     assert lines[1] in (REPO / ".ci" / "run").read_text()
 
 
+@pytest.mark.timeout(1500)  # two runs of up to 600 s each, plus headroom on a loaded machine
 def test_tdeploy_train_on_the_embedded_default_trains_checkpoints_and_resumes(tmp_path: Path) -> None:
     tdeploy = shutil.which("tdeploy", path=str(Path(sys.executable).parent))
     assert tdeploy, "the console script is installed with the project"
@@ -35,9 +36,7 @@ def test_tdeploy_train_on_the_embedded_default_trains_checkpoints_and_resumes(tm
     spec_path = tmp_path / "local.yaml"
     spec_path.write_text(yaml.safe_dump(spec))
 
-    first = subprocess.run(
-        [tdeploy, "train", str(spec_path)], cwd=tmp_path, capture_output=True, text=True, timeout=600
-    )
+    first = run_group([tdeploy, "train", str(spec_path)], timeout=600, cwd=tmp_path)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     assert "trained to step 60 (resumed from None)" in first.stdout
     out = tmp_path / "runs" / "local" / "output"
@@ -47,9 +46,7 @@ def test_tdeploy_train_on_the_embedded_default_trains_checkpoints_and_resumes(tm
 
     spec["run"]["steps"] = 80
     spec_path.write_text(yaml.safe_dump(spec))
-    second = subprocess.run(
-        [tdeploy, "train", str(spec_path)], cwd=tmp_path, capture_output=True, text=True, timeout=600
-    )
+    second = run_group([tdeploy, "train", str(spec_path)], timeout=600, cwd=tmp_path)
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
     assert "trained to step 80 (resumed from 60)" in second.stdout
 
@@ -60,7 +57,7 @@ def test_tdeploy_train_refuses_a_bad_spec_before_anything_runs(tmp_path: Path) -
     spec_path = tmp_path / "bad.yaml"
     spec_path.write_text(yaml.safe_dump(spec))
     tdeploy = shutil.which("tdeploy", path=str(Path(sys.executable).parent))
-    proc = subprocess.run([tdeploy, "train", str(spec_path)], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    proc = run_group([tdeploy, "train", str(spec_path)], timeout=120, cwd=tmp_path)
     assert proc.returncode == 2
     assert "parallel.micro_batch=0: must be >= 1" in proc.stderr
     assert not (tmp_path / "runs").exists()

@@ -16,6 +16,7 @@ import pytest
 from tasks.launch.base import JobState
 from tasks.launch.local import TrainingFailed, run_local, start_local
 from tests.conftest import metrics_by_step, read_jsonl, run_lone_process
+from tests.processes import run_group
 from training.dataset import DatasetWriter, TokenDataset, TokenizerInfo
 from training.faults import ENV_VAR
 from training.lease import LEASE_FILE, Lease
@@ -172,7 +173,7 @@ def _train_lone(spec) -> subprocess.CompletedProcess:  # noqa: ANN001 - Deployme
     out.mkdir(parents=True, exist_ok=True)
     cfg.to_json_file(out / "run.json")
     command = [sys.executable, "-m", "training.train", "--config", str(out / "run.json")]
-    return subprocess.run(command, capture_output=True, text=True, timeout=300)
+    return run_group(command, timeout=300)
 
 
 def test_training_writes_nothing_into_an_output_folder_that_another_live_job_holds(make_spec) -> None:

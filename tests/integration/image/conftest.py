@@ -25,6 +25,7 @@ import pytest
 from tasks.image.build import ImageResult, ensure_image
 from tasks.image.config import ImageConfig
 from tasks.image.payload import payload_source
+from tests.processes import start_group, stop_group
 
 BASE_IMAGE = "localhost/tdeploy-test/python-base:3.11"
 PYTHON = Path("/usr/bin/python3.11")
@@ -197,7 +198,7 @@ def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         f"http:\n  addr: 127.0.0.1:{port}\n"
     )
     log = (folder / "registry.log").open("w")
-    proc = subprocess.Popen([exe, "serve", str(config)], stdout=log, stderr=subprocess.STDOUT)
+    proc = start_group([exe, "serve", str(config)], stdout=log, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 30
         while True:
@@ -213,13 +214,8 @@ def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         assert proc.poll() is None, "another server answered on the registry's port"
         yield f"127.0.0.1:{port}"
         assert proc.poll() is None, f"the registry stopped during the tests: {(folder / 'registry.log').read_text()}"
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    finally:  # also when the wait above times out or fails
+        stop_group(proc)
         log.close()
 
 

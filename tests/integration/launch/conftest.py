@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.processes import forget_daemon, track_daemon
+
 SLURM_CONF = """\
 ClusterName=tdeploy-test
 SlurmctldHost=localhost
@@ -76,32 +78,49 @@ def slurm_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str
     )
     env = {"SLURM_CONF": str(conf)}
     full_env = dict(os.environ, **env)
+    pid_files: list[Path] = []  # of daemons being started and not yet recorded in pids
     pids: list[int] = []
+
+    def started(pid_file: Path) -> None:
+        pids.append(_pid(pid_file))
+        track_daemon(pids[-1], pid_file.name)
+        pid_files.remove(pid_file)
+
     try:
+        pid_files.append(munge / "munged.pid")
         subprocess.run(
             ["runuser", "-u", "munge", "--", "/usr/sbin/munged", f"--socket={munge}/munge.sock",
              f"--key-file={munge}/munge.key", f"--pid-file={munge}/munged.pid", f"--log-file={munge}/munged.log",
              f"--seed-file={munge}/munged.seed"],
-            check=True,
+            check=True, timeout=60,
         )  # fmt: skip
-        pids.append(_pid(munge / "munged.pid"))
-        subprocess.run(["/usr/sbin/slurmctld", "-f", str(conf), "-c"], check=True, env=full_env)
-        pids.append(_pid(root / "slurmctld.pid"))
-        subprocess.run(["/usr/sbin/slurmd", "-f", str(conf), "-N", "localhost"], check=True, env=full_env)
-        pids.append(_pid(root / "slurmd.pid"))
+        started(munge / "munged.pid")
+        pid_files.append(root / "slurmctld.pid")
+        subprocess.run(["/usr/sbin/slurmctld", "-f", str(conf), "-c"], check=True, env=full_env, timeout=60)
+        started(root / "slurmctld.pid")
+        pid_files.append(root / "slurmd.pid")
+        subprocess.run(["/usr/sbin/slurmd", "-f", str(conf), "-N", "localhost"], check=True, env=full_env, timeout=60)
+        started(root / "slurmd.pid")
         deadline = time.monotonic() + 30
         while (
             "idle"
-            not in subprocess.run(["sinfo", "-h", "-o", "%t"], env=full_env, capture_output=True, text=True).stdout
+            not in subprocess.run(
+                ["sinfo", "-h", "-o", "%t"], env=full_env, capture_output=True, text=True, timeout=30
+            ).stdout
         ):
             if time.monotonic() > deadline:
                 raise TimeoutError("the Slurm node never became idle: " + (root / "slurmctld.log").read_text()[-2000:])
             time.sleep(0.3)
         yield env
     finally:
-        for pid in reversed(pids):  # exactly the daemons this fixture started
+        # A daemon whose start was interrupted (a timeout) may have written its pid file without being recorded.
+        for pid_file in pid_files:
+            if pid_file.exists() and pid_file.read_text().strip():
+                pids.append(int(pid_file.read_text().split()[0]))
+        for pid in reversed(pids):  # exactly the daemons this fixture started (they detach: no group to stop)
             try:
                 os.kill(pid, signal.SIGTERM)
             except ProcessLookupError:
                 pass
+            forget_daemon(pid)
         shutil.rmtree(munge, ignore_errors=True)

@@ -18,6 +18,7 @@ import pytest
 from tasks.launch.base import JobHandle, JobState
 from tasks.launch.local import LocalLauncher, start_local
 from tests.conftest import REPO, process_running
+from tests.processes import start_group
 from training.faults import ENV_VAR
 
 pytestmark = pytest.mark.integration
@@ -42,7 +43,7 @@ def _start_submitter(spec, tmp_path: Path, mode: str, faults: dict | None = None
     spec.training_config().to_json_file(config)
     env = json.dumps({ENV_VAR: json.dumps(faults)} if faults else {})
     command = [sys.executable, "-c", _SUBMITTER, spec.cluster.model_dump_json(), str(config), env, mode]
-    return subprocess.Popen(command, cwd=REPO, start_new_session=True)
+    return start_group(command, cwd=REPO)
 
 
 def _handle(out: Path, since: float, timeout_s: float = 120) -> JobHandle:

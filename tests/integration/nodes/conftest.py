@@ -44,8 +44,10 @@ def consistent(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshdCluster
     """Two identical nodes on 127.0.0.2 and 127.0.0.3."""
     require("loopback")
     cluster = start_cluster(tmp_path_factory.mktemp("consistent"), [HostSpec("node-a"), HostSpec("node-b")])
-    yield cluster
-    cluster.close()
+    try:
+        yield cluster
+    finally:
+        cluster.close()
 
 
 @dataclass

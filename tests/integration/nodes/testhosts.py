@@ -8,7 +8,8 @@ different job Python or no scratch folder on different nodes. The network is eit
 - `netns`: every node lives in its own network namespace on a bridge (10.x.y.2, 10.x.y.3, ... port 22),
   so one node can firewall a port with its own iptables rules.
 
-Only the processes started here are stopped, by PID, plus what is left inside the namespaces created here.
+Only the processes started here are stopped, by process group (tests/processes, which also stops them at the
+end of the test session), plus what is left inside the namespaces created here.
 Needs root, openssh-server, iproute2 and util-linux (iptables for `block_port`).
 """
 
@@ -25,6 +26,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
+
+from tests.processes import start_group, stop_group
 
 SSHD = "/usr/sbin/sshd"
 REPO = Path(__file__).resolve().parents[3]
@@ -71,15 +74,8 @@ class SshdHost:
         os.kill(self.process.pid, signal.SIGSTOP)
 
     def stop(self) -> None:
-        """Stop sshd (SIGCONT first, in case it was frozen) and wait for it."""
-        if self.process.poll() is None:
-            os.kill(self.process.pid, signal.SIGCONT)
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(timeout=10)
+        """Stop sshd's process group (SIGCONT first, in case it was frozen) and wait for it."""
+        stop_group(self.process)
 
     def block_port(self, port: int) -> None:
         """Drop TCP packets to `port` arriving from other machines (this node's own firewall; netns only)."""
@@ -266,7 +262,7 @@ def start_cluster(
             argv += [spec.name, str(folder / "hosts"), str(folder / "view"), str(cluster.view), SSHD, str(config)]
             log = folder / "sshd.log"
             with log.open("w") as log_file:
-                process = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
+                process = start_group(argv, stdout=log_file, stderr=subprocess.STDOUT)
             host = SshdHost(spec, address, port, folder, process, netns, veth)
             cluster.hosts.append(host)
             _wait_listening(address, port, process, log)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -16,6 +15,7 @@ from tasks.errors import TransientError, UserError
 from tasks.launch.torchrun import free_port
 from tasks.prepare.config import PrepareConfig
 from tasks.prepare.pipeline import DataValidationError, prepare_dataset
+from tests.processes import run_group
 from training.dataset import DatasetWriter, TokenDataset, TokenizerInfo, read_manifest
 from training.sampler import GlobalBatchSampler
 from training.storage import StorageConfig, filesystem
@@ -249,11 +249,6 @@ def test_trainer_refuses_a_dataset_made_with_another_tokenizer(make_spec, tmp_pa
     spec = make_spec({"cluster": {"procs_per_node": 1}, "data": {"tokenizer_sha256": "0" * 64}, "run": {"steps": 2}})
     cfg = spec.training_config()
     cfg.to_json_file(tmp_path / "run.json")
-    proc = subprocess.run(
-        [sys.executable, "-m", "training.train", "--config", str(tmp_path / "run.json")],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = run_group([sys.executable, "-m", "training.train", "--config", str(tmp_path / "run.json")], timeout=120)
     assert proc.returncode != 0
     assert f"the spec expects sha256={'0' * 64}; prepare the dataset with the spec's tokenizer" in proc.stderr
