@@ -1,9 +1,216 @@
-"""Preflight: every path and URL of a spec checked for existence or writability before any work starts."""
+"""Preflight: every path and URL of a spec checked for existence or writability before any work starts.
+
+The checks go through the storage layer the job uses (`training.storage`, fsspec). Nothing is created:
+a local output is writable when it is a writable folder, or when its nearest existing ancestor is one;
+an object-store output is writable when a probe object can be written to and deleted from it.
+"""
 
 from __future__ import annotations
 
-from tasks.spec import DeploymentSpec
+import glob
+import logging
+import os
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from tasks.errors import TransientError, is_connection_error
+from tasks.spec import DeploymentSpec, SpecError
+from training.storage import StorageConfig, filesystem, is_local, join, local_path
+
+log = logging.getLogger(__name__)
+
+PROBE_PREFIX = ".tdeploy-preflight-"
+_GLOB = "*?["
+
+
+@dataclass(frozen=True)
+class PathCheck:
+    """One path-like field of the spec: its dotted name, its value, and whether the job reads or writes it."""
+
+    field: str
+    value: str
+    mode: str  # "write": an output folder; "read": an input that must exist; "file": an input file
+    local_only: bool = False
+
+
+class _Unreachable(Exception):
+    """Storage did not answer while checking a field."""
+
+
+def spec_paths(spec: DeploymentSpec) -> list[PathCheck]:
+    """Every path and URL of the spec with what the job does with it (None fields are off)."""
+    prepare = spec.data.prepare
+    nodes = spec.nodes
+    image = spec.image
+    candidates: list[tuple[str, str | None, str, bool]] = [
+        ("run.output_url", spec.run.output_url, "write", False),
+        ("checkpoint.url", spec.checkpoint.url, "write", False),
+        ("data.prepare.output_url", prepare.output_url if prepare else None, "write", False),
+        ("capacity.output_url", getattr(spec.capacity, "output_url", None), "write", False),
+        ("acceptance.work_url", getattr(spec.acceptance, "work_url", None), "write", True),
+        ("reports folder", _reports_dir(spec), "write", True),
+        ("image.storage_dir", image.storage_dir if image else None, "write", True),
+        ("data.dataset_url", spec.data.dataset_url, "read", False),
+        ("capacity.calibration_url", getattr(spec.capacity, "calibration_url", None), "file", False),
+        ("data.prepare.tokenizer.path", prepare.tokenizer.path if prepare else None, "file", False),
+        ("nodes.inventory_path", nodes.inventory_path, "file", True),
+        ("nodes.ssh_key_path", nodes.ssh_key_path, "file", True),
+        ("nodes.known_hosts_path", nodes.known_hosts_path, "file", True),
+    ]
+    for number, source in enumerate(prepare.sources if prepare else []):
+        candidates.append((f"data.prepare.sources[{number}].url", source.url, "read", False))
+    return [PathCheck(field, value, mode, local) for field, value, mode, local in candidates if value]
+
+
+def _reports_dir(spec: DeploymentSpec) -> str | None:
+    for name in ("deployment_dir", "reports_dir"):
+        value = getattr(spec, name, None)
+        if value:
+            return str(value)
+    return None
 
 
 def preflight(spec: DeploymentSpec) -> None:
-    """Raise SpecError naming every path or URL of `spec` that cannot be read or written, with the fix."""
+    """Raise SpecError naming every path or URL of `spec` that cannot be read or written, with the fix.
+
+    TransientError when only unreachable storage kept a check from finishing (retrying may help).
+    """
+    problems: list[str] = []
+    unreachable: list[str] = []
+    for check in spec_paths(spec):
+        try:
+            problem = _check(check, spec.storage)
+        except _Unreachable as err:
+            unreachable.append(f"{check.field}={check.value}: storage did not answer ({err})")
+            continue
+        if problem:
+            problems.append(f"{check.field}={check.value}: {problem}")
+    if problems:
+        raise SpecError(spec.name, problems + [f"{u}; check it again once storage answers" for u in unreachable])
+    if unreachable:
+        raise TransientError(
+            "preflight could not check every path: " + "; ".join(unreachable),
+            "check storage.s3_endpoint_url and the network; run the command again once storage answers",
+        )
+    log.debug("preflight: every path of %s is usable", spec.name)
+
+
+def _check(check: PathCheck, storage: StorageConfig) -> str | None:
+    if is_local(check.value):
+        path = os.path.expanduser(local_path(check.value))
+        if check.mode == "write":
+            return _local_writable(path)
+        return _local_readable(path, check.mode == "file")
+    if check.local_only:
+        return "must be a folder on this machine; use a local path such as runs/<name>/..."
+    try:
+        if check.mode == "write":
+            return _remote_writable(check.value, storage)
+        return _remote_readable(check.value, storage, check.mode == "file")
+    except _Unreachable:
+        raise
+    except Exception as err:
+        if is_connection_error(err):
+            raise _Unreachable(f"{type(err).__name__}: {err}") from err
+        return f"cannot be checked ({type(err).__name__}: {err}); check the URL and the credentials in the environment"
+
+
+def _nearest_existing(path: Path) -> Path:
+    current = path.absolute()
+    while not current.exists() and current != current.parent:
+        current = current.parent
+    return current
+
+
+def _read_only_mount(path: Path) -> bool:
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
+
+
+def _local_writable(path: str) -> str | None:
+    target = Path(path)
+    if target.exists():
+        if not target.is_dir():
+            return "is a file, not a folder; point it at a folder (or a path that does not exist yet)"
+        where, what = target, "the folder"
+    else:
+        where = _nearest_existing(target)
+        if not where.is_dir():
+            return f"cannot be created: {where} is a file, not a folder; use a path under a folder you can write"
+        what = f"its nearest existing folder {where}"
+    if _read_only_mount(where):
+        return f"{what} is on a read-only filesystem; use a path on a writable disk"
+    if not os.access(where, os.W_OK | os.X_OK):
+        return f"{what} is not writable by this user; use a folder you can write, or fix its permissions"
+    return None
+
+
+def _local_readable(path: str, must_be_file: bool) -> str | None:
+    if any(c in path for c in _GLOB):
+        matches = [m for m in glob.glob(path, recursive=True) if os.path.isfile(m)]
+        if not matches:
+            return "the glob matches no file; fix the pattern (relative paths start in the folder tdeploy runs in)"
+        return None
+    target = Path(path)
+    if not target.exists():
+        return "does not exist; fix the path (relative paths start in the folder tdeploy runs in)"
+    if must_be_file and not target.is_file():
+        return "is not a file; give the path of the file itself"
+    if not os.access(target, os.R_OK):
+        return "is not readable by this user; fix its permissions"
+    return None
+
+
+def _call(fn: Callable[[], object]) -> object:
+    try:
+        return fn()
+    except Exception as err:
+        if is_connection_error(err):
+            raise _Unreachable(f"{type(err).__name__}: {err}") from err
+        raise
+
+
+def _bucket_problem(fs: object, path: str) -> str | None:
+    bucket = path.split("/", 1)[0]
+    if not _call(lambda: fs.exists(bucket)):  # type: ignore[attr-defined]
+        return f"the bucket {bucket} does not exist (or these credentials cannot see it); create it or fix the URL"
+    return None
+
+
+def _remote_writable(url: str, storage: StorageConfig) -> str | None:
+    fs, path = filesystem(url, storage)
+    problem = _bucket_problem(fs, path)
+    if problem:
+        return problem
+    probe = join(path, f"{PROBE_PREFIX}{uuid.uuid4().hex}")
+    try:
+        _call(lambda: fs.pipe_file(probe, b""))
+    except _Unreachable:
+        raise
+    except PermissionError as err:
+        return f"cannot be written ({err}); grant these credentials write access or use another prefix"
+    except OSError as err:
+        return f"cannot be written ({type(err).__name__}: {err}); check the URL and the credentials"
+    _call(lambda: fs.rm_file(probe))
+    return None
+
+
+def _remote_readable(url: str, storage: StorageConfig, must_be_file: bool) -> str | None:
+    fs, path = filesystem(url, storage)
+    problem = _bucket_problem(fs, path)
+    if problem:
+        return problem
+    if any(c in path for c in _GLOB):
+        matches: Iterator[str] = iter(_call(lambda: fs.glob(path)))  # type: ignore[arg-type]
+        if next(matches, None) is None:
+            return "the glob matches no object; fix the pattern"
+        return None
+    if not _call(lambda: fs.exists(path)):
+        return "does not exist; fix the URL"
+    if must_be_file and _call(lambda: fs.isdir(path)):
+        return "is a folder (prefix), not a file; give the URL of the file itself"
+    return None

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -25,6 +25,19 @@ class SourceConfig(StrictModel):
     txt_documents: Literal["file", "blank_line"] = Field(
         default="file", description="txt: one document per file, or per blank-line-separated block."
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _plain_url(cls, data: Any) -> Any:
+        """A plain string is the source's URL (`sources: [data/*.txt]`); other non-mappings show the form."""
+        if isinstance(data, str):
+            return {"url": data}
+        if not isinstance(data, (dict, SourceConfig)):
+            raise ValueError(
+                f"a source is a URL string or a mapping, not {type(data).__name__}; write "
+                "`- data/*.txt` or `- {url: data/*.jsonl, format: jsonl, text_field: text}`"
+            )
+        return data
 
 
 class CleaningConfig(StrictModel):
