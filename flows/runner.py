@@ -106,7 +106,8 @@ def _run(spec: DeploymentSpec, guard: Any, server: Any) -> int:
     if summary is None and state is not None and state.is_completed():
         from tasks.pipeline import summarize
 
-        summary = summarize(spec.name, state.result(), None, None, None)
+        result = state.result()
+        summary = summarize(spec.name, result if isinstance(result, dict) else {}, None, None, None)
     if summary is None:  # no summary.json: print what the flow published in Prefect
         message = state.message if state is not None else "no state"
         err_console.print(f"deploy-training {getattr(state, 'name', 'ended')}: {message}", markup=False)
