@@ -176,8 +176,13 @@ def _call(fn: Callable[[], object]) -> object:
 
 def _bucket_problem(fs: object, path: str) -> str | None:
     bucket = path.split("/", 1)[0]
-    if not _call(lambda: fs.exists(bucket)):  # type: ignore[attr-defined]
+    try:
+        # info(), not exists(): s3fs's exists() answers False when the endpoint is down
+        _call(lambda: fs.info(bucket))  # type: ignore[attr-defined]
+    except FileNotFoundError:
         return f"the bucket {bucket} does not exist (or these credentials cannot see it); create it or fix the URL"
+    except PermissionError as err:
+        return f"the bucket {bucket} is not accessible with these credentials ({err}); grant access or fix the URL"
     return None
 
 
