@@ -34,6 +34,9 @@ def _spec(tmp_path: Path, tiny_dataset: str, endpoint: str, checkpoint_url: str,
 def test_a_writable_bucket_passes_and_a_missing_bucket_or_object_is_refused_with_its_field(
     tmp_path: Path, tiny_dataset: str, s3_endpoint: str, s3_bucket: str
 ) -> None:
+    preflight(_spec(tmp_path, tiny_dataset, s3_endpoint, f"s3://{s3_bucket}/ckpt"))
+    listed = boto3.client("s3", endpoint_url=s3_endpoint).list_objects_v2(Bucket=s3_bucket)
+    assert listed.get("Contents", []) == [], "the write probe is deleted"
     spec = _spec(tmp_path, tiny_dataset, s3_endpoint, "s3://no-such-bucket-x/ckpt", f"s3://{s3_bucket}/no-such-dataset")
     with pytest.raises(SpecError) as err:
         preflight(spec)
