@@ -6,7 +6,6 @@ pipeline modules it needs (torch, Prefect, Great Expectations and the spec model
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import logging
 import sys
@@ -80,6 +79,8 @@ app = typer.Typer(cls=_Commands, no_args_is_help=True)
 def _print_version(value: bool) -> None:
     if not value:
         return
+    import importlib.metadata  # about 0.1 s of imports (email, zipfile): only when asked
+
     try:
         version = importlib.metadata.version("transformer-deploy")
     except importlib.metadata.PackageNotFoundError as err:
