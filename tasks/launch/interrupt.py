@@ -56,28 +56,11 @@ class InterruptGuard:
     def __enter__(self) -> InterruptGuard:
         for signum in SIGNALS:
             self._previous[signum] = signal.signal(signum, self._handle)
-        self._keep_from_ansible_runner()
         return self
 
     def __exit__(self, *exc: type[BaseException] | BaseException | TracebackType | None) -> None:
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)  # type: ignore[arg-type]
-        if self._ansible_handler is not None:
-            import ansible_runner.interface
-
-            ansible_runner.interface.signal_handler = self._ansible_handler
-
-    _ansible_handler: Callable[[], object] | None = None
-
-    def _keep_from_ansible_runner(self) -> None:
-        """ansible_runner.run without a cancel_callback replaces the SIGINT/SIGTERM handlers with ones that only
-        set a flag, for good: the node checks would leave `tdeploy run` deaf to Ctrl-C. Keep ours."""
-        try:
-            import ansible_runner.interface
-        except ImportError:
-            return
-        self._ansible_handler = ansible_runner.interface.signal_handler
-        ansible_runner.interface.signal_handler = lambda: None
 
     def interrupted(self, signum: int) -> None:
         """Note the first interrupt (from a handler, or a TerminationSignal Prefect raised) and start stopping jobs."""

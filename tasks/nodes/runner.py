@@ -196,6 +196,9 @@ def run_playbook(
                 timeout=run_timeout_s,
                 quiet=True,
                 event_handler=collector,
+                # Without a callback ansible-runner installs SIGINT/SIGTERM handlers that only set a flag, for
+                # good: the process that ran the node checks (`tdeploy run`) would no longer stop on Ctrl-C.
+                cancel_callback=lambda: False,
             )
         finally:
             close_control_masters(control_dir)

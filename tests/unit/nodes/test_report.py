@@ -138,16 +138,15 @@ def test_rendezvous_port_in_use_on_the_first_node_blocks(make_run: Callable, mak
 
 
 def test_only_connection_failures_are_transient(make_run: Callable, make_plan: Callable) -> None:
-    refused = {
+    timed_out = {
         "unreachable": (
             'Task failed: Data could not be sent to remote host "10.0.0.3". Make sure this host can be reached over '
-            "ssh: ssh: connect to host 10.0.0.3 port 22: Connection refused"
+            "ssh: ssh: connect to host 10.0.0.3 port 22: Connection timed out"
         )
     }
-    report = report_of(make_run, make_plan, {"node-a": None, "node-b": refused, "node-c": None})
-    assert (
-        report.row("reachable").values["node-b"] == "unreachable: connect to host 10.0.0.3 port 22: Connection refused"
-    )
+    report = report_of(make_run, make_plan, {"node-a": None, "node-b": timed_out, "node-c": None})
+    expected = "unreachable: connect to host 10.0.0.3 port 22: Connection timed out"
+    assert report.row("reachable").values["node-b"] == expected
     with pytest.raises(NodesUnreachable) as unreachable:
         raise_for_blocking(report)
     assert isinstance(unreachable.value, TransientError) and unreachable.value.hosts == ["node-b"]
@@ -159,7 +158,7 @@ def test_only_connection_failures_are_transient(make_run: Callable, make_plan: C
         raise_for_blocking(report)
 
     drift = {"facts": {"python": {"torch": {"version": "2.4.0"}}}}
-    report = report_of(make_run, make_plan, {"node-a": None, "node-b": refused, "node-c": drift})
+    report = report_of(make_run, make_plan, {"node-a": None, "node-b": timed_out, "node-c": drift})
     with pytest.raises(NodeCheckFailed) as failed:
         raise_for_blocking(report)
     assert isinstance(failed.value, UserError) and failed.value.hosts == ["node-b", "node-c"]
