@@ -71,7 +71,9 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """Stop every process group the session started that a fixture or test did not stop itself."""
     left = processes.stop_all()
     if left:
-        session.config.get_terminal_writer().line(f"tests/processes: stopped {len(left)} leftover process(es): {left}")
+        writer = session.config.get_terminal_writer()
+        writer.line()
+        writer.line(f"tests/processes: stopped {len(left)} process(es) that no fixture or test stopped: {left}")
 
 
 @pytest.fixture(autouse=True, scope="session")
