@@ -212,7 +212,9 @@ def prepare_data(spec: str = typer.Argument(..., help=SPEC_HELP)) -> None:
 def build_image(
     spec: str = typer.Argument(..., help=SPEC_HELP),
     out: Path | None = typer.Option(
-        None, "--out", help="Folder for image.json, build.log and the build context; default runs/<name>/image."
+        None,
+        "--out",
+        help="Folder for image.json, build.log and the build context; default <deployment_dir>/image.",
     ),
 ) -> None:
     """Build and push the training image unless its content-addressed tag exists; write image.json."""
@@ -242,7 +244,9 @@ def build_image(
 def check_nodes(
     spec: str = typer.Argument(..., help=SPEC_HELP),
     out: Path | None = typer.Option(
-        None, "--out", help="Folder for node-check.json and the playbook log (node-check.log); default runs/<name>."
+        None,
+        "--out",
+        help="Folder for node-check.json and the playbook log (node-check.log); default deployment_dir (runs/<name>).",
     ),
 ) -> None:
     """Check that the nodes are consistent, reachable and ready; exit 1 on any blocking finding."""
@@ -256,7 +260,7 @@ def check_nodes(
     except DeployError as err:
         err_console.print(f"check-nodes could not run: {err}", markup=False, highlight=False)
         raise typer.Exit(2) from err
-    path = write_report(result, (out or Path("runs") / parsed.name) / "node-check.json")
+    path = write_report(result, (out or Path(parsed.reports_dir)) / "node-check.json")
     table = Table("check", "severity", "values", "finding / fix", show_lines=True)
     style = {"ok": "green", "warning": "yellow", "blocking": "red"}
     for row in result.table():
@@ -345,7 +349,9 @@ def plan(
     spec: str = typer.Argument(..., help=SPEC_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print plan.json to stdout instead of the table."),
     out: str | None = typer.Option(
-        None, "--out", help="Folder for plan.json; default capacity.output_url, else runs/<name>."
+        None,
+        "--out",
+        help="Folder for plan.json; default capacity.output_url (deployment_dir unless set).",
     ),
     self_check: bool = typer.Option(
         False, "--self-check", help="Also measure one training step of the model on this machine and compare."
