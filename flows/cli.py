@@ -20,6 +20,7 @@ from rich.text import Text
 from typer.core import TyperGroup
 
 if TYPE_CHECKING:
+    from tasks.acceptance.config import AcceptanceConfig
     from tasks.prepare.pipeline import PrepareResult
     from tasks.spec import DeploymentSpec
 
@@ -406,7 +407,16 @@ def _print_acceptance(report, root: Path) -> None:  # noqa: ANN001 - AcceptanceR
     console.print(f"verdict: {verdict}; " + ", ".join(str(p) for p in written), markup=False, highlight=False)
 
 
-_WORKSPACE_HELP = "Folder for the runs and reports (acceptance.json, junit.xml, loss_curve.png); default: the spec's."
+_WORKSPACE_HELP = (
+    "Folder under which each run gets a fresh workspace <out>/<run-id>/ with its jobs and reports (acceptance.json, "
+    "junit.xml, loss_curve.png; drills in drills/), and latest -> the last one; default acceptance.work_url "
+    "(runs/<name>/acceptance)."
+)
+
+
+def _with_workspace_base(acceptance: AcceptanceConfig, out: Path | None) -> AcceptanceConfig:
+    """acceptance with --out as the folder its run workspaces go under (a fresh <out>/<run-id>/ per run)."""
+    return acceptance if out is None else acceptance.model_copy(update={"work_url": str(out)})
 
 
 @app.command(epilog=_example("tdeploy accept examples/local.yaml --drills --out runs/local/acceptance"))
@@ -419,25 +429,28 @@ def accept(
 ) -> None:
     """Accept the deployment along six dimensions; exit 1 when any fails."""
     from tasks.acceptance.suite import run_acceptance, work_dir
+    from tasks.acceptance.workspace import Workspace, mark_latest
     from tasks.errors import DeployError
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     parsed = _load(spec)
     cfg = _training_config_prepared(parsed)
-    root = out or work_dir(parsed.acceptance, cfg)
+    acceptance = _with_workspace_base(parsed.acceptance, out)
+    root = work_dir(acceptance, cfg)
     try:
         report = run_acceptance(
-            parsed.cluster, cfg, parsed.acceptance, root, parsed.cluster.env, image, soak, parsed.drills, drills
+            parsed.cluster, cfg, acceptance, root, parsed.cluster.env, image, soak, parsed.drills, drills
         )
     except DeployError as err:
         err_console.print(f"accept could not run: {err}", markup=False)
         raise typer.Exit(2) from err
     _print_acceptance(report, root)
+    mark_latest(Workspace.at(root))
     if not report.passed:
         raise typer.Exit(1)
 
 
-@app.command(epilog=_example("tdeploy drill examples/local.yaml --only rank_kill --out runs/local/drills"))
+@app.command(epilog=_example("tdeploy drill examples/local.yaml --only rank_kill --out runs/local/acceptance"))
 def drill(
     spec: str = typer.Argument(..., help=SPEC_HELP),
     only: list[str] | None = typer.Option(None, "--only", help="Run just this drill (repeatable)."),
@@ -448,6 +461,7 @@ def drill(
     from tasks.acceptance.config import DRILLS
     from tasks.acceptance.drills import DrillContext, run_drills
     from tasks.acceptance.suite import AcceptanceReport, work_dir
+    from tasks.acceptance.workspace import Workspace, mark_latest
     from tasks.errors import DeployError
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -457,8 +471,9 @@ def drill(
         err_console.print(f"--only {unknown[0]}: no such drill; use one of {list(DRILLS)}", markup=False)
         raise typer.Exit(2)
     cfg = _training_config_prepared(parsed)
-    root = out or work_dir(parsed.acceptance, cfg) / "drills"
-    ctx = DrillContext(parsed.cluster, cfg, root, parsed.acceptance, parsed.drills, parsed.cluster.env, image)
+    acceptance = _with_workspace_base(parsed.acceptance, out)
+    root = work_dir(acceptance, cfg) / "drills"
+    ctx = DrillContext(parsed.cluster, cfg, root, acceptance, parsed.drills, parsed.cluster.env, image)
     try:
         results = run_drills(ctx, only)
     except DeployError as err:
@@ -466,6 +481,7 @@ def drill(
         raise typer.Exit(2) from err
     report = AcceptanceReport([], results, {})
     _print_acceptance(report, root)
+    mark_latest(Workspace.at(root.parent))
     if not report.passed:
         raise typer.Exit(1)
 

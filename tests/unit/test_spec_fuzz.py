@@ -83,6 +83,7 @@ URLS = [
     "capacity.calibration_url",
     "acceptance.work_url",
     "data.prepare.output_url",
+    "deployment_dir",
 ]
 BAD_URLS = {
     "nul": "runs/a\x00b",
@@ -221,7 +222,7 @@ def no_launch(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     def refuse(*args: object, **kwargs: object) -> None:
         raise AssertionError("a malformed spec got past train's pre-launch checks")
 
-    monkeypatch.setattr("flows.cli.run_local", refuse)
+    monkeypatch.setattr("tasks.launch.local.run_local", refuse)
     monkeypatch.setattr("flows.cli._prepare_with_progress", refuse)
     monkeypatch.chdir(tmp_path)
 

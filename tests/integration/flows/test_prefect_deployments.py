@@ -84,6 +84,7 @@ def test_deployments_run_through_a_worker_with_schedule_artifacts_and_ui(
         TINY_SPEC,
         {
             "name": "deployed",
+            "deployment_dir": str(tmp_path),
             "data": {"dataset_url": tiny_dataset},
             "checkpoint": {"url": str(tmp_path / "ckpt")},
             "run": {"steps": 20, "output_url": str(tmp_path / "output")},
@@ -134,7 +135,7 @@ def test_deployments_run_through_a_worker_with_schedule_artifacts_and_ui(
     with temporary_settings({PREFECT_API_URL: env["PREFECT_API_URL"]}):
         artifacts = asyncio.run(summary())
     assert artifacts and "Deployment `deployed`: succeeded" in str(artifacts[0].data)
-    assert json.loads((tmp_path / "acceptance" / "acceptance.json").read_text())["verdict"] == "passed"
+    assert json.loads((tmp_path / "acceptance" / "latest" / "acceptance.json").read_text())["verdict"] == "passed"
 
     chromium = shutil.which("chromium")
     assert chromium, "chromium is installed by bash .ci/setup --test"

@@ -27,6 +27,7 @@ SMALL_GPU = {
 
 
 def _write_spec(tmp_path: Path, overrides: dict) -> Path:
+    (tmp_path / "d").mkdir(exist_ok=True)  # every command's preflight wants the dataset to exist
     paths = {
         "data": {"dataset_url": str(tmp_path / "d")},
         "checkpoint": {"url": str(tmp_path / "c")},
