@@ -23,7 +23,12 @@ def _tdeploy_run(tmp_path: Path, env: dict[str, str]) -> None:
     tdeploy = shutil.which("tdeploy", path=str(Path(sys.executable).parent))
     proc = run_group([tdeploy, "run", str(REPO / "examples" / "local.yaml")], timeout=2400, cwd=tmp_path, env=env)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    assert "deploy-training completed for local" in proc.stdout
+    assert "deploy-training local: succeeded" in proc.stdout
+    # the end of the run names the one folder every report is in, and how to open the run in Prefect's UI
+    assert f"reports: {(tmp_path / 'runs' / 'local').resolve()} (summary.json, summary.md)" in proc.stdout
+    assert "/runs/flow-run/" in proc.stdout
+    summary = json.loads((tmp_path / "runs" / "local" / "summary.json").read_text())
+    assert summary["failed_step"] is None, summary
 
 
 def _latest_acceptance(runs: Path) -> Path:
