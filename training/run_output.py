@@ -1,0 +1,325 @@
+"""The run-output format: its file names, the trainer's writer and the typed reader everybody else uses.
+
+A run's output folder (`run.output_url`) holds, format version 1:
+
+    ranks.json                    written at start-up by rank 0: format_version, world_size, one entry per rank
+    metrics/rank-NNNNN.jsonl      one line per optimizer step and rank (step, loss, lr, tokens/s, memory, ...)
+    samples/rank-NNNNN.jsonl      the sample indices each rank consumed per step (run.record_samples)
+    eval.jsonl                    one line per evaluation: step, val_loss, val_ppl
+    checkpoints.jsonl             one line per save: step and bytes/seconds, or the error of a lost save
+    resume.json                   what the checkpoint manager loaded at start-up and which checkpoints it skipped, why
+    result.json                   written at the end by rank 0: steps, losses, tokens seen, ...
+    train.log                     the job's log, written by the launcher (not by the trainer)
+
+A step that ran again after a resume appears twice in the JSON-lines files; the
+readers keep the later attempt. Only this module spells these names: the
+trainer writes through `RunOutputWriter`, acceptance, drills, diagnosis, the CLI
+and the tests read through `RunOutput`.
+
+Files are written to a local folder. For a remote `output_url` the folder is a
+local staging area that is uploaded with `sync()` at every log interval and at
+the end, because object stores cannot append. The reader reads local folders.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import IO, Any, Literal
+
+from training.storage import StorageConfig, filesystem, is_local, join, local_path
+
+FORMAT_VERSION = 1
+
+RANKS = "ranks.json"
+METRICS_DIR = "metrics"
+SAMPLES_DIR = "samples"
+EVALS = "eval.jsonl"
+CHECKPOINTS = "checkpoints.jsonl"
+RESUME = "resume.json"
+RESULT = "result.json"
+TRAIN_LOG = "train.log"
+
+SkipReason = Literal["partial", "corrupt", "untrusted"]
+
+
+def rank_file(rank: int) -> str:
+    """The per-rank JSON-lines file name (`rank-00003.jsonl`)."""
+    return f"rank-{rank:05d}.jsonl"
+
+
+class RunOutputFormatError(Exception):
+    """A run-output file this reader cannot read (a newer format, or not what the format says)."""
+
+    def __init__(self, path: Path, problem: str, fix: str) -> None:
+        super().__init__(f"{path}: {problem}; {fix}")
+        self.path, self.problem, self.fix = path, problem, fix
+
+
+# ---- records ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """ranks.json: who took part in the job (one dict per rank: rank, host, pid, device, resumed_from_step, ...)."""
+
+    world_size: int
+    ranks: list[dict[str, Any]]
+    format_version: int = FORMAT_VERSION
+
+
+@dataclass(frozen=True)
+class CheckpointEvent:
+    """One line of checkpoints.jsonl: a save that committed (bytes, seconds) or was lost (error)."""
+
+    step: int
+    bytes: float | None = None
+    seconds: float | None = None
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class SkippedCheckpoint:
+    """A checkpoint the resume passed over: its step, folder, why (partial, corrupt, untrusted) and the detail."""
+
+    step: int
+    url: str
+    reason: SkipReason
+    detail: str
+
+
+@dataclass(frozen=True)
+class ResumeRecord:
+    """resume.json: what the checkpoint manager loaded at start-up (loaded_step None: started fresh) and skipped."""
+
+    storage_url: str
+    loaded_step: int | None = None
+    loaded_url: str | None = None
+    saved_world_size: int | None = None
+    world_size: int | None = None
+    resharded: bool = False
+    skipped: list[SkippedCheckpoint] = field(default_factory=list)
+
+    def skipped_step(self, step: int) -> SkippedCheckpoint | None:
+        """The skip record of `step` (None when it was not skipped)."""
+        return next((s for s in self.skipped if s.step == step), None)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ResumeRecord:
+        """From the parsed resume.json."""
+        skipped = [SkippedCheckpoint(**s) for s in data.get("skipped", [])]
+        return cls(**{**data, "skipped": skipped})
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """result.json: how far the job got and where the losses ended."""
+
+    steps: int
+    resumed_from_step: int | None
+    world_size: int
+    first_loss: float | None
+    final_loss: float | None
+    val_loss: float
+    val_ppl: float
+    skipped_steps: int
+    tokens_seen: int
+    n_params: int
+
+
+# ---- writer -----------------------------------------------------------------------------------
+
+
+class RunOutputWriter:
+    """The run's output folder as the trainer writes it (local, or staged locally for a remote URL)."""
+
+    def __init__(self, url: str, storage: StorageConfig) -> None:
+        self.url, self.storage = url, storage
+        self.remote = not is_local(url)
+        self.dir = Path(tempfile.mkdtemp(prefix="tdeploy-out-")) if self.remote else Path(local_path(url))
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self._files: dict[str, IO[str]] = {}
+
+    def write_ranks(self, ranks: Ranks) -> None:
+        """ranks.json, with the format version."""
+        self._write_json(RANKS, asdict(ranks) | {"format_version": FORMAT_VERSION})
+
+    def append_metrics(self, rank: int, record: dict[str, Any]) -> None:
+        """One step's metrics of `rank`."""
+        self._append(f"{METRICS_DIR}/{rank_file(rank)}", {"rank": rank, **record})
+
+    def append_samples(self, rank: int, record: dict[str, Any]) -> None:
+        """One step's sample indices of `rank`."""
+        self._append(f"{SAMPLES_DIR}/{rank_file(rank)}", record)
+
+    def append_eval(self, record: dict[str, Any]) -> None:
+        """One evaluation (step, val_loss, val_ppl)."""
+        self._append(EVALS, record)
+
+    def append_checkpoint(self, event: CheckpointEvent) -> None:
+        """One save, committed or lost."""
+        self._append(CHECKPOINTS, {k: v for k, v in asdict(event).items() if v is not None})
+
+    def write_resume(self, record: ResumeRecord) -> None:
+        """resume.json."""
+        self._write_json(RESUME, asdict(record))
+
+    def write_result(self, result: RunResult) -> None:
+        """result.json."""
+        self._write_json(RESULT, asdict(result))
+
+    def _append(self, name: str, record: dict[str, Any]) -> None:
+        handle = self._files.get(name)
+        if handle is None:
+            path = self.dir / name
+            path.parent.mkdir(parents=True, exist_ok=True)
+            # Line-buffered: watchers (stall detection, drills) see every step as it happens.
+            handle = self._files[name] = open(path, "a", encoding="utf-8", buffering=1)  # noqa: SIM115
+        handle.write(json.dumps(record) + "\n")
+
+    def _write_json(self, name: str, data: Any) -> None:
+        path = self.dir / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        tmp.write_text(json.dumps(data, indent=2))
+        os.replace(tmp, path)
+
+    def sync(self) -> None:
+        """Flush files; upload them when the output URL is remote."""
+        for handle in self._files.values():
+            handle.flush()
+        if self.remote:
+            fs, root = filesystem(self.url, self.storage)
+            for path in self.dir.rglob("*"):
+                if path.is_file() and not path.name.startswith("."):
+                    fs.put_file(str(path), join(root, str(path.relative_to(self.dir))))
+
+    def close(self) -> None:
+        """Flush, upload and close."""
+        self.sync()
+        for handle in self._files.values():
+            handle.close()
+        self._files.clear()
+
+
+# ---- reader -----------------------------------------------------------------------------------
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """JSON lines of a file ([] when it does not exist)."""
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def latest_by_step(records: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    """One record per step; when a step ran again after a resume, the later attempt wins."""
+    return {r["step"]: r for r in records}
+
+
+class RunOutput:
+    """A run's output folder as its readers see it (a local folder, possibly still being written)."""
+
+    def __init__(self, output_dir: str | Path) -> None:
+        self.dir = Path(local_path(str(output_dir)))
+
+    def __repr__(self) -> str:
+        return f"RunOutput({str(self.dir)!r})"
+
+    @property
+    def train_log(self) -> Path:
+        """Where the launcher writes the job's log."""
+        return self.dir / TRAIN_LOG
+
+    def _json(self, name: str) -> Any | None:
+        path = self.dir / name
+        if not path.exists():
+            return None
+        return json.loads(path.read_text())
+
+    def ranks(self) -> Ranks | None:
+        """ranks.json (None before it is written); a newer format than this reader's is refused."""
+        data = self._json(RANKS)
+        if data is None:
+            return None
+        version = data.get("format_version", FORMAT_VERSION)  # runs from before the version was written: 1
+        if not isinstance(version, int) or version > FORMAT_VERSION:
+            raise RunOutputFormatError(
+                self.dir / RANKS,
+                f"format_version={version!r}, this reader knows versions up to {FORMAT_VERSION}",
+                "read it with the transformer-deploy version that wrote it, or upgrade this one",
+            )
+        return Ranks(world_size=data["world_size"], ranks=data["ranks"], format_version=version)
+
+    def ranks_written_at(self) -> float | None:
+        """When ranks.json was last written (unix seconds; None before it is)."""
+        path = self.dir / RANKS
+        return path.stat().st_mtime if path.exists() else None
+
+    def metric_ranks(self) -> list[int]:
+        """The ranks that recorded metrics, ascending."""
+        return self._ranks_in(METRICS_DIR)
+
+    def sample_ranks(self) -> list[int]:
+        """The ranks that recorded samples, ascending."""
+        return self._ranks_in(SAMPLES_DIR)
+
+    def _ranks_in(self, folder: str) -> list[int]:
+        return sorted(int(p.stem.split("-")[1]) for p in (self.dir / folder).glob("rank-*.jsonl"))
+
+    def metric_records(self, rank: int = 0) -> list[dict[str, Any]]:
+        """Every metrics line of `rank` in order, repeated steps included."""
+        return read_jsonl(self.dir / METRICS_DIR / rank_file(rank))
+
+    def metrics(self, rank: int = 0) -> dict[int, dict[str, Any]]:
+        """step -> metrics record of `rank` (later attempts win)."""
+        return latest_by_step(self.metric_records(rank))
+
+    def all_metrics(self) -> dict[int, dict[int, dict[str, Any]]]:
+        """rank -> step -> metrics record, for every rank that recorded metrics."""
+        return {rank: self.metrics(rank) for rank in self.metric_ranks()}
+
+    def samples(self, rank: int = 0) -> dict[int, dict[str, Any]]:
+        """step -> sample record of `rank` (later attempts win)."""
+        return latest_by_step(read_jsonl(self.dir / SAMPLES_DIR / rank_file(rank)))
+
+    def all_samples(self) -> dict[int, dict[int, dict[str, Any]]]:
+        """rank -> step -> sample record, for every rank that recorded samples."""
+        return {rank: self.samples(rank) for rank in self.sample_ranks()}
+
+    def last_step(self, rank: int = 0) -> int:
+        """The last step `rank` has recorded (0 before the first); reads only the file's tail."""
+        path = self.dir / METRICS_DIR / rank_file(rank)
+        if not path.exists():
+            return 0
+        with open(path, "rb") as handle:
+            handle.seek(0, os.SEEK_END)
+            handle.seek(max(0, handle.tell() - 4096))
+            lines = [line for line in handle.read().decode(errors="replace").splitlines() if line.startswith("{")]
+        for line in reversed(lines):
+            try:
+                return int(json.loads(line)["step"])
+            except (ValueError, KeyError):
+                continue
+        return 0
+
+    def evals(self) -> list[dict[str, Any]]:
+        """Every evaluation in order (step, val_loss, val_ppl)."""
+        return read_jsonl(self.dir / EVALS)
+
+    def checkpoints(self) -> list[CheckpointEvent]:
+        """Every save in order, committed or lost."""
+        return [CheckpointEvent(**r) for r in read_jsonl(self.dir / CHECKPOINTS)]
+
+    def resume(self) -> ResumeRecord | None:
+        """What the last start-up loaded and skipped (None: it never looked, e.g. checkpoint.resume=false)."""
+        data = self._json(RESUME)
+        return None if data is None else ResumeRecord.from_json(data)
+
+    def result(self) -> RunResult | None:
+        """result.json (None until the job finished)."""
+        data = self._json(RESULT)
+        return None if data is None else RunResult(**data)
