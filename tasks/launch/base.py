@@ -1,4 +1,8 @@
-"""The launcher interface: job handles, one small set of job states, failure reports, waiting."""
+"""The launcher interface: job handles, one small set of job states, failure reports, waiting.
+
+A job's environment has two sources, kept apart: the spec's `cluster.env` (every launcher applies it
+itself) and, for drills and tests only, `faults` (the fault-injection variables of training/faults.py).
+"""
 
 from __future__ import annotations
 
@@ -7,13 +11,16 @@ import logging
 import os
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from pathlib import Path
 from typing import Any, Protocol
 
+from tasks.cluster import ClusterConfig
 from tasks.errors import TransientError, UserError
+from training.config import TrainConfig
+from training.faults import ENV_VAR as FAULTS_ENV
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +90,8 @@ class JobHandle:
     log_path: str
     submitted_unix_s: float = field(default_factory=time.time)
     details: dict[str, Any] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict)  # the spec's cluster.env, as the job got it
+    faults: dict[str, str] = field(default_factory=dict)  # test-only fault variables, never part of `env`
 
     @property
     def ref(self) -> str:
@@ -100,18 +109,82 @@ class JobHandle:
 
 
 class Launcher(Protocol):
-    """Submit, inspect and stop training jobs on one kind of scheduler."""
+    """Submit, inspect, stop and wait for training jobs on one kind of scheduler.
+
+    Implementations subclass it explicitly and so share `wait` (and `hopeless`, which a scheduler that can
+    tell a job that will never start overrides).
+    """
 
     scheduler: str
 
+    def submit(
+        self,
+        cluster: ClusterConfig,
+        train: TrainConfig,
+        name: str,
+        image: str | None = None,
+        *,
+        faults: Mapping[str, str] | None = None,
+        supervised: bool = True,
+    ) -> JobHandle:
+        """Start the job with `cluster.env` (and the test `faults`, if any) in its environment; returns at once."""
+        ...
+
     def status(self, handle: JobHandle) -> JobStatus:
         """The job's state now."""
+        ...
 
     def logs(self, handle: JobHandle, offset: int = 0) -> tuple[list[str], int]:
         """Log lines from byte `offset` on, and the offset after them."""
+        ...
 
     def cancel(self, handle: JobHandle) -> None:
         """Stop the job and every process it started."""
+        ...
+
+    def hopeless(self, status: JobStatus) -> bool:
+        """A pending job that can never start (none, unless the scheduler says so)."""
+        return False
+
+    def wait(
+        self,
+        handle: JobHandle,
+        until: frozenset[JobState] = TERMINAL,
+        timeout_s: float | None = None,
+        on_line: Callable[[str], None] | None = None,
+        poll_s: float = 0.5,
+    ) -> JobStatus:
+        """Poll until the job reaches a state in `until` or ends, streaming its log lines (see `wait_for`)."""
+        return wait_for(self, handle, until, timeout_s, on_line, poll_s, hopeless=self.hopeless)
+
+
+FAULT_VARIABLES = frozenset({FAULTS_ENV})
+
+
+def checked_faults(faults: Mapping[str, str] | None) -> dict[str, str]:
+    """The test fault variables as a dict; UserError for anything else (the job's own environment is cluster.env)."""
+    found = dict(faults or {})
+    unknown = sorted(set(found) - FAULT_VARIABLES)
+    if unknown:
+        raise UserError(
+            f"faults={unknown}: not fault-injection variables",
+            f"pass only {sorted(FAULT_VARIABLES)} as faults; put the job's own variables in cluster.env",
+        )
+    return found
+
+
+def split_legacy_env(
+    cluster_env: Mapping[str, str], env: Mapping[str, str] | None
+) -> tuple[dict[str, str], dict[str, str]]:
+    """TRANSITIONAL: the old `env=` argument as (faults, inherited).
+
+    Keys of cluster.env are dropped (cluster.env is applied anyway); fault variables become `faults`; anything
+    else is added to the environment the launcher starts from, as the old argument did (callers set such
+    variables in their own environment instead).
+    """
+    rest = {key: value for key, value in (env or {}).items() if key not in cluster_env}
+    faults = {key: value for key, value in rest.items() if key in FAULT_VARIABLES}
+    return faults, {key: value for key, value in rest.items() if key not in FAULT_VARIABLES}
 
 
 def registry_dir() -> Path:

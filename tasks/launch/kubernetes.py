@@ -14,12 +14,13 @@ kept small and separate, and not exercised by the tests.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Any
 
 from tasks.cluster import ClusterConfig
 from tasks.errors import TransientError, UserError
-from tasks.launch.base import JobHandle, JobState, JobStatus
-from tasks.launch.torchrun import WORKER_ENV
+from tasks.launch.base import JobHandle, JobState, JobStatus, Launcher, checked_faults
+from tasks.launch.torchrun import job_env
 from training.checkpoint_trust import KEY_ENV as CHECKPOINT_KEY_ENV
 from training.config import TrainConfig
 
@@ -28,8 +29,13 @@ CONFIG_DIR = "/etc/tdeploy"
 CHECKPOINT_KEY_SECRET = "tdeploy-checkpoint-key"
 
 
-def render_manifests(cluster: ClusterConfig, train: TrainConfig, name: str, image: str) -> list[dict[str, Any]]:
-    """[ConfigMap with run.json, PyTorchJob] for `cluster.nodes` pods of `procs_per_node` ranks each."""
+def render_manifests(
+    cluster: ClusterConfig, train: TrainConfig, name: str, image: str, faults: Mapping[str, str] | None = None
+) -> list[dict[str, Any]]:
+    """[ConfigMap with run.json, PyTorchJob] for `cluster.nodes` pods of `procs_per_node` ranks each.
+
+    The pods get cluster.env, and the test fault variables only where `faults` gives them.
+    """
     k8s = cluster.kubernetes
     resources: dict[str, str] = {}
     if cluster.accelerator != "cpu":
@@ -55,7 +61,7 @@ def render_manifests(cluster: ClusterConfig, train: TrainConfig, name: str, imag
         ],  # fmt: skip
         # Kubernetes expands $(NAME) in env values; $$ keeps a literal $.
         "env": [
-            *({"name": k, "value": v.replace("$", "$$")} for k, v in sorted({**WORKER_ENV, **cluster.env}.items())),
+            *({"name": k, "value": v.replace("$", "$$")} for k, v in sorted(job_env(cluster, faults).items())),
             # The checkpoint signing key comes from a Kubernetes Secret, never from the spec or the ConfigMap.
             {
                 "name": CHECKPOINT_KEY_ENV,
@@ -138,7 +144,7 @@ def _first_difference(ours: Any, schema: Any, path: str = "") -> str:
     return "" if ours == schema else f"{path} ({ours!r} != {schema!r})"
 
 
-class KubernetesLauncher:
+class KubernetesLauncher(Launcher):
     """Live submission through the `kubernetes` client (needs a cluster and the Kubeflow training operator)."""
 
     scheduler = "kubernetes"
@@ -155,14 +161,40 @@ class KubernetesLauncher:
             ) from err
         self.core, self.custom = client.CoreV1Api(), client.CustomObjectsApi()
 
-    def submit(self, manifests: list[dict[str, Any]], output_dir: str) -> JobHandle:
-        """Create the ConfigMap and the PyTorchJob."""
-        config_map, job = manifests
+    def submit(
+        self,
+        cluster: ClusterConfig,
+        train: TrainConfig,
+        name: str,
+        image: str | None = None,
+        *,
+        faults: Mapping[str, str] | None = None,
+        supervised: bool = True,
+    ) -> JobHandle:
+        """Render and check the manifests, create the ConfigMap and the PyTorchJob.
+
+        The job always runs on its own: `supervised` does not apply.
+        """
+        faults = checked_faults(faults)
+        if not image:
+            raise UserError(
+                "cluster.scheduler=kubernetes needs an image", "build one first (tdeploy build-image) or pass --image"
+            )
+        config_map, job = render_manifests(cluster, train, name, image, faults)
         validate_pytorchjob(job)
-        namespace, name = job["metadata"]["namespace"], job["metadata"]["name"]
+        namespace = job["metadata"]["namespace"]
         self.core.create_namespaced_config_map(namespace, config_map)
         self.custom.create_namespaced_custom_object("kubeflow.org", "v1", namespace, "pytorchjobs", job)
-        return JobHandle(self.scheduler, f"{namespace}/{name}", name, output_dir, "", details={"namespace": namespace})
+        return JobHandle(
+            self.scheduler,
+            f"{namespace}/{name}",
+            name,
+            train.run.output_url,
+            "",
+            details={"namespace": namespace},
+            env=dict(cluster.env),
+            faults=faults,
+        )
 
     def status(self, handle: JobHandle) -> JobStatus:
         """The last condition of the PyTorchJob."""

@@ -24,23 +24,24 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from tasks.cluster import ClusterConfig
 from tasks.errors import UserError
 from tasks.launch.base import (
-    TERMINAL,
     JobHandle,
     JobState,
     JobStatus,
+    Launcher,
+    checked_faults,
     parse_root_cause,
     read_log,
     record_job,
-    wait_for,
+    split_legacy_env,
 )
-from tasks.launch.torchrun import free_port, torchrun_args, worker_env
+from tasks.launch.torchrun import free_port, job_env, torchrun_args
 from training.config import TrainConfig
 from training.process import alive, start_time
 from training.storage import is_local, local_path
@@ -150,24 +151,34 @@ def _refuse_if_running(out: Path) -> None:
     )
 
 
-class LocalLauncher:
+class LocalLauncher(Launcher):
     """Runs, watches and cancels torchrun jobs on this machine."""
 
     scheduler = "local"
+
+    def __init__(self, env: Mapping[str, str] | None = None) -> None:
+        """`env`: added to this process's environment, which the agents start from."""
+        self.env = dict(os.environ, **(env or {}))
 
     def submit(
         self,
         cluster: ClusterConfig,
         train: TrainConfig,
         name: str,
-        extra_env: dict[str, str] | None = None,
+        image: str | None = None,
+        *,
+        faults: Mapping[str, str] | None = None,
         supervised: bool = True,
     ) -> JobHandle:
-        """Write run.json, start the agents, record the job; returns at once.
+        """Write run.json, start the agents with cluster.env (and `faults`) set, record the job; returns at once.
 
         Supervised, the job stops when this process ends; detached, it runs on without it.
-        Refused (UserError) while the previous job in the output folder still runs.
+        Refused (UserError) while the previous job in the output folder still runs. `image` is not used:
+        a local job runs this machine's Python.
         """
+        faults = checked_faults(faults)
+        if image:
+            log.info("the local launcher runs this machine's Python; image %s is not used", image)
         if not is_local(train.run.output_url):
             raise UserError(
                 f"run.output_url={train.run.output_url}: the local launcher needs a local folder",
@@ -191,7 +202,7 @@ class LocalLauncher:
         with open(log_path, "ab") as log_file:
             for node in range(cluster.nodes):
                 args = torchrun_args(cluster, endpoint, job_id, str(config_path), str(out / "logs" / f"node{node}"))
-                env = worker_env(extra_env)
+                env = job_env(cluster, faults, inherited=self.env)
                 env["TDEPLOY_EXIT_FILE"] = str(out / f"exit-{node}.txt")
                 env["TDEPLOY_STOP_FILE"] = str(out / CANCELLED_MARKER)
                 for key in SUPERVISOR_ENV:
@@ -214,6 +225,8 @@ class LocalLauncher:
             output_dir=str(out),
             log_path=str(log_path),
             details={"agents": agents, "log_offset": offset, "endpoint": endpoint, "supervisor": supervisor},
+            env=dict(cluster.env),
+            faults=faults,
         )
         record_job(handle)
         if supervisor:
@@ -321,7 +334,7 @@ class LocalJob:
 
     def wait(self, timeout_s: float | None = None, on_line: Callable[[str], None] | None = None) -> JobStatus:
         """Wait until the job ends."""
-        return wait_for(self.launcher, self.handle, TERMINAL, timeout_s, on_line)
+        return self.launcher.wait(self.handle, timeout_s=timeout_s, on_line=on_line)
 
     def status(self) -> JobStatus:
         """The job's state now."""
@@ -337,11 +350,20 @@ class LocalJob:
 
 
 def start_local(
-    cluster: ClusterConfig, train: TrainConfig, extra_env: dict[str, str] | None = None, name: str = "train"
+    cluster: ClusterConfig,
+    train: TrainConfig,
+    extra_env: dict[str, str] | None = None,
+    name: str = "train",
+    *,
+    faults: Mapping[str, str] | None = None,
 ) -> LocalJob:
-    """Start a local job and return at once."""
-    launcher = LocalLauncher()
-    return LocalJob(launcher.submit(cluster, train, name, extra_env), launcher)
+    """Start a local job (cluster.env and `faults` in its environment) and return at once.
+
+    `extra_env` is TRANSITIONAL (see `split_legacy_env`): pass `faults=` instead.
+    """
+    legacy_faults, inherited = split_legacy_env(cluster.env, extra_env)
+    launcher = LocalLauncher(inherited)
+    return LocalJob(launcher.submit(cluster, train, name, faults={**legacy_faults, **(faults or {})}), launcher)
 
 
 def run_local(
@@ -350,9 +372,14 @@ def run_local(
     extra_env: dict[str, str] | None = None,
     on_line: Callable[[str], None] | None = None,
     name: str = "train",
+    *,
+    faults: Mapping[str, str] | None = None,
 ) -> LocalJob:
-    """Run a local job to the end; raises TrainingFailed (with the first failing rank) unless it succeeded."""
-    job = start_local(cluster, train, extra_env, name)
+    """Run a local job to the end; raises TrainingFailed (with the first failing rank) unless it succeeded.
+
+    The job gets cluster.env (and `faults`); `extra_env` is TRANSITIONAL, as in `start_local`.
+    """
+    job = start_local(cluster, train, extra_env, name, faults=faults)
     try:
         status = job.wait(on_line=on_line)
     except BaseException:

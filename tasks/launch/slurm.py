@@ -14,12 +14,22 @@ import shlex
 import shutil
 import subprocess
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 from tasks.cluster import ENV_NAME, ClusterConfig
 from tasks.errors import TransientError, UserError
-from tasks.launch.base import JobHandle, JobState, JobStatus, parse_root_cause, read_log, record_job
-from tasks.launch.torchrun import LOG_ARGS, WORKER_ENV, agent_args, payload_args
+from tasks.launch.base import (
+    JobHandle,
+    JobState,
+    JobStatus,
+    Launcher,
+    checked_faults,
+    parse_root_cause,
+    read_log,
+    record_job,
+)
+from tasks.launch.torchrun import LOG_ARGS, agent_args, job_env, payload_args
 from training.config import TrainConfig
 from training.storage import is_local, local_path
 
@@ -57,12 +67,13 @@ def slurm_state(raw: str) -> JobState:
     return JobState.FAILED
 
 
-class SlurmLauncher:
+class SlurmLauncher(Launcher):
     """Submits, watches and cancels jobs through the Slurm command-line tools."""
 
     scheduler = "slurm"
 
-    def __init__(self, env: dict[str, str] | None = None) -> None:
+    def __init__(self, env: Mapping[str, str] | None = None) -> None:
+        """`env`: added to this process's environment for the Slurm tools (SLURM_CONF, PATH, ...)."""
         self.env = dict(os.environ, **(env or {}))
 
     # ---- commands -----------------------------------------------------------------------
@@ -98,8 +109,19 @@ class SlurmLauncher:
 
     # ---- script -------------------------------------------------------------------------
 
-    def render(self, cluster: ClusterConfig, config_path: str, name: str, output_dir: str, image: str | None) -> str:
-        """The sbatch script: every value from the spec is quoted for sbatch (directives) or the shell (commands)."""
+    def render(
+        self,
+        cluster: ClusterConfig,
+        config_path: str,
+        name: str,
+        output_dir: str,
+        image: str | None,
+        faults: Mapping[str, str] | None = None,
+    ) -> str:
+        """The sbatch script: every value from the spec is quoted for sbatch (directives) or the shell (commands).
+
+        It exports cluster.env, and the test fault variables only where `faults` gives them.
+        """
         slurm = cluster.slurm
         directives = [
             f"--job-name={name}",
@@ -121,7 +143,7 @@ class SlurmLauncher:
         }
         directives += [f"{flag}={value}" for flag, value in optional.items() if value is not None]
         directives += slurm.extra_args
-        env = {**WORKER_ENV, **cluster.env}
+        env = job_env(cluster, faults)
         bad_names = [key for key in env if not ENV_NAME.fullmatch(key)]
         if bad_names:  # names cannot be quoted: `export` takes them as shell words
             raise UserError(f"cluster.env: {bad_names} are not variable names", "use letters, digits and _")
@@ -159,8 +181,21 @@ class SlurmLauncher:
 
     # ---- launcher interface -------------------------------------------------------------
 
-    def submit(self, cluster: ClusterConfig, train: TrainConfig, name: str, image: str | None = None) -> JobHandle:
-        """Write run.json and the script into the output folder (shared storage), sbatch it, record the job."""
+    def submit(
+        self,
+        cluster: ClusterConfig,
+        train: TrainConfig,
+        name: str,
+        image: str | None = None,
+        *,
+        faults: Mapping[str, str] | None = None,
+        supervised: bool = True,
+    ) -> JobHandle:
+        """Write run.json and the script into the output folder (shared storage), sbatch it, record the job.
+
+        A Slurm job always runs on its own: `supervised` does not apply.
+        """
+        faults = checked_faults(faults)
         if not is_local(train.run.output_url):
             raise UserError(
                 f"run.output_url={train.run.output_url}: Slurm jobs need a shared filesystem path",
@@ -172,7 +207,7 @@ class SlurmLauncher:
         config_path = out / "run.json"
         train.to_json_file(config_path)
         script = out / "job.sbatch"
-        script.write_text(self.render(cluster, str(config_path), name, str(out), image))
+        script.write_text(self.render(cluster, str(config_path), name, str(out), image, faults))
         job_id = self._run("sbatch", "--parsable", str(script)).stdout.strip().split(";")[0]
         handle = JobHandle(
             scheduler=self.scheduler,
@@ -181,6 +216,8 @@ class SlurmLauncher:
             output_dir=str(out),
             log_path=str(out / f"slurm-{job_id}.out"),
             details={"script": str(script), "image": image},
+            env=dict(cluster.env),
+            faults=faults,
         )
         record_job(handle)
         return handle

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
 
 from tasks.cluster import ClusterConfig
 from tasks.errors import UserError
-from tasks.launch.base import JobHandle, JobStatus
+from tasks.launch.base import JobHandle, JobStatus, Launcher, split_legacy_env
 from tasks.launch.local import LocalLauncher
 from tasks.launch.slurm import SlurmLauncher
 from training.config import TrainConfig
@@ -20,12 +20,13 @@ class JobFailed(UserError):
         self.handle, self.status = handle, status
 
 
-def launcher_for(scheduler: str) -> Any:
-    """The launcher of a scheduler kind."""
+def launcher_for(scheduler: str, env: Mapping[str, str] | None = None) -> Launcher:
+    """The launcher of a scheduler kind; `env` is added to the environment its tools and local processes start
+    from (a Kubernetes pod does not start from it)."""
     if scheduler == "local":
-        return LocalLauncher()
+        return LocalLauncher(env)
     if scheduler == "slurm":
-        return SlurmLauncher()
+        return SlurmLauncher(env)
     if scheduler == "kubernetes":
         from tasks.launch.kubernetes import KubernetesLauncher
 
@@ -38,25 +39,21 @@ def submit(
     train: TrainConfig,
     name: str,
     image: str | None = None,
-    env: dict[str, str] | None = None,
+    env: Mapping[str, str] | None = None,
+    *,
+    faults: Mapping[str, str] | None = None,
     supervised: bool = True,
-) -> tuple[Any, JobHandle]:
-    """Submit through the cluster's scheduler; returns the launcher and the job handle.
+) -> tuple[Launcher, JobHandle]:
+    """Submit through the cluster's scheduler (the job gets cluster.env, and `faults` if given); returns the
+    launcher and the job handle.
 
     `supervised`: a local job stops when this process ends (callers that wait for it); False leaves it
     running on its own (`tdeploy submit`). Slurm and Kubernetes jobs always run on their own.
+    `env` is TRANSITIONAL (see `split_legacy_env`): cluster.env is applied anyway; pass `faults=` instead.
     """
-    launcher = launcher_for(cluster.scheduler)
-    if cluster.scheduler == "local":
-        return launcher, launcher.submit(cluster, train, name, env, supervised=supervised)
-    if cluster.scheduler == "slurm":
-        if env:
-            launcher = SlurmLauncher(env)
-        return launcher, launcher.submit(cluster, train, name, image)
-    from tasks.launch.kubernetes import render_manifests
-
-    if not image:
-        raise UserError(
-            "cluster.scheduler=kubernetes needs an image", "build one first (tdeploy build-image) or pass --image"
-        )
-    return launcher, launcher.submit(render_manifests(cluster, train, name, image), train.run.output_url)
+    legacy_faults, inherited = split_legacy_env(cluster.env, env)
+    launcher = launcher_for(cluster.scheduler, inherited)
+    handle = launcher.submit(
+        cluster, train, name, image, faults={**legacy_faults, **(faults or {})}, supervised=supervised
+    )
+    return launcher, handle

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import os
 import socket
+from collections.abc import Mapping
 
 from tasks.cluster import ClusterConfig
 
@@ -47,10 +47,12 @@ def torchrun_args(
     return args + payload_args(config_path)
 
 
-def worker_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    """This process's environment plus what torchrun workers need, plus `extra` (the spec's env)."""
-    env = dict(os.environ)
+def job_env(
+    cluster: ClusterConfig, faults: Mapping[str, str] | None = None, inherited: Mapping[str, str] | None = None
+) -> dict[str, str]:
+    """The job's environment: `inherited` (where its processes start from), the workers' defaults where unset
+    there, then the spec's cluster.env, then the test-only fault variables."""
+    env = dict(inherited or {})
     for key, value in WORKER_ENV.items():
         env.setdefault(key, value)
-    env.update(extra or {})
-    return env
+    return {**env, **cluster.env, **(faults or {})}
