@@ -4,16 +4,50 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 from tasks.cluster import ClusterConfig
 from tasks.errors import TransientError, UserError
 from tasks.nodes.config import NodesConfig
-from tasks.nodes.inventory import plan_checks
-from tasks.nodes.report import NodeReport, build_report
-from tasks.nodes.runner import run_playbook
+from tasks.nodes.drift import drift_rows
+from tasks.nodes.inventory import CheckPlan, plan_checks
+from tasks.nodes.report import NodeReport, Observed, Row
+from tasks.nodes.runner import PlaybookRun, run_playbook
+from tasks.nodes.status import (
+    clock,
+    gpu_health,
+    name_resolution,
+    node_count,
+    reachability,
+    rendezvous,
+    ssh_login,
+    storage,
+)
 
 log = logging.getLogger(__name__)
+
+# The rows of the hosts that reported their facts, in the order the report shows them.
+SECTIONS: list[Callable[[Observed], list[Row]]] = [
+    drift_rows,
+    gpu_health,
+    storage,
+    name_resolution,
+    rendezvous,
+    clock,
+    ssh_login,
+]
+
+
+def build_report(run: PlaybookRun, plan: CheckPlan) -> NodeReport:
+    """The consistency report of one playbook run."""
+    seen = Observed.of(run, plan)
+    rows = [reachability(seen), *node_count(seen)]
+    if seen.reached:
+        rows += [row for section in SECTIONS for row in section(seen)]
+    for row in rows:
+        row.values = {h: row.values[h] for h in run.hosts if h in row.values}
+    return NodeReport(hosts=run.hosts, rows=rows, elapsed_s=run.elapsed_s, run_status=run.status, log=run.stdout)
 
 
 def _failure_message(report: NodeReport) -> str:

@@ -7,8 +7,8 @@ from collections.abc import Callable
 import pytest
 
 from tasks.errors import TransientError, UserError, retry_on_transient
-from tasks.nodes.check import NodeCheckFailed, NodesUnreachable, raise_for_blocking
-from tasks.nodes.report import NodeReport, build_report, grouped_values
+from tasks.nodes.check import NodeCheckFailed, NodesUnreachable, build_report, raise_for_blocking
+from tasks.nodes.report import NodeReport, grouped_values
 from tests.unit.nodes.conftest import CLOCK, gpu_node
 
 ABC = ["node-a", "node-b", "node-c"]

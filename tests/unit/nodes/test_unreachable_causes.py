@@ -7,8 +7,7 @@ from collections.abc import Callable
 import pytest
 
 from tasks.errors import TransientError, UserError
-from tasks.nodes.check import NodeCheckFailed, NodesUnreachable, raise_for_blocking
-from tasks.nodes.report import build_report
+from tasks.nodes.check import NodeCheckFailed, NodesUnreachable, build_report, raise_for_blocking
 
 PREFIX = 'Task failed: Data could not be sent to remote host "10.0.0.3". Make sure this host can be reached over ssh: '
 NOT_TRANSIENT = [
