@@ -65,6 +65,7 @@ from training.checkpoint_trust import (
     untrusted_reason,
 )
 from training.config import CheckpointConfig
+from training.run_output import ResumeRecord, RunOutputWriter, SkippedCheckpoint
 from training.storage import StorageConfig, filesystem, is_local, join, local_path, sha256_file, write_bytes_atomic
 
 log = logging.getLogger(__name__)
@@ -565,8 +566,12 @@ class CheckpointManager:
             return "key", err.problem
         return ("untrusted", reason) if reason else ("ok", commit)
 
-    def latest_sound(self) -> tuple[int, dict[str, Any]] | None:
-        """Newest committed, trusted, verified checkpoint; partial, untrusted and corrupt ones are skipped."""
+    def latest_sound(self, skipped: list[SkippedCheckpoint] | None = None) -> tuple[int, dict[str, Any]] | None:
+        """Newest committed, trusted, verified checkpoint; partial, untrusted and corrupt ones are skipped.
+
+        Each skipped checkpoint is appended to `skipped` (when given) with its reason.
+        """
+        passed_over = skipped if skipped is not None else []
         steps = _broadcast_from_rank0(self.steps_on_storage() if self.rank == 0 else None)
         for step in reversed(steps):
             kind, detail = _broadcast_from_rank0(self._inspect(step) if self.rank == 0 else None)
@@ -576,15 +581,18 @@ class CheckpointManager:
             if kind == "partial":
                 if self.rank == 0:
                     log.warning("skipping partial checkpoint %s: no %s (the save never finished)", name, COMMIT)
+                passed_over.append(SkippedCheckpoint(step, name, "partial", f"no {COMMIT} (the save never finished)"))
                 continue
             if kind in ("untrusted", "corrupt"):
                 if self.rank == 0:
                     log.warning("skipping %s checkpoint %s: %s", kind, name, detail)
+                passed_over.append(SkippedCheckpoint(step, name, kind, str(detail)))
                 continue
             problem = self.verify(step, detail)
             if problem:
                 if self.rank == 0:
                     log.warning("skipping corrupt checkpoint %s: %s", name, problem)
+                passed_over.append(SkippedCheckpoint(step, name, "corrupt", problem))
                 continue
             return step, detail
         return None
@@ -608,10 +616,17 @@ class CheckpointManager:
             raise CheckpointFormatError(*problems[0])
         return train_state, rng
 
-    def load_latest(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Restored | None:
-        """Restore model, optimizer and per-rank RNG from the newest sound checkpoint (None: start fresh)."""
-        found = self.latest_sound()
+    def load_latest(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, out: RunOutputWriter | None = None
+    ) -> Restored | None:
+        """Restore model, optimizer and per-rank RNG from the newest sound checkpoint (None: start fresh).
+
+        Rank 0 records what it loaded and what it skipped, and why, in `out` (resume.json).
+        """
+        skipped: list[SkippedCheckpoint] = []
+        found = self.latest_sound(skipped)
         if found is None:
+            self._record_resume(out, ResumeRecord(self.cfg.url, world_size=self.world, skipped=skipped))
             return None
         step, commit = found
         path = self._dir(step)
@@ -654,7 +669,15 @@ class CheckpointManager:
                 saved_world,
                 self.world,
             )
+        self._record_resume(
+            out,
+            ResumeRecord(self.cfg.url, step, url, saved_world, self.world, resharded=not rng_restored, skipped=skipped),
+        )
         return Restored(step, url, train_state, saved_world, rng_restored)
+
+    def _record_resume(self, out: RunOutputWriter | None, record: ResumeRecord) -> None:
+        if out is not None and self.rank == 0:
+            out.write_resume(record)
 
 
 def _parse_json(raw: bytes, where: str) -> Any:

@@ -1,70 +1,16 @@
-"""Run outputs of the trainer: per-rank JSON-lines metrics, sample records, ranks.json, result.json.
+"""What the trainer measures: peak memory and the time gradient reductions take.
 
-Files are written to a local folder. For a remote `output_url` the folder is a
-local staging area that is uploaded with `sync()` at every log interval and at
-the end, because object stores cannot append.
+The records they end up in are written through training/run_output.py.
 """
 
 from __future__ import annotations
 
-import json
-import os
 import resource
 import sys
-import tempfile
 import time
-from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import torch
-
-from training.storage import StorageConfig, filesystem, is_local, join, local_path
-
-
-class RunOutput:
-    """The run's output folder (local, or staged locally for a remote URL)."""
-
-    def __init__(self, url: str, storage: StorageConfig) -> None:
-        self.url, self.storage = url, storage
-        self.remote = not is_local(url)
-        self.dir = Path(tempfile.mkdtemp(prefix="tdeploy-out-")) if self.remote else Path(local_path(url))
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self._files: dict[str, IO[str]] = {}
-
-    def append(self, name: str, record: dict[str, Any]) -> None:
-        """Append one JSON line to `name` (relative to the output folder)."""
-        handle = self._files.get(name)
-        if handle is None:
-            path = self.dir / name
-            path.parent.mkdir(parents=True, exist_ok=True)
-            # Line-buffered: watchers (stall detection, drills) see every step as it happens.
-            handle = self._files[name] = open(path, "a", encoding="utf-8", buffering=1)  # noqa: SIM115
-        handle.write(json.dumps(record) + "\n")
-
-    def write_json(self, name: str, data: Any) -> None:
-        """Write a whole JSON document (atomically) to `name`."""
-        path = self.dir / name
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        tmp.write_text(json.dumps(data, indent=2))
-        os.replace(tmp, path)
-
-    def sync(self) -> None:
-        """Flush files; upload them when the output URL is remote."""
-        for handle in self._files.values():
-            handle.flush()
-        if self.remote:
-            fs, root = filesystem(self.url, self.storage)
-            for path in self.dir.rglob("*"):
-                if path.is_file() and not path.name.startswith("."):
-                    fs.put_file(str(path), join(root, str(path.relative_to(self.dir))))
-
-    def close(self) -> None:
-        """Flush, upload and close."""
-        self.sync()
-        for handle in self._files.values():
-            handle.close()
-        self._files.clear()
 
 
 def peak_memory_bytes(device: torch.device) -> int:

@@ -1,9 +1,9 @@
 """The training job: `torchrun ... -m training.train --config run.json`.
 
-Rank 0 logs a line every `run.log_every_steps`; every rank appends one JSON line
-per step to `metrics/rank-NNNNN.jsonl` and its sample indices to
-`samples/rank-NNNNN.jsonl`; `ranks.json` is written at start-up, `eval.jsonl`
-at each evaluation and `result.json` at the end.
+Rank 0 logs a line every `run.log_every_steps`; every rank records each step's
+metrics and sample indices in the run output (training/run_output.py, which
+describes the files): the ranks at start-up, what the resume loaded, each
+evaluation and save, and the result at the end.
 
 Before anything is written, rank 0 takes the leases of `run.output_url` and
 `checkpoint.url` (training/lease.py): a second job on the same roots stops at
@@ -37,9 +37,10 @@ from training.checkpoint import CheckpointManager, CheckpointSaveError
 from training.config import OptimConfig, TrainConfig
 from training.dataset import DatasetError, TokenDataset
 from training.lease import Lease
-from training.metrics import CommTimer, RunOutput, peak_memory_bytes
+from training.metrics import CommTimer, peak_memory_bytes
 from training.model import Transformer
 from training.parallel import gradient_sync, parallelize
+from training.run_output import CheckpointEvent, Ranks, RunOutputWriter, RunResult
 from training.sampler import GlobalBatchSampler, SamplerState
 from training.telemetry import Telemetry
 
@@ -215,7 +216,7 @@ class Trainer:
             enabled=cfg.precision.dtype == "fp16",
         )
         self.checkpoints = CheckpointManager(cfg.checkpoint, cfg.storage)
-        self.out = RunOutput(cfg.run.output_url, cfg.storage)
+        self.out = RunOutputWriter(cfg.run.output_url, cfg.storage)
         self.telemetry = Telemetry.for_rank(
             cfg.run, rank=self.rank, local_rank=self.env.local_rank, local_world_size=self.env.local_world_size,
             host=self.env.host, device=self.device,
@@ -244,7 +245,7 @@ class Trainer:
         }
 
     def _resume(self) -> None:
-        restored = self.checkpoints.load_latest(self.model, self.optimizer)
+        restored = self.checkpoints.load_latest(self.model, self.optimizer, self.out)
         if restored is None:
             return
         state = restored.train_state
@@ -293,7 +294,7 @@ class Trainer:
         everyone: list[Any] = [None] * self.world
         dist.all_gather_object(everyone, me)
         if self.rank == 0:
-            self.out.write_json("ranks.json", {"world_size": self.world, "ranks": everyone})
+            self.out.write_ranks(Ranks(self.world, everyone))
             self.out.sync()
 
     # ---- loop -------------------------------------------------------------------------------
@@ -370,12 +371,12 @@ class Trainer:
             "time_unix_s": time.time(),
             **self.telemetry.gpu_readings(),
         }
-        self.out.append(f"metrics/rank-{self.rank:05d}.jsonl", {"rank": self.rank, **record})
+        self.out.append_metrics(self.rank, record)
         self.telemetry.observe(record)
         if cfg.run.record_samples:
             flat = np.concatenate(micro_batches).tolist()
-            self.out.append(
-                f"samples/rank-{self.rank:05d}.jsonl",
+            self.out.append_samples(
+                self.rank,
                 {"step": self.step, "epoch": epoch, "resumed_from": self.resumed_from, "indices": flat},
             )
         return record
@@ -396,7 +397,7 @@ class Trainer:
         val_loss = (totals[0] / totals[1]).item()
         result = {"step": self.step, "val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 700.0))}
         if self.rank == 0:
-            self.out.append("eval.jsonl", result)
+            self.out.append_eval(result)
         return result
 
     def _save(self) -> None:
@@ -408,16 +409,16 @@ class Trainer:
                 raise
             log.error("checkpoint of step %d lost, training goes on (the next save will try again): %s", self.step, err)
             if self.rank == 0:
-                self.out.append("checkpoints.jsonl", {"step": self.step, "error": str(err)})
+                self.out.append_checkpoint(CheckpointEvent(self.step, error=str(err)))
                 self.out.sync()
             return
         if self.rank == 0:
             seconds = time.perf_counter() - started
             log.info("checkpoint step %d: %.1f MB in %.2fs", self.step, nbytes / 1e6, seconds)
-            self.out.append("checkpoints.jsonl", {"step": self.step, "bytes": nbytes, "seconds": seconds})
+            self.out.append_checkpoint(CheckpointEvent(self.step, nbytes, seconds))
 
     def fit(self) -> dict[str, Any]:
-        """Train until run.steps; returns the result written to result.json."""
+        """Train until run.steps; returns the result the run output records."""
         cfg = self.cfg
         if self.rank == 0:
             log.info(
@@ -467,7 +468,7 @@ class Trainer:
             "n_params": self.n_params,
         }
         if self.rank == 0:
-            self.out.write_json("result.json", result)
+            self.out.write_result(RunResult(**result))
             log.info("done: step %d val_loss %.4f val_ppl %.2f", self.step, result["val_loss"], result["val_ppl"])
         self.out.close()
         self.telemetry.close()
