@@ -9,16 +9,21 @@ the summary page says which step failed and why.
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any
 
 from prefect import flow
 from prefect.cache_policies import INPUTS, TASK_SOURCE
 
 from tasks.acceptance.suite import workspace_root
 from tasks.acceptance.task import run_acceptance, run_drills
-from tasks.capacity.plan import plan_location
 from tasks.capacity.task import estimate_capacity
-from tasks.image.build import uses_s3
+from tasks.deployment import (
+    existing_dataset,
+    image_inputs,
+    node_report_path,
+    plan_inputs,
+    plan_url,
+    training_config,
+)
 from tasks.image.task import build_image
 from tasks.launch.task import submit_job
 from tasks.logs import install_user_error_filter
@@ -26,6 +31,7 @@ from tasks.nodes.task import check_nodes
 from tasks.pipeline import (
     STEP_TITLES,
     STEPS,
+    Results,
     SpecSource,
     diagnose_failure,
     load_deployment_spec,
@@ -53,12 +59,12 @@ def load_or_diagnose(source: SpecSource) -> DeploymentSpec:
 
 
 @flow(name="deploy-training", description="Deploy a Transformer training job from its spec, step by step.")
-def deploy_training(spec: SpecSource = "examples/local.yaml") -> dict[str, Any]:
+def deploy_training(spec: SpecSource = "examples/local.yaml") -> Results:
     """Run the whole deployment sequence for one spec (a DeploymentSpec, its data, or a path/URL of its YAML)."""
     install_user_error_filter()
     report("deploy", STEP_TITLES["spec"], 0, len(STEPS))
     spec = load_or_diagnose(spec)
-    results: dict[str, Any] = {}
+    results: Results = {}
     step = "capacity"
 
     def begin(name: str) -> str:
@@ -67,23 +73,16 @@ def deploy_training(spec: SpecSource = "examples/local.yaml") -> dict[str, Any]:
 
     try:
         begin(step)
-        results["capacity"] = plan_step(
-            spec.name, spec.capacity, spec.cluster, spec.model, spec.parallel, spec.precision, spec.run
-        )
+        results["capacity"] = plan_step(*plan_inputs(spec))
         step = begin("nodes")
-        results["nodes"] = check_nodes(spec.nodes, spec.cluster, f"{spec.reports_dir}/node-check.json")
+        results["nodes"] = check_nodes(spec.nodes, spec.cluster, node_report_path(spec))
         step = begin("image")
-        results["image"] = image_step(
-            spec.image, f"{spec.reports_dir}/image", uses_s3(spec), spec.cluster.scheduler == "local", spec.digest()
-        )
+        results["image"] = built = image_step(*image_inputs(spec).args())
         step = begin("data")
-        if spec.data.prepare is not None:
-            results["data"] = data_step(spec.data.prepare, spec.storage)
-            train = spec.training_config(results["data"]["dataset_url"], results["data"]["tokenizer_sha256"])
-        else:
-            results["data"] = {"dataset_url": spec.data.dataset_url, "reused": True, "splits": {}}
-            train = spec.training_config()
-        image = results["image"].get("reference_by_digest") if results["image"].get("pushed") else None
+        prepare = spec.data.prepare
+        results["data"] = data = data_step(prepare, spec.storage) if prepare else existing_dataset(spec)
+        train = training_config(spec, data)
+        image = built.job_image
         step = begin("job")
         results["job"] = submit_job(spec.cluster, train, spec.name, image, env=spec.cluster.env)
         root = workspace_root(spec.acceptance, train)  # this run's own acceptance workspace: nothing resumes
@@ -92,14 +91,9 @@ def deploy_training(spec: SpecSource = "examples/local.yaml") -> dict[str, Any]:
         step = begin("drills")
         results["drills"] = run_drills(spec.cluster, train, spec.acceptance, spec.drills, root, image=image)
     except Exception as err:
-        run_dir = results.get("job", {}).get("output_dir") or getattr(getattr(err, "handle", None), "output_dir", None)
-        diagnosis = diagnose_failure(
-            step,
-            str(err),
-            run_dir,
-            results.get("capacity", {}).get("plan_url") or plan_location(spec.name, spec.capacity),
-            results.get("nodes", {}).get("report_path") or f"{spec.reports_dir}/node-check.json",
-        )
+        job = results.get("job")
+        run_dir = job.output_dir if job else getattr(getattr(err, "handle", None), "output_dir", None)
+        diagnosis = diagnose_failure(step, str(err), run_dir, plan_url(spec), node_report_path(spec))
         publish_summary(spec.name, results, step, f"{type(err).__name__}: {err}", diagnosis, spec.reports_dir)
         raise
     report("deploy", "done", len(STEPS), len(STEPS))

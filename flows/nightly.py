@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from prefect import flow
 
 from flows.deploy import load_or_diagnose
 from tasks.acceptance.suite import workspace_root
 from tasks.acceptance.task import run_acceptance, run_drills
+from tasks.deployment import existing_dataset, training_config
 from tasks.logs import install_user_error_filter
-from tasks.pipeline import STEP_TITLES, SpecSource, diagnose_failure, publish_summary
+from tasks.pipeline import STEP_TITLES, Results, SpecSource, diagnose_failure, publish_summary
 from tasks.prepare.task import prepare_data
 from tasks.progress import report
 
@@ -18,12 +17,12 @@ STEPS = ("spec", "data", "acceptance", "drills")
 
 
 @flow(name="nightly-validation", description="Acceptance with a stability soak, and the checkpoint-restore drills.")
-def nightly_validation(spec: SpecSource = "examples/local.yaml") -> dict[str, Any]:
+def nightly_validation(spec: SpecSource = "examples/local.yaml") -> Results:
     """Re-accept a deployment: soak-length acceptance, then every drill; publish the report."""
     install_user_error_filter()
     report("nightly", STEP_TITLES["spec"], 0, len(STEPS))
     spec = load_or_diagnose(spec)
-    results: dict[str, Any] = {}
+    results: Results = {}
     step = "data"
 
     def begin(name: str) -> str:
@@ -34,9 +33,7 @@ def nightly_validation(spec: SpecSource = "examples/local.yaml") -> dict[str, An
         begin(step)
         if spec.data.prepare is not None:
             results["data"] = prepare_data(spec.data.prepare, spec.storage)  # reuses the finished dataset
-            train = spec.training_config(results["data"]["dataset_url"], results["data"]["tokenizer_sha256"])
-        else:
-            train = spec.training_config()
+        train = training_config(spec, results.get("data") or existing_dataset(spec))
         root = workspace_root(spec.acceptance, train, nightly=True)  # a fresh workspace per night
         step = begin("acceptance")
         results["acceptance"] = run_acceptance(

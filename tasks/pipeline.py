@@ -11,7 +11,7 @@ from typing import Any
 from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 
-from tasks.capacity.memory import GIB
+from tasks.deployment import StepResult
 from tasks.diagnose import diagnose, diagnose_run
 from tasks.errors import retry_on_transient
 from tasks.preflight import preflight
@@ -44,6 +44,9 @@ ARTIFACTS = {
     "drills": "drills",
 }
 
+
+Results = dict[str, StepResult]
+"""The steps' results so far, by step name (see STEPS)."""
 
 SpecSource = DeploymentSpec | dict[str, Any] | str
 """What a flow receives: a validated spec, raw spec data (a deployment's JSON parameter), or a path/URL."""
@@ -132,40 +135,6 @@ def diagnose_failure(
     return result.to_json()
 
 
-def _figures(step: str, result: dict[str, Any]) -> str:
-    if step == "capacity":
-        peak, usable = result["memory"]["total_bytes"] / GIB, result["usable_bytes"] / GIB
-        return (
-            f"fits: {result['fits']}; peak {peak:.2f} GiB of {usable:.2f} GiB usable per device "
-            f"({result['layout']['name']}); step {result['step_seconds']:.3g} s; plan `{result['plan_url']}`"
-        )
-    if step == "nodes":
-        hosts, warnings = len(result.get("hosts", [])), result.get("warnings", 0)
-        return f"{hosts} host(s), {warnings} warning(s); `{result.get('report_path')}`"
-    if step == "image":
-        return (
-            f"{result.get('status')}: `{result.get('reference_by_digest') or result.get('reference') or '-'}`; "
-            + str(result.get("reason", ""))
-        )
-    if step == "data":
-        splits = ", ".join(
-            f"{k} {v['tokens']:,} tokens / {v['docs']:,} docs" for k, v in result.get("splits", {}).items()
-        )
-        return f"`{result.get('dataset_url')}` ({'reused' if result.get('reused') else 'prepared'}): {splits}"
-    if step == "job":
-        return f"`{result.get('job')}` {result.get('state')}; output `{result.get('output_dir')}`"
-    if step in ("acceptance", "drills"):
-        report = result.get("report", {})
-        rows = [f"{d['name']} {'pass' if d['passed'] else 'FAIL'}" for d in report.get("dimensions", [])]
-        rows += [
-            f"{d['name']} {'pass' if d['passed'] else ('n/a' if d['passed'] is None else 'FAIL')}"
-            + (f" (recovery {d['recovery_s']:.1f} s)" if d.get("recovery_s") is not None else "")
-            for d in report.get("drills", [])
-        ]
-        return f"{result.get('verdict')}: " + ", ".join(rows)
-    return ""
-
-
 def _failure(error: str | None) -> str:
     """The error's first line, and the problems a SpecError lists under it."""
     lines = (error or "").splitlines()
@@ -177,11 +146,6 @@ def _failure(error: str | None) -> str:
 
 VERDICTS = ("passed", "skipped", "FAILED", "not run")
 SUMMARY_JSON, SUMMARY_MD = "summary.json", "summary.md"  # in the reports folder
-
-
-def step_verdict(result: dict[str, Any]) -> str:
-    """`skipped` for a step that did not do its work (an image step on a machine without a builder), else `passed`."""
-    return "skipped" if result.get("status") == "skipped" else "passed"
 
 
 @dataclass
@@ -265,13 +229,13 @@ class RunSummary:
 
 
 def summarize(
-    name: str, results: dict[str, Any], failed_step: str | None, error: str | None, diagnosis: dict | None
+    name: str, results: Results, failed_step: str | None, error: str | None, diagnosis: dict | None
 ) -> RunSummary:
     """The run's summary from the steps' results, the failed step and its error, and the diagnosis."""
     rows = []
     for step in STEPS:
         if step in results:
-            verdict, figures = step_verdict(results[step]), _figures(step, results[step])
+            verdict, figures = results[step].verdict, results[step].summary()
         elif step == failed_step:
             verdict, figures = "FAILED", _failure(error)
         elif step == "spec":
@@ -284,7 +248,7 @@ def summarize(
 
 
 def summary_markdown(
-    name: str, results: dict[str, Any], failed_step: str | None, error: str | None, diagnosis: dict | None
+    name: str, results: Results, failed_step: str | None, error: str | None, diagnosis: dict | None
 ) -> str:
     """The summary page: one row per step with its verdict, key figures and the detailed artifact's key."""
     return summarize(name, results, failed_step, error, diagnosis).markdown()
@@ -293,7 +257,7 @@ def summary_markdown(
 @task(name="publish_summary")
 def publish_summary(
     name: str,
-    results: dict[str, Any],
+    results: Results,
     failed_step: str | None,
     error: str | None,
     diagnosis: dict | None,

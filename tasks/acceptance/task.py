@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 from prefect import get_run_logger, task
 from prefect.artifacts import create_table_artifact
@@ -16,6 +15,7 @@ from tasks.acceptance.suite import AcceptanceReport
 from tasks.acceptance.suite import run_acceptance as run_acceptance_suite
 from tasks.acceptance.workspace import Workspace, mark_latest, open_workspace
 from tasks.cluster import ClusterConfig
+from tasks.deployment import AcceptanceResult
 from tasks.errors import UserError, retry_on_transient
 from training.config import TrainConfig
 
@@ -24,19 +24,18 @@ class AcceptanceFailed(UserError):
     """A dimension or drill failed; the report says which and what to look at first."""
 
 
-def publish(report: AcceptanceReport, root: Path, key: str, workspace: Workspace | None = None) -> dict[str, Any]:
+def publish(report: AcceptanceReport, root: Path, key: str, workspace: Workspace | None = None) -> AcceptanceResult:
     """Write acceptance.json, junit.xml and the loss plot into `root`; publish the table; point latest.json at
-    `workspace` (once the reports exist); return a small summary."""
+    `workspace` (once the reports exist); return the step's result."""
     paths = {
         "json": str(write_json(report, root / "acceptance.json")),
         "junit": str(write_junit(report, root / "junit.xml")),
         "plot": str(plot_losses(report, root / "loss_curve.png")) if report.runs else None,
     }
     create_table_artifact(key=key, table=table_rows(report), description=f"verdict: {report.to_json()['verdict']}")
-    summary = {"verdict": report.to_json()["verdict"], "files": paths, "report": report.to_json(), "root": str(root)}
-    if workspace is not None:
-        summary["latest"] = str(mark_latest(workspace))
-    return summary
+    latest = str(mark_latest(workspace)) if workspace is not None else None
+    data = report.to_json()
+    return AcceptanceResult(verdict_text=data["verdict"], files=paths, report=data, root=str(root), latest=latest)
 
 
 @task(name="run_acceptance", retries=1, retry_delay_seconds=30, retry_condition_fn=retry_on_transient)
@@ -50,7 +49,7 @@ def run_acceptance(
     drills: DrillConfig | None = None,
     with_drills: bool = False,
     env: dict[str, str] | None = None,
-) -> dict[str, Any]:
+) -> AcceptanceResult:
     """Run the acceptance suite (optionally with the drills) in the fresh run workspace `root`
     (see `workspace_root`); fails when any dimension fails."""
     logger = get_run_logger()
@@ -64,7 +63,7 @@ def run_acceptance(
         failed = [d.name for d in report.dimensions if not d.passed] + [
             d.name for d in report.drills if d.passed is False
         ]
-        raise AcceptanceFailed(f"acceptance failed: {', '.join(failed)}", f"see {summary['files']['json']}")
+        raise AcceptanceFailed(f"acceptance failed: {', '.join(failed)}", f"see {summary.files['json']}")
     return summary
 
 
@@ -78,7 +77,7 @@ def run_drills(
     only: list[str] | None = None,
     image: str | None = None,
     env: dict[str, str] | None = None,
-) -> dict[str, Any]:
+) -> AcceptanceResult:
     """Run the checkpoint-restore drills under `root`/drills of a run workspace (the acceptance step's, or a
     new one); fails when a drill fails."""
     logger = get_run_logger()
@@ -90,5 +89,5 @@ def run_drills(
     summary = publish(report, workspace.drills, "drills", workspace)
     if any(r.passed is False for r in results):
         failed = [r.name for r in results if r.passed is False]
-        raise AcceptanceFailed(f"drills failed: {', '.join(failed)}", f"see {summary['files']['json']}")
+        raise AcceptanceFailed(f"drills failed: {', '.join(failed)}", f"see {summary.files['json']}")
     return summary

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
@@ -12,6 +10,7 @@ from tasks.capacity.memory import GIB
 from tasks.capacity.plan import plan_capacity, write_plan
 from tasks.capacity.report import markdown_report, memory_rows
 from tasks.cluster import ClusterConfig
+from tasks.deployment import CapacityResult
 from training.config import ModelConfig, ParallelConfig, PrecisionConfig, RunConfig
 
 
@@ -24,7 +23,7 @@ def estimate_capacity(
     parallel: ParallelConfig,
     precision: PrecisionConfig,
     run: RunConfig,
-) -> dict[str, Any]:
+) -> CapacityResult:
     """Estimate memory, time and traffic; write plan.json; stop (CapacityError) if the layout does not fit."""
     logger = get_run_logger()
     plan = plan_capacity(name, capacity, cluster, model, parallel, precision, run)
@@ -45,4 +44,4 @@ def estimate_capacity(
     )
     if not plan.fits and capacity.enforce:
         raise plan.error()
-    return {"plan_url": url, "fits": plan.fits, **plan.to_json()["requested"]}
+    return CapacityResult.of(plan, url)

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 
+from tasks.deployment import ImageStepResult
 from tasks.errors import retry_on_transient
 from tasks.image.build import ensure_image, image_markdown
 from tasks.image.config import ImageConfig
@@ -26,7 +26,7 @@ def build_image(
     with_s3: bool = False,
     allow_skip: bool = False,
     spec_digest: str | None = None,
-) -> dict[str, Any]:
+) -> ImageStepResult:
     """Build and push the training image unless its tag exists; publish a summary; return image.json.
 
     `allow_skip` (local runs): where nothing can build, say why and let the job use the current environment.
@@ -36,10 +36,10 @@ def build_image(
         reason = "the spec has image: null; the job runs from the nodes' current environment"
         logger.info("no image: %s", reason)
         create_markdown_artifact(key="image-build", markdown=f"# Training image\n\nskipped: {reason}\n")
-        return {"status": "skipped", "reason": reason}
+        return ImageStepResult(status="skipped", reason=reason)
     result = ensure_image(image, Path(record_dir), with_s3=with_s3, spec_digest=spec_digest, allow_skip=allow_skip)
     logger.info("image %s: %s (%s)", result.reference or result.tag, result.status, result.reason)
     create_markdown_artifact(
         key="image-build", markdown=image_markdown(result), description=f"training image {result.tag}"
     )
-    return result.to_json()
+    return ImageStepResult.of(result)

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 
 from tasks.cluster import ClusterConfig
+from tasks.deployment import JobResult
 from tasks.errors import retry_on_transient
 from tasks.launch.base import TERMINAL, JobState, wait_for
 from tasks.launch.slurm import SlurmLauncher
@@ -30,7 +31,7 @@ def submit_job(
     wait_until: Literal["submitted", "running", "finished"] = "finished",
     timeout_s: float = 6 * 3600,
     env: dict[str, str] | None = None,
-) -> dict[str, Any]:
+) -> JobResult:
     """Submit the training job and wait until it is submitted, running or finished; a failed job raises JobFailed."""
     logger = get_run_logger()
     # A job this task waits for dies with this process; one it only starts must outlive the flow run.
@@ -52,4 +53,4 @@ def submit_job(
     )
     if status.state in (JobState.FAILED, JobState.CANCELLED):
         raise JobFailed(handle, status)
-    return {"job": handle.ref, "state": status.state.value, "output_dir": handle.output_dir, "handle": handle.to_json()}
+    return JobResult(job=handle.ref, state=status.state.value, output_dir=handle.output_dir, handle=handle.to_json())

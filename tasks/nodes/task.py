@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 from prefect import get_run_logger, task
 from prefect.artifacts import create_table_artifact
 from prefect.context import TaskRunContext
 
 from tasks.cluster import ClusterConfig
+from tasks.deployment import NodesResult
 from tasks.errors import retry_on_transient
 from tasks.nodes.check import raise_for_blocking, run_node_checks, write_report
 from tasks.nodes.config import NodesConfig
@@ -24,7 +24,7 @@ from tasks.nodes.config import NodesConfig
 )
 def check_nodes(
     nodes: NodesConfig, cluster: ClusterConfig, report_path: str, artifact_key: str = "node-checks"
-) -> dict[str, Any]:
+) -> NodesResult:
     """Check the nodes; publish the consistency table; fail on blocking findings (retry only connection failures)."""
     logger = get_run_logger()
     report = run_node_checks(nodes, cluster)
@@ -36,13 +36,7 @@ def check_nodes(
     for row in report.blocking:
         logger.error("%s: %s; fix: %s", row.check, row.finding, row.remediation)
     raise_for_blocking(report, Path(path), _retries_left())
-    return {
-        "ok": report.ok,
-        "hosts": report.hosts,
-        "warnings": len(report.warnings),
-        "report_path": str(path),
-        "elapsed_s": round(report.elapsed_s, 3),
-    }
+    return NodesResult.of(report, str(path))
 
 
 def _retries_left() -> int:

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
+from tasks.deployment import DataResult
 from tasks.errors import retry_on_transient
 from tasks.prepare.config import PrepareConfig
 from tasks.prepare.pipeline import prepare_dataset
@@ -20,7 +19,7 @@ from training.storage import StorageConfig
     retry_condition_fn=retry_on_transient,
     timeout_seconds=6 * 3600,
 )
-def prepare_data(prepare: PrepareConfig, storage: StorageConfig) -> dict[str, Any]:
+def prepare_data(prepare: PrepareConfig, storage: StorageConfig) -> DataResult:
     """Clean, tokenize, shard and validate the corpus (or reuse the finished dataset); publish the counts."""
     logger = get_run_logger()
     result = prepare_dataset(prepare, storage)
@@ -48,4 +47,4 @@ def prepare_data(prepare: PrepareConfig, storage: StorageConfig) -> dict[str, An
         ),
         description="Great Expectations suites of the prepared dataset",
     )
-    return result.to_json()
+    return DataResult.of(result)

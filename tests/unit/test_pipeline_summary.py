@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from tasks.capacity.plan import plan_capacity
+from tasks.deployment import CapacityResult, ImageStepResult
 from tasks.pipeline import summary_markdown
 from tasks.spec import SpecError, parse_spec
 from tests.conftest import TINY_SPEC, deep_merge
@@ -15,7 +16,7 @@ BASE = deep_merge(
 def test_the_summary_shows_the_capacity_plans_peak_memory_per_device() -> None:
     spec = parse_spec(BASE)
     plan = plan_capacity(spec.name, spec.capacity, spec.cluster, spec.model, spec.parallel, spec.precision, spec.run)
-    result = {"plan_url": "runs/tiny/plan.json", "fits": plan.fits, **plan.to_json()["requested"]}  # estimate_capacity
+    result = CapacityResult.of(plan, "runs/tiny/plan.json")  # estimate_capacity
     peak, usable = plan.requested.memory.total / 2**30, plan.requested.usable_bytes / 2**30
     page = summary_markdown(spec.name, {"capacity": result}, None, None, None)
     row = next(line for line in page.splitlines() if line.startswith("| capacity estimation |"))
@@ -37,6 +38,6 @@ def test_a_spec_failure_lists_every_problem_in_the_summary_row() -> None:
 
 
 def test_a_skipped_step_reads_skipped_on_the_summary_page_not_passed() -> None:
-    page = summary_markdown("x", {"image": {"status": "skipped", "reason": "no builder"}}, None, None, None)
+    page = summary_markdown("x", {"image": ImageStepResult(status="skipped", reason="no builder")}, None, None, None)
     row = next(line for line in page.splitlines() if line.startswith("| image build |"))
     assert "| skipped |" in row and "passed" not in row

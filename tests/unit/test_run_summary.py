@@ -7,10 +7,12 @@ from pathlib import Path
 from rich.console import Console
 
 from flows.runner import FIGURES_CHARS, print_summary
+from tasks.deployment import ImageStepResult, NodesResult
 from tasks.pipeline import RunSummary, summarize
 
 LONG_REASON = "no image builder on this machine (buildah, podman and docker are missing); " * 4
-NODES = {"hosts": [{"name": "localhost"}], "warnings": 0, "report_path": "runs/x/node-check.json"}
+NODES = NodesResult(ok=True, hosts=["localhost"], warnings=0, report_path="runs/x/node-check.json", elapsed_s=1.0)
+SKIPPED = ImageStepResult(status="skipped", reason=LONG_REASON)
 
 
 def _printed(summary: RunSummary, reports_dir: str = "runs/x", flow_run_id: str | None = "1234-abcd") -> str:
@@ -24,7 +26,7 @@ def _row(text: str, title: str) -> str:
 
 
 def test_a_skipped_image_step_shows_skipped_and_its_long_reason_is_cut_in_the_table() -> None:
-    summary = summarize("x", {"nodes": NODES, "image": {"status": "skipped", "reason": LONG_REASON}}, None, None, None)
+    summary = summarize("x", {"nodes": NODES, "image": SKIPPED}, None, None, None)
     text = _printed(summary)
     row = _row(text, "image build")
     assert "skipped" in row and "passed" not in row
@@ -53,6 +55,6 @@ def test_a_failed_run_prints_the_diagnosis_findings_with_evidence_and_fix() -> N
 
 
 def test_the_summary_written_to_the_reports_folder_reads_back_whole(tmp_path: Path) -> None:
-    summary = summarize("x", {"image": {"status": "skipped", "reason": LONG_REASON}}, "data", "boom", None)
+    summary = summarize("x", {"image": SKIPPED}, "data", "boom", None)
     summary.write(tmp_path)
     assert RunSummary.read(tmp_path) == summary and (tmp_path / "summary.md").read_text() == summary.markdown()

@@ -1,0 +1,246 @@
+"""How a deployment's steps connect: each step's inputs derived from the spec, and each step's typed result.
+
+The CLI commands and the flows' steps both build their inputs here, so that `tdeploy X` and the flow's step X
+cannot differ. Importing this module loads neither Prefect nor torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from tasks.capacity.memory import GIB
+
+if TYPE_CHECKING:
+    from tasks.capacity.plan import CapacityPlan
+    from tasks.image.build import ImageResult
+    from tasks.image.config import ImageConfig
+    from tasks.nodes.report import NodeReport
+    from tasks.prepare.pipeline import PrepareResult
+    from tasks.spec import DeploymentSpec
+    from training.config import TrainConfig
+
+NODE_REPORT = "node-check.json"
+IMAGE_DIR = "image"
+
+
+class StepResult(BaseModel):
+    """What one step did: small, typed, serialisable (Prefect persists and caches it)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    @property
+    def verdict(self) -> Literal["passed", "skipped"]:
+        """`skipped` for a step that did not do its work, else `passed`."""
+        return "passed"
+
+    def summary(self) -> str:
+        """The step's key figures in one line."""
+        raise NotImplementedError
+
+
+class CapacityResult(StepResult):
+    """The capacity plan of the requested layout."""
+
+    plan_url: str
+    fits: bool
+    layout: str
+    peak_bytes: int
+    usable_bytes: int
+    step_seconds: float
+
+    @classmethod
+    def of(cls, plan: CapacityPlan, plan_url: str) -> CapacityResult:
+        """The result of a written plan."""
+        ev = plan.requested
+        return cls(
+            plan_url=plan_url,
+            fits=plan.fits,
+            layout=ev.layout.describe(),
+            peak_bytes=int(ev.memory.total),
+            usable_bytes=int(ev.usable_bytes),
+            step_seconds=ev.step_seconds,
+        )
+
+    def summary(self) -> str:
+        """Fit, peak memory per device, step time and where the plan is."""
+        return (
+            f"fits: {self.fits}; peak {self.peak_bytes / GIB:.2f} GiB of {self.usable_bytes / GIB:.2f} GiB usable "
+            f"per device ({self.layout}); step {self.step_seconds:.3g} s; plan `{self.plan_url}`"
+        )
+
+
+class NodesResult(StepResult):
+    """The node checks' outcome (blocking findings fail the step instead)."""
+
+    ok: bool
+    hosts: list[str]
+    warnings: int
+    report_path: str
+    elapsed_s: float
+
+    @classmethod
+    def of(cls, report: NodeReport, report_path: str) -> NodesResult:
+        """The result of a written node report."""
+        return cls(
+            ok=report.ok,
+            hosts=list(report.hosts),
+            warnings=len(report.warnings),
+            report_path=report_path,
+            elapsed_s=round(report.elapsed_s, 3),
+        )
+
+    def summary(self) -> str:
+        """Hosts, warnings and where the report is."""
+        return f"{len(self.hosts)} host(s), {self.warnings} warning(s); `{self.report_path}`"
+
+
+class ImageStepResult(StepResult):
+    """The image step: built, cached or skipped, with image.json's content when an image was considered."""
+
+    status: Literal["built", "cached", "skipped"]
+    reason: str
+    record: dict[str, Any] | None = None
+    """The content of image.json (tasks.image.build.ImageResult.to_json); None for image: null."""
+
+    @classmethod
+    def of(cls, image: ImageResult) -> ImageStepResult:
+        """The result of an image build (or its cache hit)."""
+        return cls(status=image.status, reason=image.reason, record=image.to_json())
+
+    @property
+    def verdict(self) -> Literal["passed", "skipped"]:
+        """`skipped` when nothing was built or found."""
+        return "skipped" if self.status == "skipped" else "passed"
+
+    @property
+    def job_image(self) -> str | None:
+        """The reference the job runs: the pushed image by digest; None (the nodes' environment) otherwise."""
+        if self.record is None or not self.record.get("pushed"):
+            return None
+        return self.record.get("reference_by_digest")
+
+    def summary(self) -> str:
+        """Status, the image's reference and why."""
+        record = self.record or {}
+        reference = record.get("reference_by_digest") or record.get("reference") or "-"
+        return f"{self.status}: `{reference}`; {self.reason}"
+
+
+class DataResult(StepResult):
+    """The dataset the job trains on: prepared (or reused) by the data step, or the spec's own."""
+
+    dataset_url: str
+    reused: bool
+    splits: dict[str, dict[str, int]] = {}
+    tokenizer_sha256: str | None = None
+    vocab_size: int | None = None
+    cleaning: dict[str, Any] = {}
+    validation: dict[str, Any] = {}
+    validation_url: str | None = None
+    data_docs_url: str | None = None
+
+    @classmethod
+    def of(cls, prepared: PrepareResult) -> DataResult:
+        """The result of a data preparation."""
+        fields = ("dataset_url", "reused", "splits", "tokenizer_sha256", "vocab_size", "cleaning", "validation")
+        values = {name: getattr(prepared, name) for name in fields}
+        return cls(**values, validation_url=prepared.validation_url, data_docs_url=prepared.data_docs_url)
+
+    def summary(self) -> str:
+        """Where the dataset is, whether it was reused, and its splits' sizes."""
+        splits = ", ".join(f"{k} {v['tokens']:,} tokens / {v['docs']:,} docs" for k, v in self.splits.items())
+        return f"`{self.dataset_url}` ({'reused' if self.reused else 'prepared'}): {splits}"
+
+
+class JobResult(StepResult):
+    """The submitted training job and the state it was left in."""
+
+    job: str
+    state: str
+    output_dir: str
+    handle: dict[str, Any]
+
+    def summary(self) -> str:
+        """The job's reference, state and output folder."""
+        return f"`{self.job}` {self.state}; output `{self.output_dir}`"
+
+
+class AcceptanceResult(StepResult):
+    """An acceptance (or drills) run: its verdict, its report and where its files are."""
+
+    verdict_text: str
+    files: dict[str, str | None]
+    report: dict[str, Any]
+    root: str
+    latest: str | None = None
+
+    def summary(self) -> str:
+        """The verdict and each dimension's and drill's outcome."""
+        rows = [f"{d['name']} {'pass' if d['passed'] else 'FAIL'}" for d in self.report.get("dimensions", [])]
+        rows += [
+            f"{d['name']} {'pass' if d['passed'] else ('n/a' if d['passed'] is None else 'FAIL')}"
+            + (f" (recovery {d['recovery_s']:.1f} s)" if d.get("recovery_s") is not None else "")
+            for d in self.report.get("drills", [])
+        ]
+        return f"{self.verdict_text}: " + ", ".join(rows)
+
+
+@dataclass(frozen=True)
+class ImageInputs:
+    """The image step's arguments, in the order `build_image` takes them."""
+
+    image: ImageConfig | None
+    record_dir: str
+    with_s3: bool
+    allow_skip: bool
+    spec_digest: str
+
+    def args(self) -> tuple[Any, ...]:
+        """As positional arguments."""
+        return (self.image, self.record_dir, self.with_s3, self.allow_skip, self.spec_digest)
+
+
+def plan_inputs(spec: DeploymentSpec) -> tuple[Any, ...]:
+    """The capacity step's arguments (`plan_capacity`, `estimate_capacity`)."""
+    return (spec.name, spec.capacity, spec.cluster, spec.model, spec.parallel, spec.precision, spec.run)
+
+
+def plan_url(spec: DeploymentSpec, folder: str | None = None) -> str:
+    """Where plan.json goes: in `folder`, else capacity.output_url (the deployment's reports folder by default)."""
+    from tasks.capacity.plan import plan_location
+
+    return plan_location(spec.name, spec.capacity, folder)
+
+
+def node_report_path(spec: DeploymentSpec, folder: str | None = None) -> str:
+    """Where node-check.json goes: in `folder`, else in the deployment's reports folder."""
+    return f"{(folder or spec.reports_dir).rstrip('/')}/{NODE_REPORT}"
+
+
+def image_inputs(spec: DeploymentSpec, record_dir: str | None = None) -> ImageInputs:
+    """The image step's arguments: image.json and the build context in `record_dir`, else <reports_dir>/image."""
+    from tasks.image.build import uses_s3
+
+    return ImageInputs(
+        spec.image,
+        record_dir or f"{spec.reports_dir}/{IMAGE_DIR}",
+        uses_s3(spec),
+        spec.cluster.scheduler == "local",
+        spec.digest(),
+    )
+
+
+def existing_dataset(spec: DeploymentSpec) -> DataResult:
+    """The data result of a spec that trains on an existing dataset (data.dataset_url; nothing to prepare)."""
+    assert spec.data.dataset_url is not None, "a spec without data.prepare has data.dataset_url"
+    return DataResult(dataset_url=spec.data.dataset_url, reused=True)
+
+
+def training_config(spec: DeploymentSpec, data: DataResult) -> TrainConfig:
+    """The training job's config: the spec's training sections on the dataset of the data step."""
+    if spec.data.prepare is None:
+        return spec.training_config()
+    return spec.training_config(data.dataset_url, data.tokenizer_sha256)
