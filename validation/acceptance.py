@@ -1,4 +1,4 @@
-"""The six acceptance dimensions as plain functions over run artifacts (ranks.json, metrics, sample records).
+"""The six acceptance dimensions as plain functions over run artifacts (read through training/run_output.py).
 
 Every check returns a `DimensionResult`: passed or not, the measured value, the
 threshold, the evidence (files, steps), and when it fails, what to look at first.
@@ -6,7 +6,6 @@ threshold, the evidence (files, steps), and when it fails, what to look at first
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
 from collections import defaultdict
@@ -17,6 +16,7 @@ from typing import Any
 from pydantic import Field
 
 from training.config import StrictModel
+from training.run_output import RANKS, SAMPLES_DIR, RunOutput
 from training.sampler import GlobalBatchSampler
 
 
@@ -55,24 +55,9 @@ class DimensionResult:
         return asdict(self)
 
 
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """JSON lines of a file ([] when it does not exist)."""
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def latest_by_step(records: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
-    """One record per step; when a step ran again after a resume, the later attempt wins."""
-    return {r["step"]: r for r in records}
-
-
 def rank_metrics(output_dir: Path) -> dict[int, dict[int, dict[str, Any]]]:
     """rank -> step -> metrics record."""
-    out = {}
-    for path in sorted((output_dir / "metrics").glob("rank-*.jsonl")):
-        out[int(path.stem.split("-")[1])] = latest_by_step(read_jsonl(path))
-    return out
+    return RunOutput(output_dir).all_metrics()
 
 
 # ---- connectivity ---------------------------------------------------------------------------
@@ -80,17 +65,16 @@ def rank_metrics(output_dir: Path) -> dict[int, dict[int, dict[str, Any]]]:
 
 def check_connectivity(output_dir: Path, expected_world: int) -> DimensionResult:
     """World size, ranks 0..N-1 once each, local ranks consistent per host, collectives right."""
-    path = output_dir / "ranks.json"
-    if not path.exists():
+    path, record = output_dir / RANKS, RunOutput(output_dir).ranks()
+    if record is None:
         return DimensionResult(
-            "connectivity", False, None, expected_world, {"file": str(path)}, "ranks.json was never written",
+            "connectivity", False, None, expected_world, {"file": str(path)}, f"{RANKS} was never written",
             "the job did not get through rendezvous: check the node checks (ports, hostnames) and the job log",
         )  # fmt: skip
-    data = json.loads(path.read_text())
-    ranks = data["ranks"]
+    ranks = record.ranks
     problems = []
-    if data["world_size"] != expected_world:
-        problems.append(f"world size {data['world_size']}, the spec says {expected_world}")
+    if record.world_size != expected_world:
+        problems.append(f"world size {record.world_size}, the spec says {expected_world}")
     seen = sorted(r["rank"] for r in ranks)
     if seen != list(range(expected_world)):
         problems.append(f"ranks {seen}, expected each of 0..{expected_world - 1} once")
@@ -112,7 +96,7 @@ def check_connectivity(output_dir: Path, expected_world: int) -> DimensionResult
     return DimensionResult(
         "connectivity",
         not problems,
-        {"world_size": data["world_size"], "hosts": {h: len(v) for h, v in by_host.items()}},
+        {"world_size": record.world_size, "hosts": {h: len(v) for h, v in by_host.items()}},
         {"world_size": expected_world},
         {"file": str(path), "backend": sorted({r["backend"] for r in ranks})},
         "; ".join(problems),
@@ -284,9 +268,7 @@ def check_data_consistency(
     output_dir: Path, n_samples: int, micro_batch: int, grad_accum_steps: int, world: int, seed: int
 ) -> DimensionResult:
     """Per epoch: ranks' samples pairwise disjoint and their union the epoch; steps contiguous across resumes."""
-    per_rank = {}
-    for path in sorted((output_dir / "samples").glob("rank-*.jsonl")):
-        per_rank[int(path.stem.split("-")[1])] = latest_by_step(read_jsonl(path))
+    per_rank = RunOutput(output_dir).all_samples()
     problems = []
     if sorted(per_rank) != list(range(world)):
         problems.append(f"sample records of ranks {sorted(per_rank)}, expected 0..{world - 1}")
@@ -324,7 +306,7 @@ def check_data_consistency(
         not problems,
         {"epochs_complete_checked": epochs_checked, "steps": [all_steps[0], all_steps[-1]] if all_steps else []},
         {"overlap": 0, "coverage": "whole epoch"},
-        {"records": str(output_dir / "samples")},
+        {"records": str(output_dir / SAMPLES_DIR)},
         "; ".join(problems[:5]),
         "" if not problems else "the sampler's rank and seed on every rank, then the resume position",
     )

@@ -24,7 +24,8 @@ from tasks.errors import UserError
 from tasks.progress import report
 from training.checkpoint import CheckpointManager, step_dir_name
 from training.config import TrainConfig
-from validation.acceptance import DimensionResult, check_recovery, latest_by_step, read_jsonl
+from training.run_output import CheckpointEvent
+from validation.acceptance import DimensionResult, check_recovery
 
 log = logging.getLogger(__name__)
 
@@ -52,11 +53,11 @@ def committed_steps(train: TrainConfig) -> list[int]:
     return [s for s in manager.steps_on_storage() if manager.read_commit(s) is not None]
 
 
-def _samples(output_dir: Path) -> dict[int, dict[int, dict[str, Any]]]:
-    return {
-        int(p.stem.split("-")[1]): latest_by_step(read_jsonl(p))
-        for p in sorted((output_dir / "samples").glob("*.jsonl"))
-    }
+def _skipped_for(outcome: RunOutcome, step: int, reason: str) -> bool:
+    """The job's resume record says it passed over checkpoint `step` for `reason`."""
+    record = outcome.run.resume()
+    skipped = record.skipped_step(step) if record is not None else None
+    return skipped is not None and skipped.reason == reason
 
 
 class DrillContext:
@@ -69,7 +70,7 @@ class DrillContext:
         root: Path,
         acceptance: AcceptanceConfig,
         drills: DrillConfig | None = None,
-        env: dict[str, str] | None = None,
+        faults: dict[str, str] | None = None,
         image: str | None = None,
         reference: RunOutcome | None = None,
         progress_step: str = "drills",
@@ -77,7 +78,7 @@ class DrillContext:
         self.cluster, self.root, self.acceptance = cluster, root, acceptance
         self.progress_step = progress_step
         self.drills = drills or DrillConfig()
-        self.env, self.image = env or {}, image
+        self.faults, self.image = faults or {}, image
         self.base = variant(
             train, root, "drill-base", run={"steps": acceptance.steps},
             checkpoint={"save_every_steps": acceptance.save_every_steps},
@@ -99,18 +100,18 @@ class DrillContext:
 
     def job(self, train: TrainConfig, name: str, cluster: ClusterConfig | None = None) -> Job:
         """Submit a drill job (its training steps reported as progress of `progress_step`)."""
-        return Job(cluster or self.cluster, train, name, self.env, self.image, self.progress_step, name)
+        return Job(cluster or self.cluster, train, name, self.faults, self.image, self.progress_step, name)
 
     def recovery(
         self, resumed: RunOutcome, checkpoint_step: int | None, bit_identical: bool | None = None
     ) -> DimensionResult:
         """The resumed run against the reference: resume point, data steps and losses."""
         ref = self.reference()
-        resumed_from = resumed.ranks()["ranks"][0]["resumed_from_step"]
+        resumed_from = resumed.ranks().ranks[0]["resumed_from_step"]
         exact = self.acceptance.bit_identical_recovery if bit_identical is None else bit_identical
         return check_recovery(
             ref.metrics(), resumed.metrics(), checkpoint_step, resumed_from,
-            _samples(resumed.output_dir) if exact else None, _samples(ref.output_dir) if exact else None, exact,
+            resumed.run.all_samples() if exact else None, ref.run.all_samples() if exact else None, exact,
         )  # fmt: skip
 
 
@@ -177,7 +178,7 @@ def drill_kill_during_save(ctx: DrillContext) -> DrillResult:
             job.wait_until(in_flight, "a save in flight", ctx.acceptance.job_timeout_s, 0.002)
         except UserError:
             break  # the job finished without us catching a save: nothing left to try
-        for rank in job.ranks_record()["ranks"]:
+        for rank in job.ranks_record().ranks:
             try:
                 job.kill_rank(rank["rank"])
             except ProcessLookupError:
@@ -193,8 +194,7 @@ def drill_kill_during_save(ctx: DrillContext) -> DrillResult:
     previous = max((s for s in committed_steps(train) if s < caught), default=None)
     relaunch = ctx.job(train, "drill-kill-during-save")
     outcome = relaunch.wait(ctx.acceptance.job_timeout_s)
-    log_text = Path(relaunch.handle.log_path).read_text(errors="replace")
-    warned = f"skipping partial checkpoint {manager._url(manager._dir(caught))}" in log_text
+    warned = _skipped_for(outcome, caught, "partial")
     recovery = ctx.recovery(outcome, previous)
     result = _finish(
         "kill_during_save", recovery, t_fail, outcome, killed_at - (previous or 0),
@@ -202,7 +202,9 @@ def drill_kill_during_save(ctx: DrillContext) -> DrillResult:
     )  # fmt: skip
     if not warned:
         result.passed = False
-        result.message = (result.message + "; " if result.message else "") + "no warning named the partial checkpoint"
+        result.message = (
+            result.message + "; " if result.message else ""
+        ) + "the resume did not record skipping the partial checkpoint"
     return result
 
 
@@ -232,7 +234,7 @@ def drill_corrupt_checkpoint(ctx: DrillContext) -> DrillResult:
     t_fail = time.time()
     job = ctx.job(train, "drill-corrupt")
     outcome = job.wait(ctx.acceptance.job_timeout_s)
-    warned = f"skipping corrupt checkpoint {newest}" in Path(job.handle.log_path).read_text(errors="replace")
+    warned = _skipped_for(outcome, steps[-1], "corrupt")
     recovery = ctx.recovery(outcome, steps[-2])
     result = _finish(
         "corrupt_checkpoint", recovery, t_fail, outcome, steps[-1] - steps[-2],
@@ -261,12 +263,13 @@ def drill_reshard(ctx: DrillContext) -> DrillResult:
     t_fail = time.time()
     job = ctx.job(train, "drill-reshard", cluster=one_cluster)
     outcome = job.wait(ctx.acceptance.job_timeout_s)
-    resharded = "model and optimizer resharded" in Path(job.handle.log_path).read_text(errors="replace")
+    resumed = outcome.run.resume()
+    resharded = resumed is not None and resumed.resharded
     recovery = ctx.recovery(outcome, midpoint, bit_identical=False)
     result = _finish(
         "reshard", recovery, t_fail, outcome, 0,
         {"from_world_size": ctx.cluster.world_size, "to_world_size": 1, "checkpoint_step": midpoint,
-         "reshard_reported": resharded, "reference_world_size": reference.ranks()["world_size"]},
+         "reshard_reported": resharded, "reference_world_size": reference.ranks().world_size},
     )  # fmt: skip
     if not resharded:
         result.passed = False
@@ -299,13 +302,12 @@ def drill_storage_outage(ctx: DrillContext) -> DrillResult:
         )
         proxy.down()
         t_down = time.time()
-        log_file = job.output_dir / "checkpoints.jsonl"
 
-        def failed_saves() -> list[dict[str, Any]]:
-            return [r for r in read_jsonl(log_file) if "error" in r and r.get("step", 0) > every]
+        def failed_saves() -> list[CheckpointEvent]:
+            return [e for e in job.run.checkpoints() if e.error is not None and e.step > every]
 
         job.wait_until(lambda: bool(failed_saves()), "a save to fail during the outage", ctx.acceptance.job_timeout_s)
-        lost = failed_saves()[0]["step"]
+        lost = failed_saves()[0].step
         proxy.up()
         t_up = time.time()
         job.wait_until(lambda: any(s > lost for s in committed_steps(train)), "a save after the outage",
@@ -324,7 +326,8 @@ def drill_storage_outage(ctx: DrillContext) -> DrillResult:
             state_matched=matched,
             message="" if outcome.ok and matched and not lost_committed else
             f"job {outcome.status.describe()}; losses match: {matched}; lost save committed: {lost_committed}",
-            evidence={"outage_s": t_up - t_down, "failed_save_step": lost, "error": failed_saves()[0]["error"][:300]},
+            evidence={"outage_s": t_up - t_down, "failed_save_step": lost,
+                      "error": (failed_saves()[0].error or "")[:300]},
         )  # fmt: skip
     finally:
         proxy.close()

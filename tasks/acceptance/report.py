@@ -9,7 +9,7 @@ from typing import Any
 from xml.etree import ElementTree as ET
 
 from tasks.acceptance.suite import AcceptanceReport
-from validation.acceptance import latest_by_step, read_jsonl
+from training.run_output import RunOutput
 
 
 def write_json(report: AcceptanceReport, path: Path) -> Path:
@@ -58,7 +58,7 @@ def plot_losses(report: AcceptanceReport, path: Path) -> Path:
         folder = report.runs.get(key)
         if not folder:
             continue
-        metrics = latest_by_step(read_jsonl(Path(folder) / "metrics" / "rank-00000.jsonl"))
+        metrics = RunOutput(folder).metrics()
         steps = sorted(s for s in metrics if math.isfinite(metrics[s]["loss"]))
         ax.plot(steps, [metrics[s]["loss"] for s in steps], style, label=label)
     for drill in report.drills:

@@ -73,13 +73,16 @@ def run_acceptance(
     train: TrainConfig,
     acceptance: AcceptanceConfig,
     root: Path,
-    env: dict[str, str] | None = None,
+    faults: dict[str, str] | None = None,
     image: str | None = None,
     soak: bool = False,
     drills: DrillConfig | None = None,
     with_drills: bool = False,
 ) -> AcceptanceReport:
-    """Run the distributed job and the reference through the spec's scheduler and judge them."""
+    """Run the distributed job and the reference through the spec's scheduler and judge them.
+
+    The jobs get cluster.env from the launcher; `faults` are test-only fault variables (training/faults.py).
+    """
     limits = acceptance.thresholds
     steps = acceptance.soak_steps if soak and acceptance.soak_steps else acceptance.steps
     dist_train = variant(
@@ -87,7 +90,7 @@ def run_acceptance(
     )
     phase = f"{'stability soak' if soak and acceptance.soak_steps else 'distributed run'} ({cluster.world_size} ranks)"
     report("acceptance", phase, 0, steps)
-    dist = Job(cluster, dist_train, "accept-distributed", env, image, phase=phase).wait(
+    dist = Job(cluster, dist_train, "accept-distributed", faults, image, phase=phase).wait(
         acceptance.job_timeout_s, limits.stall_timeout_s
     )
     one, sections = single_process(cluster, train)
@@ -99,7 +102,7 @@ def run_acceptance(
     ref_train = variant(train, root, "reference", **sections)
     phase = "single-process reference"
     report("acceptance", phase, 0, acceptance.reference_steps)
-    reference = Job(one, ref_train, "accept-reference", env, image, phase=phase).wait(acceptance.job_timeout_s)
+    reference = Job(one, ref_train, "accept-reference", faults, image, phase=phase).wait(acceptance.job_timeout_s)
     report("acceptance", "judging connectivity, correctness, performance, stability, data consistency")
     dimensions = judge(cluster, dist_train, acceptance, dist, reference)
     ctx = DrillContext(
@@ -108,7 +111,7 @@ def run_acceptance(
         root,
         acceptance,
         drills,
-        env,
+        faults,
         image,
         reference=dist if steps == acceptance.steps and dist.ok else None,
         progress_step="acceptance",

@@ -32,7 +32,7 @@ from tasks.launch.base import JobHandle, JobState, JobStatus
 from tasks.launch.submit import submit
 from tasks.progress import report
 from training.config import TrainConfig
-from validation.acceptance import latest_by_step, read_jsonl
+from training.run_output import Ranks, RunOutput
 
 log = logging.getLogger(__name__)
 
@@ -207,30 +207,30 @@ class RunOutcome:
         """It succeeded."""
         return self.status.state is JobState.SUCCEEDED
 
+    @property
+    def run(self) -> RunOutput:
+        """What the job wrote."""
+        return RunOutput(self.output_dir)
+
     def metrics(self, rank: int = 0) -> dict[int, dict[str, Any]]:
         """Per-step metrics of a rank (later attempts win)."""
-        return latest_by_step(read_jsonl(self.output_dir / "metrics" / f"rank-{rank:05d}.jsonl"))
+        return self.run.metrics(rank)
 
-    def ranks(self) -> dict[str, Any]:
-        """ranks.json."""
-        return json.loads((self.output_dir / "ranks.json").read_text())
+    def ranks(self) -> Ranks:
+        """Who took part (fails if the job never wrote it)."""
+        return _ranks_of(self.run, self.handle.ref)
+
+
+def _ranks_of(run: RunOutput, ref: str) -> Ranks:
+    ranks = run.ranks()
+    if ranks is None:
+        raise UserError(f"job {ref} never recorded its ranks in {run.dir}", "see its log: it did not get to training")
+    return ranks
 
 
 def last_step(output_dir: Path) -> int:
     """The last step rank 0 has recorded (0 before the first)."""
-    path = output_dir / "metrics" / "rank-00000.jsonl"
-    if not path.exists():
-        return 0
-    with open(path, "rb") as handle:
-        handle.seek(0, os.SEEK_END)
-        handle.seek(max(0, handle.tell() - 4096))
-        lines = [line for line in handle.read().decode(errors="replace").splitlines() if line.startswith("{")]
-    for line in reversed(lines):
-        try:
-            return int(json.loads(line)["step"])
-        except (ValueError, KeyError):
-            continue
-    return 0
+    return RunOutput(output_dir).last_step()
 
 
 class Job:
@@ -241,15 +241,16 @@ class Job:
         cluster: ClusterConfig,
         train: TrainConfig,
         name: str,
-        env: dict[str, str] | None,
+        faults: dict[str, str] | None,
         image: str | None,
         step: str = "acceptance",
         phase: str | None = None,
     ) -> None:
         self.cluster, self.train = cluster, train
         self.progress_step, self.phase = step, phase or name
-        self.launcher, self.handle = submit(cluster, train, name, image, env)
+        self.launcher, self.handle = submit(cluster, train, name, image, faults=faults)
         self.output_dir = Path(self.handle.output_dir)
+        self.run = RunOutput(self.output_dir)
 
     def status(self) -> JobStatus:
         """The state now (a transient scheduler error reads as 'still running')."""
@@ -296,7 +297,7 @@ class Job:
 
     def kill_rank(self, rank: int, sig: int = signal.SIGKILL) -> dict[str, Any]:
         """Send `sig` to one rank's process (directly on this host, through srun on another)."""
-        record = next(r for r in self.ranks_record()["ranks"] if r["rank"] == rank)
+        record = next(r for r in self.ranks_record().ranks if r["rank"] == rank)
         if record["host"] == socket.gethostname() or self.cluster.scheduler == "local":
             os.kill(record["pid"], sig)
         else:
@@ -307,14 +308,14 @@ class Job:
             )  # fmt: skip
         return record
 
-    def ranks_record(self) -> dict[str, Any]:
-        """ranks.json of the current attempt."""
-        return json.loads((self.output_dir / "ranks.json").read_text())
+    def ranks_record(self) -> Ranks:
+        """The ranks of the current attempt."""
+        return _ranks_of(self.run, self.handle.ref)
 
     def fresh_ranks(self) -> bool:
-        """ranks.json was written by this attempt."""
-        path = self.output_dir / "ranks.json"
-        return path.exists() and path.stat().st_mtime >= self.handle.submitted_unix_s
+        """The ranks were recorded by this attempt."""
+        written = self.run.ranks_written_at()
+        return written is not None and written >= self.handle.submitted_unix_s
 
     def cancel(self) -> None:
         """Stop the job."""
@@ -323,7 +324,7 @@ class Job:
 
 def first_step_time_after(output_dir: Path, step: int, since_unix_s: float) -> float | None:
     """When rank 0 recorded `step` after `since_unix_s` (a resumed run's first step)."""
-    for record in read_jsonl(output_dir / "metrics" / "rank-00000.jsonl"):
+    for record in RunOutput(output_dir).metric_records():
         if record["step"] == step and record["time_unix_s"] >= since_unix_s:
             return float(record["time_unix_s"])
     return None
