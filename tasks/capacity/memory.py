@@ -16,7 +16,7 @@ under FSDP also the end of a block's backward, before its gradients are reduce-s
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 from tasks.capacity.params import Architecture, ParamCount, count_params
 
@@ -143,12 +143,56 @@ class Runtime:
 
 
 @dataclass(frozen=True)
+class StageParams:
+    """Parameters on one rank of a pipeline stage: its blocks, the embedding on the first, the output layer on the last.
+
+    `dense_*` are divided by tensor parallelism only, `expert_*` by tensor and expert parallelism.
+    """
+
+    dense_layer: float
+    expert_layer: float
+    embed: float
+    head: float
+    dense: float
+    expert: float
+
+    @property
+    def layer(self) -> float:
+        """Parameters of one block on this rank."""
+        return self.dense_layer + self.expert_layer
+
+    @property
+    def total(self) -> float:
+        """Parameters of the whole stage on this rank."""
+        return self.dense + self.expert
+
+
+def stage_params(arch: Architecture, pc: ParamCount, lo: Layout, first: bool, last: bool) -> StageParams:
+    """What one rank of the first, last (or only) stage of `lo` holds before any ZeRO sharding."""
+    layer_split = pc.per_layer - pc.per_layer_experts - pc.per_layer_norms  # divided by TP
+    dense_layer = layer_split / lo.tp + pc.per_layer_norms
+    expert_layer = pc.per_layer_experts / (lo.tp * lo.ep)
+    embed = (pc.embedding + pc.positions) / lo.tp if first else 0.0
+    head = ((pc.head or (0 if first else pc.embedding)) / lo.tp + pc.final_norm) if last else 0.0
+    layers = arch.n_layers / lo.pp
+    return StageParams(
+        dense_layer=dense_layer,
+        expert_layer=expert_layer,
+        embed=embed,
+        head=head,
+        dense=layers * dense_layer + embed + head,
+        expert=layers * expert_layer,
+    )
+
+
+@dataclass(frozen=True)
 class ModelStates:
-    """Bytes of weights, gradients and optimizer states on one rank."""
+    """Bytes of weights, gradients and optimizer states on one rank, and the parameters whose states it holds."""
 
     weights: float
     gradients: float
     optimizer: float
+    optimizer_params: float
 
     @property
     def total(self) -> float:
@@ -156,12 +200,20 @@ class ModelStates:
         return self.weights + self.gradients + self.optimizer
 
 
-def model_states(params: float, precision: Precision, dp: int, zero: int) -> ModelStates:
-    """Per-rank model states of `params` parameters sharded over `dp` ranks at ZeRO stage `zero` (Rajbhandari 2020)."""
+def model_states(params: StageParams, precision: Precision, lo: Layout) -> ModelStates:
+    """Per-rank model states at ZeRO stage `lo.zero` (Rajbhandari et al. 2020): 1 shards the optimizer states,
+    2 also the gradients, 3 also the weights, over the shard group; experts over the expert-data-parallel group."""
+    zero, shard = lo.zero, lo.shard
+    expert_shard = max(1, shard // lo.ep) if zero else 1
+    if zero >= 3:
+        weights = (params.dense / shard + params.expert / expert_shard) * precision.weight_bytes
+    else:
+        weights = params.total * precision.weight_bytes
+    optim = params.dense / (shard if zero >= 1 else 1) + params.expert / (expert_shard if zero >= 1 else 1)
+    grad_div = shard if zero >= 2 else 1
+    grads = (params.dense / grad_div + params.expert / (expert_shard if zero >= 2 else 1)) * precision.grad_bytes
     return ModelStates(
-        weights=params * precision.weight_bytes / (dp if zero >= 3 else 1),
-        gradients=params * precision.grad_bytes / (dp if zero >= 2 else 1),
-        optimizer=params * precision.optimizer_bytes / (dp if zero >= 1 else 1),
+        weights=weights, gradients=grads, optimizer=optim * precision.optimizer_bytes, optimizer_params=optim
     )
 
 
@@ -292,6 +344,7 @@ class MemoryBreakdown:
     margin: float
     phase: str
     stage: str
+    states: ModelStates
 
     @property
     def allocated_peak(self) -> float:
@@ -327,6 +380,62 @@ class MemoryBreakdown:
             "peak_phase": self.phase,
             "peak_stage": self.stage,
         }
+
+
+# ---- the parts of a stage's peak ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StageActivations:
+    """Saved activations of one pipeline stage on one rank, in bytes, and what a block's backward changes."""
+
+    in_flight: float  # micro-batches whose activations the stage holds
+    layers: float  # blocks in the stage
+    tokens: int  # tokens of one micro-batch
+    full_recompute: bool
+    per_layer: float  # saved tensors of one block for one micro-batch
+    copies_per_layer: float  # autocast's 16-bit weight copies of one block
+    resting: float  # one block, one micro-batch, between passes
+    head_saved: float  # the final norm's and the output layer's saved tensors (last stage)
+    head_copies: float  # the output layer's autocast weight copy (last stage)
+    live: float  # everything saved at the start of backward
+    working: float  # the change while a block's backward runs: recomputed tensors less what is freed
+    layer_transient: float  # gradients inside a block's backward
+
+
+@dataclass(frozen=True)
+class StageBuffers:
+    """Bytes outside model states and activations: rope tables, DDP buckets, FSDP's root and gathered blocks."""
+
+    resident: float  # alive through the whole step
+    gathered: float  # FSDP: blocks gathered while backward runs (only counted at moments inside backward)
+
+
+@dataclass(frozen=True)
+class BackwardGradients:
+    """Gradients alive during backward, in bytes, and the divisor ZeRO applies to a stage's gradients."""
+
+    resident: float  # accumulated over micro-batches (or pipeline stages) until the optimizer step
+    head: float  # the output layer's
+    down_proj: float  # one block's MLP down projection (the first gradient its backward produces)
+    divisor: int
+
+
+@dataclass(frozen=True)
+class Moment:
+    """One candidate peak of a training step: what is alive then, in bytes."""
+
+    phase: str
+    live: float  # saved tensors (weight copies included)
+    gradients: float
+    transient: float
+    gathered: float
+    weight_copies: float  # the part of `live` that is autocast weight copies (capped at `live`)
+
+    @property
+    def total(self) -> float:
+        """What the moment adds to the model states and resident buffers."""
+        return self.live + self.gradients + self.transient + self.gathered
 
 
 @dataclass(frozen=True)
@@ -369,9 +478,8 @@ class MemoryModel:
         # f-sized gradients are alive next to the residual stream's gradient.
         self._mlp_freed = k * inner
         self._mlp_transient = k * inner * (3 if arch.mlp == "swiglu" else 2)
-        self._layer_split = pc.per_layer - pc.per_layer_experts - pc.per_layer_norms  # divided by TP
         self._act_cache: dict[tuple[str, int, int, bool], float] = {}
-        self._shape_cache: dict[tuple[int, int, int, bool, bool], tuple[float, ...]] = {}
+        self._shape_cache: dict[tuple[int, int, int, bool, bool], StageParams] = {}
         self._per_tensor_opt_transient = _per_tensor_adamw_temporaries(arch, pc)
         self._rope_buffers = 2 * arch.seq_len * (arch.head_dim // 2) * 4 if arch.positions == "rope" else 0
 
@@ -386,149 +494,181 @@ class MemoryModel:
     def estimate(self, layout: Layout) -> MemoryBreakdown:
         """Peak memory of the most loaded rank (the first or the last pipeline stage)."""
         if layout.pp == 1:
-            return MemoryBreakdown(*self._stage(layout, first=True, last=True))
+            return self._stage(layout, first=True, last=True)
         first = self._stage(layout, first=True, last=False)
         last = self._stage(layout, first=False, last=True)
-        # Compare totals (allocated + margin) without building both breakdowns: the search calls this a lot.
-        return MemoryBreakdown(*(first if sum(first[:8]) >= sum(last[:8]) else last))
+        return first if first.total >= last.total else last
 
     def stage(self, layout: Layout, which: Literal["first", "last"]) -> MemoryBreakdown:
         """Peak memory of the first or the last pipeline stage."""
-        return MemoryBreakdown(*self._stage(layout, first=which == "first", last=which == "last" or layout.pp == 1))
+        return self._stage(layout, first=which == "first", last=which == "last" or layout.pp == 1)
 
-    def _stage_params(self, tp: int, ep: int, pp: int, first: bool, last: bool) -> tuple[float, ...]:
-        """Parameters on one rank of a stage: its blocks, the embedding on the first, the output layer on the last."""
-        pc = self.params
-        dense_layer = self._layer_split / tp + pc.per_layer_norms
-        expert_layer = pc.per_layer_experts / (tp * ep)
-        embed = (pc.embedding + pc.positions) / tp if first else 0.0
-        head = ((pc.head or (0 if first else pc.embedding)) / tp + pc.final_norm) if last else 0.0
-        layers = self.arch.n_layers / pp
-        dense_params = layers * dense_layer + embed + head
-        expert_params = layers * expert_layer
-        return (
-            dense_layer, expert_layer, dense_layer + expert_layer, embed, head,
-            dense_params, expert_params, dense_params + expert_params,
-        )  # fmt: skip
+    def _stage_params(self, lo: Layout, first: bool, last: bool) -> StageParams:
+        """The stage's parameters on one rank (memoised: they depend on tp, ep, pp and the stage only)."""
+        key = (lo.tp, lo.ep, lo.pp, first, last)
+        params = self._shape_cache.get(key)
+        if params is None:
+            params = self._shape_cache[key] = stage_params(self.arch, self.params, lo, first, last)
+        return params
 
-    def _stage(self, lo: Layout, first: bool, last: bool) -> tuple[Any, ...]:
-        """The fields of the stage's MemoryBreakdown, in order."""
-        arch, p, pc = self.arch, self.p, self.params
-        tp, pp, zero, b = lo.tp, lo.pp, lo.zero, lo.micro_batch
+    def _activations(self, lo: Layout, params: StageParams, first: bool, last: bool) -> StageActivations:
+        """Saved activations of the stage and what changes while a block's backward runs."""
+        arch, p, tp, b = self.arch, self.p, lo.tp, lo.micro_batch
         sp = lo.sequence_parallel and tp > 1
-        s, h, vocab = arch.seq_len, arch.d_model, arch.vocab_size
-        shard = lo.shard_group or lo.dp
-        tokens = b * s
-        layers = arch.n_layers / pp
-        wb, gb = p.weight_bytes, p.grad_bytes
-
-        key = (tp, lo.ep, pp, first, last)
-        shape = self._shape_cache.get(key)
-        if shape is None:
-            shape = self._shape_cache[key] = self._stage_params(*key)
-        dense_layer, expert_layer, layer_params, embed, head, dense_params, expert_params, stage_params = shape
-        # ZeRO stages (Rajbhandari et al. 2020, `model_states` inlined for the search's sake) over the shard group;
-        # experts over the expert-data-parallel group.
-        expert_shard = max(1, shard // lo.ep) if zero else 1
-        weights = (dense_params / shard + expert_params / expert_shard) * wb if zero >= 3 else stage_params * wb
-        optim = dense_params / (shard if zero >= 1 else 1) + expert_params / (expert_shard if zero >= 1 else 1)
-        optim_bytes = optim * p.optimizer_bytes
-        grad_div = shard if zero >= 2 else 1
-        grads_all = (dense_params / grad_div + expert_params / (expert_shard if zero >= 2 else 1)) * gb
-
-        # Saved activations. The first pipeline stage holds the micro-batches in flight (Korthikanti et al. 2022,
-        # section 4.2.3: p of them for 1F1B, times 1 + (p-1)/(pv) when interleaved over v chunks).
+        tokens, layers = b * arch.seq_len, arch.n_layers / lo.pp
+        # The first pipeline stage holds the micro-batches in flight (Korthikanti et al. 2022, section 4.2.3: p of
+        # them for 1F1B, times 1 + (p-1)/(pv) when interleaved over v chunks).
         in_flight = 1.0
-        if pp > 1 and first:
-            in_flight = float(min(pp, lo.grad_accum))
+        if lo.pp > 1 and first:
+            in_flight = float(min(lo.pp, lo.grad_accum))
             if lo.pp_schedule == "interleaved":
-                in_flight *= 1 + (pp - 1) / (pp * lo.virtual_stages)
+                in_flight *= 1 + (lo.pp - 1) / (lo.pp * lo.virtual_stages)
         full = lo.recompute == "full"
         per_layer = self._act_bytes(lo.recompute, b, tp, sp)
-        copies_per_layer = (layer_params - pc.per_layer_norms) * p.weight_copy_bytes
-        resting = per_layer + (0.0 if full else copies_per_layer)  # one block, one micro-batch, between passes
-        head_saved = tokens * (self._head_replicated / (tp if sp else 1) + 4 * vocab / tp) if last else 0.0
-        head_copies = (pc.head or pc.embedding) / tp * p.weight_copy_bytes if last else 0.0
-        live = in_flight * layers * resting + head_saved + head_copies
+        copies_per_layer = (params.layer - self.params.per_layer_norms) * p.weight_copy_bytes
+        resting = per_layer + (0.0 if full else copies_per_layer)
+        head_saved = tokens * (self._head_replicated / (tp if sp else 1) + 4 * arch.vocab_size / tp) if last else 0.0
+        head_copies = (self.params.head or self.params.embedding) / tp * p.weight_copy_bytes if last else 0.0
         # The block whose backward runs: recomputed in full (its input is already counted), minus what is freed.
         working = -tokens * self._mlp_freed / tp
         if full:
-            working += self._act_bytes("none", b, tp, sp) + copies_per_layer - tokens * p.residual_bytes * h
-        layer_transient = tokens * (h * p.residual_bytes + self._mlp_transient / tp)
-        down_proj_grad = arch.ffn_hidden * h / tp * gb
-        if arch.is_moe:
-            down_proj_grad *= arch.top_k / lo.ep
+            working += self._act_bytes("none", b, tp, sp) + copies_per_layer - tokens * p.residual_bytes * arch.d_model
+        return StageActivations(
+            in_flight=in_flight,
+            layers=layers,
+            tokens=tokens,
+            full_recompute=full,
+            per_layer=per_layer,
+            copies_per_layer=copies_per_layer,
+            resting=resting,
+            head_saved=head_saved,
+            head_copies=head_copies,
+            live=in_flight * layers * resting + head_saved + head_copies,
+            working=working,
+            layer_transient=tokens * (arch.d_model * p.residual_bytes + self._mlp_transient / tp),
+        )
 
-        buffers = float(self._rope_buffers)
-        if zero == 0 and lo.dp > 1 and self.rt.ddp_buckets:
-            buffers += stage_params * gb  # DDP's flat gradient buckets
-        root_unsharded = zero >= 3 and self.rt.fsdp_root_unsharded
-        gathered = 0.0  # FSDP: blocks gathered during backward (the one running and the one prefetched)
-        if zero >= 3:
-            if root_unsharded:
-                buffers += (embed + head) * wb  # FSDP2 keeps the root module gathered through the step
+    def _buffers(self, lo: Layout, params: StageParams) -> StageBuffers:
+        """Rope tables, DDP's gradient buckets, FSDP's root and the blocks it gathers during backward."""
+        resident = float(self._rope_buffers)
+        if lo.zero == 0 and lo.dp > 1 and self.rt.ddp_buckets:
+            resident += params.total * self.p.grad_bytes  # DDP's flat gradient buckets
+        gathered = 0.0
+        if lo.zero >= 3:
+            if self.rt.fsdp_root_unsharded:
+                resident += (params.embed + params.head) * self.p.weight_bytes  # FSDP2 keeps the root gathered
             # The block in backward and the one prefetched; with full recompute the recomputed forward's own
             # prefetch gathers a third.
-            gathered = min(3.0 if full else 2.0, layers) * layer_params * wb
+            layers = self.arch.n_layers / lo.pp
+            gathered = min(3.0 if lo.recompute == "full" else 2.0, layers) * params.layer * self.p.weight_bytes
+        return StageBuffers(resident=resident, gathered=gathered)
 
-        accumulating = lo.grad_accum > 1 or pp > 1
-        resident = grads_all if accumulating else 0.0
-        if accumulating and zero >= 2 and self.rt.fsdp_accumulate_unsharded:
-            resident = stage_params * gb  # sync off on all but the last micro-batch: unsharded gradients pile up
+    def _backward_gradients(self, lo: Layout, params: StageParams, states: ModelStates) -> BackwardGradients:
+        """The gradients alive during backward: accumulated ones, the output layer's and a block's down projection."""
+        gb = self.p.grad_bytes
+        accumulating = lo.grad_accum > 1 or lo.pp > 1
+        resident = states.gradients if accumulating else 0.0
+        if accumulating and lo.zero >= 2 and self.rt.fsdp_accumulate_unsharded:
+            resident = params.total * gb  # sync off on all but the last micro-batch: unsharded gradients pile up
+        divisor = lo.shard if lo.zero >= 2 else 1
         # The output layer's gradient; FSDP2 reduce-scatters the root's gradients only at the end of backward.
-        head_grad = head * gb / (1 if root_unsharded else grad_div)
+        root_unsharded = lo.zero >= 3 and self.rt.fsdp_root_unsharded
+        down_proj = self.arch.ffn_hidden * self.arch.d_model / lo.tp * gb
+        if self.arch.is_moe:
+            down_proj *= self.arch.top_k / lo.ep
+        return BackwardGradients(
+            resident=resident,
+            head=params.head * gb / (1 if root_unsharded else divisor),
+            down_proj=down_proj,
+            divisor=divisor,
+        )
 
-        # Candidate peaks: (saved tensors, gradients, temporaries, gathered weights); the largest sum wins.
-        top_live = live - head_saved - head_copies + working
-        top_grads = (resident if resident > head_grad else head_grad) + down_proj_grad
-        best = ("backward, top block", top_live, top_grads, layer_transient, gathered)
-        best_sum = top_live + top_grads + layer_transient + gathered
+    def _moments(
+        self,
+        lo: Layout,
+        params: StageParams,
+        states: ModelStates,
+        acts: StageActivations,
+        grads: BackwardGradients,
+        gathered: float,
+        last: bool,
+    ) -> list[Moment]:
+        """The candidate peaks of a training step, in the order ties are decided (the earliest wins)."""
+        gb, full = self.p.grad_bytes, acts.full_recompute
+        copies_live = acts.in_flight * acts.layers * (0.0 if full else acts.copies_per_layer)
+        top_live = acts.live - acts.head_saved - acts.head_copies + acts.working
+        top_grads = (grads.resident if grads.resident > grads.head else grads.head) + grads.down_proj
+        moments = [
+            Moment(
+                "backward, top block", top_live, top_grads, acts.layer_transient, gathered,
+                copies_live + acts.copies_per_layer * full,
+            )
+        ]  # fmt: skip
         if last:
-            loss_transient = tokens * 8 * vocab / tp  # fp32 gradients of the log-probabilities and the logits
-            if live + resident + loss_transient > best_sum:
-                best = ("start of backward", live, resident, loss_transient, 0.0)
-                best_sum = live + resident + loss_transient
-        bottom_live = (in_flight - 1) * layers * resting + (per_layer if full else resting) + working
-        bottom_grads = (stage_params - layer_params - embed - head) * gb / grad_div + head_grad + down_proj_grad
-        bottom_grads = resident if resident > bottom_grads else bottom_grads
-        if bottom_live + bottom_grads + layer_transient + gathered > best_sum:
-            best = ("backward, bottom block", bottom_live, bottom_grads, layer_transient, gathered)
-            best_sum = bottom_live + bottom_grads + layer_transient + gathered
-        if zero >= 3:
+            loss_transient = acts.tokens * 8 * self.arch.vocab_size / lo.tp  # fp32 gradients of log-probs and logits
+            moments.append(
+                Moment(
+                    "start of backward", acts.live, grads.resident, loss_transient, 0.0,
+                    copies_live + acts.head_copies,
+                )
+            )  # fmt: skip
+        bottom_live = (
+            (acts.in_flight - 1) * acts.layers * acts.resting
+            + (acts.per_layer if full else acts.resting)
+            + acts.working
+        )
+        rest = params.total - params.layer - params.embed - params.head
+        bottom_grads = rest * gb / grads.divisor + grads.head + grads.down_proj
+        bottom_grads = grads.resident if grads.resident > bottom_grads else bottom_grads
+        moments.append(
+            Moment(
+                "backward, bottom block", bottom_live, bottom_grads, acts.layer_transient, gathered,
+                acts.copies_per_layer,
+            )
+        )  # fmt: skip
+        if lo.zero >= 3:
             # End of a block's backward under FSDP: its saved tensors are gone, its whole unsharded gradient and
             # the reduce-scatter input copied from it are alive until the reduce-scatter.
-            done_live = live - head_saved - head_copies - (per_layer if full else resting)
-            done_grads = head_grad + 2 * layer_params * gb
-            done_transient = tokens * h * p.residual_bytes
-            if done_live + done_grads + done_transient + gathered > best_sum:
-                best = ("backward, top block (reduce-scatter)", done_live, done_grads, done_transient, gathered)
-                best_sum = done_live + done_grads + done_transient + gathered
+            done_live = acts.live - acts.head_saved - acts.head_copies - (acts.per_layer if full else acts.resting)
+            moments.append(
+                Moment(
+                    "backward, top block (reduce-scatter)", done_live, grads.head + 2 * params.layer * gb,
+                    acts.tokens * self.arch.d_model * self.p.residual_bytes, gathered,
+                    copies_live + acts.copies_per_layer * full,
+                )
+            )  # fmt: skip
         if self.rt.foreach_optimizer:
-            opt_transient = optim * 4  # torch's foreach AdamW: one fp32 temporary per parameter
+            opt_transient = states.optimizer_params * 4  # torch's foreach AdamW: one fp32 temporary per parameter
         else:
-            opt_transient = self._per_tensor_opt_transient / tp
-        if grads_all + opt_transient > best_sum:
-            best = ("optimizer step", 0.0, grads_all, opt_transient, 0.0)
+            opt_transient = self._per_tensor_opt_transient / lo.tp
+        moments.append(Moment("optimizer step", 0.0, states.gradients, opt_transient, 0.0, 0.0))
+        return moments
 
-        phase, live_at, grads_at, transient_at, gathered_at = best
-        copies_at = 0.0
-        if phase == "backward, bottom block":
-            copies_at = copies_per_layer
-        elif phase != "optimizer step":
-            copies_at = in_flight * layers * (0.0 if full else copies_per_layer)
-            copies_at += head_copies if phase == "start of backward" else copies_per_layer * full
-        copies_at = min(copies_at, live_at)
-        buffers += gathered_at
-        allocated = weights + optim_bytes + buffers + live_at + grads_at + transient_at
-        return (
-            weights,
-            grads_at,
-            optim_bytes,
-            live_at - copies_at,
-            copies_at,
-            buffers,
-            transient_at,
-            allocated * self.margin.fragmentation_fraction + self.margin.framework_bytes,
-            phase,
-            "only" if first and last else ("first" if first else "last"),
+    def _stage(self, lo: Layout, first: bool, last: bool) -> MemoryBreakdown:
+        """The stage's peak: its model states, buffers and the largest of its candidate moments."""
+        params = self._stage_params(lo, first, last)
+        states = model_states(params, self.p, lo)
+        acts = self._activations(lo, params, first, last)
+        buffers = self._buffers(lo, params)
+        grads = self._backward_gradients(lo, params, states)
+        moments = self._moments(lo, params, states, acts, grads, buffers.gathered, last)
+        peak = moments[0]
+        for moment in moments[1:]:
+            if moment.total > peak.total:
+                peak = moment
+        copies = min(peak.weight_copies, peak.live)
+        buffer_bytes = buffers.resident + peak.gathered
+        allocated = states.weights + states.optimizer + buffer_bytes + peak.live + peak.gradients + peak.transient
+        return MemoryBreakdown(
+            weights=states.weights,
+            gradients=peak.gradients,
+            optimizer=states.optimizer,
+            activations=peak.live - copies,
+            weight_copies=copies,
+            buffers=buffer_bytes,
+            transient=peak.transient,
+            margin=allocated * self.margin.fragmentation_fraction + self.margin.framework_bytes,
+            phase=peak.phase,
+            stage="only" if first and last else ("first" if first else "last"),
+            states=states,
         )

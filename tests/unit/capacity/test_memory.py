@@ -12,17 +12,40 @@ from tasks.capacity.memory import (
     korthikanti_bytes_per_layer,
     kv_cache_bytes,
     layer_activations,
-    model_states,
 )
 from tasks.capacity.params import PRESETS, Architecture
+from tasks.capacity.plan import plan_capacity
+from tasks.spec import parse_spec
+from tests.conftest import TINY_SPEC, deep_merge
 
 MIXED = Precision.of("bf16", "master-weights")
+
+
+# A 7.5B-parameter model (7,499,681,792) on 8 nodes x 8 H100s, in the planner's own terms.
+ZERO_PAPER_SPEC = deep_merge(
+    TINY_SPEC,
+    {
+        "cluster": {"scheduler": "slurm", "nodes": 8, "procs_per_node": 8, "accelerator": "h100-sxm"},
+        "model": {"n_layers": 32, "d_model": 4096, "n_heads": 32, "n_kv_heads": 32, "ffn_hidden": 12544,
+                  "vocab_size": 51200, "seq_len": 2048},
+        "parallel": {"micro_batch": 1},
+        "precision": {"dtype": "bf16"},
+        "data": {"dataset_url": "/tmp/d"}, "checkpoint": {"url": "/tmp/c"}, "run": {"output_url": "/tmp/o"},
+    },
+)  # fmt: skip
 
 
 @pytest.mark.parametrize(("stage", "gb"), [(0, 120.0), (1, 31.4), (2, 16.6), (3, 1.9)])
 def test_zero_paper_table_for_7_5b_parameters_on_64_gpus(stage: int, gb: float) -> None:
     # Rajbhandari et al. 2020, figure 1: mixed-precision Adam (K = 12), Psi = 7.5B, Nd = 64.
-    assert round(model_states(7.5e9, MIXED, 64, stage).total / 1e9, 1) == gb
+    spec = parse_spec(
+        deep_merge(
+            ZERO_PAPER_SPEC, {"capacity": {"mixed_precision": "master-weights", "layout": {"zero_stage": stage}}}
+        )
+    )
+    plan = plan_capacity(spec.name, spec.capacity, spec.cluster, spec.model, spec.parallel, spec.precision, spec.run)
+    assert plan.requested.layout.world == 64 and plan.requested.layout.zero == stage
+    assert round(plan.requested.memory.states.total / 1e9, 1) == gb
 
 
 def _gpt_layer(h: int = 12288, a: int = 96, s: int = 2048) -> Architecture:
