@@ -14,6 +14,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from training.run_output import RunOutput
+
 _RENDEZVOUS = re.compile(
     r"RendezvousTimeoutError|RendezvousConnectionError|DistNetworkError|TCPStore|Address already in use|"
     r"failed to listen on any local network address|Connection refused|NCCL.*[Tt]imeout|"
@@ -70,11 +72,8 @@ def _matching_lines(text: str, pattern: re.Pattern[str], limit: int = 5) -> list
     return [line.strip()[:300] for line in text.splitlines() if pattern.search(line)][:limit]
 
 
-def _metrics(output_dir: Path) -> dict[int, list[dict[str, Any]]]:
-    out: dict[int, list[dict[str, Any]]] = {}
-    for path in sorted((output_dir / "metrics").glob("rank-*.jsonl")):
-        out[int(path.stem.split("-")[1])] = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
-    return out
+def _metrics(run: RunOutput) -> dict[int, list[dict[str, Any]]]:
+    return {rank: run.metric_records(rank) for rank in run.metric_ranks()}
 
 
 def diagnose(
@@ -154,9 +153,8 @@ def diagnose(
                 "(or the tdeploy-checkpoint-key Secret block) matches the key the checkpoints were signed with",
             )
         )
-    if output_dir is not None and (output_dir / "metrics").exists():
-        metrics = _metrics(output_dir)
-        diagnosis.findings += _metric_findings(metrics)
+    if output_dir is not None:
+        diagnosis.findings += _metric_findings(_metrics(RunOutput(output_dir)))
     return diagnosis
 
 
@@ -223,8 +221,9 @@ def _metric_findings(metrics: dict[int, list[dict[str, Any]]]) -> list[Finding]:
 
 
 def diagnose_run(path: Path, error: str = "") -> Diagnosis:
-    """Diagnose a run folder: its train.log / slurm-*.out, metrics, and plan/node reports found beside it."""
-    logs = sorted(path.glob("train.log")) + sorted(path.glob("slurm-*.out"))
+    """Diagnose a run folder: its job log (train.log or slurm-*.out), metrics, and plan/node reports beside it."""
+    train_log = RunOutput(path).train_log
+    logs = ([train_log] if train_log.exists() else []) + sorted(path.glob("slurm-*.out"))
     log_text = "\n".join(p.read_text(errors="replace") for p in logs)
     plan = _nearby_json(path, "plan.json")
     nodes = _nearby_json(path, "node-check.json")
