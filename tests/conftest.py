@@ -8,11 +8,11 @@ gets SIGTERM) is stopped by tests.processes.stop_all.
 from __future__ import annotations
 
 import copy
-import json
 import os
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +23,8 @@ from tasks.prepare.pipeline import prepare_dataset
 from tasks.spec import DeploymentSpec, parse_spec
 from tests import processes
 from tests.processes import run_group
+from training import run_output
+from training.run_output import RunOutput
 from training.storage import StorageConfig
 
 REPO = Path(__file__).resolve().parents[1]
@@ -112,25 +114,27 @@ def make_spec(tmp_path: Path, tiny_dataset: str) -> Callable[..., DeploymentSpec
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """Every JSON line of a file."""
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """Every JSON line of a file (which must exist)."""
+    assert path.exists(), f"{path} was never written"
+    return run_output.read_jsonl(path)
 
 
 def metrics_by_step(output_dir: str | Path, rank: int = 0) -> dict[int, dict[str, Any]]:
     """Per-step metrics of one rank; when a step ran twice (resume), the later attempt wins."""
-    records = read_jsonl(Path(output_dir) / "metrics" / f"rank-{rank:05d}.jsonl")
-    return {r["step"]: r for r in records}
+    return RunOutput(output_dir).metrics(rank)
 
 
 def run_lone_process(spec: DeploymentSpec) -> dict[str, Any]:
-    """Run the trainer as one plain process (no torchrun); returns result.json."""
+    """Run the trainer as one plain process (no torchrun); returns its result as a dict."""
     cfg = spec.training_config()
     out = Path(cfg.run.output_url)
     out.mkdir(parents=True, exist_ok=True)
     cfg.to_json_file(out / "run.json")
     proc = run_group([sys.executable, "-m", "training.train", "--config", str(out / "run.json")], timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads((out / "result.json").read_text())
+    result = RunOutput(out).result()
+    assert result is not None, f"the trainer wrote no result into {out}"
+    return asdict(result)
 
 
 @pytest.fixture(scope="session")
