@@ -19,6 +19,7 @@ from training.checkpoint import CheckpointManager
 from training.checkpoint_trust import KEY_ENV
 from training.faults import ENV_VAR
 from training.model import Transformer
+from training.run_output import RunOutput
 from training.storage import StorageConfig, filesystem
 from training.train import build_optimizer
 
@@ -40,13 +41,13 @@ def _paused_job(spec, pause_after_step: int) -> LocalJob:  # noqa: ANN001
     job = start_local(
         spec.cluster, spec.training_config(), {ENV_VAR: json.dumps({"pause_after_step": pause_after_step})}
     )
-    metrics = Path(spec.run.output_url) / "metrics" / "rank-00001.jsonl"
-    _wait_for(lambda: metrics.exists() and f'"step": {pause_after_step},' in metrics.read_text(), "the pause")
+    run = RunOutput(spec.run.output_url)
+    _wait_for(lambda: pause_after_step in run.metrics(1), "the pause")
     return job
 
 
 def _kill_rank(output_dir: Path, rank: int) -> None:
-    ranks = json.loads((output_dir / "ranks.json").read_text())["ranks"]
+    ranks = RunOutput(output_dir).ranks().ranks
     os.kill(next(r["pid"] for r in ranks if r["rank"] == rank), signal.SIGKILL)
 
 
@@ -67,7 +68,7 @@ def test_killed_rank_relaunch_resumes_bit_identical(make_spec) -> None:
     assert "exitcode  : -9" in job.log_tail(200)
 
     run_local(spec.cluster, spec.training_config())  # the relaunch
-    assert json.loads((job.output_dir / "ranks.json").read_text())["ranks"][0]["resumed_from_step"] == 20
+    assert RunOutput(job.output_dir).ranks().ranks[0]["resumed_from_step"] == 20
     _assert_identical_after(metrics_by_step(reference.run.output_url), metrics_by_step(spec.run.output_url), 21, 30)
 
 
@@ -79,7 +80,7 @@ def test_torchrun_restarts_a_killed_rank_and_the_job_recovers_by_itself(make_spe
     job = _paused_job(spec, 25)
     _kill_rank(job.output_dir, 1)
     assert job.wait(timeout_s=180).state is JobState.SUCCEEDED
-    ranks = json.loads((job.output_dir / "ranks.json").read_text())["ranks"]
+    ranks = RunOutput(job.output_dir).ranks().ranks
     assert {r["restart_count"] for r in ranks} == {1} and ranks[0]["resumed_from_step"] == 20
     _assert_identical_after(metrics_by_step(reference.run.output_url), metrics_by_step(spec.run.output_url), 21, 30)
 
@@ -94,7 +95,7 @@ def test_checkpoint_killed_mid_save_is_never_loaded(make_spec) -> None:
     again = run_local(spec.cluster, spec.training_config())
     log = again.log_tail(400)
     assert f"skipping partial checkpoint {partial}: no COMMIT.json" in log
-    assert json.loads((again.output_dir / "ranks.json").read_text())["ranks"][0]["resumed_from_step"] == 10
+    assert RunOutput(again.output_dir).ranks().ranks[0]["resumed_from_step"] == 10
     assert (partial / "COMMIT.json").exists()  # saved properly this time
 
 
@@ -110,7 +111,7 @@ def test_corrupt_checkpoint_is_detected_and_the_previous_one_used(make_spec) -> 
     longer = make_spec({"run": {"steps": 25}, "checkpoint": {"save_every_steps": 10}})
     again = run_local(longer.cluster, longer.training_config())
     assert f"skipping corrupt checkpoint {newest}: {shard.name} fails its sha256 check" in again.log_tail(400)
-    assert json.loads((again.output_dir / "ranks.json").read_text())["ranks"][0]["resumed_from_step"] == 10
+    assert RunOutput(again.output_dir).ranks().ranks[0]["resumed_from_step"] == 10
 
 
 def test_a_bug_on_one_rank_inside_a_save_stops_every_rank_even_when_lost_saves_are_tolerated(make_spec) -> None:
@@ -131,7 +132,7 @@ def test_a_signed_two_rank_checkpoint_resumes_with_its_key_and_is_refused_withou
 
     longer = make_spec({"run": {"steps": 12}, "checkpoint": {"save_every_steps": 10}})
     job = run_local(longer.cluster, longer.training_config(), key)
-    assert json.loads((job.output_dir / "ranks.json").read_text())["ranks"][0]["resumed_from_step"] == 10
+    assert RunOutput(job.output_dir).ranks().ranks[0]["resumed_from_step"] == 10
 
     unkeyed = start_local(longer.cluster, longer.training_config())
     assert unkeyed.wait(timeout_s=120).state is JobState.FAILED
@@ -194,7 +195,7 @@ def test_checkpoints_and_dataset_on_s3(make_spec, s3_endpoint: str, s3_bucket: s
 
     longer = make_spec({**remote, "run": {"steps": 14}})
     job = run_local(longer.cluster, longer.training_config())
-    assert json.loads((job.output_dir / "ranks.json").read_text())["ranks"][0]["resumed_from_step"] == 10
+    assert RunOutput(job.output_dir).ranks().ranks[0]["resumed_from_step"] == 10
     assert sorted(n for p in fs.ls(f"{s3_bucket}/ckpt") if (n := p.rsplit("/", 1)[-1]).startswith("step-")) == [
         "step-00000005",
         "step-00000010",

@@ -15,11 +15,12 @@ import pytest
 
 from tasks.launch.base import JobState
 from tasks.launch.local import TrainingFailed, run_local, start_local
-from tests.conftest import metrics_by_step, read_jsonl, run_lone_process
+from tests.conftest import metrics_by_step, run_lone_process
 from tests.processes import run_group
 from training.dataset import DatasetWriter, TokenDataset, TokenizerInfo
 from training.faults import ENV_VAR
 from training.lease import LEASE_FILE, Lease
+from training.run_output import RunOutput
 from training.sampler import GlobalBatchSampler
 
 pytestmark = pytest.mark.integration
@@ -39,9 +40,9 @@ def test_two_process_run_learns(make_spec) -> None:
     job = run_local(spec.cluster, spec.training_config())
     out = job.output_dir
 
-    ranks = json.loads((out / "ranks.json").read_text())
-    assert ranks["world_size"] == 2 and sorted(r["rank"] for r in ranks["ranks"]) == [0, 1]
-    assert {r["backend"] for r in ranks["ranks"]} == {"gloo"}
+    ranks = RunOutput(out).ranks()
+    assert ranks.world_size == 2 and sorted(r["rank"] for r in ranks.ranks) == [0, 1]
+    assert {r["backend"] for r in ranks.ranks} == {"gloo"}
 
     metrics = metrics_by_step(out)
     assert sorted(metrics) == list(range(1, 41))
@@ -51,8 +52,8 @@ def test_two_process_run_learns(make_spec) -> None:
     )
     assert last < first - 1.0, (first, last)
     assert all(m["comm_s"] is not None and m["data_wait_s"] >= 0 for m in metrics.values())
-    result = json.loads((out / "result.json").read_text())
-    assert math.isfinite(result["val_loss"]) and result["val_loss"] < first
+    result = RunOutput(out).result()
+    assert math.isfinite(result.val_loss) and result.val_loss < first
     assert (Path(spec.checkpoint.url) / "step-00000040" / "COMMIT.json").exists()
 
 
@@ -63,7 +64,7 @@ def test_ranks_get_disjoint_samples_that_cover_every_epoch(make_spec, tmp_path: 
     out = run_local(spec.cluster, cfg).output_dir
 
     # per epoch: pairwise disjoint ranks, and together exactly the epoch's samples
-    records = [read_jsonl(out / "samples" / f"rank-{r:05d}.jsonl") for r in range(2)]
+    records = [list(RunOutput(out).samples(r).values()) for r in range(2)]
     n = len(TokenDataset(cfg.data.dataset_url, "train", cfg.model.seq_len))
     sampler = GlobalBatchSampler(n, cfg.parallel.micro_batch, 1, 2, 0, cfg.run.seed)
     steps_per_epoch = n // sampler.global_batch
@@ -211,7 +212,7 @@ def test_a_second_job_on_a_checkpoint_folder_in_use_stops_on_every_rank_naming_t
         while job.status().state is not JobState.RUNNING:
             assert time.monotonic() < deadline, job.log_tail()
             time.sleep(0.2)
-        holder = json.loads((job.output_dir / "ranks.json").read_text())["ranks"][0]["pid"]
+        holder = RunOutput(job.output_dir).ranks().ranks[0]["pid"]
         second = make_spec({"checkpoint": {"url": first.checkpoint.url}}, name="second")
         with pytest.raises(TrainingFailed) as caught:
             run_local(second.cluster, second.training_config())
@@ -221,7 +222,7 @@ def test_a_second_job_on_a_checkpoint_folder_in_use_stops_on_every_rank_naming_t
         log_text = caught.value.log_path.read_text()
         # rank 0 was refused the lease, rank 1 stopped with its reason: neither waits for the other
         assert "LeaseHeld: checkpoint.url=" in log_text and "LeaseRefused: checkpoint.url=" in log_text, log_text
-        assert not (Path(second.run.output_url) / "ranks.json").exists()
+        assert RunOutput(second.run.output_url).ranks() is None
         assert job.status().state is JobState.RUNNING  # the holder was left alone
     finally:
         job.cancel()

@@ -34,9 +34,9 @@ def _faulty_judgement(make_spec, tmp_path: Path, faults: dict, acceptance: Accep
     acceptance = acceptance or _acceptance()
     spec = make_spec()
     train = spec.training_config()
-    env = {ENV_VAR: json.dumps(faults)}
+    injected = {ENV_VAR: json.dumps(faults)}
     dist_train = variant(train, tmp_path, "dist", run={"steps": acceptance.steps})
-    dist = Job(spec.cluster, dist_train, "dist", env, None).wait(600, acceptance.thresholds.stall_timeout_s)
+    dist = Job(spec.cluster, dist_train, "dist", injected, None).wait(600, acceptance.thresholds.stall_timeout_s)
     one, sections = single_process(spec.cluster, train)
     ref_run = {**sections["run"], "steps": acceptance.steps, "stop_after_steps": 10}
     ref_train = variant(train, tmp_path, "ref", **{**sections, "run": ref_run})
@@ -100,8 +100,8 @@ def test_a_hang_is_caught_by_the_stall_watchdog(make_spec, tmp_path: Path) -> No
 def test_a_checkpoint_without_optimizer_state_fails_recovery(make_spec, tmp_path: Path) -> None:
     spec = make_spec()
     acceptance = _acceptance(steps=200, save_every_steps=20)
-    env = {ENV_VAR: json.dumps({"checkpoint_without_optimizer": True})}
-    ctx = DrillContext(spec.cluster, spec.training_config(), tmp_path, acceptance, env=env)
+    faults = {ENV_VAR: json.dumps({"checkpoint_without_optimizer": True})}
+    ctx = DrillContext(spec.cluster, spec.training_config(), tmp_path, acceptance, faults=faults)
     result, recovery = drill_rank_kill(ctx)
     assert not recovery.passed and not result.passed
     assert "differs from the uninterrupted run" in recovery.message
