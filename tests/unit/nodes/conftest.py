@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import importlib.util
 from collections.abc import Callable
 from pathlib import Path
@@ -13,96 +12,101 @@ import pytest
 
 from tasks.cluster import ClusterConfig
 from tasks.nodes.config import NodesConfig
+from tasks.nodes.facts import (
+    Connect,
+    Gpu,
+    HostReport,
+    Listener,
+    ListenerStop,
+    Mount,
+    NetworkFacts,
+    NodeFacts,
+    PythonFacts,
+    SecurityFacts,
+    SystemFacts,
+    TorchBuild,
+)
 from tasks.nodes.inventory import CheckPlan, plan_checks
 from tasks.nodes.runner import PLAYBOOKS, PlaybookRun
 from tests.conftest import deep_merge
 
 CLOCK = 1_800_000_000.0
 
-# What one healthy CPU node publishes through set_stats (the shape the roles produce).
-HOST_RESULT: dict[str, Any] = {
-    "facts": {
-        "os": "Debian 12.5",
-        "kernel": "6.1.0-18-amd64",
-        "arch": "x86_64",
-        "hostname": "node",
-        "fqdn": "node",
-        "system": {
-            "cpu_count": 64,
-            "memory_bytes": 512 * 2**30,
-            "container_runtimes": {"docker": "Docker version 24.0.7, build afdd53b"},
-            "nccl_system": None,
-            "nvidia_smi": None,
-            "driver_version": None,
-            "cuda_version": None,
-            "gpus": [],
-            "gpu_error": None,
-        },
-        "job_python": "/opt/venv/bin/python",
-        "python": {
-            "executable": "/opt/venv/bin/python",
-            "version": "3.11.7",
-            "torch": {"version": "2.5.1", "cuda": None, "hip": None, "path": "/opt/venv/lib/torch"},
-            "nccl_wheel": None,
-        },
-        "python_error": "",
-        "clock_epoch_s": CLOCK,
-    },
-    "storage": [{"path": "/data", "min_free_gb": 10.0, "exists": True, "writable": True, "error": None}],
-    "network": {
-        "resolved": {},
-        "resolve_errors": {},
-        "rdzv_host": "node-a",
-        "rdzv_target": "node-a",
-        "rdzv_port": 29500,
-        "listener": {},
-        "listener_stop": {},
-        "connect": {"connected": True, "seconds": 0.01},
-        "rdzv_error": None,
-    },
-    "security": {"connection": "ssh", "key_auth": True, "probe_rc": 255, "methods": ["publickey"], "probe_error": ""},
-}
-for _mount in HOST_RESULT["storage"]:
-    _mount.update(free_bytes=500 * 10**9, total_bytes=1000 * 10**9, mount_point="/data", fs_type="nfs4")
+# What one healthy CPU node publishes through set_stats, built through the roles' typed report.
+HEALTHY = HostReport(
+    facts=NodeFacts(
+        os="Debian 12.5",
+        kernel="6.1.0-18-amd64",
+        arch="x86_64",
+        hostname="node",
+        fqdn="node",
+        system=SystemFacts(
+            cpu_count=64,
+            memory_bytes=512 * 2**30,
+            container_runtimes={"docker": "Docker version 24.0.7, build afdd53b"},
+        ),
+        job_python="/opt/venv/bin/python",
+        python=PythonFacts(
+            executable="/opt/venv/bin/python",
+            version="3.11.7",
+            torch=TorchBuild(version="2.5.1", path="/opt/venv/lib/torch"),
+        ),
+        python_error="",
+        clock_epoch_s=CLOCK,
+    ),
+    storage=[
+        Mount(
+            path="/data",
+            min_free_gb=10.0,
+            exists=True,
+            writable=True,
+            free_bytes=500 * 10**9,
+            total_bytes=1000 * 10**9,
+            mount_point="/data",
+            fs_type="nfs4",
+        )
+    ],
+    network=NetworkFacts(
+        rdzv_host="node-a", rdzv_target="node-a", rdzv_port=29500, connect=Connect(connected=True, seconds=0.01)
+    ),
+    security=SecurityFacts(connection="ssh", key_auth=True, probe_rc=255, methods=["publickey"], probe_error=""),
+)
 
-GPU = {
-    "index": 0,
-    "name": "NVIDIA H100 80GB HBM3",
-    "memory_mib": 81559,
-    "driver_version": "550.54.15",
-    "ecc_mode": "Enabled",
-    "ecc_uncorrected_errors": 0,
-}
+GPU = Gpu(
+    index=0,
+    name="NVIDIA H100 80GB HBM3",
+    memory_mib=81559,
+    driver_version="550.54.15",
+    ecc_mode="Enabled",
+    ecc_uncorrected_errors=0,
+)
 GPU_SYSTEM = {"nvidia_smi": "/usr/bin/nvidia-smi", "driver_version": "550.54.15", "cuda_version": "12.4"}
 
 
 def gpu_node(count: int = 8, **gpu: Any) -> dict[str, Any]:
-    """Overrides that turn HOST_RESULT into a GPU node with `count` GPUs."""
+    """Overrides that turn HEALTHY into a GPU node with `count` GPUs."""
+    gpus = [Gpu.model_validate({**GPU.model_dump(), "index": i, **gpu}).model_dump() for i in range(count)]
     return {
         "facts": {
-            "system": {
-                **GPU_SYSTEM,
-                "nccl_system": "2.21.5",
-                "gpus": [{**GPU, "index": i, **gpu} for i in range(count)],
-            },
+            "system": {**GPU_SYSTEM, "nccl_system": "2.21.5", "gpus": gpus},
             "python": {"torch": {"version": "2.5.1+cu124", "cuda": "12.4"}, "nccl_wheel": "2.21.5"},
         }
     }
 
 
-def host(name: str, names: list[str], overrides: dict[str, Any] | None = None) -> dict[str, Any]:
-    """One host's result: HOST_RESULT resolving the other names, with overrides merged in."""
-    result = copy.deepcopy(HOST_RESULT)
-    result["facts"]["hostname"] = result["facts"]["fqdn"] = name
-    result["network"]["resolved"] = {n: [f"10.0.0.{names.index(n) + 2}"] for n in names if n != name}
+def host(name: str, names: list[str], overrides: dict[str, Any] | None = None) -> HostReport:
+    """One host's report: HEALTHY resolving the other names, with overrides merged in (and validated)."""
+    result = HEALTHY.model_copy(deep=True)
+    assert result.facts is not None and result.network is not None
+    result.facts.hostname = result.facts.fqdn = name
+    result.network.resolved = {n: [f"10.0.0.{names.index(n) + 2}"] for n in names if n != name}
     if name == names[0]:
-        result["network"]["connect"] = {}
-        result["network"]["listener"] = {"listening": True, "pid": 4242}
-        result["network"]["listener_stop"] = {
-            "stopped": True,
-            "peers": [f"10.0.0.{i + 2}" for i in range(1, len(names))],
-        }
-    return deep_merge(result, overrides or {})
+        result.network.connect = Connect()
+        result.network.listener = Listener(listening=True, pid=4242)
+        result.network.listener_stop = ListenerStop(
+            stopped=True, peers=[f"10.0.0.{i + 2}" for i in range(1, len(names))]
+        )
+    return HostReport.model_validate(deep_merge(result.model_dump(), overrides or {}))
 
 
 @pytest.fixture
@@ -116,7 +120,7 @@ def make_run() -> Callable[..., PlaybookRun]:
     ) -> PlaybookRun:
         names = list(overrides)
         unreachable = {n: o["unreachable"] for n, o in overrides.items() if o and "unreachable" in o}
-        results = {n: host(n, names, o) for n, o in overrides.items() if n not in unreachable}
+        results = {n: host(n, names, o).model_dump() for n, o in overrides.items() if n not in unreachable}
         return PlaybookRun(
             hosts=names,
             results=results,
