@@ -1,0 +1,110 @@
+"""One Launcher protocol for every scheduler; the job's environment is cluster.env, test faults travel apart."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import shlex
+from pathlib import Path
+
+import pytest
+
+from tasks.errors import UserError
+from tasks.launch.base import Launcher, checked_faults, split_legacy_env
+from tasks.launch.kubernetes import KubernetesLauncher, render_manifests, validate_pytorchjob
+from tasks.launch.local import LocalLauncher
+from tasks.launch.slurm import SlurmLauncher
+from tasks.launch.submit import launcher_for
+from training.faults import ENV_VAR
+
+LAUNCHERS = [LocalLauncher, SlurmLauncher, KubernetesLauncher]
+# What each launcher must write itself; `wait` (and `hopeless`) they share from the protocol.
+OWN_METHODS = ["submit", "status", "logs", "cancel"]
+SHARED_METHODS = ["wait"]
+SPEC_ENV = {"JOB_NOTE": "from the spec $HOME", "NCCL_DEBUG": "WARN"}
+FAULTS = {ENV_VAR: json.dumps({"pause_after_step": 2})}
+
+
+def _parameters(function: object) -> list[tuple[str, inspect._ParameterKind, object]]:
+    return [(p.name, p.kind, p.default) for p in inspect.signature(function).parameters.values()]
+
+
+@pytest.mark.parametrize("method", OWN_METHODS + SHARED_METHODS)
+@pytest.mark.parametrize("launcher", LAUNCHERS, ids=lambda cls: cls.__name__)
+def test_every_launcher_implements_every_method_of_the_protocol_with_its_signature(launcher: type, method: str) -> None:
+    assert Launcher in launcher.__mro__, "launchers subclass the protocol to share its wait"
+    protocol = getattr(Launcher, method)
+    implementation = getattr(launcher, method)
+    if method in OWN_METHODS:
+        assert implementation is not protocol, f"{launcher.__name__}.{method} is the protocol's empty stub"
+    expected = _parameters(protocol)
+    actual = _parameters(implementation)
+    assert actual[: len(expected)] == expected, f"{launcher.__name__}.{method} differs from Launcher.{method}"
+    extra = inspect.signature(implementation).parameters.values()
+    assert all(p.default is not inspect.Parameter.empty for p in list(extra)[len(expected) :])
+
+
+def test_launcher_for_picks_a_launcher_of_the_protocol_for_each_scheduler_and_names_the_valid_ones() -> None:
+    for scheduler, kind in (("local", LocalLauncher), ("slurm", SlurmLauncher)):
+        launcher = launcher_for(scheduler)
+        assert type(launcher) is kind and launcher.scheduler == scheduler and Launcher in kind.__mro__
+    with pytest.raises(UserError, match=r"cluster\.scheduler=pbs: unknown; use local, slurm or kubernetes"):
+        launcher_for("pbs")
+
+
+def test_faults_accept_only_fault_variables_and_name_the_fix() -> None:
+    assert checked_faults(FAULTS) == FAULTS and checked_faults(None) == {}
+    with pytest.raises(UserError) as refused:
+        checked_faults({**FAULTS, "JOB_NOTE": "x"})
+    message = str(refused.value)
+    assert "faults=['JOB_NOTE']: not fault-injection variables" in message
+    assert f"pass only ['{ENV_VAR}'] as faults; put the job's own variables in cluster.env" in message
+
+
+def test_a_local_job_with_a_spec_variable_passed_as_a_fault_is_refused_before_anything_is_written(
+    make_spec,
+) -> None:
+    spec = make_spec({"run": {"steps": 2}})
+    with pytest.raises(UserError, match=r"faults=\['JOB_NOTE'\]"):
+        LocalLauncher().submit(spec.cluster, spec.training_config(), "bad", faults={"JOB_NOTE": "x"})
+    assert not Path(spec.run.output_url).exists()
+
+
+def test_the_old_env_argument_drops_cluster_env_and_keeps_the_faults_apart() -> None:
+    faults, inherited = split_legacy_env(SPEC_ENV, {**SPEC_ENV, **FAULTS, "PYTHONPATH": "/x"})
+    assert faults == FAULTS
+    assert inherited == {"PYTHONPATH": "/x"}
+
+
+def _exports(script: str) -> dict[str, str]:
+    found = {}
+    for line in script.splitlines():
+        if line.startswith("export "):
+            key, _, value = line.removeprefix("export ").partition("=")
+            (found[key],) = shlex.split(value)
+    return found
+
+
+def test_the_sbatch_script_exports_cluster_env_and_the_faults_only_when_given(make_spec) -> None:
+    spec = make_spec({"cluster": {"scheduler": "slurm", "env": SPEC_ENV}})
+    plain = _exports(SlurmLauncher().render(spec.cluster, "/r/run.json", "tiny", "/r", None))
+    assert SPEC_ENV.items() <= plain.items() and ENV_VAR not in plain
+    faulty = _exports(SlurmLauncher().render(spec.cluster, "/r/run.json", "tiny", "/r", None, FAULTS))
+    assert {**plain, **FAULTS} == faulty
+
+
+def _pod_env(job: dict) -> dict[str, str]:
+    container = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]
+    return {e["name"]: e["value"] for e in container["env"] if "value" in e}
+
+
+def test_the_pytorchjob_carries_cluster_env_and_the_faults_only_when_given(make_spec) -> None:
+    spec = make_spec({"cluster": {"scheduler": "kubernetes", "env": SPEC_ENV}})
+    _, plain = render_manifests(spec.cluster, spec.training_config(), "tiny", "img:1")
+    validate_pytorchjob(plain)
+    literal = {key: value.replace("$", "$$") for key, value in SPEC_ENV.items()}
+    assert literal.items() <= _pod_env(plain).items() and ENV_VAR not in _pod_env(plain)
+    config_map, faulty = render_manifests(spec.cluster, spec.training_config(), "tiny", "img:1", FAULTS)
+    validate_pytorchjob(faulty)
+    assert _pod_env(faulty)[ENV_VAR] == FAULTS[ENV_VAR].replace("$", "$$")
+    assert ENV_VAR not in json.dumps(config_map), "the faults are the pods' environment, not the run config"
