@@ -19,10 +19,10 @@ from dataclasses import dataclass
 from typing import Literal
 
 from tasks.capacity.params import Architecture, ParamCount, count_params
+from tasks.capacity.units import GIB
 
 Recompute = Literal["none", "selective", "full"]
 Recipe = Literal["fp32", "autocast", "master-weights"]
-GIB = 2**30
 
 
 @dataclass(frozen=True)

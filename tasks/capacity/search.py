@@ -12,8 +12,9 @@ from dataclasses import dataclass, field
 from tasks.capacity.catalogue import Accelerator
 from tasks.capacity.comm import CommEstimate, communication
 from tasks.capacity.compute import flops_per_token
-from tasks.capacity.memory import GIB, Layout, MemoryBreakdown, MemoryModel
+from tasks.capacity.memory import Layout, MemoryBreakdown, MemoryModel
 from tasks.capacity.params import Architecture
+from tasks.capacity.units import gib, sig
 from training.config import divisors
 
 
@@ -56,8 +57,8 @@ class Evaluation:
         """Why the layout does not fit, with the component to attack."""
         name, nbytes = self.largest_component
         return (
-            f"needs {self.memory.total / GIB:.1f} GiB > {self.usable_bytes / GIB:.1f} GiB usable "
-            f"(peak at {self.memory.phase}; {name} {nbytes / GIB:.1f} GiB is the largest part)"
+            f"needs {gib(self.memory.total)} GiB > {gib(self.usable_bytes)} GiB usable "
+            f"(peak at {self.memory.phase}; {name} {gib(nbytes)} GiB is the largest part)"
         )
 
 
@@ -220,27 +221,28 @@ def explain_win(best: Evaluation, runner_up: Evaluation | None) -> list[str]:
     """Why a fitting layout ranks where it does, in a few short reasons."""
     lo, mem = best.layout, best.memory
     spare = best.usable_bytes - mem.total
-    reasons = [f"fits with {spare / GIB:.1f} GiB to spare of {best.usable_bytes / GIB:.1f} GiB usable"]
+    reasons = [f"fits with {gib(spare)} GiB to spare of {gib(best.usable_bytes)} GiB usable"]
     extra = best.hardware_flops_per_step / best.model_flops_per_step - 1
     if lo.recompute == "none":
         reasons.append("no activation recompute: no extra forward FLOPs")
     else:
         reasons.append(f"{lo.recompute} recompute adds {extra:.0%} FLOPs to save activation memory")
     if lo.pp > 1:
-        reasons.append(f"pipeline bubble {best.comm.bubble_seconds:.3g} s per step")
+        reasons.append(f"pipeline bubble {sig(best.comm.bubble_seconds)} s per step")
     if lo.tp > 1:
-        reasons.append(f"tensor-parallel traffic {best.comm.seconds['tensor_parallel']:.3g} s per step, not hidden")
+        reasons.append(f"tensor-parallel traffic {sig(best.comm.seconds['tensor_parallel'])} s per step, not hidden")
     hidden = best.comm.seconds["data_parallel"] - max(
         0.0, best.comm.exposed_seconds - best.comm.seconds["tensor_parallel"] - best.comm.seconds["pipeline_parallel"]
     )
     if best.comm.seconds["data_parallel"]:
         reasons.append(
-            f"data-parallel traffic {best.comm.seconds['data_parallel']:.3g} s, {hidden:.3g} s of it hidden by backward"
+            f"data-parallel traffic {sig(best.comm.seconds['data_parallel'])} s, "
+            f"{sig(hidden)} s of it hidden by backward"
         )
     if runner_up is not None:
         gap = runner_up.step_seconds - best.step_seconds
         if gap > 1e-9:
-            reasons.append(f"{gap:.3g} s per step faster than the next ({runner_up.layout.describe()})")
+            reasons.append(f"{sig(gap)} s per step faster than the next ({runner_up.layout.describe()})")
         else:
             reasons.append(f"same step time as the next ({runner_up.layout.describe()}), with less or equal traffic")
     return reasons

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import re
+
 from tasks.capacity.catalogue import CATALOGUE
 from tasks.capacity.memory import GIB, Layout, MemoryModel, Precision
 from tasks.capacity.params import PRESETS
-from tasks.capacity.search import Estimator, enumerate_layouts, explain_win, search
+from tasks.capacity.search import Estimator, enumerate_layouts, explain_win, ranked, search
+from tasks.capacity.units import gib
 
 
 def _estimator(preset: str, accelerator: str, gpus_per_node: int = 8) -> Estimator:
@@ -17,7 +20,7 @@ def test_8b_on_one_h100_node_does_not_fit_with_ddp_but_the_search_finds_layouts_
     est = _estimator("llama-3.1-8b", "h100-sxm")
     ddp = est.evaluate(Layout(dp=8, micro_batch=1, grad_accum=8))
     assert not ddp.fits
-    assert ddp.why_not().startswith(f"needs {ddp.memory.total / GIB:.1f} GiB > 71.7 GiB usable")
+    assert ddp.why_not().startswith(f"needs {gib(ddp.memory.total)} GiB > 71.68 GiB usable")
     result = search(est, enumerate_layouts(est.arch, 8, 8, global_batch=64))
     assert result.fitting and result.fitting_count > 10
     best = result.fitting[0]
@@ -53,3 +56,24 @@ def test_search_over_ten_thousand_layouts_evaluates_and_counts_every_one() -> No
     assert result.evaluated == len(layouts)
     assert 5 <= result.fitting_count <= len(layouts) and len(result.fitting) == 5
     assert all(ev.fits for ev in result.fitting) and not any(ev.fits for ev in result.rejected)
+
+
+GIB_FIGURE = re.compile(r"^\d{1,3}(,\d{3})*\.\d{2}$")
+
+
+def _three_significant_digits(figure: str) -> bool:
+    digits = figure.lstrip("-").replace(",", "").replace(".", "").lstrip("0")
+    return "e" not in figure and (figure == "0" or len(digits) == 3)
+
+
+def test_why_and_why_not_cells_write_gib_with_two_decimals_and_seconds_to_three_significant_digits() -> None:
+    est = _estimator("llama-3.1-70b", "h100-sxm")
+    result = search(est, enumerate_layouts(est.arch, 64, 8, global_batch=128), top=20)
+    reasons = [r for ev, nxt in ranked(result.fitting) for r in explain_win(ev, nxt)]
+    reasons += [ev.why_not() for ev in result.rejected]
+    assert any("pipeline bubble" in r for r in reasons) and any("tensor-parallel traffic" in r for r in reasons)
+    assert any("per step faster" in r for r in reasons) and any(r.startswith("needs ") for r in reasons)
+    gib_figures = [m for r in reasons for m in re.findall(r"(\S+) GiB", r)]
+    second_figures = [m for r in reasons for m in re.findall(r"(\S+) s\b", r)]
+    assert gib_figures and all(GIB_FIGURE.match(f) for f in gib_figures), gib_figures
+    assert second_figures and all(_three_significant_digits(f) for f in second_figures), second_figures
