@@ -44,6 +44,7 @@ from tasks.launch.base import (
 from tasks.launch.torchrun import free_port, job_env, torchrun_args
 from training.config import TrainConfig
 from training.process import alive, start_time
+from training.run_output import RunOutput
 from training.storage import is_local, local_path
 
 log = logging.getLogger(__name__)
@@ -196,7 +197,7 @@ class LocalLauncher(Launcher):
         train.to_json_file(config_path)
         endpoint = f"127.0.0.1:{cluster.rdzv_port or free_port()}"
         job_id = f"{name}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
-        log_path = out / "train.log"
+        log_path = RunOutput(out).train_log
         offset = log_path.stat().st_size if log_path.exists() else 0
         agents = []
         with open(log_path, "ab") as log_file:
@@ -245,8 +246,8 @@ class LocalLauncher(Launcher):
         out = Path(handle.output_dir)
         agents = handle.details["agents"]
         if running_agents(handle):
-            ranks = out / "ranks.json"
-            started = ranks.exists() and ranks.stat().st_mtime >= handle.submitted_unix_s
+            written = RunOutput(out).ranks_written_at()
+            started = written is not None and written >= handle.submitted_unix_s
             return JobStatus(JobState.RUNNING if started else JobState.PENDING, "running" if started else "rendezvous")
         marker = out / CANCELLED_MARKER
         if marker.exists():
@@ -300,11 +301,11 @@ class LocalLauncher(Launcher):
     @staticmethod
     def _workers(out: Path) -> list[tuple[int, str | None]]:
         """The job's worker processes still running (from ranks.json, checked against their command line)."""
-        ranks = out / "ranks.json"
-        if not ranks.exists():
+        ranks = RunOutput(out).ranks()
+        if ranks is None:
             return []
         found = []
-        for rank in json.loads(ranks.read_text())["ranks"]:
+        for rank in ranks.ranks:
             pid = rank["pid"]
             try:
                 cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
