@@ -30,19 +30,19 @@ from tasks.cluster import ClusterConfig
 from tasks.launch.local import LocalLauncher, run_local
 from training.config import TrainConfig
 cluster, train = ClusterConfig.model_validate_json(sys.argv[1]), TrainConfig.from_json_file(sys.argv[2])
-env = json.loads(sys.argv[3])
+faults = json.loads(sys.argv[3])
 if sys.argv[4] == "run":
-    run_local(cluster, train, env)
+    run_local(cluster, train, faults=faults)
 else:
-    LocalLauncher().submit(cluster, train, "detached", env, supervised=False)
+    LocalLauncher().submit(cluster, train, "detached", faults=faults, supervised=False)
 """
 
 
 def _start_submitter(spec, tmp_path: Path, mode: str, faults: dict | None = None) -> subprocess.Popen:  # noqa: ANN001
     config = tmp_path / f"{mode}.json"
     spec.training_config().to_json_file(config)
-    env = json.dumps({ENV_VAR: json.dumps(faults)} if faults else {})
-    command = [sys.executable, "-c", _SUBMITTER, spec.cluster.model_dump_json(), str(config), env, mode]
+    variables = json.dumps({ENV_VAR: json.dumps(faults)} if faults else {})
+    command = [sys.executable, "-c", _SUBMITTER, spec.cluster.model_dump_json(), str(config), variables, mode]
     return start_group(command, cwd=REPO)
 
 
@@ -146,7 +146,7 @@ def test_a_detached_job_outlives_the_process_that_submitted_it(make_spec, tmp_pa
 
 def test_a_torchrun_agent_killed_outright_takes_its_workers_with_it(make_spec) -> None:
     spec = make_spec({"run": {"steps": 50}})
-    job = start_local(spec.cluster, spec.training_config(), {ENV_VAR: json.dumps({"pause_after_step": 2})})
+    job = start_local(spec.cluster, spec.training_config(), faults={ENV_VAR: json.dumps({"pause_after_step": 2})})
     try:
         workers = _wait_running(job.handle)
         (agent,) = _agents(job.handle.details["agents"][0]["pid"])
