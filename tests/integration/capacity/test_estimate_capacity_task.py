@@ -30,18 +30,19 @@ def test_estimate_capacity_writes_the_plan_and_publishes_artifacts(prefect_harne
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 
     from tasks.capacity.task import estimate_capacity
+    from tasks.deployment import CapacityResult
 
     spec = _spec(tmp_path)
 
     @flow
-    def plan_only() -> dict:
+    def plan_only() -> CapacityResult:
         return estimate_capacity(
             spec.name, spec.capacity, spec.cluster, spec.model, spec.parallel, spec.precision, spec.run
         )
 
     result = plan_only()
-    assert result["fits"] and result["plan_url"].endswith("plan.json")
-    assert json.loads(Path(result["plan_url"]).read_text())["requested"]["memory"]["total_bytes"] > 0
+    assert result.fits and result.plan_url.endswith("plan.json")
+    assert json.loads(Path(result.plan_url).read_text())["requested"]["memory"]["total_bytes"] > 0
 
     async def artifacts() -> list:
         async with get_client() as client:
@@ -60,11 +61,12 @@ def test_estimate_capacity_stops_the_flow_when_the_layout_does_not_fit(prefect_h
 
     from tasks.capacity.plan import CapacityError
     from tasks.capacity.task import estimate_capacity
+    from tasks.deployment import CapacityResult
 
     spec = _spec(tmp_path, {"capacity": {"accelerators": {"cpu": {"memory_gib": 0.0001}}}})
 
     @flow
-    def plan_only() -> dict:
+    def plan_only() -> CapacityResult:
         return estimate_capacity(
             spec.name, spec.capacity, spec.cluster, spec.model, spec.parallel, spec.precision, spec.run
         )

@@ -172,7 +172,7 @@ def test_a_step_that_fails_transiently_once_is_retried_and_the_flow_succeeds(
     assert json.loads((tmp_path / "flaky" / "plan.json").read_text())["fits"]
     assert (tmp_path / "flaky" / "node-check.json").exists()
     # acceptance ran in its own run workspace under the deployment's folder, and latest.json names it
-    workspace = Path(state.result()["acceptance"]["root"])
+    workspace = Path(state.result()["acceptance"].root)
     assert workspace.parent == tmp_path / "flaky" / "acceptance"
     assert json.loads((workspace.parent / "latest.json").read_text())["root"] == str(workspace)
     assert json.loads((workspace / "acceptance.json").read_text())["verdict"] == "passed"

@@ -15,6 +15,7 @@ from prefect.client.orchestration import get_client
 from typer.testing import CliRunner
 
 from flows.cli import app
+from tasks.deployment import ImageStepResult
 from tasks.image.build import prepare_inputs, uses_s3
 from tasks.image.task import build_image
 from tasks.spec import DeploymentSpec, parse_spec
@@ -57,7 +58,7 @@ def run_task(spec: DeploymentSpec, record_dir: Path) -> tuple[str, int, Any]:
         return {
             "state": state.type.value,
             "id": str(state.state_details.task_run_id),
-            "data": data if isinstance(data, dict) else str(data),
+            "data": data.record if isinstance(data, ImageStepResult) else str(data),
         }
 
     out = image_flow()

@@ -17,6 +17,7 @@ def test_submit_job_task_waits_for_the_job_and_a_failed_job_is_not_retried(prefe
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
+    from tasks.deployment import JobResult
     from tasks.launch.submit import JobFailed
     from tasks.launch.task import submit_job
 
@@ -24,11 +25,11 @@ def test_submit_job_task_waits_for_the_job_and_a_failed_job_is_not_retried(prefe
     bad = make_spec({"run": {"steps": 4}}, name="bad")
 
     @flow
-    def run_job(spec, env: dict | None = None) -> dict:  # noqa: ANN001
+    def run_job(spec, env: dict | None = None) -> JobResult:  # noqa: ANN001
         return submit_job(spec.cluster, spec.training_config(), spec.name, env=env)
 
     result = run_job(good)
-    assert result["state"] == "succeeded" and result["job"].startswith("local:")
+    assert result.state == "succeeded" and result.job.startswith("local:")
 
     state = run_job(bad, {ENV_VAR: json.dumps({"crash_at_step": 2, "crash_rank": 0})}, return_state=True)
     assert state.is_failed()

@@ -18,6 +18,7 @@ from typer.testing import CliRunner
 
 from flows.cli import app
 from tasks.cluster import ClusterConfig
+from tasks.deployment import NodesResult
 from tasks.nodes.config import NodesConfig
 from tasks.nodes.task import check_nodes
 from tests.conftest import REPO
@@ -40,7 +41,7 @@ def run_task(nodes: NodesConfig, cluster: ClusterConfig, report: Path) -> tuple[
         return {
             "state": state.type.value,
             "id": str(state.state_details.task_run_id),
-            "data": data if isinstance(data, dict) else str(data),
+            "data": data.model_dump() if isinstance(data, NodesResult) else str(data),
         }
 
     out = nodes_flow()

@@ -15,6 +15,7 @@ def test_prepare_data_task_returns_the_dataset_and_publishes_its_counts(prefect_
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 
+    from tasks.deployment import DataResult
     from tasks.prepare.config import PrepareConfig
     from tasks.prepare.task import prepare_data
     from training.storage import StorageConfig
@@ -28,11 +29,11 @@ def test_prepare_data_task_returns_the_dataset_and_publishes_its_counts(prefect_
     )
 
     @flow
-    def prepare_only() -> dict:
+    def prepare_only() -> DataResult:
         return prepare_data(cfg, StorageConfig())
 
     result = prepare_only()
-    assert Path(result["dataset_url"], "manifest.json").exists() and result["validation"]["success"]
+    assert Path(result.dataset_url, "manifest.json").exists() and result.validation["success"]
 
     async def artifacts() -> list:
         async with get_client() as client:
@@ -41,7 +42,7 @@ def test_prepare_data_task_returns_the_dataset_and_publishes_its_counts(prefect_
             )
 
     table = asyncio.run(artifacts())[0]
-    assert "documents kept" in str(table.data) and str(result["cleaning"]["kept"]) in str(table.data)
+    assert "documents kept" in str(table.data) and str(result.cleaning["kept"]) in str(table.data)
 
 
 def test_user_errors_are_not_retried_and_transient_ones_are(prefect_harness, tmp_path: Path) -> None:
