@@ -1,8 +1,8 @@
 """The drift table: what must be the same on every node, how bad a difference is, and how to fix it.
 
 Each check reads one value per host from its facts; hosts that differ from the reference value (the one
-most hosts have; on a tie, the first host's) are flagged. Severity is either fixed or follows versions:
-blocking when the leading `version_parts` numbers differ (or one side is missing), a warning otherwise.
+most hosts have; on a tie, the first host's) are flagged. Severity is either fixed or follows versions
+(Versions): blocking when the leading numbers differ (or one side is missing), a warning otherwise.
 An `exception` replaces the plain drift finding where a check knows more (no Python at all, fewer GPUs
 than the job needs, ...).
 """
@@ -34,29 +34,56 @@ def gpus_in_play(seen: Observed) -> bool:
 
 
 @dataclass(frozen=True)
+class Versions:
+    """Severity by version: blocking when the first `parts` numbers differ, a warning when only later ones do.
+
+    A host whose value is `missing` (no such software, a CPU-only build) differs with severity `absent`.
+    """
+
+    parts: int
+    absent: SeverityRule = "blocking"
+    missing: str = ABSENT
+
+    def judge(self, plan: CheckPlan, reference: str, other: str) -> Severity:
+        """How bad `other` is where most hosts have `reference`."""
+        if self.missing in (reference, other):
+            return _severity(self.absent, plan)
+        same = _numbers(reference)[: self.parts] == _numbers(other)[: self.parts]
+        return "warning" if same else "blocking"
+
+
+def _severity(rule: SeverityRule, plan: CheckPlan) -> Severity:
+    return rule(plan) if callable(rule) else rule
+
+
+# Python and torch: 3.11 against 3.12 blocks, 3.11.2 against 3.11.7 warns; missing blocks.
+MINOR = Versions(2)
+# The GPU software stack: the major version must match; missing blocks only a job that needs GPUs.
+MAJOR_ON_GPU_JOB = Versions(1, absent=gpu_job)
+
+
+@dataclass(frozen=True)
 class DriftCheck:
     """One row of the drift table.
 
     `fix` is a template over `{ref}` (the reference value, through `ref_text`), `{hosts}` (those that differ)
-    and `{python}` (the job's Python). A value of None leaves the host out of the row.
+    and `{python}` (the job's Python). A value of None leaves the host out of the row. `severity` is that of
+    any difference, or a Versions rule.
     """
 
     name: str
     value: Callable[[NodeFacts], str | None]
     fix: str
-    severity: SeverityRule = "warning"
-    version_parts: int | None = None
-    missing: str = ABSENT
+    severity: SeverityRule | Versions = "warning"
     ref_text: Callable[[str], str] = str
     exception: Override | None = None
     applies: Callable[[Observed], bool] | None = None
 
     def judge(self, plan: CheckPlan, reference: str, other: str) -> Severity:
         """How bad it is that a host has `other` where most have `reference`."""
-        if self.version_parts is not None and self.missing not in (reference, other):
-            same = _numbers(reference)[: self.version_parts] == _numbers(other)[: self.version_parts]
-            return "warning" if same else "blocking"
-        return self.severity(plan) if callable(self.severity) else self.severity
+        if isinstance(self.severity, Versions):
+            return self.severity.judge(plan, reference, other)
+        return _severity(self.severity, plan)
 
     def remediation(self, plan: CheckPlan, reference: str, hosts: list[str]) -> str:
         """The fix for the hosts that differ."""
@@ -200,8 +227,7 @@ DRIFT_CHECKS: list[DriftCheck] = [
         "Python",
         lambda f: f.python.version or ABSENT,
         "give the job Python {ref} at {python} on {hosts} (nodes.python)",
-        severity="blocking",
-        version_parts=2,
+        severity=MINOR,
         exception=_python_does_not_run,
     ),
     DriftCheck(
@@ -209,17 +235,14 @@ DRIFT_CHECKS: list[DriftCheck] = [
         lambda f: f.python.torch.version or ABSENT,
         "install torch {ref} in {python} on {hosts} (pip install 'torch=={ref}'), "
         "or rebuild them from the same image as the others",
-        severity="blocking",
-        version_parts=2,
+        severity=MINOR,
         exception=_torch_not_installed,
     ),
     DriftCheck(
         "torch CUDA build",
         _torch_build,
         "install the same torch build as the others ({ref}) on {hosts}",
-        severity="blocking",
-        version_parts=1,
-        missing=CPU_ONLY,
+        severity=Versions(1, missing=CPU_ONLY),
         ref_text=_torch_build_name,
         exception=_cpu_only_torch,
     ),
@@ -227,29 +250,25 @@ DRIFT_CHECKS: list[DriftCheck] = [
         "NCCL (torch wheel)",
         lambda f: f.python.nccl_wheel or ABSENT,
         "install nvidia-nccl {ref} in {python} on {hosts}",
-        severity=gpu_job,
-        version_parts=1,
+        severity=MAJOR_ON_GPU_JOB,
     ),
     DriftCheck(
         "NCCL (system)",
         lambda f: f.system.nccl_system or ABSENT,
         "install NCCL {ref} (libnccl2) on {hosts}",
-        severity=gpu_job,
-        version_parts=1,
+        severity=MAJOR_ON_GPU_JOB,
     ),
     DriftCheck(
         "NVIDIA driver",
         lambda f: f.system.driver_version or ABSENT,
         "install NVIDIA driver {ref} on {hosts} (the same branch everywhere)",
-        severity=gpu_job,
-        version_parts=1,
+        severity=MAJOR_ON_GPU_JOB,
     ),
     DriftCheck(
         "CUDA (driver)",
         lambda f: f.system.cuda_version or ABSENT,
         "install a driver supporting CUDA {ref} on {hosts}",
-        severity=gpu_job,
-        version_parts=1,
+        severity=MAJOR_ON_GPU_JOB,
     ),
     DriftCheck(
         "GPUs",
