@@ -10,6 +10,7 @@ and the per-host checks (tasks/nodes/status.py); this module holds what they pro
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from functools import cached_property
 from typing import Any, Literal
 
 from tasks.nodes.facts import HostReport, NodeFacts, host_reports
@@ -75,7 +76,7 @@ class Observed:
     def order(self) -> list[str]:
         return self.run.hosts
 
-    @property
+    @cached_property
     def facts(self) -> dict[str, NodeFacts]:
         """The facts of each host that reported them, in host order."""
         return {h: r.facts for h in self.order if (r := self.reports.get(h)) is not None and r.facts is not None}
