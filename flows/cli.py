@@ -6,7 +6,6 @@ pipeline modules it needs (torch, Prefect, Great Expectations and the spec model
 
 from __future__ import annotations
 
-import json
 import logging
 import sys
 from pathlib import Path
@@ -21,8 +20,9 @@ from typer.core import TyperGroup
 
 if TYPE_CHECKING:
     from tasks.acceptance.config import AcceptanceConfig
-    from tasks.prepare.pipeline import PrepareResult
+    from tasks.deployment import DataResult
     from tasks.spec import DeploymentSpec
+    from training.config import TrainConfig
 
 console = Console(soft_wrap=True)
 err_console = Console(stderr=True, soft_wrap=True)
@@ -50,6 +50,15 @@ def _is_transient(err: BaseException) -> bool:
     return errors is not None and isinstance(err, errors.TransientError)
 
 
+EXIT_USER_ERROR = 2  # fix the input
+EXIT_TRANSIENT = 1  # it may pass: run again
+EXIT_FAILED_CHECK = 1  # a check ran and found a problem (commands raise typer.Exit(EXIT_FAILED_CHECK))
+# Interrupted runs exit 128 + the signal (130 for Ctrl-C, 143 for SIGTERM): `tdeploy run`'s InterruptGuard.
+
+# The log level of each command's library loggers (the rest: WARNING); set once, in _root.
+_LOG_LEVELS = {"train": logging.INFO, "accept": logging.INFO, "drill": logging.INFO}
+
+
 class _Commands(TyperGroup):
     """The command group: every command's known failures end as one message and an exit code."""
 
@@ -58,14 +67,14 @@ class _Commands(TyperGroup):
             return super().invoke(ctx)
         except Exception as err:
             if isinstance(err, _loaded_user_failures()):
-                err_console.print(f"error: {err}", markup=False, highlight=False)
-                raise typer.Exit(1 if _is_transient(err) else 2) from err
+                err_console.print(f"{ctx.invoked_subcommand} failed: {err}", markup=False, highlight=False)
+                raise typer.Exit(EXIT_TRANSIENT if _is_transient(err) else EXIT_USER_ERROR) from err
             if isinstance(err, OSError):
                 where = f" {err.filename}" if getattr(err, "filename", None) else ""
                 err_console.print(
                     f"error:{where} {err.strerror or err}; check the path and its permissions", markup=False
                 )
-                raise typer.Exit(1) from err
+                raise typer.Exit(EXIT_TRANSIENT) from err
             raise
 
 
@@ -93,11 +102,15 @@ def _print_version(value: bool) -> None:
 
 @app.callback(epilog=_example("tdeploy validate-spec examples/local.yaml", "tdeploy run examples/local.yaml"))
 def _root(
+    ctx: typer.Context,
     version: bool = typer.Option(
         False, "--version", callback=_print_version, is_eager=True, help="Print the installed version and exit."
     ),
 ) -> None:
     """Deploy Transformer training jobs: plan, check, build, prepare, submit, accept."""
+    level = _LOG_LEVELS.get(ctx.invoked_subcommand or "", logging.WARNING)
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("great_expectations").setLevel(logging.WARNING)
 
 
 def _load(spec: str) -> DeploymentSpec:
@@ -131,10 +144,8 @@ def validate_spec(spec: str = typer.Argument(..., help=SPEC_HELP)) -> None:
 def train(spec: str = typer.Argument(..., help=SPEC_HELP)) -> None:
     """Prepare the data if the spec says how, then run the training job on this machine under torchrun."""
     from tasks.launch.local import TrainingFailed, run_local
-    from training.storage import local_path
+    from training.run_output import RunOutput
 
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    logging.getLogger("great_expectations").setLevel(logging.WARNING)
     parsed = _load(spec)
     if parsed.cluster.scheduler != "local":
         err_console.print(
@@ -149,21 +160,22 @@ def train(spec: str = typer.Argument(..., help=SPEC_HELP)) -> None:
     except TrainingFailed as err:
         err_console.print(f"training {err.status.describe()}; full log: {err.log_path}", markup=False)
         raise typer.Exit(1) from err
-    result = json.loads((Path(local_path(cfg.run.output_url)) / "result.json").read_text())
+    result = RunOutput(job.output_dir).result()
+    assert result is not None, "a job that ended well has written result.json"
     console.print(
-        f"trained to step {result['steps']} (resumed from {result['resumed_from_step']}); "
-        f"loss {result['first_loss']} -> {result['final_loss']}; val_loss {result['val_loss']:.4f}; "
+        f"trained to step {result.steps} (resumed from {result.resumed_from_step}); "
+        f"loss {result.first_loss} -> {result.final_loss}; val_loss {result.val_loss:.4f}; "
         f"outputs in {job.output_dir}",
         markup=False,
         highlight=False,
     )
 
 
-def _prepare_with_progress(spec: DeploymentSpec) -> PrepareResult:
-    """Run the data-preparation step with a progress bar; exits 2 on a user error, 1 on anything transient."""
+def _prepare_with_progress(spec: DeploymentSpec) -> DataResult:
+    """Run the data-preparation step with a progress bar."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
-    from tasks.errors import DeployError, TransientError
+    from tasks.deployment import DataResult
     from tasks.prepare.pipeline import prepare_dataset
 
     assert spec.data.prepare is not None
@@ -177,11 +189,7 @@ def _prepare_with_progress(spec: DeploymentSpec) -> PrepareResult:
                 tasks[stage] = bar.add_task(stage, total=total)
             bar.update(tasks[stage], completed=done, total=total)
 
-        try:
-            result = prepare_dataset(spec.data.prepare, spec.storage, progress)
-        except DeployError as err:
-            err_console.print(f"prepare-data failed: {err}", markup=False)
-            raise typer.Exit(2 if not isinstance(err, TransientError) else 1) from err
+        result = DataResult.of(prepare_dataset(spec.data.prepare, spec.storage, progress))
     verb = "reused" if result.reused else "prepared"
     removed = ", ".join(f"{rule} {n}" for rule, n in result.cleaning["removed"].items() if n)
     console.print(
@@ -200,8 +208,6 @@ def _prepare_with_progress(spec: DeploymentSpec) -> PrepareResult:
 @app.command("prepare-data", epilog=_example("tdeploy prepare-data examples/local.yaml"))
 def prepare_data(spec: str = typer.Argument(..., help=SPEC_HELP)) -> None:
     """Clean, tokenize, shard and validate the corpus of data.prepare (reuses a finished identical dataset)."""
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    logging.getLogger("great_expectations").setLevel(logging.WARNING)
     parsed = _load(spec)
     if parsed.data.prepare is None:
         err_console.print("data.prepare is not set: this spec trains on an existing dataset (data.dataset_url)")
@@ -219,19 +225,14 @@ def build_image(
     ),
 ) -> None:
     """Build and push the training image unless its content-addressed tag exists; write image.json."""
-    from tasks.errors import DeployError, TransientError
-    from tasks.image.build import IMAGE_JSON, ensure_image_for_spec
+    from tasks.deployment import image_inputs
+    from tasks.image.build import IMAGE_JSON
 
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     parsed = _load(spec)
     if parsed.image is None:
         console.print("image: null in the spec: no image to build", markup=False)
         return
-    try:
-        result = ensure_image_for_spec(parsed, out)
-    except DeployError as err:
-        err_console.print(f"build-image failed: {err}", markup=False, highlight=False)
-        raise typer.Exit(1 if isinstance(err, TransientError) else 2) from err
+    result = image_inputs(parsed, str(out) if out else None).ensure()
     style = {"built": "green", "cached": "green", "skipped": "yellow"}[result.status]
     console.print(f"{result.status}: {result.reason}", style=style, markup=False, highlight=False)
     if result.reference and result.status != "skipped":
@@ -251,17 +252,12 @@ def check_nodes(
     ),
 ) -> None:
     """Check that the nodes are consistent, reachable and ready; exit 1 on any blocking finding."""
-    from tasks.errors import DeployError
+    from tasks.deployment import node_report_path
     from tasks.nodes.check import run_node_checks, write_report
 
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     parsed = _load(spec)
-    try:
-        result = run_node_checks(parsed.nodes, parsed.cluster)
-    except DeployError as err:
-        err_console.print(f"check-nodes could not run: {err}", markup=False, highlight=False)
-        raise typer.Exit(2) from err
-    path = write_report(result, (out or Path(parsed.reports_dir)) / "node-check.json")
+    result = run_node_checks(parsed.nodes, parsed.cluster)
+    path = write_report(result, node_report_path(parsed, str(out) if out else None))
     table = Table("check", "severity", "values", "finding / fix", show_lines=True)
     style = {"ok": "green", "warning": "yellow", "blocking": "red"}
     for row in result.table():
@@ -272,7 +268,7 @@ def check_nodes(
     console.print(result.summary(), style="green" if result.ok else "red", markup=False, highlight=False)
     console.print(f"report {path}", markup=False, highlight=False)
     if not result.ok:
-        raise typer.Exit(1)
+        raise typer.Exit(EXIT_FAILED_CHECK)
 
 
 @app.command(epilog=_example("tdeploy submit examples/local.yaml --wait"))
@@ -285,19 +281,13 @@ def submit(
 
     The job runs on its own: stopping this command (also with --wait) leaves it running; `tdeploy cancel` stops it.
     """
-    from tasks.errors import DeployError, TransientError
     from tasks.launch.base import JobState, wait_for
     from tasks.launch.slurm import SlurmLauncher
     from tasks.launch.submit import submit as submit_job
 
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     parsed = _load(spec)
     cfg = _training_config_prepared(parsed)
-    try:
-        launcher, handle = submit_job(parsed.cluster, cfg, parsed.name, image, parsed.cluster.env, supervised=False)
-    except DeployError as err:
-        err_console.print(f"submit failed: {err}", markup=False)
-        raise typer.Exit(1 if isinstance(err, TransientError) else 2) from err
+    launcher, handle = submit_job(parsed.cluster, cfg, parsed.name, image, parsed.cluster.env, supervised=False)
     console.print(f"submitted {handle.ref} (output {handle.output_dir})", markup=False, highlight=False)
     if not wait:
         return
@@ -315,33 +305,22 @@ def submit(
 @app.command(epilog=_example("tdeploy status slurm:1234", "tdeploy status runs/local/output"))
 def status(job: str = typer.Argument(..., help="Job reference (scheduler:id) or the run's output folder.")) -> None:
     """Show a submitted job's state, with the scheduler's own state and reason."""
-    from tasks.errors import DeployError
     from tasks.launch.base import find_job
     from tasks.launch.submit import launcher_for
 
-    try:
-        handle = find_job(job)
-        current = launcher_for(handle.scheduler).status(handle)
-    except DeployError as err:
-        err_console.print(str(err), markup=False)
-        raise typer.Exit(2) from err
+    handle = find_job(job)
+    current = launcher_for(handle.scheduler).status(handle)
     console.print(f"{handle.ref}: {current.describe()}", markup=False, highlight=False)
 
 
 @app.command(epilog=_example("tdeploy cancel slurm:1234"))
 def cancel(job: str = typer.Argument(..., help="Job reference (scheduler:id) or the run's output folder.")) -> None:
     """Cancel a submitted job and every process it started."""
-    from tasks.errors import DeployError
     from tasks.launch.base import find_job
     from tasks.launch.submit import launcher_for
 
-    try:
-        handle = find_job(job)
-        launcher = launcher_for(handle.scheduler)
-        launcher.cancel(handle)
-    except DeployError as err:
-        err_console.print(str(err), markup=False)
-        raise typer.Exit(2) from err
+    handle = find_job(job)
+    launcher_for(handle.scheduler).cancel(handle)
     console.print(f"{handle.ref}: cancel requested", markup=False, highlight=False)
 
 
@@ -361,11 +340,10 @@ def plan(
     """Estimate memory, time and communication, search the layouts; exit 1 if the requested one does not fit."""
     from tasks.capacity.plan import plan_capacity, write_plan
     from tasks.capacity.report import format_self_check, rich_report
+    from tasks.deployment import plan_inputs
 
     parsed = _load(spec)
-    result = plan_capacity(
-        parsed.name, parsed.capacity, parsed.cluster, parsed.model, parsed.parallel, parsed.precision, parsed.run
-    )
+    result = plan_capacity(*plan_inputs(parsed))
     if self_check:
         from tasks.capacity.measure import run_self_check  # imports torch: only when asked
 
@@ -384,11 +362,12 @@ def plan(
         raise typer.Exit(1)
 
 
-def _training_config_prepared(parsed: DeploymentSpec):  # noqa: ANN202 - TrainConfig
-    if parsed.data.prepare is not None:
-        prepared = _prepare_with_progress(parsed)
-        return parsed.training_config(prepared.dataset_url, prepared.tokenizer_sha256)
-    return parsed.training_config()
+def _training_config_prepared(parsed: DeploymentSpec) -> TrainConfig:
+    """The training config on the spec's dataset, prepared first (with a progress bar) if the spec says how."""
+    from tasks.deployment import existing_dataset, training_config
+
+    data = _prepare_with_progress(parsed) if parsed.data.prepare is not None else existing_dataset(parsed)
+    return training_config(parsed, data)
 
 
 def _print_acceptance(report, root: Path) -> None:  # noqa: ANN001 - AcceptanceReport
@@ -430,24 +409,18 @@ def accept(
     """Accept the deployment along six dimensions; exit 1 when any fails."""
     from tasks.acceptance.suite import run_acceptance, work_dir
     from tasks.acceptance.workspace import Workspace, mark_latest
-    from tasks.errors import DeployError
 
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     parsed = _load(spec)
     cfg = _training_config_prepared(parsed)
     acceptance = _with_workspace_base(parsed.acceptance, out)
     root = work_dir(acceptance, cfg)
-    try:
-        report = run_acceptance(
-            parsed.cluster, cfg, acceptance, root, parsed.cluster.env, image, soak, parsed.drills, drills
-        )
-    except DeployError as err:
-        err_console.print(f"accept could not run: {err}", markup=False)
-        raise typer.Exit(2) from err
+    report = run_acceptance(
+        parsed.cluster, cfg, acceptance, root, parsed.cluster.env, image, soak, parsed.drills, drills
+    )
     _print_acceptance(report, root)
     mark_latest(Workspace.at(root))
     if not report.passed:
-        raise typer.Exit(1)
+        raise typer.Exit(EXIT_FAILED_CHECK)
 
 
 @app.command(epilog=_example("tdeploy drill examples/local.yaml --only rank_kill --out runs/local/acceptance"))
@@ -462,9 +435,7 @@ def drill(
     from tasks.acceptance.drills import DrillContext, run_drills
     from tasks.acceptance.suite import AcceptanceReport, work_dir
     from tasks.acceptance.workspace import Workspace, mark_latest
-    from tasks.errors import DeployError
 
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     parsed = _load(spec)
     unknown = sorted(set(only or []) - set(DRILLS))
     if unknown:
@@ -474,16 +445,12 @@ def drill(
     acceptance = _with_workspace_base(parsed.acceptance, out)
     root = work_dir(acceptance, cfg) / "drills"
     ctx = DrillContext(parsed.cluster, cfg, root, acceptance, parsed.drills, parsed.cluster.env, image)
-    try:
-        results = run_drills(ctx, only)
-    except DeployError as err:
-        err_console.print(f"drill could not run: {err}", markup=False)
-        raise typer.Exit(2) from err
+    results = run_drills(ctx, only)
     report = AcceptanceReport([], results, {})
     _print_acceptance(report, root)
     mark_latest(Workspace.at(root.parent))
     if not report.passed:
-        raise typer.Exit(1)
+        raise typer.Exit(EXIT_FAILED_CHECK)
 
 
 @app.command(epilog=_example("tdeploy run examples/local.yaml"))

@@ -196,11 +196,26 @@ class ImageInputs:
     record_dir: str
     with_s3: bool
     allow_skip: bool
-    spec_digest: str
+    spec_digest: str | None
 
     def args(self) -> tuple[Any, ...]:
         """As positional arguments."""
         return (self.image, self.record_dir, self.with_s3, self.allow_skip, self.spec_digest)
+
+    def ensure(self) -> ImageResult:
+        """Build and push the image unless its tag exists (`ensure_image`); image: null is the caller's case."""
+        from pathlib import Path
+
+        from tasks.image.build import ensure_image
+
+        assert self.image is not None, "callers handle image: null"
+        return ensure_image(
+            self.image,
+            Path(self.record_dir),
+            with_s3=self.with_s3,
+            spec_digest=self.spec_digest,
+            allow_skip=self.allow_skip,
+        )
 
 
 def plan_inputs(spec: DeploymentSpec) -> tuple[Any, ...]:

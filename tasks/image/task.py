@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 
-from tasks.deployment import ImageStepResult
+from tasks.deployment import ImageInputs, ImageStepResult
 from tasks.errors import retry_on_transient
-from tasks.image.build import ensure_image, image_markdown
+from tasks.image.build import image_markdown
 from tasks.image.config import ImageConfig
 
 
@@ -37,7 +35,7 @@ def build_image(
         logger.info("no image: %s", reason)
         create_markdown_artifact(key="image-build", markdown=f"# Training image\n\nskipped: {reason}\n")
         return ImageStepResult(status="skipped", reason=reason)
-    result = ensure_image(image, Path(record_dir), with_s3=with_s3, spec_digest=spec_digest, allow_skip=allow_skip)
+    result = ImageInputs(image, record_dir, with_s3, allow_skip, spec_digest).ensure()
     logger.info("image %s: %s (%s)", result.reference or result.tag, result.status, result.reason)
     create_markdown_artifact(
         key="image-build", markdown=image_markdown(result), description=f"training image {result.tag}"
