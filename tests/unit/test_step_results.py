@@ -1,0 +1,75 @@
+"""The summary page is built from the steps' typed results: every step's key figures appear in it."""
+
+from __future__ import annotations
+
+from tasks.capacity.plan import plan_capacity
+from tasks.deployment import (
+    AcceptanceResult,
+    CapacityResult,
+    DataResult,
+    ImageStepResult,
+    JobResult,
+    NodesResult,
+    StepResult,
+    plan_inputs,
+)
+from tasks.pipeline import STEP_TITLES, summarize
+from tasks.spec import parse_spec
+from tests.conftest import TINY_SPEC, deep_merge
+
+BASE = deep_merge(
+    TINY_SPEC, {"data": {"dataset_url": "/tmp/d"}, "checkpoint": {"url": "/tmp/c"}, "run": {"output_url": "/tmp/o"}}
+)
+
+
+def _results() -> dict[str, StepResult]:
+    spec = parse_spec(BASE)
+    report = {"verdict": "passed", "dimensions": [{"name": "stability", "passed": True}], "drills": []}
+    drills = {
+        "verdict": "passed",
+        "dimensions": [],
+        "drills": [{"name": "rank_kill", "passed": True, "recovery_s": 2.5}],
+    }
+    files = {"json": "acc/acceptance.json", "junit": "acc/junit.xml", "plot": None}
+    return {
+        "capacity": CapacityResult.of(plan_capacity(*plan_inputs(spec)), "runs/tiny/plan.json"),
+        "nodes": NodesResult(
+            ok=True, hosts=["a", "b"], warnings=3, report_path="runs/tiny/node-check.json", elapsed_s=1
+        ),
+        "image": ImageStepResult(
+            status="built", reason="new tag", record={"pushed": True, "reference_by_digest": "reg/t@sha256:ab"}
+        ),
+        "data": DataResult(
+            dataset_url="runs/tiny/datasets/k", reused=False, splits={"train": {"tokens": 1234, "docs": 5}}
+        ),
+        "job": JobResult(job="local:42", state="succeeded", output_dir="runs/tiny/output", handle={}),
+        "acceptance": AcceptanceResult(verdict_text="passed", files=files, report=report, root="acc"),
+        "drills": AcceptanceResult(verdict_text="passed", files=files, report=drills, root="acc/drills"),
+    }
+
+
+def test_every_steps_key_figures_appear_in_the_summary_table_and_page() -> None:
+    results = _results()
+    summary = summarize("tiny", results, None, None, None)
+    page = summary.markdown()
+    rows = {row.step: row for row in summary.steps}
+    for step, result in results.items():
+        figures = result.summary()
+        assert figures and rows[step].figures == figures and rows[step].verdict == "passed"
+        line = next(line for line in page.splitlines() if line.startswith(f"| {STEP_TITLES[step]} |"))
+        assert figures in line
+
+
+def test_each_summary_names_the_figures_people_look_for() -> None:
+    results = _results()
+    assert "peak " in results["capacity"].summary() and "`runs/tiny/plan.json`" in results["capacity"].summary()
+    assert results["nodes"].summary().startswith("2 host(s), 3 warning(s)")
+    assert "`reg/t@sha256:ab`" in results["image"].summary() and results["image"].job_image == "reg/t@sha256:ab"
+    assert "train 1,234 tokens / 5 docs" in results["data"].summary()
+    assert results["job"].summary() == "`local:42` succeeded; output `runs/tiny/output`"
+    assert results["drills"].summary() == "passed: rank_kill pass (recovery 2.5 s)"
+
+
+def test_the_step_results_survive_a_json_round_trip_as_prefect_persists_them() -> None:
+    for result in _results().values():
+        assert type(result).model_validate_json(result.model_dump_json()) == result
