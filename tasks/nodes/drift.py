@@ -18,7 +18,9 @@ from tasks.nodes.facts import NodeFacts
 from tasks.nodes.inventory import CheckPlan
 from tasks.nodes.report import ABSENT, RANK, Finding, Observed, Row, Severity, flag, host_list
 
+# A fixed severity, or one that depends on the plan (gpu_job).
 SeverityRule = Severity | Callable[[CheckPlan], Severity]
+# A row's exception rule: (the row's values, the plain drift finding, the run) -> the finding to report.
 Override = Callable[[dict[str, str], Finding | None, Observed], Finding | None]
 CPU_ONLY = "cpu-only"
 
