@@ -281,22 +281,16 @@ def submit(
 
     The job runs on its own: stopping this command (also with --wait) leaves it running; `tdeploy cancel` stops it.
     """
-    from tasks.launch.base import JobState, wait_for
-    from tasks.launch.slurm import SlurmLauncher
+    from tasks.launch.base import JobState
     from tasks.launch.submit import submit as submit_job
 
     parsed = _load(spec)
     cfg = _training_config_prepared(parsed)
-    launcher, handle = submit_job(parsed.cluster, cfg, parsed.name, image, parsed.cluster.env, supervised=False)
+    launcher, handle = submit_job(parsed.cluster, cfg, parsed.name, image, supervised=False)
     console.print(f"submitted {handle.ref} (output {handle.output_dir})", markup=False, highlight=False)
     if not wait:
         return
-    status = wait_for(
-        launcher,
-        handle,
-        on_line=lambda line: console.print(line, markup=False, highlight=False),
-        hopeless=SlurmLauncher.hopeless,
-    )
+    status = launcher.wait(handle, on_line=lambda line: console.print(line, markup=False, highlight=False))
     console.print(f"{handle.ref}: {status.describe()}", markup=False, highlight=False)
     if status.state is not JobState.SUCCEEDED:
         raise typer.Exit(1)
@@ -414,9 +408,7 @@ def accept(
     cfg = _training_config_prepared(parsed)
     acceptance = _with_workspace_base(parsed.acceptance, out)
     root = work_dir(acceptance, cfg)
-    report = run_acceptance(
-        parsed.cluster, cfg, acceptance, root, parsed.cluster.env, image, soak, parsed.drills, drills
-    )
+    report = run_acceptance(parsed.cluster, cfg, acceptance, root, None, image, soak, parsed.drills, drills)
     _print_acceptance(report, root)
     mark_latest(Workspace.at(root))
     if not report.passed:
@@ -444,7 +436,7 @@ def drill(
     cfg = _training_config_prepared(parsed)
     acceptance = _with_workspace_base(parsed.acceptance, out)
     root = work_dir(acceptance, cfg) / "drills"
-    ctx = DrillContext(parsed.cluster, cfg, root, acceptance, parsed.drills, parsed.cluster.env, image)
+    ctx = DrillContext(parsed.cluster, cfg, root, acceptance, parsed.drills, None, image)
     results = run_drills(ctx, only)
     report = AcceptanceReport([], results, {})
     _print_acceptance(report, root)

@@ -84,7 +84,7 @@ def deploy_training(spec: SpecSource = "examples/local.yaml") -> Results:
         train = training_config(spec, data)
         image = built.job_image
         step = begin("job")
-        results["job"] = submit_job(spec.cluster, train, spec.name, image, env=spec.cluster.env)
+        results["job"] = submit_job(spec.cluster, train, spec.name, image)
         root = workspace_root(spec.acceptance, train)  # this run's own acceptance workspace: nothing resumes
         step = begin("acceptance")
         results["acceptance"] = run_acceptance(spec.cluster, train, spec.acceptance, root, image, drills=spec.drills)

@@ -48,14 +48,14 @@ def run_acceptance(
     soak: bool = False,
     drills: DrillConfig | None = None,
     with_drills: bool = False,
-    env: dict[str, str] | None = None,
+    faults: dict[str, str] | None = None,
 ) -> AcceptanceResult:
     """Run the acceptance suite (optionally with the drills) in the fresh run workspace `root`
     (see `workspace_root`); fails when any dimension fails."""
     logger = get_run_logger()
     workspace = open_workspace(root, acceptance.keep_runs)
     logger.info("acceptance workspace %s", workspace.root)
-    report = run_acceptance_suite(cluster, train, acceptance, workspace.root, env, image, soak, drills, with_drills)
+    report = run_acceptance_suite(cluster, train, acceptance, workspace.root, faults, image, soak, drills, with_drills)
     summary = publish(report, workspace.root, "acceptance", workspace)
     for row in table_rows(report):
         logger.info("%s: %s %s", row["check"], row["verdict"], row["look first"])
@@ -76,14 +76,14 @@ def run_drills(
     root: str,
     only: list[str] | None = None,
     image: str | None = None,
-    env: dict[str, str] | None = None,
+    faults: dict[str, str] | None = None,
 ) -> AcceptanceResult:
     """Run the checkpoint-restore drills under `root`/drills of a run workspace (the acceptance step's, or a
     new one); fails when a drill fails."""
     logger = get_run_logger()
     workspace = open_workspace(root, acceptance.keep_runs, "drills")
     logger.info("drills workspace %s", workspace.drills)
-    ctx = DrillContext(cluster, train, workspace.drills, acceptance, drills, env, image)
+    ctx = DrillContext(cluster, train, workspace.drills, acceptance, drills, faults, image)
     results = run_drill_list(ctx, only, on_result=lambda r: logger.info("drill %s: %s %s", r.name, r.passed, r.message))
     report = AcceptanceReport([], results, {})
     summary = publish(report, workspace.drills, "drills", workspace)

@@ -173,20 +173,6 @@ def checked_faults(faults: Mapping[str, str] | None) -> dict[str, str]:
     return found
 
 
-def split_legacy_env(
-    cluster_env: Mapping[str, str], env: Mapping[str, str] | None
-) -> tuple[dict[str, str], dict[str, str]]:
-    """TRANSITIONAL: the old `env=` argument as (faults, inherited).
-
-    Keys of cluster.env are dropped (cluster.env is applied anyway); fault variables become `faults`; anything
-    else is added to the environment the launcher starts from, as the old argument did (callers set such
-    variables in their own environment instead).
-    """
-    rest = {key: value for key, value in (env or {}).items() if key not in cluster_env}
-    faults = {key: value for key, value in rest.items() if key in FAULT_VARIABLES}
-    return faults, {key: value for key, value in rest.items() if key not in FAULT_VARIABLES}
-
-
 def registry_dir() -> Path:
     """Where job records are kept so that later commands find jobs by reference ($TDEPLOY_HOME/jobs)."""
     return Path(os.environ.get("TDEPLOY_HOME", Path.home() / ".tdeploy")) / "jobs"

@@ -39,7 +39,6 @@ from tasks.launch.base import (
     parse_root_cause,
     read_log,
     record_job,
-    split_legacy_env,
 )
 from tasks.launch.torchrun import free_port, job_env, torchrun_args
 from training.config import TrainConfig
@@ -353,34 +352,26 @@ class LocalJob:
 def start_local(
     cluster: ClusterConfig,
     train: TrainConfig,
-    extra_env: dict[str, str] | None = None,
     name: str = "train",
     *,
     faults: Mapping[str, str] | None = None,
 ) -> LocalJob:
-    """Start a local job (cluster.env and `faults` in its environment) and return at once.
-
-    `extra_env` is TRANSITIONAL (see `split_legacy_env`): pass `faults=` instead.
-    """
-    legacy_faults, inherited = split_legacy_env(cluster.env, extra_env)
-    launcher = LocalLauncher(inherited)
-    return LocalJob(launcher.submit(cluster, train, name, faults={**legacy_faults, **(faults or {})}), launcher)
+    """Start a local job (cluster.env and `faults` in its environment) and return at once."""
+    launcher = LocalLauncher()
+    return LocalJob(launcher.submit(cluster, train, name, faults=faults), launcher)
 
 
 def run_local(
     cluster: ClusterConfig,
     train: TrainConfig,
-    extra_env: dict[str, str] | None = None,
     on_line: Callable[[str], None] | None = None,
     name: str = "train",
     *,
     faults: Mapping[str, str] | None = None,
 ) -> LocalJob:
-    """Run a local job to the end; raises TrainingFailed (with the first failing rank) unless it succeeded.
-
-    The job gets cluster.env (and `faults`); `extra_env` is TRANSITIONAL, as in `start_local`.
-    """
-    job = start_local(cluster, train, extra_env, name, faults=faults)
+    """Run a local job to the end (cluster.env and `faults` in its environment); raises TrainingFailed (with the
+    first failing rank) unless it succeeded."""
+    job = start_local(cluster, train, name, faults=faults)
     try:
         status = job.wait(on_line=on_line)
     except BaseException:

@@ -6,7 +6,7 @@ from collections.abc import Mapping
 
 from tasks.cluster import ClusterConfig
 from tasks.errors import UserError
-from tasks.launch.base import JobHandle, JobStatus, Launcher, split_legacy_env
+from tasks.launch.base import JobHandle, JobStatus, Launcher
 from tasks.launch.local import LocalLauncher
 from tasks.launch.slurm import SlurmLauncher
 from training.config import TrainConfig
@@ -39,7 +39,6 @@ def submit(
     train: TrainConfig,
     name: str,
     image: str | None = None,
-    env: Mapping[str, str] | None = None,
     *,
     faults: Mapping[str, str] | None = None,
     supervised: bool = True,
@@ -49,11 +48,7 @@ def submit(
 
     `supervised`: a local job stops when this process ends (callers that wait for it); False leaves it
     running on its own (`tdeploy submit`). Slurm and Kubernetes jobs always run on their own.
-    `env` is TRANSITIONAL (see `split_legacy_env`): cluster.env is applied anyway; pass `faults=` instead.
     """
-    legacy_faults, inherited = split_legacy_env(cluster.env, env)
-    launcher = launcher_for(cluster.scheduler, inherited)
-    handle = launcher.submit(
-        cluster, train, name, image, faults={**legacy_faults, **(faults or {})}, supervised=supervised
-    )
+    launcher = launcher_for(cluster.scheduler)
+    handle = launcher.submit(cluster, train, name, image, faults=faults, supervised=supervised)
     return launcher, handle

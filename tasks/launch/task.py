@@ -10,8 +10,7 @@ from prefect.artifacts import create_markdown_artifact
 from tasks.cluster import ClusterConfig
 from tasks.deployment import JobResult
 from tasks.errors import retry_on_transient
-from tasks.launch.base import TERMINAL, JobState, wait_for
-from tasks.launch.slurm import SlurmLauncher
+from tasks.launch.base import TERMINAL, JobState
 from tasks.launch.submit import JobFailed, submit
 from training.config import TrainConfig
 
@@ -30,21 +29,14 @@ def submit_job(
     image: str | None = None,
     wait_until: Literal["submitted", "running", "finished"] = "finished",
     timeout_s: float = 6 * 3600,
-    env: dict[str, str] | None = None,
+    faults: dict[str, str] | None = None,
 ) -> JobResult:
     """Submit the training job and wait until it is submitted, running or finished; a failed job raises JobFailed."""
     logger = get_run_logger()
     # A job this task waits for dies with this process; one it only starts must outlive the flow run.
-    launcher, handle = submit(cluster, train, name, image, env, supervised=wait_until == "finished")
+    launcher, handle = submit(cluster, train, name, image, faults=faults, supervised=wait_until == "finished")
     logger.info("submitted %s (output %s)", handle.ref, handle.output_dir)
-    status = wait_for(
-        launcher,
-        handle,
-        _UNTIL[wait_until],
-        timeout_s,
-        on_line=lambda line: logger.info("%s", line),
-        hopeless=SlurmLauncher.hopeless,
-    )
+    status = launcher.wait(handle, _UNTIL[wait_until], timeout_s, on_line=lambda line: logger.info("%s", line))
     create_markdown_artifact(
         key="submit-job",
         markdown=f"# Job `{handle.ref}`\n\n- state: **{status.describe()}**\n- output: `{handle.output_dir}`\n"

@@ -39,7 +39,7 @@ def _wait_for(predicate, what: str, timeout_s: float = 120.0) -> None:  # noqa: 
 def _paused_job(spec, pause_after_step: int) -> LocalJob:  # noqa: ANN001
     """Start a job that hangs after `pause_after_step`, and wait until it got there."""
     job = start_local(
-        spec.cluster, spec.training_config(), {ENV_VAR: json.dumps({"pause_after_step": pause_after_step})}
+        spec.cluster, spec.training_config(), faults={ENV_VAR: json.dumps({"pause_after_step": pause_after_step})}
     )
     run = RunOutput(spec.run.output_url)
     _wait_for(lambda: pause_after_step in run.metrics(1), "the pause")
@@ -87,7 +87,7 @@ def test_torchrun_restarts_a_killed_rank_and_the_job_recovers_by_itself(make_spe
 
 def test_checkpoint_killed_mid_save_is_never_loaded(make_spec) -> None:
     spec = make_spec(STEPS_30)
-    job = start_local(spec.cluster, spec.training_config(), {ENV_VAR: json.dumps({"kill_during_save_step": 20})})
+    job = start_local(spec.cluster, spec.training_config(), faults={ENV_VAR: json.dumps({"kill_during_save_step": 20})})
     assert job.wait(timeout_s=120).state is JobState.FAILED
     partial = Path(spec.checkpoint.url) / "step-00000020"
     assert partial.exists() and not (partial / "COMMIT.json").exists()
@@ -116,7 +116,7 @@ def test_corrupt_checkpoint_is_detected_and_the_previous_one_used(make_spec) -> 
 
 def test_a_bug_on_one_rank_inside_a_save_stops_every_rank_even_when_lost_saves_are_tolerated(make_spec) -> None:
     spec = make_spec({**STEPS_30, "checkpoint": {"save_every_steps": 10, "continue_on_save_failure": True}})
-    job = start_local(spec.cluster, spec.training_config(), {ENV_VAR: json.dumps({"save_bug_rank": 1})})
+    job = start_local(spec.cluster, spec.training_config(), faults={ENV_VAR: json.dumps({"save_bug_rank": 1})})
     assert job.wait(timeout_s=120).state is JobState.FAILED
     log = job.log_tail(400)
     assert "TypeError: test fault: a bug inside the checkpoint save of step 10 on rank 1" in log
@@ -124,16 +124,19 @@ def test_a_bug_on_one_rank_inside_a_save_stops_every_rank_even_when_lost_saves_a
     assert not (Path(spec.checkpoint.url) / "step-00000010" / "COMMIT.json").exists()
 
 
-def test_a_signed_two_rank_checkpoint_resumes_with_its_key_and_is_refused_without_it(make_spec) -> None:
-    key = {KEY_ENV: "a-test-key-of-32-characters-000"}
+def test_a_signed_two_rank_checkpoint_resumes_with_its_key_and_is_refused_without_it(
+    make_spec, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(KEY_ENV, "a-test-key-of-32-characters-000")  # the operator's secret, in its environment
     spec = make_spec({"run": {"steps": 10}, "checkpoint": {"save_every_steps": 10}})
-    run_local(spec.cluster, spec.training_config(), key)
+    run_local(spec.cluster, spec.training_config())
     assert "hmac_sha256" in json.loads((Path(spec.checkpoint.url) / "step-00000010" / "COMMIT.json").read_text())
 
     longer = make_spec({"run": {"steps": 12}, "checkpoint": {"save_every_steps": 10}})
-    job = run_local(longer.cluster, longer.training_config(), key)
+    job = run_local(longer.cluster, longer.training_config())
     assert RunOutput(job.output_dir).ranks().ranks[0]["resumed_from_step"] == 10
 
+    monkeypatch.delenv(KEY_ENV)
     unkeyed = start_local(longer.cluster, longer.training_config())
     assert unkeyed.wait(timeout_s=120).state is JobState.FAILED
     assert f"is signed (hmac_sha256) but {KEY_ENV} is not set" in unkeyed.log_tail(400)

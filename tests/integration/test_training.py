@@ -206,7 +206,7 @@ def test_a_lease_left_by_a_killed_job_is_taken_over_with_a_warning(make_spec) ->
 
 def test_a_second_job_on_a_checkpoint_folder_in_use_stops_on_every_rank_naming_the_holder(make_spec) -> None:
     first = make_spec({"cluster": {"procs_per_node": 1}, "run": {"steps": 50}}, name="first")
-    job = start_local(first.cluster, first.training_config(), {ENV_VAR: json.dumps({"pause_after_step": 2})})
+    job = start_local(first.cluster, first.training_config(), faults={ENV_VAR: json.dumps({"pause_after_step": 2})})
     try:
         deadline = time.monotonic() + 120
         while job.status().state is not JobState.RUNNING:

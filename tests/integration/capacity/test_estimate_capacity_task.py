@@ -71,6 +71,6 @@ def test_estimate_capacity_stops_the_flow_when_the_layout_does_not_fit(prefect_h
             spec.name, spec.capacity, spec.cluster, spec.model, spec.parallel, spec.precision, spec.run
         )
 
-    with pytest.raises(CapacityError, match=r"does not fit: needs .* GiB > 0\.0 GiB usable"):
+    with pytest.raises(CapacityError, match=r"does not fit: needs .* GiB > 0\.00 GiB usable"):
         plan_only()
     assert not json.loads((tmp_path / "plan" / "plan.json").read_text())["fits"]

@@ -26,7 +26,7 @@ def test_submit_job_task_waits_for_the_job_and_a_failed_job_is_not_retried(prefe
 
     @flow
     def run_job(spec, env: dict | None = None) -> JobResult:  # noqa: ANN001
-        return submit_job(spec.cluster, spec.training_config(), spec.name, env=env)
+        return submit_job(spec.cluster, spec.training_config(), spec.name, faults=env)
 
     result = run_job(good)
     assert result.state == "succeeded" and result.job.startswith("local:")

@@ -29,7 +29,7 @@ def test_a_two_rank_run_serves_each_ranks_step_record_on_its_own_port(
     base = metrics_ports(2)
     spec = make_spec({"run": {"steps": 20, "metrics_port": base, "throughput_baseline_tokens_per_s": 5000.0}})
     job = start_local(
-        spec.cluster, spec.training_config(), {ENV_VAR: json.dumps({"pause_after_step": PAUSE_AFTER_STEP})}
+        spec.cluster, spec.training_config(), faults={ENV_VAR: json.dumps({"pause_after_step": PAUSE_AFTER_STEP})}
     )
     try:
         scraped = {
@@ -79,7 +79,8 @@ def test_training_runs_without_prometheus_client_and_pynvml_and_says_why_once_pe
     base = metrics_ports(2)
     spec = make_spec({"run": {"steps": 4, "metrics_port": base}, "checkpoint": {"save_at_end": False}})
 
-    job = run_local(spec.cluster, spec.training_config(), {"PYTHONPATH": path})
+    monkeypatch.setenv("PYTHONPATH", path)
+    job = run_local(spec.cluster, spec.training_config())
 
     result = json.loads((job.output_dir / "result.json").read_text())
     assert result["steps"] == 4

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from tasks.errors import UserError
-from tasks.launch.base import Launcher, checked_faults, split_legacy_env
+from tasks.launch.base import Launcher, checked_faults
 from tasks.launch.kubernetes import KubernetesLauncher, render_manifests, validate_pytorchjob
 from tasks.launch.local import LocalLauncher
 from tasks.launch.slurm import SlurmLauncher
@@ -68,12 +68,6 @@ def test_a_local_job_with_a_spec_variable_passed_as_a_fault_is_refused_before_an
     with pytest.raises(UserError, match=r"faults=\['JOB_NOTE'\]"):
         LocalLauncher().submit(spec.cluster, spec.training_config(), "bad", faults={"JOB_NOTE": "x"})
     assert not Path(spec.run.output_url).exists()
-
-
-def test_the_old_env_argument_drops_cluster_env_and_keeps_the_faults_apart() -> None:
-    faults, inherited = split_legacy_env(SPEC_ENV, {**SPEC_ENV, **FAULTS, "PYTHONPATH": "/x"})
-    assert faults == FAULTS
-    assert inherited == {"PYTHONPATH": "/x"}
 
 
 def _exports(script: str) -> dict[str, str]:
