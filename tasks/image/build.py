@@ -232,12 +232,6 @@ def _ensure_base(builder: Builder, cfg: ImageConfig) -> None:
     builder.pull(cfg.base_image, cfg.build_timeout_s)
 
 
-def default_record_dir(spec: DeploymentSpec) -> Path:
-    """Where image.json, build.log and the build context go unless told otherwise: <reports_dir>/image
-    (runs/<name>/image by default)."""
-    return Path(spec.reports_dir) / "image"
-
-
 def uses_s3(spec: DeploymentSpec) -> bool:
     """True when any URL of the spec is on S3 (the image then also gets s3fs)."""
     text = spec.model_dump_json()
@@ -271,16 +265,4 @@ def image_markdown(result: ImageResult) -> str:
         f"# Training image `{result.tag}`\n\n| | |\n|---|---|\n"
         + "\n".join(f"| {k} | {v} |" for k, v in rows)
         + f"\n\n## Labels\n\n| label | value |\n|---|---|\n{labels}\n"
-    )
-
-
-def ensure_image_for_spec(spec: DeploymentSpec, record_dir: Path | None = None) -> ImageResult:
-    """`ensure_image` with the spec's image section; local runs skip (with the reason) where nothing can build."""
-    assert spec.image is not None, "callers handle image: null"
-    return ensure_image(
-        spec.image,
-        record_dir or default_record_dir(spec),
-        with_s3=uses_s3(spec),
-        spec_digest=spec.digest(),
-        allow_skip=spec.cluster.scheduler == "local",
     )
