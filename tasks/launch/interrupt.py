@@ -96,6 +96,12 @@ class PrefectServerFailed(RuntimeError):
     """The temporary Prefect server did not answer its health check."""
 
 
+_DIE_WITH_PARENT_THEN_EXEC = (
+    "import os, sys; from training.process import die_with_parent; die_with_parent(); "
+    "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])"
+)
+
+
 class PrefectServer:
     """Prefect's temporary API server (as Prefect's own ephemeral mode starts it), in a session of its own."""
 
@@ -122,9 +128,13 @@ class PrefectServer:
             "PREFECT__SERVER_FINAL": "1",
         }
         env.pop("PREFECT_API_URL", None)
-        args = [sys.executable, "-m", "uvicorn", "--app-dir", str(Path(prefect.__file__).parent.parent)]
-        args += ["--factory", "prefect.server.api.server:create_app", "--host", "127.0.0.1", "--port", str(self.port)]
-        args += ["--log-level", "error", "--lifespan", "on"]
+        uvicorn = ["-m", "uvicorn", "--app-dir", str(Path(prefect.__file__).parent.parent)]
+        uvicorn += ["--factory", "prefect.server.api.server:create_app"]
+        uvicorn += ["--host", "127.0.0.1", "--port", str(self.port)]
+        uvicorn += ["--log-level", "error", "--lifespan", "on"]
+        # Its own session keeps the terminal's Ctrl-C off it; the parent-death signal (kept across exec) stops it
+        # when `tdeploy run` itself is killed outright, so a server is never left behind.
+        args = [sys.executable, "-c", _DIE_WITH_PARENT_THEN_EXEC, *uvicorn]
         self.proc = subprocess.Popen(args, env=env, start_new_session=True)
         log.info("starting a temporary Prefect server on 127.0.0.1:%d (pid %d)", self.port, self.proc.pid)
         deadline = time.monotonic() + timeout_s

@@ -98,3 +98,40 @@ def test_ctrl_c_cancels_the_run_stops_its_jobs_and_records_the_flow_run_cancelle
     assert flows == ["CANCELLED"], stderr[-3000:]
     assert not [t for t in tasks if t[1] in ("RUNNING", "PENDING", "CRASHED")], tasks
     assert any(name.startswith("submit_job") and state == "CANCELLED" for name, state in tasks), tasks
+
+
+def test_the_temporary_prefect_server_dies_with_a_tdeploy_run_killed_outright(tmp_path: Path) -> None:
+    # The server runs in a session of its own (so the terminal's Ctrl-C leaves it to record the cancellation);
+    # a SIGKILL to its owner must still not leave it behind.
+    owner = tmp_path / "owner.py"
+    owner.write_text(
+        "import time\nfrom tasks.launch.interrupt import PrefectServer\n"
+        "server = PrefectServer()\nserver.start(600)\nprint(server.proc.pid, flush=True)\ntime.sleep(3600)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env.update(PREFECT_HOME=str(tmp_path / "prefect"), PREFECT_SERVER_ANALYTICS_ENABLED="false")
+    proc = subprocess.Popen(
+        [sys.executable, str(owner)], cwd=REPO, env=env, start_new_session=True, stdout=subprocess.PIPE, text=True
+    )
+    server_pid = None
+    try:
+        server_pid = int(proc.stdout.readline())
+        assert os.getsid(server_pid) == server_pid  # not in its owner's session
+        proc.kill()
+        proc.wait(timeout=60)
+        deadline = time.monotonic() + 60
+        while _running(server_pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _running(server_pid), "the temporary Prefect server outlived the tdeploy run that started it"
+    finally:
+        stop_group(proc)
+        if server_pid is not None and _running(server_pid):
+            os.killpg(server_pid, signal.SIGKILL)
+
+
+def _running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state not in ("Z", "X")
