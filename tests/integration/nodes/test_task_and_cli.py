@@ -51,7 +51,7 @@ def run_task(nodes: NodesConfig, cluster: ClusterConfig, report: Path) -> tuple[
 
 
 @pytest.mark.usefixtures("prefect_harness")
-def test_task_publishes_the_table_and_retries_unreachable_nodes_but_never_findings(tmp_path: Path) -> None:
+def test_task_publishes_the_table_and_never_retries_a_refused_node_or_a_finding(tmp_path: Path) -> None:
     state, runs, data = run_task(NodesConfig(), LOCAL, tmp_path / "ok.json")
     assert (state, runs) == ("COMPLETED", 1), data
     assert data["ok"] is True and data["hosts"] == ["localhost"]
@@ -63,7 +63,7 @@ def test_task_publishes_the_table_and_retries_unreachable_nodes_but_never_findin
 
     ghost = NodesConfig(hosts=[{"name": "ghost", "address": "127.0.0.1", "port": free_port()}], connect_timeout_s=5)
     state, runs, error = run_task(ghost, LOCAL, tmp_path / "ghost.json")
-    assert (state, runs) == ("FAILED", 2), "a node that refuses connections may come back: retried"
+    assert (state, runs) == ("FAILED", 1), "a node that refuses connections needs its sshd started: never retried"
     assert "unreachable: ghost" in error
 
     missing = NodesConfig(storage=[{"path": str(tmp_path / "no-such-mount")}])
