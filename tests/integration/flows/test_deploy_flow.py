@@ -115,8 +115,8 @@ def test_an_unwritable_checkpoint_folder_is_diagnosed_and_a_rerun_reuses_the_fin
 _ONE_ATTEMPT = {"max_attempts": 1}
 
 
-def _up_when_retrying(proxy, task_name: str, timeout_s: float = 300.0) -> None:  # noqa: ANN001
-    """Bring the proxy back up once a run of `task_name` failed and waits for its retry."""
+def _when_task(proxy_action, task_name: str, reached, timeout_s: float = 300.0) -> None:  # noqa: ANN001
+    """Call `proxy_action` once a run of `task_name` is in a state that `reached(state_name)` accepts."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import TaskRunFilter, TaskRunFilterName
 
@@ -127,14 +127,14 @@ def _up_when_retrying(proxy, task_name: str, timeout_s: float = 300.0) -> None: 
                 runs = await client.read_task_runs(
                     task_run_filter=TaskRunFilter(name=TaskRunFilterName(like_=task_name))
                 )
-                if any(r.state is not None and r.state.name == "AwaitingRetry" for r in runs):
+                if any(r.state is not None and reached(r.state.name) for r in runs):
                     return
                 await asyncio.sleep(0.2)
 
     try:
         asyncio.run(wait())
     finally:
-        proxy.up()
+        proxy_action()
 
 
 def test_a_step_that_fails_transiently_once_is_retried_and_the_flow_succeeds(
@@ -158,11 +158,18 @@ def test_a_step_that_fails_transiently_once_is_retried_and_the_flow_succeeds(
             },
             "flaky",
         )  # fmt: skip
-        # Storage is down when the data step first runs; it comes back once Prefect has scheduled the retry.
-        proxy.down()
-        restore = threading.Thread(target=_up_when_retrying, args=(proxy, "prepare_data"), daemon=True)
+        # Storage answers the preflight (load_spec checks every URL), goes down once the steps run, so the data
+        # step's first attempt fails, and comes back once Prefect has scheduled the retry.
+        outage = threading.Thread(
+            target=_when_task, args=(proxy.down, "estimate_capacity", lambda name: True), daemon=True
+        )
+        restore = threading.Thread(
+            target=_when_task, args=(proxy.up, "prepare_data", lambda name: name == "AwaitingRetry"), daemon=True
+        )
+        outage.start()
         restore.start()
         state, runs = _run(spec)
+        outage.join(timeout=5)
         restore.join(timeout=5)
     finally:
         proxy.close()
