@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import socket
 import threading
 from pathlib import Path
@@ -96,15 +97,34 @@ def test_a_blocked_rendezvous_port_fails_and_the_diagnosis_points_at_the_port(
     assert "rendezvous / communication timeout at start" in diagnosis and "port" in diagnosis
 
 
-def test_an_unwritable_checkpoint_folder_is_diagnosed_and_a_rerun_reuses_the_finished_pure_steps(
+def test_an_unwritable_checkpoint_folder_is_refused_by_the_preflight_before_any_step_runs(
     prefect_harness, make_spec, tmp_path: Path
 ) -> None:
     blocker = tmp_path / "not-a-folder"
     blocker.write_text("a file where the checkpoint folder should be")
     spec = _spec(make_spec, tmp_path, {"checkpoint": {"url": str(blocker / "checkpoints"), "save_retries": 0}}, "ckpt")
     state, runs = _run(spec)
+    assert state.is_failed() and runs["load_spec"].state.is_failed() and runs["load_spec"].run_count == 1
+    assert not {"estimate_capacity", "check_nodes", "submit_job"} & set(runs), sorted(runs)
+    assert f"checkpoint.url={blocker / 'checkpoints'}" in _artifact("deployment-summary")
+    assert not (tmp_path / "ckpt" / "output").exists()
+
+
+def test_a_failed_job_is_diagnosed_and_a_rerun_reuses_the_finished_pure_steps(
+    prefect_harness, make_spec, tiny_dataset: str, tmp_path: Path
+) -> None:
+    # A dataset whose shard was tampered with after it was prepared (same size, other bytes): the preflight
+    # finds it in place, the training job refuses it on first use, and the job step fails.
+    tampered = tmp_path / "tampered-dataset"
+    shutil.copytree(tiny_dataset, tampered)
+    shard = sorted((tampered / "train").iterdir())[0]
+    data = bytearray(shard.read_bytes())
+    data[:16] = bytes(16)
+    shard.write_bytes(bytes(data))
+    spec = _spec(make_spec, tmp_path, {"data": {"dataset_url": str(tampered)}}, "tampered")
+    state, runs = _run(spec)
     assert state.is_failed() and runs["submit_job"].state.is_failed() and runs["submit_job"].run_count == 1
-    assert "checkpoint save failure" in _artifact("diagnosis")
+    assert "untrusted checkpoint or dataset refused" in _artifact("diagnosis")
 
     again, reruns = _run(spec)
     assert again.is_failed()
