@@ -8,6 +8,7 @@ import json
 import shutil
 import socket
 import threading
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
@@ -140,6 +141,8 @@ def _when_task(proxy_action, task_name: str, reached, timeout_s: float = 300.0) 
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import TaskRunFilter, TaskRunFilterName
 
+    since = datetime.now(UTC)  # the harness's database also holds earlier tests' task runs
+
     async def wait() -> None:
         async with get_client() as client:
             deadline = asyncio.get_running_loop().time() + timeout_s
@@ -147,7 +150,7 @@ def _when_task(proxy_action, task_name: str, reached, timeout_s: float = 300.0) 
                 runs = await client.read_task_runs(
                     task_run_filter=TaskRunFilter(name=TaskRunFilterName(like_=task_name))
                 )
-                if any(r.state is not None and reached(r.state.name) for r in runs):
+                if any(r.created >= since and r.state is not None and reached(r.state.name) for r in runs):
                     return
                 await asyncio.sleep(0.2)
 
