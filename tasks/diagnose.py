@@ -14,6 +14,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tasks.capacity.plan import PLAN_JSON
+from tasks.deployment import NODE_REPORT
 from training.run_output import RunOutput
 
 _RENDEZVOUS = re.compile(
@@ -225,8 +227,8 @@ def diagnose_run(path: Path, error: str = "") -> Diagnosis:
     train_log = RunOutput(path).train_log
     logs = ([train_log] if train_log.exists() else []) + sorted(path.glob("slurm-*.out"))
     log_text = "\n".join(p.read_text(errors="replace") for p in logs)
-    plan = _nearby_json(path, "plan.json")
-    nodes = _nearby_json(path, "node-check.json")
+    plan = _nearby_json(path, PLAN_JSON)
+    nodes = _nearby_json(path, NODE_REPORT)
     return diagnose(error, log_text, path, plan, nodes)
 
 

@@ -282,10 +282,14 @@ def plan_capacity(
     return plan
 
 
+PLAN_JSON = "plan.json"
+"""The plan's file name (its reader: the diagnosis)."""
+
+
 def plan_location(name: str, capacity: CapacityConfig, folder: str | None = None) -> str:
     """Where plan.json goes: `folder`, else capacity.output_url (a spec sets it to its deployment_dir,
     runs/<name>), else runs/<name>."""
-    return f"{(folder or capacity.output_url or f'runs/{name}').rstrip('/')}/plan.json"
+    return f"{(folder or capacity.output_url or f'runs/{name}').rstrip('/')}/{PLAN_JSON}"
 
 
 def write_plan(plan: CapacityPlan, folder: str | None = None) -> str:
