@@ -72,6 +72,7 @@ def test_cli_with_an_existing_inventory_exits_1_naming_hosts_and_fix(consistent:
             "nodes": section,
         },
     )
+    (tmp_path / "d").mkdir()  # every command's preflight wants the dataset to exist
     (tmp_path / "spec.yaml").write_text(yaml.safe_dump(spec))
     out = CliRunner().invoke(app, ["check-nodes", str(tmp_path / "spec.yaml"), "--out", str(tmp_path)])
     assert out.exit_code == 1, out.output
