@@ -26,7 +26,9 @@ pytestmark = pytest.mark.integration
 
 
 def make_spec(tmp_path: Path, image: dict[str, Any], scheduler: str = "local") -> DeploymentSpec:
-    """The tiny spec with an image section and paths under tmp_path."""
+    """The tiny spec with an image section and paths under tmp_path (its dataset folder exists: the preflight of
+    every command checks it)."""
+    (tmp_path / "data").mkdir(exist_ok=True)
     paths = {
         "cluster": {"scheduler": scheduler},
         "data": {"dataset_url": str(tmp_path / "data")},
