@@ -43,6 +43,15 @@ def _gone(pid: int) -> bool:
     return False
 
 
+@pytest.fixture(autouse=True)
+def _own_registry(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A registry of this test's own: the session's servers (registry, sshd hosts...) are in the real one, and
+    stop_all here must not stop them."""
+    monkeypatch.setattr(processes, "_groups", {})
+    monkeypatch.setattr(processes, "_tracked", {})
+    monkeypatch.setattr(processes, "_daemons", {})
+
+
 def test_run_group_stops_the_whole_group_on_timeout(tmp_path: Path) -> None:
     pid_file = tmp_path / "grandchild.pid"
     with pytest.raises(subprocess.TimeoutExpired):
