@@ -7,7 +7,6 @@ import hashlib
 import json
 import logging
 import pickle
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -16,39 +15,14 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
-from training.checkpoint import CheckpointFormatError, CheckpointManager, step_dir_name
+from tests.unit.checkpoints import manager_at as _manager
+from tests.unit.checkpoints import no_key_and_quiet_dcp  # noqa: F401 - autouse fixture
+from tests.unit.checkpoints import saved_steps as _saved
+from tests.unit.checkpoints import tiny_model as _model
+from training.checkpoint import CheckpointFormatError, step_dir_name
 from training.checkpoint_trust import KEY_ENV, CheckpointKeyError, UnsafeCheckpointError
-from training.config import CheckpointConfig
-from training.storage import StorageConfig
 
 KEY = "k" * 32
-
-
-@pytest.fixture(autouse=True)
-def _no_key_and_quiet_dcp(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(KEY_ENV, raising=False)
-    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-
-
-def _model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    torch.manual_seed(0)
-    model = torch.nn.Linear(8, 8)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    model(torch.randn(2, 8)).sum().backward()
-    optimizer.step()
-    return model, optimizer
-
-
-def _manager(root: Path) -> CheckpointManager:
-    return CheckpointManager(CheckpointConfig(url=str(root), keep_last=5), StorageConfig())
-
-
-def _saved(root: Path, *steps: int) -> CheckpointManager:
-    model, optimizer = _model()
-    manager = _manager(root)
-    for step in steps:
-        manager.save(step, model, optimizer, {"step": step})
-    return manager
 
 
 def _recommit(folder: Path) -> None:

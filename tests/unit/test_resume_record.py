@@ -3,36 +3,15 @@
 from __future__ import annotations
 
 import shutil
-import warnings
 from pathlib import Path
 
-import pytest
-import torch
-
-from training.checkpoint import CheckpointManager, step_dir_name
-from training.checkpoint_trust import KEY_ENV
-from training.config import CheckpointConfig
+from tests.unit.checkpoints import manager_at as _manager
+from tests.unit.checkpoints import no_key_and_quiet_dcp  # noqa: F401 - autouse fixture
+from tests.unit.checkpoints import saved_steps as _saved
+from tests.unit.checkpoints import tiny_model as _model
+from training.checkpoint import step_dir_name
 from training.run_output import RunOutput, RunOutputWriter
 from training.storage import StorageConfig
-
-
-@pytest.fixture(autouse=True)
-def _no_key_and_quiet_dcp(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(KEY_ENV, raising=False)
-    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-
-
-def _model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    torch.manual_seed(0)
-    model = torch.nn.Linear(8, 8)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    model(torch.randn(2, 8)).sum().backward()
-    optimizer.step()
-    return model, optimizer
-
-
-def _manager(root: Path) -> CheckpointManager:
-    return CheckpointManager(CheckpointConfig(url=str(root), keep_last=5), StorageConfig())
 
 
 def _resume(ckpt: Path, out: Path) -> RunOutput:
@@ -40,13 +19,6 @@ def _resume(ckpt: Path, out: Path) -> RunOutput:
     _manager(ckpt).load_latest(*_model(), writer)
     writer.close()
     return RunOutput(out)
-
-
-def _saved(ckpt: Path, *steps: int) -> None:
-    model, optimizer = _model()
-    manager = _manager(ckpt)
-    for step in steps:
-        manager.save(step, model, optimizer, {"step": step})
 
 
 def test_a_corrupt_checkpoint_is_recorded_as_skipped_with_its_reason(tmp_path: Path) -> None:
