@@ -15,6 +15,7 @@ import os
 import signal
 import time
 
+import torch
 import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -49,6 +50,9 @@ class TestFaults(BaseModel):
     nan_at_step: int | None = Field(default=None, ge=1, description="The loss of this step is NaN on every rank.")
     save_bug_rank: int | None = Field(
         default=None, ge=0, description="This rank raises a TypeError (a bug, not a storage error) inside every save."
+    )
+    lr_scale: float | None = Field(
+        default=None, gt=0, description="Every rank trains with the learning rate (whole schedule) times this."
     )
 
 
@@ -119,3 +123,12 @@ def maybe_break_save(step: int) -> None:
     rank = _rank()
     if active().save_bug_rank == rank:
         raise TypeError(f"test fault: a bug inside the checkpoint save of step {step} on rank {rank}")
+
+
+def scale_lr(optimizer: torch.optim.Optimizer) -> None:
+    """Multiply every parameter group's learning rate by lr_scale (call before the scheduler is built)."""
+    scale = active().lr_scale
+    if scale is not None:
+        log.warning("test fault: learning rate x %g", scale)
+        for group in optimizer.param_groups:
+            group["lr"] *= scale

@@ -207,6 +207,7 @@ class Trainer:
         self.model = parallelize(model, par, self.device, self.env.local_world_size, self.comm_timer)
         self.comm_measured = par.sharding == "ddp" and self.world > 1
         self.optimizer = build_optimizer(self.model, cfg.optim)
+        faults.scale_lr(self.optimizer)  # before the scheduler takes the groups' lr as its base
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg.optim, cfg.run.steps))
         self.autocast_dtype = _AUTOCAST[cfg.precision.dtype]
         self.scaler = torch.amp.GradScaler(
