@@ -36,6 +36,20 @@ class AcceptanceThresholds(StrictModel):
     loss_spike_window_steps: int = Field(default=10, ge=2, description="Steps in the median a spike is judged by.")
     stall_timeout_s: float = Field(default=300.0, gt=0, description="No step progress for this long is a hang.")
     warmup_steps_ignored: int = Field(default=2, ge=0, description="First steps left out of throughput figures.")
+    quality_max_rel_worse: float = Field(
+        default=0.02,
+        gt=0,
+        le=10,
+        description="Quality gate with a baseline: largest relative excess of the run's final validation loss, "
+        "and of its mean training loss over the last 10% of steps, over the baseline's (0.02 = 2% worse).",
+    )
+    quality_min_loss_drop_fraction: float = Field(
+        default=0.2,
+        ge=0,
+        lt=1,
+        description="Quality gate before a baseline exists: the final validation loss must be at most "
+        "(1 - this) x the first step's training loss.",
+    )
 
 
 @dataclass
