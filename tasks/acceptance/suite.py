@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tasks.acceptance.baselines import judge_quality
 from tasks.acceptance.config import DRILLS, AcceptanceConfig, DrillConfig
 from tasks.acceptance.drills import DrillContext, DrillResult, drill_rank_kill, run_drills
 from tasks.acceptance.workspace import (
@@ -31,6 +32,7 @@ from validation.acceptance import (
     check_stability,
     rank_metrics,
 )
+from validation.quality import with_quality
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +107,8 @@ def run_acceptance(
     reference = Job(one, ref_train, "accept-reference", faults, image, phase=phase).wait(acceptance.job_timeout_s)
     report("acceptance", "judging connectivity, correctness, performance, stability, data consistency")
     dimensions = judge(cluster, dist_train, acceptance, dist, reference)
+    gate = judge_quality(acceptance, train, dist_train, cluster.world_size, dist.output_dir)
+    dimensions = [with_quality(d, gate.result) if d.name == "correctness" else d for d in dimensions]
     ctx = DrillContext(
         cluster,
         train,
@@ -135,9 +139,12 @@ def run_acceptance(
     if with_drills and dist.ok:
         wanted = ctx.drills.only if ctx.drills.only is not None else list(DRILLS)
         drill_results += run_drills(ctx, [n for n in wanted if n != "rank_kill"])  # rank_kill ran above
-    return AcceptanceReport(
+    accepted = AcceptanceReport(
         dimensions, drill_results, {"distributed": str(dist.output_dir), "reference": str(reference.output_dir)}
     )
+    if accepted.passed:  # every dimension and drill: the first accepted run of its key becomes the baseline
+        gate.record(root, dist.output_dir)
+    return accepted
 
 
 def judge(
