@@ -14,13 +14,49 @@ import logging
 import os
 import signal
 import time
+from typing import Literal, get_args
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict, Field
 
 ENV_VAR = "TDEPLOY_TEST_FAULTS"
 log = logging.getLogger(__name__)
+
+SavePhase = Literal["writing_dcp", "after_dcp", "after_extras", "after_commit"]
+"""The points of a checkpoint save (training/checkpoint.py `CheckpointManager._write`) where a drill can stop it:
+while the DCP files are being written (some ranks' files exist, the metadata does not), after every DCP file,
+after the small files (RNG, train_state.json) but before COMMIT.json, and right after COMMIT.json."""
+SAVE_PHASES: tuple[SavePhase, ...] = get_args(SavePhase)
+PAUSE_MARKER_PREFIX = "save-paused-rank-"
+
+
+class SavePause(BaseModel):
+    """Every rank stops for good at `phase` of the save of `step` and records it in `marker_dir`.
+
+    The kill_during_save drill sets this on its own jobs only (through the job's fault variable, never a
+    spec field: a spec cannot set it), waits for every rank's marker, then SIGKILLs the ranks.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    phase: SavePhase = Field(description="Where in the save the ranks stop.")
+    step: int = Field(ge=1, description="The step whose checkpoint save is stopped.")
+    marker_dir: str = Field(
+        description="Local folder (shared by the nodes) where each stopped rank writes save-paused-rank-NNNNN.json."
+    )
+
+
+class PausedRank(BaseModel):
+    """The marker a rank stopped by SavePause leaves: who, where, and at which point of which save."""
+
+    rank: int
+    host: str
+    pid: int
+    phase: SavePhase
+    step: int
+    time_unix_s: float
 
 
 class TestFaults(BaseModel):
@@ -54,6 +90,33 @@ class TestFaults(BaseModel):
     lr_scale: float | None = Field(
         default=None, gt=0, description="Every rank trains with the learning rate (whole schedule) times this."
     )
+    sampler_skip_index: int | None = Field(
+        default=None,
+        ge=0,
+        description="The sampler never hands out this sample: the next index takes its place (breaks coverage).",
+    )
+    accum_bug: bool = Field(
+        default=False,
+        description="Gradients are zeroed before every micro-batch, so only the last one of a step counts "
+        "(a gradient-accumulation bug in the trainer's step).",
+    )
+    pause_in_save: SavePause | None = Field(
+        default=None, description="Every rank stops at this point of one save (the kill_during_save drill's jobs)."
+    )
+    commit_before_extras: bool = Field(
+        default=False,
+        description="A save writes COMMIT.json right after the DCP files (listing only those), then the RNG files "
+        "and train_state.json: the commit marker early (a broken save protocol for the drill to catch).",
+    )
+    skip_grad_sync: bool = Field(
+        default=False, description="DDP never synchronises gradients (each rank trains on its own)."
+    )
+    slow_factor: float | None = Field(
+        default=None,
+        gt=1,
+        description="slow_rank computes this many times as long as it would: it sleeps (factor - 1) x its own "
+        "compute time of the step before (instead of slow_step_s), so the slowness is relative.",
+    )
 
 
 @functools.cache
@@ -82,11 +145,42 @@ def sample_rank(rank: int) -> int:
     return 0 if active().same_samples_as_rank0 == rank else rank
 
 
+def sample_order(order: np.ndarray) -> np.ndarray:
+    """An epoch's sample order; with sampler_skip_index, that sample is replaced by the next index (seen twice)."""
+    skip = active().sampler_skip_index
+    if skip is None or skip >= len(order):
+        return order
+    return np.where(order == skip, (skip + 1) % len(order), order)
+
+
+class _SlowDown:
+    """slow_rank's own compute time of its last step (the sleep taken out), and what it slept in this one."""
+
+    own_compute_s: float | None = None
+    slept_s: float = 0.0
+
+
+_slow_down = _SlowDown()
+
+
 def maybe_slow_down() -> None:
-    """Sleep inside the compute part of a step on slow_rank."""
+    """Sleep inside the compute part of a step on slow_rank: slow_step_s, or with slow_factor (factor - 1) x
+    its own compute time of the step before (none in its first step; see `step_computed`)."""
     faults = active()
-    if faults.slow_rank is not None and faults.slow_rank == _rank():
-        time.sleep(faults.slow_step_s)
+    if faults.slow_rank is None or faults.slow_rank != _rank():
+        return
+    if faults.slow_factor is None:
+        seconds = faults.slow_step_s
+    else:
+        seconds = (faults.slow_factor - 1) * (_slow_down.own_compute_s or 0.0)
+    _slow_down.slept_s = seconds
+    time.sleep(seconds)
+
+
+def step_computed(compute_s: float) -> None:
+    """Note this rank's compute time of the step that ended, for slow_factor (what maybe_slow_down slept taken
+    out)."""
+    _slow_down.own_compute_s, _slow_down.slept_s = max(0.0, compute_s - _slow_down.slept_s), 0.0
 
 
 def loss_poison(step: int) -> float:
@@ -132,3 +226,49 @@ def scale_lr(optimizer: torch.optim.Optimizer) -> None:
         log.warning("test fault: learning rate x %g", scale)
         for group in optimizer.param_groups:
             group["lr"] *= scale
+
+
+def at_save_phase(phase: SavePhase, step: int, shard_written: bool | None = None) -> None:
+    """Stop this rank for good at `phase` of the save of `step` when pause_in_save asks for it (a drill kills it).
+
+    At "writing_dcp" (called before and after this rank writes its DCP files, `shard_written` False then True)
+    rank 0 stops once its files are written and every other rank before writing, so the step folder holds
+    some of the DCP data and no metadata.
+    """
+    pause = active().pause_in_save
+    if pause is None or pause.phase != phase or pause.step != step:
+        return
+    rank = _rank()
+    if phase == "writing_dcp" and shard_written != (rank == 0):
+        return
+    marker = PausedRank(
+        rank=rank, host=os.uname().nodename, pid=os.getpid(), phase=phase, step=step, time_unix_s=time.time()
+    )
+    os.makedirs(pause.marker_dir, exist_ok=True)
+    path = os.path.join(pause.marker_dir, f"{PAUSE_MARKER_PREFIX}{rank:05d}.json")
+    with open(f"{path}.tmp", "w") as handle:
+        handle.write(marker.model_dump_json())
+    os.replace(f"{path}.tmp", path)  # whole or absent: the drill never reads half a marker
+    log.warning("test fault: rank %d stopped at save phase %s of step %d", rank, phase, step)
+    while True:
+        time.sleep(60)
+
+
+def paused_ranks(marker_dir: str) -> list[PausedRank]:
+    """The ranks that have stopped at a save phase and left their marker in `marker_dir`, by rank."""
+    if not os.path.isdir(marker_dir):
+        return []
+    names = sorted(n for n in os.listdir(marker_dir) if n.startswith(PAUSE_MARKER_PREFIX) and n.endswith(".json"))
+    markers = []
+    for name in names:
+        with open(os.path.join(marker_dir, name)) as handle:
+            markers.append(PausedRank.model_validate_json(handle.read()))
+    return markers
+
+
+def with_faults(variables: dict[str, str] | None, **fields: object) -> dict[str, str]:
+    """The job fault variables `variables` with `fields` of TestFaults set (for a drill's own job)."""
+    found = dict(variables or {})
+    current = TestFaults.model_validate_json(found[ENV_VAR]) if ENV_VAR in found else TestFaults()
+    merged = TestFaults.model_validate({**current.model_dump(exclude_defaults=True), **fields})
+    return {**found, ENV_VAR: merged.model_dump_json(exclude_defaults=True)}

@@ -38,11 +38,17 @@ def data_parallel_mesh(cfg: ParallelConfig, world: int, local_world: int, device
     return init_device_mesh(device_type, (world // shard, shard), mesh_dim_names=("replicate", "shard"))
 
 
-def apply_fsdp(model: Transformer, mesh: DeviceMesh) -> Transformer:
-    """FSDP2: shard every block, then the root (embeddings, final norm, output layer)."""
+def apply_fsdp(model: Transformer, mesh: DeviceMesh, timer: CommTimer | None = None) -> Transformer:
+    """FSDP2: shard every block, then the root (embeddings, final norm, output layer); `timer` times the
+    all-gathers and reduce-scatters."""
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
+    if timer is not None:
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_custom_all_gather(timer.all_gather())
+                module.set_custom_reduce_scatter(timer.reduce_scatter())
     return model
 
 
@@ -74,7 +80,15 @@ def parallelize(
         )
     if cfg.sharding == "ddp":
         return apply_ddp(model, cfg, device, timer) if world > 1 else model
-    return apply_fsdp(model, data_parallel_mesh(cfg, world, local_world, device.type))
+    return apply_fsdp(model, data_parallel_mesh(cfg, world, local_world, device.type), timer)
+
+
+def comm_timed(cfg: ParallelConfig, world: int, local_world: int) -> bool:
+    """The CommTimer sees this layout's gradient synchronisation: DDP's all-reduce, or FSDP's reduce-scatter
+    (HSDP with one rank per shard group synchronises through an all-reduce only, which it does not see)."""
+    if world == 1:
+        return False
+    return cfg.sharding != "hsdp" or (cfg.hsdp_shard_size or local_world) > 1
 
 
 @contextlib.contextmanager

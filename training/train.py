@@ -39,8 +39,9 @@ from training.dataset import DatasetError, TokenDataset
 from training.lease import Lease
 from training.metrics import CommTimer, peak_memory_bytes
 from training.model import Transformer
-from training.parallel import gradient_sync, parallelize
-from training.run_output import CheckpointEvent, Ranks, RunOutputWriter, RunResult
+from training.parallel import comm_timed, gradient_sync, parallelize
+from training.reference import run_reference
+from training.run_output import CheckpointEvent, EpochEnd, Ranks, RunOutputWriter, RunResult
 from training.sampler import GlobalBatchSampler, SamplerState
 from training.telemetry import Telemetry
 
@@ -197,15 +198,16 @@ class Trainer:
             )
         seed = faults.seed_for(cfg.run.seed)
         self.sampler = GlobalBatchSampler(
-            len(self.train_data), par.micro_batch, par.grad_accum_steps, self.world, faults.sample_rank(self.rank), seed
-        )
+            len(self.train_data), par.micro_batch, par.grad_accum_steps, self.world, faults.sample_rank(self.rank),
+            seed, drop_last=cfg.data.drop_last,
+        )  # fmt: skip
 
         seed_everything(seed)  # identical initial weights on every rank
         model = Transformer(model_cfg, recompute=par.activation_recompute).to(self.device)
         self.n_params = model.num_params()
         self.comm_timer = CommTimer()
         self.model = parallelize(model, par, self.device, self.env.local_world_size, self.comm_timer)
-        self.comm_measured = par.sharding == "ddp" and self.world > 1
+        self.comm_measured = comm_timed(par, self.world, self.env.local_world_size)
         self.optimizer = build_optimizer(self.model, cfg.optim)
         faults.scale_lr(self.optimizer)  # before the scheduler takes the groups' lr as its base
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg.optim, cfg.run.steps))
@@ -322,7 +324,9 @@ class Trainer:
             fetch = time.perf_counter()
             tokens = self.train_data.batch(indices)
             data_s += time.perf_counter() - fetch
-            with gradient_sync(self.model, enabled=m == accum - 1):
+            if m > 0 and faults.active().accum_bug:
+                self.optimizer.zero_grad(set_to_none=True)
+            with gradient_sync(self.model, enabled=m == accum - 1 and not faults.active().skip_grad_sync):
                 loss, aux = self._loss(tokens)
                 loss = loss * faults.loss_poison(self.step + 1)
                 if m == 0:
@@ -372,14 +376,22 @@ class Trainer:
             "time_unix_s": time.time(),
             **self.telemetry.gpu_readings(),
         }
+        faults.step_computed(record["compute_s"])
         self.out.append_metrics(self.rank, record)
         self.telemetry.observe(record)
         if cfg.run.record_samples:
             flat = np.concatenate(micro_batches).tolist()
+            sampler = self.sampler
+            offset = sampler.state.offset - sampler.global_batch  # where this step's global batch began
             self.out.append_samples(
                 self.rank,
-                {"step": self.step, "epoch": epoch, "resumed_from": self.resumed_from, "indices": flat},
-            )
+                {"step": self.step, "epoch": epoch, "offset": offset, "resumed_from": self.resumed_from,
+                 "indices": flat},
+            )  # fmt: skip
+            if self.rank == 0 and sampler.epoch_done:
+                dropped, padded = sampler.remainder(epoch).tolist(), sampler.padding(epoch).tolist()
+                end = EpochEnd(epoch, self.step, sampler.n_samples, sampler.global_batch, dropped, padded)
+                self.out.append_epoch(end)
         return record
 
     @torch.no_grad()
@@ -492,8 +504,11 @@ def main(argv: list[str] | None = None) -> None:
     try:
         init_distributed(DistEnv.from_environ())
         with exclusive_roots(cfg) as leases:
-            trainer = Trainer(cfg, leases)
-            trainer.fit()
+            if cfg.reference is not None:  # the acceptance suite's independent reference, not the trainer
+                run_reference(cfg)
+            else:
+                trainer = Trainer(cfg, leases)
+                trainer.fit()
     finally:
         # Free the model (DDP's reducer holds the process group and its last work) while the interpreter is
         # fully alive: left to interpreter shutdown, gloo's teardown can abort a job that finished its work.

@@ -16,8 +16,7 @@ from typing import Any
 from pydantic import Field
 
 from training.config import StrictModel
-from training.run_output import RANKS, SAMPLES_DIR, RunOutput
-from training.sampler import GlobalBatchSampler
+from training.run_output import RANKS, RunOutput
 
 
 class AcceptanceThresholds(StrictModel):
@@ -30,6 +29,12 @@ class AcceptanceThresholds(StrictModel):
         default=0.7, gt=0, le=1.5, description="Smallest T_N / (N * T_1) (throughput of N ranks vs one)."
     )
     comm_share_max: float = Field(default=0.5, gt=0, le=1, description="Largest share of step time in communication.")
+    straggler_ratio_max: float = Field(
+        default=1.25,
+        gt=1,
+        description="Largest ratio of a rank's median compute time per step to the median of the other ranks' "
+        "(a rank above it is a straggler the others wait for).",
+    )
     gpu_utilization_min: float = Field(default=0.7, gt=0, le=1, description="GPUs: smallest mean utilisation.")
     gpu_memory_max: float = Field(default=0.9, gt=0, le=1, description="GPUs: largest share of device memory used.")
     loss_spike_factor: float = Field(default=3.0, gt=1, description="A loss above factor x recent median is a spike.")
@@ -155,14 +160,61 @@ def _median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
+def straggler_ratios(compute: dict[int, float]) -> dict[int, float]:
+    """Each rank's compute time as a ratio to the median of the OTHER ranks' (with two ranks, the median of all
+    would sit halfway and hide a 1.5x rank); NaN where either side is unknown."""
+    ratios = {}
+    for rank, value in compute.items():
+        others = _median([v for r, v in compute.items() if r != rank and math.isfinite(v)])
+        ratios[rank] = value / others if math.isfinite(value) and others > 0 else float("nan")
+    return ratios
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(str(r) for r in ranks)
+
+
+def grad_sync_problem(distributed: dict[int, dict[int, dict[str, Any]]], world: int, sharding: str) -> str | None:
+    """What shows that a multi-rank data-parallel job never synchronised gradients, or None.
+
+    Every step of such a job synchronises gradients, so a step whose measured communication time is exactly 0
+    had none; DDP and FSDP always measure it (training/metrics.py CommTimer), so no measurement at all is a
+    failure too (HSDP with one rank per shard group is not measured: an all-reduce only).
+    """
+    if world <= 1:
+        return None
+    unmeasured, silent = [], []
+    for rank, metrics in sorted(distributed.items()):
+        comm = [m["comm_s"] for m in metrics.values() if m.get("comm_s") is not None]
+        if not comm and sharding != "hsdp":
+            unmeasured.append(rank)
+        zero = sum(1 for c in comm if c == 0)
+        if zero:
+            silent.append((rank, zero, len(comm)))
+    problems = []
+    if silent:
+        counts = ", ".join(f"{zero} of {n} steps on rank {rank}" for rank, zero, n in silent)
+        problems.append(
+            f"no gradient synchronisation measured: 0 s of communication in a {world}-rank {sharding} job ({counts})"
+        )
+    if unmeasured:
+        problems.append(
+            f"no gradient synchronisation measured: {_ranks_text(unmeasured)} recorded no communication time "
+            f"(comm_s) in a {world}-rank {sharding} job"
+        )
+    return "; ".join(problems) or None
+
+
 def check_performance(
     distributed: dict[int, dict[int, dict[str, Any]]],
     reference: dict[int, dict[str, Any]],
     world: int,
     limits: AcceptanceThresholds,
     gpu: dict[str, float] | None = None,
+    sharding: str = "ddp",
 ) -> DimensionResult:
-    """Scaling efficiency, communication share (and GPU utilisation/memory); names a rank that lags."""
+    """Scaling efficiency, communication share (and GPU utilisation/memory), gradient synchronisation that
+    happened; names a rank that lags (compute time above straggler_ratio_max x the median of the others)."""
     skip = limits.warmup_steps_ignored
     rank0 = distributed.get(0, {})
     steps = [s for s in sorted(rank0) if s > skip]
@@ -178,6 +230,7 @@ def check_performance(
     }
     comm_share = max((v for v in shares.values() if math.isfinite(v)), default=float("nan"))
     compute = {rank: _median([m[s]["compute_s"] for s in steps if s in m]) for rank, m in distributed.items()}
+    ratios = straggler_ratios(compute)
     data_wait = {
         rank: _median([m[s]["data_wait_s"] / m[s]["step_time_s"] for s in steps if s in m])
         for rank, m in distributed.items()
@@ -187,24 +240,35 @@ def check_performance(
         failures.append(f"scaling efficiency {efficiency:.2f} < {limits.scaling_efficiency_min}")
     if math.isfinite(comm_share) and comm_share > limits.comm_share_max:
         failures.append(f"communication share {comm_share:.2f} > {limits.comm_share_max}")
+    no_sync = grad_sync_problem(distributed, world, sharding)
+    if no_sync:
+        failures.append(no_sync)
     if gpu:
         if gpu.get("utilization", 1.0) < limits.gpu_utilization_min:
             failures.append(f"GPU utilisation {gpu['utilization']:.2f} < {limits.gpu_utilization_min}")
         if gpu.get("memory_fraction", 0.0) > limits.gpu_memory_max:
             failures.append(f"GPU memory {gpu['memory_fraction']:.2f} > {limits.gpu_memory_max}")
-    slow_rank = None
-    if len(compute) > 1:
-        slowest = max(compute, key=lambda r: compute[r])
-        others = _median([v for r, v in compute.items() if r != slowest])
-        if compute[slowest] > 2 * others and compute[slowest] - others > 0.01:
-            slow_rank = slowest
-            failures.append(
-                f"rank {slowest} computes {compute[slowest]:.3f} s/step against {others:.3f} s on the others; "
-                "they wait for it in the all-reduce"
-            )
+    stragglers = sorted(
+        (r for r, ratio in ratios.items() if ratio > limits.straggler_ratio_max), key=lambda r: -ratios[r]
+    )
+    for rank in stragglers:
+        others = _median([v for r, v in compute.items() if r != rank and math.isfinite(v)])
+        failures.append(
+            f"rank {rank} computes {compute[rank]:.3f} s/step, {ratios[rank]:.2f}x the median of the other ranks "
+            f"({others:.3f} s; straggler_ratio_max {limits.straggler_ratio_max}); they wait for it in the "
+            "gradient synchronisation"
+        )
+    slow_rank = stragglers[0] if stragglers else None
+    if no_sync:
+        look.append(
+            "gradient synchronisation: DDP's no_sync or FSDP's set_requires_gradient_sync left on, the DDP comm "
+            "hook, and the correctness dimension"
+        )
     if failures:
         look.append(
-            "the communication share, then data-loader wait" if slow_rank is None else f"rank {slow_rank}'s host"
+            "the communication share, then data-loader wait"
+            if slow_rank is None
+            else "; ".join(f"rank {r}'s host" for r in stragglers) + " (its CPU/GPU, clocks, neighbours)"
         )
         if max(data_wait.values(), default=0) > 0.2:
             look.append("data-loader wait is high: more workers, prefetch, larger record files")
@@ -219,12 +283,17 @@ def check_performance(
             "comm_share": comm_share,
             "comm_share_per_rank": shares,
             "compute_s_per_rank": compute,
+            "straggler_ratio_per_rank": ratios,
             "data_wait_share_per_rank": data_wait,
             "slow_rank": slow_rank,
             **({"gpu": gpu} if gpu else {}),
         },
-        {"scaling_efficiency_min": limits.scaling_efficiency_min, "comm_share_max": limits.comm_share_max},
-        {"steps": [steps[0], steps[-1]] if steps else []},
+        {
+            "scaling_efficiency_min": limits.scaling_efficiency_min,
+            "comm_share_max": limits.comm_share_max,
+            "straggler_ratio_max": limits.straggler_ratio_max,
+        },
+        {"steps": [steps[0], steps[-1]] if steps else [], "sharding": sharding},
         "; ".join(failures),
         "; ".join(look),
     )
@@ -272,57 +341,6 @@ def check_stability(
         {"steps": [steps[0], steps[-1]] if steps else []},
         "; ".join(problems),
         "" if not problems else "the learning rate against the batch size, then the data around the first bad step",
-    )
-
-
-# ---- data consistency -----------------------------------------------------------------------
-
-
-def check_data_consistency(
-    output_dir: Path, n_samples: int, micro_batch: int, grad_accum_steps: int, world: int, seed: int
-) -> DimensionResult:
-    """Per epoch: ranks' samples pairwise disjoint and their union the epoch; steps contiguous across resumes."""
-    per_rank = RunOutput(output_dir).all_samples()
-    problems = []
-    if sorted(per_rank) != list(range(world)):
-        problems.append(f"sample records of ranks {sorted(per_rank)}, expected 0..{world - 1}")
-    sampler = GlobalBatchSampler(n_samples, micro_batch, grad_accum_steps, world, 0, seed)
-    steps_per_epoch = n_samples // sampler.global_batch
-    all_steps = sorted(set().union(*(set(r) for r in per_rank.values()))) if per_rank else []
-    if all_steps and all_steps != list(range(all_steps[0], all_steps[-1] + 1)):
-        missing = sorted(set(range(all_steps[0], all_steps[-1] + 1)) - set(all_steps))
-        problems.append(f"steps missing from the sample records: {missing[:10]}")
-    epochs_checked = []
-    for epoch in sorted({rec["epoch"] for recs in per_rank.values() for rec in recs.values()}):
-        sets = {}
-        for rank, recs in per_rank.items():
-            indices = [i for rec in recs.values() if rec["epoch"] == epoch for i in rec["indices"]]
-            if len(indices) != len(set(indices)):
-                problems.append(f"epoch {epoch}: rank {rank} saw a sample twice")
-            sets[rank] = set(indices)
-        ranks = sorted(sets)
-        for a_pos, a in enumerate(ranks):
-            for b in ranks[a_pos + 1 :]:
-                overlap = sets[a] & sets[b]
-                if overlap:
-                    problems.append(f"epoch {epoch}: ranks {a} and {b} share {len(overlap)} samples")
-        steps_in_epoch = {s for recs in per_rank.values() for s, rec in recs.items() if rec["epoch"] == epoch}
-        if len(steps_in_epoch) == steps_per_epoch:  # only whole epochs can be checked for coverage
-            union = set().union(*sets.values())
-            expected = set(sampler.epoch_samples(epoch).tolist())
-            if union != expected:
-                problems.append(
-                    f"epoch {epoch}: ranks together saw {len(union)} of the epoch's {len(expected)} samples"
-                )
-            epochs_checked.append(epoch)
-    return DimensionResult(
-        "data_consistency",
-        not problems,
-        {"epochs_complete_checked": epochs_checked, "steps": [all_steps[0], all_steps[-1]] if all_steps else []},
-        {"overlap": 0, "coverage": "whole epoch"},
-        {"records": str(output_dir / SAMPLES_DIR)},
-        "; ".join(problems[:5]),
-        "" if not problems else "the sampler's rank and seed on every rank, then the resume position",
     )
 
 

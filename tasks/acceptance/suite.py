@@ -1,4 +1,4 @@
-"""The acceptance suite: a distributed run and a single-process reference, judged along six dimensions."""
+"""The acceptance suite: a distributed run and an independent single-process reference, judged along six dimensions."""
 
 from __future__ import annotations
 
@@ -15,23 +15,22 @@ from tasks.acceptance.workspace import (
     RunOutcome,
     new_run_id,
     open_workspace,
-    single_process,
+    threads_per_rank,
     variant,
     workspace_base,
 )
 from tasks.cluster import ClusterConfig
 from tasks.progress import report
 from training.config import TrainConfig
-from training.dataset import TokenDataset
 from validation.acceptance import (
     DimensionResult,
     check_connectivity,
     check_correctness,
-    check_data_consistency,
     check_performance,
     check_stability,
     rank_metrics,
 )
+from validation.data_consistency import Sampling, check_data_consistency, with_resumed_run
 from validation.quality import with_quality
 
 log = logging.getLogger(__name__)
@@ -70,6 +69,74 @@ def work_dir(acceptance: AcceptanceConfig, train: TrainConfig) -> Path:
     return open_workspace(workspace_root(acceptance, train), acceptance.keep_runs).root
 
 
+@dataclass(frozen=True)
+class CorrectnessPlan:
+    """The jobs of the correctness comparison: the independent reference (training/reference.py) on one
+    process, and the distributed side (None: the first steps of the main distributed run serve)."""
+
+    reference_cluster: ClusterConfig
+    reference: TrainConfig
+    distributed: TrainConfig | None
+
+
+def correctness_plan(
+    cluster: ClusterConfig, train: TrainConfig, root: Path, steps: int, reference_steps: int
+) -> CorrectnessPlan:
+    """The reference_steps of a `steps`-step run (its LR schedule), both sides in fp32 without dropout.
+
+    Dropout masks come from per-rank RNG streams and low precision from the kernels, neither of which one
+    fp32 process reproduces; the main run keeps the spec's dropout and precision for the other dimensions, so
+    the comparison needs a distributed run of its own unless the spec already trains in fp32 without dropout.
+    """
+    paired = {
+        "model": {"dropout": 0.0},
+        "precision": {"dtype": "fp32"},
+        "run": {"steps": steps, "stop_after_steps": reference_steps},
+        "checkpoint": {"save_every_steps": None, "save_at_end": False},
+    }
+    one = cluster.model_copy(update={"nodes": 1, "procs_per_node": 1, "max_restarts": 0})
+    reference = variant(
+        train,
+        root,
+        "reference",
+        **{
+            **paired,
+            "run": {**paired["run"], "threads_per_rank": threads_per_rank(cluster, train)},
+            "parallel": {"data_parallel": None},
+            "reference": {"world_size": cluster.world_size},
+        },
+    )
+    as_spec = train.model.dropout == 0 and train.precision.dtype == "fp32"
+    return CorrectnessPlan(one, reference, None if as_spec else variant(train, root, "correctness", **paired))
+
+
+def run_correctness_pair(
+    cluster: ClusterConfig,
+    train: TrainConfig,
+    acceptance: AcceptanceConfig,
+    root: Path,
+    steps: int,
+    faults: dict[str, str] | None = None,
+    image: str | None = None,
+) -> tuple[RunOutcome | None, RunOutcome]:
+    """Run the correctness plan's jobs: the distributed side (None when the main run serves), the reference."""
+    plan = correctness_plan(cluster, train, root, steps, acceptance.reference_steps)
+    pair = None
+    if plan.distributed is not None:
+        phase = f"correctness run ({cluster.world_size} ranks, fp32, no dropout)"
+        report("acceptance", phase, 0, acceptance.reference_steps)
+        pair = Job(cluster, plan.distributed, "accept-correctness", faults, image, phase=phase).wait(
+            acceptance.job_timeout_s, acceptance.thresholds.stall_timeout_s
+        )
+    phase = "independent reference (one process, fp32)"
+    report("acceptance", phase, 0, acceptance.reference_steps)
+    # No faults: the reference runs none of the trainer's code, so no test fault reaches it.
+    reference = Job(plan.reference_cluster, plan.reference, "accept-reference", None, image, phase=phase).wait(
+        acceptance.job_timeout_s
+    )
+    return pair, reference
+
+
 def run_acceptance(
     cluster: ClusterConfig,
     train: TrainConfig,
@@ -95,18 +162,9 @@ def run_acceptance(
     dist = Job(cluster, dist_train, "accept-distributed", faults, image, phase=phase).wait(
         acceptance.job_timeout_s, limits.stall_timeout_s
     )
-    one, sections = single_process(cluster, train)
-    sections = {
-        **sections,
-        "run": {**sections["run"], "steps": steps, "stop_after_steps": acceptance.reference_steps},
-        "checkpoint": {"save_every_steps": None, "save_at_end": False},
-    }
-    ref_train = variant(train, root, "reference", **sections)
-    phase = "single-process reference"
-    report("acceptance", phase, 0, acceptance.reference_steps)
-    reference = Job(one, ref_train, "accept-reference", faults, image, phase=phase).wait(acceptance.job_timeout_s)
+    pair, reference = run_correctness_pair(cluster, train, acceptance, root, steps, faults, image)
     report("acceptance", "judging connectivity, correctness, performance, stability, data consistency")
-    dimensions = judge(cluster, dist_train, acceptance, dist, reference)
+    dimensions = judge(cluster, dist_train, acceptance, dist, reference, pair)
     gate = judge_quality(acceptance, train, dist_train, cluster.world_size, dist.output_dir)
     dimensions = [with_quality(d, gate.result) if d.name == "correctness" else d for d in dimensions]
     ctx = DrillContext(
@@ -125,6 +183,9 @@ def run_acceptance(
         report("acceptance", "recovery: rank_kill drill")
         kill, recovery = drill_rank_kill(ctx)
         drill_results.append(kill)
+        resumed = Sampling.of(ctx.train("drill-rank-kill"), cluster.world_size)
+        resumed_data = check_data_consistency(Path(kill.evidence["output_dir"]), resumed)
+        dimensions = [with_resumed_run(d, resumed_data) if d.name == "data_consistency" else d for d in dimensions]
     else:
         recovery = DimensionResult(
             "recovery",
@@ -153,8 +214,12 @@ def judge(
     acceptance: AcceptanceConfig,
     dist: RunOutcome,
     reference: RunOutcome,
+    pair: RunOutcome | None = None,
 ) -> list[DimensionResult]:
-    """Connectivity, correctness, performance, stability and data consistency of a finished distributed run."""
+    """Connectivity, correctness, performance, stability and data consistency of a finished distributed run.
+
+    Correctness compares `pair` (the correctness plan's distributed run; None: `dist`) with the reference.
+    """
     limits = acceptance.thresholds
     world = cluster.world_size
     k = acceptance.reference_steps
@@ -162,20 +227,14 @@ def judge(
     dimensions = [
         check_connectivity(dist.output_dir, world),
         check_correctness(
-            {s: m for s, m in dist_metrics.items() if s <= k}, reference.metrics(), limits.correctness_max_rel_deviation
+            {s: m for s, m in (pair or dist).metrics().items() if s <= k},
+            reference.metrics(),
+            limits.correctness_max_rel_deviation,
         ),
-        check_performance(rank_metrics(dist.output_dir), reference.metrics(), world, limits),
+        check_performance(
+            rank_metrics(dist.output_dir), reference.metrics(), world, limits, sharding=train.parallel.sharding
+        ),
         check_stability(dist_metrics, limits, dist.ok, dist.status.describe(), dist.stalled_after_step),
     ]
-    n_samples = len(TokenDataset(train.data.dataset_url, train.data.train_split, train.model.seq_len, train.storage))
-    dimensions.append(
-        check_data_consistency(
-            dist.output_dir,
-            n_samples,
-            train.parallel.micro_batch,
-            train.parallel.grad_accum_steps,
-            world,
-            train.run.seed,
-        )
-    )
+    dimensions.append(check_data_consistency(dist.output_dir, Sampling.of(train, world)))
     return dimensions
