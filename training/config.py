@@ -155,6 +155,12 @@ class ModelConfig(StrictModel):
     norm_eps: float = Field(default=1e-5, gt=0, le=1, description="RMSNorm epsilon.")
     rope_theta: float = Field(default=10000.0, gt=0, le=1e12, description="Rotary embedding base.")
     init_std: float = Field(default=0.02, gt=0, le=10, description="Std of the normal weight init.")
+    dropout: float = Field(
+        default=0.0,
+        ge=0,
+        lt=1,
+        description="Dropout probability on the attention and MLP outputs before each residual add (training only).",
+    )
     moe: MoEConfig | None = Field(default=None, description="Mixture-of-Experts MLP; None = dense.")
 
     @property
@@ -269,6 +275,12 @@ class DataConfig(StrictModel):
     val_split: str = Field(
         default="val", pattern=r"^[A-Za-z0-9_-]{1,64}$", description="Held-out split used for evaluation (a name)."
     )
+    drop_last: bool = Field(
+        default=True,
+        description="An epoch that does not divide into global batches leaves its last len % global_batch samples "
+        "out (true); false pads its last batch with the epoch's first samples, so every sample is seen "
+        "(training/sampler.py).",
+    )
 
 
 class CheckpointConfig(StrictModel):
@@ -333,6 +345,17 @@ class RunConfig(StrictModel):
     )
 
 
+class ReferenceConfig(StrictModel):
+    """The independent correctness reference (training/reference.py) of a distributed job."""
+
+    world_size: int = Field(
+        ge=1,
+        le=MAX_RANKS,
+        description="Ranks of the distributed job it stands in for: its global batch is "
+        "parallel.micro_batch x parallel.grad_accum_steps x world_size.",
+    )
+
+
 class TrainConfig(StrictModel):
     """Everything the training payload needs, and nothing else."""
 
@@ -344,6 +367,11 @@ class TrainConfig(StrictModel):
     checkpoint: CheckpointConfig
     run: RunConfig
     storage: StorageConfig = Field(default_factory=StorageConfig)
+    reference: ReferenceConfig | None = Field(
+        default=None,
+        description="Run the independent reference (training/reference.py) instead of the trainer. Set only by "
+        "the acceptance suite: a deployment spec has no such section; None = train.",
+    )
 
     @model_validator(mode="after")
     def _combinations(self) -> TrainConfig:

@@ -5,6 +5,8 @@ A run's output folder (`run.output_url`) holds, format version 1:
     ranks.json                    written at start-up by rank 0: format_version, world_size, one entry per rank
     metrics/rank-NNNNN.jsonl      one line per optimizer step and rank (step, loss, lr, tokens/s, memory, ...)
     samples/rank-NNNNN.jsonl      the sample indices each rank consumed per step (run.record_samples)
+    epochs.jsonl                  one line per epoch that ended: its last step, the remainder it dropped or the
+                                  samples it padded with (rank 0, with run.record_samples)
     eval.jsonl                    one line per evaluation: step, val_loss, val_ppl
     checkpoints.jsonl             one line per save: step and bytes/seconds, or the error of a lost save
     resume.json                   what the checkpoint manager loaded at start-up and which checkpoints it skipped, why
@@ -12,7 +14,7 @@ A run's output folder (`run.output_url`) holds, format version 1:
     train.log                     the job's log, written by the launcher (not by the trainer)
 
 A step that ran again after a resume appears twice in the JSON-lines files; the
-readers keep the later attempt. Only this module spells these names: the
+readers keep the later attempt (`sample_records` keeps every attempt). Only this module spells these names: the
 trainer writes through `RunOutputWriter`, acceptance, drills, diagnosis, the CLI
 and the tests read through `RunOutput`.
 
@@ -37,6 +39,7 @@ FORMAT_VERSION = 1
 RANKS = "ranks.json"
 METRICS_DIR = "metrics"
 SAMPLES_DIR = "samples"
+EPOCHS = "epochs.jsonl"
 EVALS = "eval.jsonl"
 CHECKPOINTS = "checkpoints.jsonl"
 RESUME = "resume.json"
@@ -69,6 +72,18 @@ class Ranks:
     world_size: int
     ranks: list[dict[str, Any]]
     format_version: int = FORMAT_VERSION
+
+
+@dataclass(frozen=True)
+class EpochEnd:
+    """One line of epochs.jsonl: an epoch's last step and what it left out (dropped) or handed out twice (padded)."""
+
+    epoch: int
+    step: int
+    n_samples: int
+    global_batch: int
+    dropped: list[int] = field(default_factory=list)
+    padded: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -154,6 +169,10 @@ class RunOutputWriter:
     def append_samples(self, rank: int, record: dict[str, Any]) -> None:
         """One step's sample indices of `rank`."""
         self._append(f"{SAMPLES_DIR}/{rank_file(rank)}", record)
+
+    def append_epoch(self, record: EpochEnd) -> None:
+        """An epoch that ended (rank 0)."""
+        self._append(EPOCHS, asdict(record))
 
     def append_eval(self, record: dict[str, Any]) -> None:
         """One evaluation (step, val_loss, val_ppl)."""
@@ -289,6 +308,18 @@ class RunOutput:
     def all_samples(self) -> dict[int, dict[int, dict[str, Any]]]:
         """rank -> step -> sample record, for every rank that recorded samples."""
         return {rank: self.samples(rank) for rank in self.sample_ranks()}
+
+    def sample_records(self, rank: int = 0) -> list[dict[str, Any]]:
+        """Every sample line of `rank` in order: each attempt's records, steps that ran again included."""
+        return read_jsonl(self.dir / SAMPLES_DIR / rank_file(rank))
+
+    def all_sample_records(self) -> dict[int, list[dict[str, Any]]]:
+        """rank -> every sample line in order, for every rank that recorded samples."""
+        return {rank: self.sample_records(rank) for rank in self.sample_ranks()}
+
+    def epochs(self) -> list[EpochEnd]:
+        """Every epoch end in order (an epoch that ended again after a resume appears again)."""
+        return [EpochEnd(**r) for r in read_jsonl(self.dir / EPOCHS)]
 
     def last_step(self, rank: int = 0) -> int:
         """The last step `rank` has recorded (0 before the first); reads only the file's tail."""

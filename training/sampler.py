@@ -6,9 +6,17 @@ rank r takes `micro_batch` contiguous indices at offset
 `m * world * micro_batch + r * micro_batch` inside that slice. So ranks are
 disjoint by construction, a single process with `world * micro_batch` sees the
 same samples per micro-step, and the position is just (epoch, offset), which
-also stays valid when the world size changes on resume. An epoch covers
-`len // global_batch * global_batch` samples; the rest (< one global batch) is
-reshuffled into later epochs.
+also stays valid when the world size changes on resume.
+
+An epoch that does not divide into global batches ends in one of two ways
+(`data.drop_last`). Dropping (the default): the epoch runs `len // global_batch`
+steps and its last `len % global_batch` indices (the remainder) are left out of
+that epoch; the next epoch's permutation has them somewhere else. Padding: the
+epoch runs `ceil(len / global_batch)` steps and its last batch is filled up by
+wrapping around to the start of the same epoch's order (as torch's
+DistributedSampler pads), so every sample is seen and the first few twice. The
+trainer records each epoch's remainder or padding (`remainder`, `padding`) in
+the run output, where data consistency checks it against the dataset's length.
 """
 
 from __future__ import annotations
@@ -16,6 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+
+from training import faults
 
 
 @dataclass
@@ -30,10 +40,17 @@ class GlobalBatchSampler:
     """Hands each rank its micro-batches of sample indices, step after step."""
 
     def __init__(
-        self, n_samples: int, micro_batch: int, grad_accum_steps: int, world_size: int, rank: int, seed: int
+        self,
+        n_samples: int,
+        micro_batch: int,
+        grad_accum_steps: int,
+        world_size: int,
+        rank: int,
+        seed: int,
+        drop_last: bool = True,
     ) -> None:
         self.n_samples, self.micro_batch, self.accum = n_samples, micro_batch, grad_accum_steps
-        self.world_size, self.rank, self.seed = world_size, rank, seed
+        self.world_size, self.rank, self.seed, self.drop_last = world_size, rank, seed, drop_last
         self.global_batch = micro_batch * grad_accum_steps * world_size
         if self.global_batch > n_samples:
             raise ValueError(
@@ -44,24 +61,56 @@ class GlobalBatchSampler:
         self._perm_epoch = -1
         self._perm = np.empty(0, dtype=np.int64)
 
+    @property
+    def steps_per_epoch(self) -> int:
+        """Optimizer steps of one epoch: the whole batches, plus the padded last one when not dropping."""
+        whole, rest = divmod(self.n_samples, self.global_batch)
+        return whole + int(rest > 0 and not self.drop_last)
+
     def permutation(self, epoch: int) -> np.ndarray:
         """The sample order of `epoch`."""
         if epoch != self._perm_epoch:
-            self._perm = np.random.default_rng([self.seed, epoch]).permutation(self.n_samples)
+            self._perm = faults.sample_order(np.random.default_rng([self.seed, epoch]).permutation(self.n_samples))
             self._perm_epoch = epoch
         return self._perm
 
     def epoch_samples(self, epoch: int) -> np.ndarray:
-        """Every index that `epoch` hands out (over all ranks)."""
-        steps = self.n_samples // self.global_batch
-        return self.permutation(epoch)[: steps * self.global_batch]
+        """Every index that `epoch` hands out (over all ranks), in order; padding repeats the first ones."""
+        order = self.permutation(epoch)
+        return np.concatenate([order[: self.steps_per_epoch * self.global_batch], self.padding(epoch)])
+
+    def remainder(self, epoch: int) -> np.ndarray:
+        """The indices `epoch` leaves out when dropping the last partial batch (empty when padding)."""
+        if not self.drop_last:
+            return self.permutation(epoch)[:0]
+        return self.permutation(epoch)[self.steps_per_epoch * self.global_batch :]
+
+    def padding(self, epoch: int) -> np.ndarray:
+        """The indices `epoch` hands out a second time to fill its last batch (empty when dropping)."""
+        return self.permutation(epoch)[: max(0, self.steps_per_epoch * self.global_batch - self.n_samples)]
+
+    @property
+    def epoch_done(self) -> bool:
+        """The current epoch has handed out its last batch: the next step starts the next epoch."""
+        if self.drop_last:
+            return self.state.offset + self.global_batch > self.n_samples
+        return self.state.offset >= self.n_samples
+
+    def position(self, steps_done: int) -> SamplerState:
+        """Where step `steps_done + 1` of an uninterrupted run (this global batch, from the start) begins."""
+        epoch, step = divmod(steps_done, self.steps_per_epoch)
+        return SamplerState(epoch, step * self.global_batch)
 
     def next_step(self) -> tuple[int, list[np.ndarray]]:
         """This rank's micro-batches for the next optimizer step, and the epoch they belong to."""
-        if self.state.offset + self.global_batch > self.n_samples:
+        if self.epoch_done:
             self.state = SamplerState(self.state.epoch + 1, 0)
         epoch, start = self.state.epoch, self.state.offset
-        batch = self.permutation(epoch)[start : start + self.global_batch]
+        order = self.permutation(epoch)
+        if start + self.global_batch <= self.n_samples:
+            batch = order[start : start + self.global_batch]
+        else:  # the padded last batch: wrap around to the start of this epoch's order
+            batch = order[np.arange(start, start + self.global_batch) % self.n_samples]
         per_micro = self.world_size * self.micro_batch
         micro = [
             batch[m * per_micro + self.rank * self.micro_batch : m * per_micro + (self.rank + 1) * self.micro_batch]

@@ -166,6 +166,9 @@ class DataSpec(StrictModel):
     val_split: str = Field(
         default="val", pattern=r"^[A-Za-z0-9_-]{1,64}$", description="Held-out split used for evaluation (a name)."
     )
+    drop_last: bool = Field(
+        default=True, description="Leave each epoch's last partial global batch out (false: pad it; DataConfig)."
+    )
 
     @model_validator(mode="after")
     def _one_way(self) -> DataSpec:
@@ -184,4 +187,5 @@ class DataSpec(StrictModel):
             tokenizer_sha256=tokenizer_sha256,
             train_split=self.train_split,
             val_split=self.val_split,
+            drop_last=self.drop_last,
         )
