@@ -51,7 +51,10 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.futures import Future
 
 from training import faults
 from training.checkpoint_trust import (
@@ -72,6 +75,7 @@ log = logging.getLogger(__name__)
 
 COMMIT = "COMMIT.json"
 TRAIN_STATE = "train_state.json"
+DCP_METADATA = ".metadata"  # DCP's own name (torch.distributed.checkpoint.filesystem)
 _STEP_DIR = re.compile(r"step-(\d{8})$")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 # Bytes a checkpoint needs beyond its tensor data: DCP's per-entry zip framing (~1.4 kB seen), the
@@ -148,6 +152,11 @@ class Restored:
 def step_dir_name(step: int) -> str:
     """Folder name of the checkpoint taken after `step` optimizer steps."""
     return f"step-{step:08d}"
+
+
+def rng_file(rank: int) -> str:
+    """The RNG file of `rank`, relative to a step folder."""
+    return f"rng/rank-{rank:05d}.json"
 
 
 def capture_rng() -> dict[str, Any]:
@@ -292,6 +301,30 @@ def _estimate(state: dict[str, Any], world: int) -> _Space:
     return _Space(tensor_bytes, tensor_bytes + overhead)
 
 
+class _PhaseWriter(StorageWriter):
+    """A DCP writer whose per-rank file write is the "writing_dcp" point of the save of `step` (for the drills)."""
+
+    def __init__(self, *args: Any, step: int, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.save_step = step
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        """Write this rank's DCP files, with the drills' phase point before and after."""
+        faults.at_save_phase("writing_dcp", self.save_step, shard_written=False)
+        written = super().write_data(plan, planner)
+        written.wait()
+        faults.at_save_phase("writing_dcp", self.save_step, shard_written=True)
+        return written
+
+
+class _LocalWriter(_PhaseWriter, dcp.FileSystemWriter):
+    """DCP's local-disk writer with the save phase point."""
+
+
+class _RemoteWriter(_PhaseWriter, FsspecWriter):
+    """DCP's fsspec writer with the save phase point."""
+
+
 class CheckpointManager:
     """Saves, finds, verifies, loads and prunes checkpoints. `save` and `load_latest` are collective."""
 
@@ -308,10 +341,10 @@ class CheckpointManager:
     def _dir(self, step: int) -> str:
         return join(self.root, step_dir_name(step))
 
-    def _writer(self, path: str) -> dcp.StorageWriter:
+    def _writer(self, path: str, step: int) -> dcp.StorageWriter:
         if is_local(self.cfg.url):
-            return dcp.FileSystemWriter(local_path(path))
-        return FsspecWriter(path, **self.storage.fsspec_options(self.cfg.url))
+            return _LocalWriter(local_path(path), step=step)
+        return _RemoteWriter(path, step=step, **self.storage.fsspec_options(self.cfg.url))
 
     def _reader(self, path: str) -> SafeFileSystemReader | SafeFsspecReader:
         if is_local(self.cfg.url):
@@ -422,17 +455,31 @@ class CheckpointManager:
     def _write(
         self, step: int, state: dict[str, Any], train_state: dict[str, Any], path: str, disk_full: Callable[[], bool]
     ) -> int:
-        """The data, the small files, the checksums, then COMMIT.json; returns the bytes committed."""
-        _agree(lambda: dcp.save(state, storage_writer=self._writer(self._url(path))), disk_full)
+        """The data, the small files, then the checksums and COMMIT.json; returns the bytes committed.
+
+        Each phase point (faults.at_save_phase) is where the kill_during_save drill stops every rank.
+        """
+        _agree(lambda: dcp.save(state, storage_writer=self._writer(self._url(path), step)), disk_full)
+        early = faults.active().commit_before_extras  # test-only: the broken order the drill must catch
+        nbytes = self._commit(step, sorted(state), path, disk_full) if early else 0
+        faults.at_save_phase("after_dcp", step)
 
         def extras() -> None:
             faults.maybe_break_save(step)
             rng = json.dumps(capture_rng()).encode()
-            write_bytes_atomic(self.fs, join(path, "rng", f"rank-{self.rank:05d}.json"), rng)
+            write_bytes_atomic(self.fs, join(path, rng_file(self.rank)), rng)
             if self.rank == 0:
                 write_bytes_atomic(self.fs, join(path, TRAIN_STATE), json.dumps(train_state, indent=2).encode())
 
         _agree(extras, disk_full)
+        faults.at_save_phase("after_extras", step)
+        if not early:
+            nbytes = self._commit(step, sorted(state), path, disk_full)
+        faults.at_save_phase("after_commit", step)
+        return nbytes
+
+    def _commit(self, step: int, contents: list[str], path: str, disk_full: Callable[[], bool]) -> int:
+        """Checksum every file in the step folder, then rank 0 writes COMMIT.json listing them; the bytes listed."""
         files = _agree(lambda: sorted(self._relative_files(path)))
         mine = _agree(lambda: {rel: sha256_file(self.fs, join(path, rel)) for rel in files[self.rank :: self.world]})
         hashes = _all_gather(mine)
@@ -446,7 +493,7 @@ class CheckpointManager:
             record: dict[str, Any] = {
                 "step": step,
                 "world_size": self.world,
-                "contents": sorted(state),
+                "contents": contents,
                 "created_unix_s": time.time(),
                 "files": {rel: {"sha256": checksums[rel], "bytes": sizes[rel]} for rel in sorted(checksums)},
             }
@@ -528,6 +575,70 @@ class CheckpointManager:
             # Untrusted ones (unsigned, or signed with another key) are not this run's to delete.
             if step <= newest and step not in keep and (step in partial or step in committed):
                 self.fs.rm(self._dir(step), recursive=True)
+
+    # ---- wholeness (one process: for drills and operators) ----------------------------------
+
+    def files(self, step: int) -> list[str]:
+        """Every file in the folder of `step`, relative to it (COMMIT.json included), sorted; [] when absent."""
+        path = self._dir(step)
+        if not self.fs.exists(path):
+            return []
+        prefix = path.rstrip("/") + "/"
+        return sorted(f[len(prefix) :] for f in (p.rstrip("/") for p in self.fs.find(path)) if f.startswith(prefix))
+
+    def wholeness(self, step: int) -> list[str]:
+        """What keeps checkpoint `step` from being whole, one line each ([] when it is whole); not collective.
+
+        Whole: COMMIT.json is there and well-formed (and signed with the key, when one is set); every file it
+        lists exists with its size and sha256; and every file the loader needs exists and is listed (so it was
+        verified): DCP's .metadata, each file it references (up to the last byte it reads), train_state.json
+        and one RNG file per saved rank.
+        """
+        path = self._dir(step)
+        try:
+            commit = self.read_commit(step)
+        except CheckpointFormatError as err:
+            return [f"{COMMIT} {err.problem}"]
+        if commit is None:
+            return [f"{COMMIT} is missing"]
+        problems = []
+        if self.key is not None:
+            try:
+                reason = untrusted_reason(commit, self.key, self._url(path))
+            except CheckpointKeyError as err:
+                reason = err.problem
+            if reason:
+                problems.append(f"{COMMIT}: {reason}")
+        listed = commit["files"]
+        for rel, expected in sorted(listed.items()):
+            full = join(path, rel)
+            if not self.fs.exists(full):
+                problems.append(f"{rel} is missing (COMMIT.json lists it)")
+            elif (size := self.fs.size(full)) != expected["bytes"]:
+                problems.append(f"{rel} has {size} bytes, COMMIT.json says {expected['bytes']}")
+            elif sha256_file(self.fs, full) != expected["sha256"]:
+                problems.append(f"{rel} fails its sha256 check")
+        needed: dict[str, int] = {rng_file(rank): 0 for rank in range(commit["world_size"])}
+        needed[TRAIN_STATE] = 0
+        needed[DCP_METADATA] = 0
+        if self.fs.exists(join(path, DCP_METADATA)):
+            try:
+                metadata = self._reader(self._url(path)).read_metadata()
+            except Exception as err:  # noqa: BLE001 - any failure to read it is the finding
+                problems.append(f"{DCP_METADATA} cannot be read: {_first_line(err)}")
+            else:
+                for info in (metadata.storage_data or {}).values():
+                    needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+        for rel, end in sorted(needed.items()):
+            full = join(path, rel)
+            if not self.fs.exists(full):
+                if rel not in listed:  # a listed one is reported above
+                    problems.append(f"{rel} is missing (the loader needs it)")
+            elif rel not in listed:
+                problems.append(f"{rel} is not listed in COMMIT.json, so nothing verifies it")
+            elif (size := self.fs.size(full)) < end:
+                problems.append(f"{rel} has {size} bytes, {DCP_METADATA} reads up to byte {end}")
+        return problems
 
     # ---- load -------------------------------------------------------------------------------
 

@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import Field
 
 from training.config import MAX_STEPS, StrictModel
+from training.faults import SAVE_PHASES, SavePhase
 from training.storage import LocalPath
 from validation.acceptance import AcceptanceThresholds
 
@@ -54,9 +55,16 @@ class DrillConfig(StrictModel):
     """Checkpoint-restore drills."""
 
     only: list[DrillName] | None = Field(default=None, description="Run just these drills ([] = none); None = all.")
-    catch_save_attempts: int = Field(
-        default=8,
+    save_phases: list[SavePhase] = Field(
+        default_factory=lambda: list(SAVE_PHASES),
+        min_length=1,
+        description="kill_during_save: the points of the save protocol to kill the job at, one job each "
+        f"(of {', '.join(SAVE_PHASES)}).",
+    )
+    relaunch_steps: int = Field(
+        default=3,
         ge=1,
-        le=1000,
-        description="kill_during_save: saves to try before giving up on catching one in flight.",
+        le=MAX_STEPS,
+        description="kill_during_save: steps each relaunch trains past its resume point (compared with the "
+        "uninterrupted run).",
     )

@@ -22,8 +22,9 @@ from tasks.acceptance.workspace import Job, RunOutcome, first_step_time_after, l
 from tasks.cluster import ClusterConfig
 from tasks.errors import UserError
 from tasks.progress import report
-from training.checkpoint import CheckpointManager, step_dir_name
+from training.checkpoint import COMMIT, CheckpointManager, step_dir_name
 from training.config import TrainConfig
+from training.faults import SavePhase, paused_ranks, with_faults
 from training.run_output import CheckpointEvent
 from validation.acceptance import DimensionResult, check_recovery
 
@@ -98,9 +99,13 @@ class DrillContext:
                 raise UserError(f"the drills' reference run failed: {self._reference.status.describe()}", "see its log")
         return self._reference
 
-    def job(self, train: TrainConfig, name: str, cluster: ClusterConfig | None = None) -> Job:
-        """Submit a drill job (its training steps reported as progress of `progress_step`)."""
-        return Job(cluster or self.cluster, train, name, self.faults, self.image, self.progress_step, name)
+    def job(
+        self, train: TrainConfig, name: str, cluster: ClusterConfig | None = None, faults: dict[str, str] | None = None
+    ) -> Job:
+        """Submit a drill job (its training steps reported as progress of `progress_step`); `faults` replace the
+        context's fault variables for this job alone."""
+        variables = self.faults if faults is None else faults
+        return Job(cluster or self.cluster, train, name, variables, self.image, self.progress_step, name)
 
     def recovery(
         self, resumed: RunOutcome, checkpoint_step: int | None, bit_identical: bool | None = None
@@ -158,54 +163,116 @@ def drill_rank_kill(ctx: DrillContext) -> tuple[DrillResult, DimensionResult]:
     return result, recovery
 
 
-def drill_kill_during_save(ctx: DrillContext) -> DrillResult:
-    """Kill the job while a checkpoint is being written; the partial one is never loaded, the previous one is."""
-    train = ctx.train("drill-kill-during-save")
-    manager = CheckpointManager(train.checkpoint, train.storage)
-    caught, t_fail, killed_at = None, 0.0, 0
-    for _ in range(ctx.drills.catch_save_attempts):
-        job = ctx.job(train, "drill-kill-during-save")
+@dataclass
+class SavePhaseOutcome:
+    """kill_during_save at one phase: what the kill left on storage and what the relaunch resumed from."""
 
-        def in_flight(job: Job = job) -> bool:
-            # a save in flight with a complete checkpoint before it, which the relaunch must fall back to
-            if not job.fresh_ranks():
-                return False
-            steps = manager.steps_on_storage()
-            partial = [s for s in steps if manager.read_commit(s) is None]
-            return bool(partial) and any(s < partial[-1] and manager.read_commit(s) is not None for s in steps)
+    phase: SavePhase
+    save_step: int
+    expected_step: int  # where a relaunch must resume: the previous checkpoint until COMMIT.json, then this one
+    files_at_kill: list[str] = field(default_factory=list)  # the stopped save's folder when every rank was killed
+    resumed_from: int | None = None
+    whole: bool = False  # the checkpoint the relaunch resumes from (the newest committed one) is whole
+    partial_skipped_with_warning: bool | None = None  # None after the commit: nothing partial to skip
+    state_matched: bool | None = None
+    recovery_s: float | None = None
+    problems: list[str] = field(default_factory=list)
 
+    @property
+    def passed(self) -> bool:
+        """Nothing was wrong."""
+        return not self.problems
+
+    def to_json(self) -> dict[str, Any]:
+        """As a dict (with `passed`)."""
+        return {**asdict(self), "passed": self.passed}
+
+
+def _kill_in_save(ctx: DrillContext, phase: SavePhase, save_step: int, previous: int) -> SavePhaseOutcome:
+    """Stop the save of `save_step` at `phase` on every rank, SIGKILL them, check what is left, relaunch."""
+    name = f"drill-kill-during-save-{phase.replace('_', '-')}"
+    expected = save_step if phase == "after_commit" else previous
+    outcome = SavePhaseOutcome(phase, save_step, expected)
+    markers = str(ctx.root / name / "save-pause")
+    faults = with_faults(ctx.faults, pause_in_save={"phase": phase, "step": save_step, "marker_dir": markers})
+    train = ctx.train(name, run={"stop_after_steps": save_step + 1})
+    no_restart = ctx.cluster.model_copy(update={"max_restarts": 0})  # the relaunch below is the recovery
+    job = ctx.job(train, name, cluster=no_restart, faults=faults)
+    try:
+        job.wait_until(
+            lambda: len(paused_ranks(markers)) == ctx.cluster.world_size,
+            f"every rank to stop at {phase} of the save of step {save_step}", ctx.acceptance.job_timeout_s, 0.1,
+        )  # fmt: skip
+    except UserError as err:
+        job.cancel()
+        outcome.problems.append(str(err))
+        return outcome
+    for rank in paused_ranks(markers):
         try:
-            job.wait_until(in_flight, "a save in flight", ctx.acceptance.job_timeout_s, 0.002)
-        except UserError:
-            break  # the job finished without us catching a save: nothing left to try
-        for rank in job.ranks_record().ranks:
-            try:
-                job.kill_rank(rank["rank"])
-            except ProcessLookupError:
-                pass
-        t_fail, killed_at = time.time(), last_step(job.output_dir)
-        job.wait(ctx.acceptance.job_timeout_s)
-        partial = [s for s in manager.steps_on_storage() if manager.read_commit(s) is None]
-        if partial:
-            caught = partial[-1]
-            break
-    if caught is None:
-        return DrillResult("kill_during_save", False, message="could not catch a checkpoint save in flight")
-    previous = max((s for s in committed_steps(train) if s < caught), default=None)
-    relaunch = ctx.job(train, "drill-kill-during-save")
-    outcome = relaunch.wait(ctx.acceptance.job_timeout_s)
-    warned = _skipped_for(outcome, caught, "partial")
-    recovery = ctx.recovery(outcome, previous)
-    result = _finish(
-        "kill_during_save", recovery, t_fail, outcome, killed_at - (previous or 0),
-        {"partial_step": caught, "previous_step": previous, "partial_skipped_with_warning": warned},
-    )  # fmt: skip
-    if not warned:
-        result.passed = False
-        result.message = (
-            result.message + "; " if result.message else ""
-        ) + "the resume did not record skipping the partial checkpoint"
-    return result
+            job.kill_rank(rank.rank)
+        except ProcessLookupError:
+            pass
+    t_fail = time.time()
+    job.wait(ctx.acceptance.job_timeout_s)
+    manager = CheckpointManager(train.checkpoint, train.storage)
+    outcome.files_at_kill = manager.files(save_step)
+    newest = max(committed_steps(train), default=None)
+    if newest != expected:
+        outcome.problems.append(
+            f"after the kill the newest committed checkpoint is step {newest}, expected step {expected} "
+            f"(the save of step {save_step} was killed {'after' if phase == 'after_commit' else 'before'} "
+            f"its {COMMIT} should exist)"
+        )
+    if newest is not None:
+        missing = manager.wholeness(newest)
+        outcome.whole = not missing
+        outcome.problems.extend(f"{step_dir_name(newest)} is not whole: {problem}" for problem in missing)
+
+    relaunch = ctx.train(name, run={"stop_after_steps": expected + ctx.drills.relaunch_steps})
+    resumed = ctx.job(relaunch, name).wait(ctx.acceptance.job_timeout_s)
+    if not resumed.ok:
+        outcome.problems.append(f"the relaunch {resumed.status.describe()}")
+        return outcome
+    recovery = ctx.recovery(resumed, expected)
+    outcome.resumed_from = recovery.measured["resumed_from_step"]
+    outcome.state_matched = recovery.passed
+    if not recovery.passed:
+        outcome.problems.append(recovery.message)
+    if outcome.resumed_from is not None:
+        first = first_step_time_after(resumed.output_dir, outcome.resumed_from + 1, t_fail)
+        outcome.recovery_s = None if first is None else first - t_fail
+    if phase != "after_commit":
+        outcome.partial_skipped_with_warning = _skipped_for(resumed, save_step, "partial")
+        if not outcome.partial_skipped_with_warning:
+            outcome.problems.append(f"the resume did not record skipping the partial checkpoint of step {save_step}")
+    return outcome
+
+
+def drill_kill_during_save(ctx: DrillContext) -> DrillResult:
+    """SIGKILL every rank at each point of a save (drills.save_phases); each relaunch resumes from a whole
+    checkpoint: the previous one while the save is uncommitted, the new one once its COMMIT.json is written."""
+    every = ctx.acceptance.save_every_steps
+    save_step = 2 * every  # the second save, so that a committed checkpoint precedes it
+    needed = save_step + ctx.drills.relaunch_steps
+    if needed > ctx.acceptance.steps:
+        return DrillResult(
+            "kill_during_save", False,
+            message=f"acceptance.steps={ctx.acceptance.steps} is too short: the drill stops the save of step "
+            f"{save_step} and relaunches for drills.relaunch_steps={ctx.drills.relaunch_steps}; "
+            f"use acceptance.steps >= {needed}",
+        )  # fmt: skip
+    outcomes = [_kill_in_save(ctx, phase, save_step, every) for phase in ctx.drills.save_phases]
+    failed = [o for o in outcomes if not o.passed]
+    times = [o.recovery_s for o in outcomes if o.recovery_s is not None]
+    return DrillResult(
+        name="kill_during_save",
+        passed=not failed,
+        recovery_s=max(times) if times else None,
+        steps_lost=max(o.save_step - o.expected_step for o in outcomes),
+        state_matched=all(o.state_matched for o in outcomes),
+        message="; ".join(f"killed at {o.phase}: {'; '.join(o.problems)}" for o in failed),
+        evidence={"save_step": save_step, "phases": [o.to_json() for o in outcomes]},
+    )
 
 
 def _copy_reference_checkpoints(ctx: DrillContext, target: TrainConfig) -> list[int]:

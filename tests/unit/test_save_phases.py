@@ -1,0 +1,183 @@
+"""The save protocol's phase points (where the kill_during_save drill stops a save) and the wholeness check."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.unit.checkpoints import (
+    manager_at,
+    no_key_and_quiet_dcp,  # noqa: F401 - autouse fixture
+    saved_steps,
+    tiny_model,
+)
+from training import faults
+from training.checkpoint import COMMIT, DCP_METADATA, TRAIN_STATE, rng_file, step_dir_name
+from training.faults import ENV_VAR, SAVE_PHASES, PausedRank, TestFaults, paused_ranks, with_faults
+
+SHARD = "__0_0.distcp"
+
+
+def _phases_seen(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, injected: TestFaults) -> dict[str, list[str]]:
+    """Save one checkpoint; the files of its folder at each phase point (writing_dcp: once this rank's are written)."""
+    manager = manager_at(tmp_path / "ckpt")
+    seen: dict[str, list[str]] = {}
+
+    def record(phase: str, step: int, shard_written: bool | None = None) -> None:
+        if shard_written is not False:
+            seen[phase] = manager.files(step)
+
+    monkeypatch.setattr(faults, "active", lambda: injected)
+    monkeypatch.setattr(faults, "at_save_phase", record)
+    manager.save(3, *tiny_model(), {"step": 3})
+    return seen
+
+
+def test_each_save_phase_point_sees_exactly_the_files_its_name_says(tmp_path: Path, monkeypatch) -> None:
+    seen = _phases_seen(tmp_path, monkeypatch, TestFaults())
+    assert list(seen) == list(SAVE_PHASES)
+    dcp_files = [DCP_METADATA, SHARD]
+    extras = [rng_file(0), TRAIN_STATE]
+    assert seen["writing_dcp"] == [SHARD]  # this rank's data, no metadata yet
+    assert seen["after_dcp"] == dcp_files
+    assert seen["after_extras"] == sorted(dcp_files + extras)
+    assert seen["after_commit"] == sorted([COMMIT, *dcp_files, *extras])
+
+
+def test_the_commit_before_extras_mutation_commits_right_after_the_dcp_files(tmp_path: Path, monkeypatch) -> None:
+    seen = _phases_seen(tmp_path, monkeypatch, TestFaults(commit_before_extras=True))
+    assert seen["after_dcp"] == [DCP_METADATA, COMMIT, SHARD]
+    commit = json.loads((tmp_path / "ckpt" / step_dir_name(3) / COMMIT).read_text())
+    assert sorted(commit["files"]) == [DCP_METADATA, SHARD]
+
+
+def _stop_at_sleep(monkeypatch: pytest.MonkeyPatch) -> type[Exception]:
+    class Stopped(Exception):
+        pass
+
+    def sleep(seconds: float) -> None:
+        raise Stopped
+
+    monkeypatch.setattr(faults.time, "sleep", sleep)
+    return Stopped
+
+
+def test_a_rank_asked_to_pause_at_a_phase_leaves_its_marker_and_stops(tmp_path: Path, monkeypatch) -> None:
+    markers = tmp_path / "markers"
+    injected = TestFaults(pause_in_save={"phase": "after_extras", "step": 4, "marker_dir": str(markers)})
+    monkeypatch.setattr(faults, "active", lambda: injected)
+    stopped = _stop_at_sleep(monkeypatch)
+
+    faults.at_save_phase("after_dcp", 4)  # another phase
+    faults.at_save_phase("after_extras", 2)  # another save
+    assert paused_ranks(str(markers)) == []
+    with pytest.raises(stopped):
+        faults.at_save_phase("after_extras", 4)
+    (marker,) = paused_ranks(str(markers))
+    assert isinstance(marker, PausedRank) and (marker.rank, marker.phase, marker.step) == (0, "after_extras", 4)
+
+
+def test_while_dcp_is_written_rank_0_stops_once_its_files_are_written(tmp_path: Path, monkeypatch) -> None:
+    markers = tmp_path / "markers"
+    injected = TestFaults(pause_in_save={"phase": "writing_dcp", "step": 4, "marker_dir": str(markers)})
+    monkeypatch.setattr(faults, "active", lambda: injected)
+    stopped = _stop_at_sleep(monkeypatch)
+
+    faults.at_save_phase("writing_dcp", 4, shard_written=False)  # rank 0 writes its files first
+    assert paused_ranks(str(markers)) == []
+    with pytest.raises(stopped):
+        faults.at_save_phase("writing_dcp", 4, shard_written=True)
+
+
+def test_with_faults_adds_fields_to_the_job_fault_variable_and_keeps_the_others() -> None:
+    base = {ENV_VAR: json.dumps({"commit_before_extras": True})}
+    pause = {"phase": "after_dcp", "step": 4, "marker_dir": "/tmp/m"}
+    merged = TestFaults.model_validate_json(with_faults(base, pause_in_save=pause)[ENV_VAR])
+    assert merged.commit_before_extras and merged.pause_in_save is not None
+    assert merged.pause_in_save.phase == "after_dcp" and merged.pause_in_save.step == 4
+    with pytest.raises(ValueError, match="pause_in_save"):
+        with_faults(None, pause_in_save={**pause, "phase": "somewhere"})
+
+
+# ---- wholeness ------------------------------------------------------------------------------------
+
+
+def _rewrite_commit(folder: Path, drop: str) -> None:
+    """COMMIT.json as if the save had not listed `drop`."""
+    commit = json.loads((folder / COMMIT).read_text())
+    del commit["files"][drop]
+    (folder / COMMIT).write_text(json.dumps(commit))
+
+
+@pytest.fixture
+def saved(tmp_path: Path):  # noqa: ANN201
+    """A manager and the folder of its committed checkpoint of step 2."""
+    manager = saved_steps(tmp_path / "ckpt", 2)
+    return manager, tmp_path / "ckpt" / step_dir_name(2)
+
+
+def test_a_checkpoint_as_saved_is_whole(saved) -> None:
+    manager, _ = saved
+    assert manager.wholeness(2) == []
+
+
+def test_a_missing_listed_file_is_named(saved) -> None:
+    manager, folder = saved
+    (folder / SHARD).unlink()
+    assert manager.wholeness(2) == [f"{SHARD} is missing (COMMIT.json lists it)"]
+
+
+def test_a_listed_file_of_the_wrong_size_is_named(saved) -> None:
+    manager, folder = saved
+    with open(folder / TRAIN_STATE, "ab") as handle:
+        handle.write(b" ")
+    (problem,) = manager.wholeness(2)
+    assert problem.startswith(f"{TRAIN_STATE} has ") and "COMMIT.json says" in problem
+
+
+def test_a_changed_listed_file_fails_its_checksum(saved) -> None:
+    manager, folder = saved
+    data = bytearray((folder / SHARD).read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (folder / SHARD).write_bytes(bytes(data))
+    assert manager.wholeness(2) == [f"{SHARD} fails its sha256 check"]
+
+
+def test_an_rng_file_the_commit_never_listed_is_missing_for_the_loader(saved) -> None:
+    manager, folder = saved
+    (folder / rng_file(0)).unlink()
+    _rewrite_commit(folder, rng_file(0))
+    assert manager.wholeness(2) == [f"{rng_file(0)} is missing (the loader needs it)"]
+
+
+def test_a_needed_file_present_but_not_listed_is_unverified(saved) -> None:
+    manager, folder = saved
+    _rewrite_commit(folder, TRAIN_STATE)
+    assert manager.wholeness(2) == [f"{TRAIN_STATE} is not listed in COMMIT.json, so nothing verifies it"]
+
+
+def test_a_missing_dcp_metadata_is_named(saved) -> None:
+    manager, folder = saved
+    (folder / DCP_METADATA).unlink()
+    _rewrite_commit(folder, DCP_METADATA)
+    assert manager.wholeness(2) == [f"{DCP_METADATA} is missing (the loader needs it)"]
+
+
+def test_a_shard_shorter_than_the_metadata_reads_is_named_even_when_the_commit_agrees(saved) -> None:
+    manager, folder = saved
+    short = (folder / SHARD).read_bytes()[:100]
+    (folder / SHARD).write_bytes(short)
+    commit = json.loads((folder / COMMIT).read_text())
+    commit["files"][SHARD] = {"sha256": hashlib.sha256(short).hexdigest(), "bytes": len(short)}
+    (folder / COMMIT).write_text(json.dumps(commit))
+    (problem,) = manager.wholeness(2)
+    assert problem.startswith(f"{SHARD} has 100 bytes, {DCP_METADATA} reads up to byte ")
+
+
+def test_an_uncommitted_checkpoint_is_not_whole(saved) -> None:
+    manager, folder = saved
+    (folder / COMMIT).unlink()
+    assert manager.wholeness(2) == [f"{COMMIT} is missing"]
