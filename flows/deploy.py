@@ -17,7 +17,7 @@ from tasks.acceptance.suite import workspace_root
 from tasks.acceptance.task import run_acceptance, run_drills
 from tasks.capacity.task import estimate_capacity
 from tasks.deployment import (
-    existing_dataset,
+    dataset_check_inputs,
     image_inputs,
     node_report_path,
     plan_inputs,
@@ -38,7 +38,7 @@ from tasks.pipeline import (
     publish_summary,
     spec_label,
 )
-from tasks.prepare.task import prepare_data
+from tasks.prepare.task import check_dataset, prepare_data
 from tasks.progress import report
 from tasks.spec import DeploymentSpec
 
@@ -80,7 +80,9 @@ def deploy_training(spec: SpecSource = "examples/local.yaml") -> Results:
         results["image"] = built = image_step(*image_inputs(spec).args())
         step = begin("data")
         prepare = spec.data.prepare
-        results["data"] = data = data_step(prepare, spec.storage) if prepare else existing_dataset(spec)
+        results["data"] = data = (
+            data_step(prepare, spec.storage) if prepare else check_dataset(*dataset_check_inputs(spec))
+        )
         train = training_config(spec, data)
         image = built.job_image
         step = begin("job")

@@ -7,10 +7,10 @@ from prefect import flow
 from flows.deploy import load_or_diagnose
 from tasks.acceptance.suite import workspace_root
 from tasks.acceptance.task import run_acceptance, run_drills
-from tasks.deployment import existing_dataset, training_config
+from tasks.deployment import dataset_check_inputs, training_config
 from tasks.logs import install_user_error_filter
 from tasks.pipeline import STEP_TITLES, Results, SpecSource, diagnose_failure, publish_summary
-from tasks.prepare.task import prepare_data
+from tasks.prepare.task import check_dataset, prepare_data
 from tasks.progress import report
 
 STEPS = ("spec", "data", "acceptance", "drills")
@@ -31,9 +31,9 @@ def nightly_validation(spec: SpecSource = "examples/local.yaml") -> Results:
 
     try:
         begin(step)
-        if spec.data.prepare is not None:
-            results["data"] = prepare_data(spec.data.prepare, spec.storage)  # reuses the finished dataset
-        train = training_config(spec, results.get("data") or existing_dataset(spec))
+        prepare = spec.data.prepare  # a prepared dataset is reused; a given one's verdict is cached
+        results["data"] = prepare_data(prepare, spec.storage) if prepare else check_dataset(*dataset_check_inputs(spec))
+        train = training_config(spec, results["data"])
         root = workspace_root(spec.acceptance, train, nightly=True)  # a fresh workspace per night
         step = begin("acceptance")
         results["acceptance"] = run_acceptance(

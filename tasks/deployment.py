@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from tasks.image.build import ImageResult
     from tasks.image.config import ImageConfig
     from tasks.nodes.report import NodeReport
+    from tasks.prepare.existing import CheckedDataset
     from tasks.prepare.pipeline import PrepareResult
     from tasks.spec import DeploymentSpec
     from training.config import TrainConfig
@@ -130,10 +131,14 @@ class ImageStepResult(StepResult):
 
 
 class DataResult(StepResult):
-    """The dataset the job trains on: prepared (or reused) by the data step, or the spec's own."""
+    """The dataset the job trains on: prepared (or reused) by the data step, or the spec's own (validated)."""
 
     dataset_url: str
     reused: bool
+    given: bool = False
+    """The spec's own dataset (data.dataset_url), checked by the data step's token suite."""
+    cached_verdict: bool = False
+    """The token suite's verdict of an earlier check of this very dataset was reused (nothing rescanned)."""
     splits: dict[str, dict[str, int]] = {}
     tokenizer_sha256: str | None = None
     vocab_size: int | None = None
@@ -149,10 +154,23 @@ class DataResult(StepResult):
         values = {name: getattr(prepared, name) for name in fields}
         return cls(**values, validation_url=prepared.validation_url, data_docs_url=prepared.data_docs_url)
 
+    @classmethod
+    def of_checked(cls, checked: CheckedDataset) -> DataResult:
+        """The result of the token suite over a dataset given by URL."""
+        fields = ("dataset_url", "splits", "tokenizer_sha256", "vocab_size", "validation", "validation_url")
+        values = {name: getattr(checked, name) for name in fields}
+        return cls(
+            **values, reused=True, given=True, cached_verdict=checked.cached, data_docs_url=checked.data_docs_url
+        )
+
     def summary(self) -> str:
-        """Where the dataset is, whether it was reused, and its splits' sizes."""
+        """Where the dataset is, whether it was reused or given, its splits' sizes and its validation."""
         splits = ", ".join(f"{k} {v['tokens']:,} tokens / {v['docs']:,} docs" for k, v in self.splits.items())
-        return f"`{self.dataset_url}` ({'reused' if self.reused else 'prepared'}): {splits}"
+        origin = "given" if self.given else ("reused" if self.reused else "prepared")
+        checked = "passed" if self.validation.get("success") else "skipped"
+        if self.cached_verdict:
+            checked += " (cached verdict)"
+        return f"`{self.dataset_url}` ({origin}): {splits}; validation {checked}"
 
 
 class JobResult(StepResult):
@@ -248,10 +266,19 @@ def image_inputs(spec: DeploymentSpec, record_dir: str | None = None) -> ImageIn
     )
 
 
-def existing_dataset(spec: DeploymentSpec) -> DataResult:
-    """The data result of a spec that trains on an existing dataset (data.dataset_url; nothing to prepare)."""
+def dataset_check_inputs(spec: DeploymentSpec) -> tuple[Any, ...]:
+    """The data step's arguments for data.dataset_url (`check_dataset_url`, `check_dataset`): the data section,
+    the model's vocab_size, storage, and the reports folder that keeps the verdict."""
     assert spec.data.dataset_url is not None, "a spec without data.prepare has data.dataset_url"
-    return DataResult(dataset_url=spec.data.dataset_url, reused=True)
+    return (spec.data, spec.model.vocab_size, spec.storage, spec.reports_dir)
+
+
+def existing_dataset(spec: DeploymentSpec) -> DataResult:
+    """The data result of a spec that trains on an existing dataset (data.dataset_url): the token suite over
+    the whole dataset first (or the cached verdict of an identical check); a bad dataset raises."""
+    from tasks.prepare.existing import check_dataset_url
+
+    return DataResult.of_checked(check_dataset_url(*dataset_check_inputs(spec)))
 
 
 def training_config(spec: DeploymentSpec, data: DataResult) -> TrainConfig:

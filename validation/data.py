@@ -2,6 +2,12 @@
 
 Plain functions over dataframes and dataset files; no Prefect. Great Expectations
 is imported only when a suite runs (the import takes seconds).
+
+Suite (b) runs on tables built by streaming every shard once (`scan_shard`: sha256,
+id range, first out-of-range id, index offsets), so a dataset of any size is checked
+in bounded memory; the per-document table (duplicates across splits, empty documents)
+is built only where the dataset was just written (`documents=True`, the prepare path).
+Each defect is also reported as a `DataProblem` that names the file, the value and the fix.
 """
 
 from __future__ import annotations
@@ -10,10 +16,12 @@ import hashlib
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+import numpy as np
 from pydantic import Field
 
 from training.config import StrictModel
@@ -102,12 +110,15 @@ class SuiteReport:
     evaluated: int
     failed: list[FailedExpectation] = field(default_factory=list)
     data_docs_dir: str | None = None
+    problems: list[DataProblem] = field(default_factory=list)
+    """Each defect found, with its file, value and fix (the failed expectations say which rule it broke)."""
 
     def to_json(self) -> dict[str, Any]:
         """JSON-safe form for validation.json."""
         return {
             "success": self.success,
             "evaluated_expectations": self.evaluated,
+            "problems": [p.to_json() for p in self.problems],
             "failed": [
                 {
                     "suite": f.suite,
@@ -247,101 +258,256 @@ def run_document_suite(
     return runner.run("documents", rows, document_expectations(runner.gx, limits, min_chars, max_chars))
 
 
-def dataset_expectations(gx: Any, vocab_size: int, max_shard_tokens: int, limits: DataExpectations) -> dict[str, list]:
-    """Suite (b): one list of expectations per table of `dataset_tables`."""
-    from great_expectations.expectations.row_conditions import Column
+SUITE_VERSION = 2
+"""Version of the dataset checks: a verdict cached by another version is not reused."""
 
-    e = gx.expectations
-    return {
-        "dataset_documents": [
-            e.ExpectColumnValuesToBeBetween(column="min_id", min_value=0),
-            e.ExpectColumnValuesToBeBetween(column="max_id", max_value=vocab_size - 1),
-            e.ExpectColumnValuesToBeBetween(column="n_tokens", min_value=1),
-            e.ExpectColumnValuesToBeInSet(column="in_several_splits", value_set=[False]),
-        ],
-        "dataset_shards": [
-            e.ExpectColumnValuesToBeBetween(column="n_tokens", min_value=1, max_value=max_shard_tokens),
-            e.ExpectColumnValuesToBeInSet(column="bytes_match", value_set=[True]),
-            e.ExpectColumnValuesToBeInSet(column="tokens_sha256_match", value_set=[True]),
-            e.ExpectColumnValuesToBeInSet(column="index_sha256_match", value_set=[True]),
-        ],
-        "dataset_splits": [
-            e.ExpectColumnPairValuesToBeEqual(column_A="manifest_tokens", column_B="counted_tokens"),
-            e.ExpectColumnPairValuesToBeEqual(column_A="manifest_docs", column_B="counted_docs"),
-            e.ExpectColumnValuesToBeBetween(
-                column="counted_docs",
-                min_value=limits.min_val_documents,
-                row_condition=Column("split") == "val",
-            ),
-        ],
-    }
+_CHUNK_BYTES = 8 << 20
+_RECOPY = "re-copy the dataset (a transfer cut short?) or rebuild it (tdeploy prepare-data)"
+_REPLACED = "the file is corrupt or was replaced; re-copy the dataset or rebuild it (tdeploy prepare-data)"
+_REBUILD = "the dataset is inconsistent with its manifest; rebuild it (tdeploy prepare-data)"
 
 
-def run_dataset_suite(
-    runner: SuiteRunner, url: str, limits: DataExpectations, shard_tokens: int, storage: Any = None
-) -> tuple[int, list[FailedExpectation]]:
-    """Suite (b): the tokenized dataset at `url` against its manifest, written with `shard_tokens` per shard.
+@dataclass(frozen=True)
+class DataProblem:
+    """One defect of a dataset: the file at fault (relative to the dataset root), what is wrong with the value,
+    and the fix."""
 
-    A shard is closed once it reaches shard_tokens, so it holds fewer than shard_tokens plus its
-    last document and EOS.
+    file: str | None
+    problem: str
+    fix: str
+
+    def describe(self) -> str:
+        """`problem; fix` in one line."""
+        return f"{self.problem}; {self.fix}"
+
+    def to_json(self) -> dict[str, Any]:
+        """As a dict (validation.json)."""
+        return asdict(self)
+
+
+@dataclass
+class ShardScan:
+    """One shard's token and index files as read, beside what the manifest says of them."""
+
+    split: str
+    number: int
+    info: Any
+    """The manifest's entry (training.dataset.ShardInfo)."""
+    dtype: str
+    unreadable: dict[str, str] = field(default_factory=dict)
+    """Per file not read (relative path): why (missing, or leading outside the dataset root)."""
+    tokens_bytes: int | None = None
+    index_bytes: int | None = None
+    tokens_sha256: str | None = None
+    index_sha256: str | None = None
+    min_id: int | None = None
+    max_id: int | None = None
+    first_bad: tuple[int, int] | None = None
+    """(position, id) of the first token id at or above the vocabulary limit."""
+    index_problem: str | None = None
+    counted_docs: int = 0
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes per token id."""
+        return np.dtype(self.dtype).itemsize
+
+    @property
+    def counted_tokens(self) -> int:
+        """Whole token ids in the token file (0 when it was not read)."""
+        return (self.tokens_bytes or 0) // self.itemsize
+
+    @property
+    def bytes_match(self) -> bool:
+        """Both files have the sizes the manifest's counts imply."""
+        return (
+            self.tokens_bytes == self.info.n_tokens * self.itemsize and self.index_bytes == (self.info.n_docs + 1) * 8
+        )
+
+    def row(self) -> dict[str, Any]:
+        """The shard's row of the `shards` table."""
+        return {
+            "split": self.split,
+            "shard": self.number,
+            "n_tokens": self.counted_tokens,
+            "min_id": self.min_id or 0,
+            "max_id": -1 if self.max_id is None else self.max_id,
+            "bytes_match": self.bytes_match,
+            "tokens_sha256_match": self.tokens_sha256 == self.info.tokens_sha256,
+            "index_sha256_match": self.index_sha256 == self.info.index_sha256,
+            "index_valid": self.index_bytes is not None and self.index_problem is None,
+        }
+
+
+class _Stream:
+    """A file read chunk by chunk: its sha256 and size as it goes, and its whole items as arrays."""
+
+    def __init__(self, chunks: Iterable[bytes], dtype: np.dtype) -> None:
+        self.chunks, self.dtype = chunks, dtype
+        self.digest, self.nbytes = hashlib.sha256(), 0
+
+    def arrays(self) -> Iterator[np.ndarray]:
+        rest = b""
+        for chunk in self.chunks:
+            self.digest.update(chunk)
+            self.nbytes += len(chunk)
+            data = rest + chunk if rest else chunk
+            whole = len(data) - len(data) % self.dtype.itemsize
+            if whole:
+                yield np.frombuffer(data, dtype=self.dtype, count=whole // self.dtype.itemsize)
+            rest = data[whole:]  # a trailing partial item is never decoded: the size check reports it
+
+
+def _chunks(fs: Any, path: str) -> Iterator[bytes]:
+    with fs.open(path, "rb") as handle:
+        while chunk := handle.read(_CHUNK_BYTES):
+            yield chunk
+
+
+def _scan_tokens(scan: ShardScan, stream: _Stream, limit: int) -> None:
+    position = 0
+    for ids in stream.arrays():
+        low, high = int(ids.min()), int(ids.max())
+        scan.min_id = low if scan.min_id is None else min(scan.min_id, low)
+        scan.max_id = high if scan.max_id is None else max(scan.max_id, high)
+        if scan.first_bad is None and high >= limit:
+            at = int(np.argmax(ids >= limit))
+            scan.first_bad = (position + at, int(ids[at]))
+        position += ids.size
+    scan.tokens_bytes, scan.tokens_sha256 = stream.nbytes, stream.digest.hexdigest()
+
+
+def _scan_index(scan: ShardScan, stream: _Stream) -> None:
+    """Offsets start at 0, never decrease and end at the token file's length."""
+    count, previous, problem = 0, None, None
+    for offsets in stream.arrays():
+        if problem is None:
+            if previous is None and offsets[0] != 0:
+                problem = f"starts at offset {int(offsets[0])}, not 0"
+            else:
+                before = np.concatenate(([offsets[0] if previous is None else previous], offsets[:-1]))
+                down = np.flatnonzero(offsets < before)
+                if down.size:
+                    k = int(down[0])
+                    problem = (
+                        f"offset {int(offsets[k])} at entry {count + k} is below the one before it ({int(before[k])})"
+                    )
+        count += offsets.size
+        previous = int(offsets[-1])
+    if problem is None and previous is None:
+        problem = "holds no offset (it ends with the shard's length)"
+    elif problem is None and scan.tokens_bytes is not None and previous != scan.counted_tokens:
+        problem = f"ends at offset {previous}, the token file holds {scan.counted_tokens} tokens"
+    scan.index_bytes, scan.index_sha256 = stream.nbytes, stream.digest.hexdigest()
+    scan.counted_docs, scan.index_problem = max(0, count - 1), problem
+
+
+def _readable(fs: Any, root: str, rel: str, real_root: str | None) -> tuple[str | None, str | None]:
+    """(path to read, None), or (None, why not): missing, or (locally) resolving outside the dataset root."""
+    path = f"{root.rstrip('/')}/{rel}"
+    if real_root is not None:
+        real = os.path.realpath(path)
+        if not real.startswith(real_root.rstrip(os.sep) + os.sep):
+            return None, f"{rel} resolves to {real}, outside the dataset root {real_root} (a symbolic link?)"
+        path = real
+    if not fs.exists(path):
+        return None, f"{rel} is missing"
+    return path, None
+
+
+def scan_shard(
+    fs: Any,
+    root: str,
+    split: str,
+    number: int,
+    info: Any,
+    dtype: str,
+    limit: int,
+    real_root: str | None = None,
+    keep_bytes: bool = False,
+) -> tuple[ShardScan, tuple[bytes, bytes] | None]:
+    """Read one shard's files once: sizes, sha256, id range, the first id >= `limit`, the index offsets.
+
+    The files are streamed in chunks; with `keep_bytes` each is read whole and returned as well (tokens, index),
+    for the per-document table. `real_root` (a local dataset's resolved root) refuses files that resolve outside it.
     """
-    tables = dataset_tables(url, storage)
-    manifest = tables["manifest"]
-    longest = int(tables["documents"]["n_tokens"].max()) if len(tables["documents"]) else 0
-    suites = dataset_expectations(runner.gx, manifest.vocab_size, shard_tokens + longest + 1, limits)
-    evaluated, failed = 0, []
-    for name, expectations in suites.items():
-        n, bad = runner.run(name, tables[name.removeprefix("dataset_")], expectations)
-        evaluated += n
-        failed.extend(bad)
-    return evaluated, failed
+    scan = ShardScan(split, number, info, dtype)
+    paths = {}
+    for rel in (info.tokens, info.index):
+        path, why = _readable(fs, root, rel, real_root)
+        if why is not None:
+            scan.unreadable[rel] = why
+        paths[rel] = path
+    token_type = np.dtype(dtype).newbyteorder("<")
+    raw: dict[str, bytes] = {}
+
+    def chunks(rel: str) -> Iterable[bytes]:
+        if not keep_bytes:
+            return _chunks(fs, paths[rel])
+        raw[rel] = fs.cat_file(paths[rel])
+        return [raw[rel]]
+
+    if paths[info.tokens] is not None:
+        _scan_tokens(scan, _Stream(chunks(info.tokens), token_type), limit)
+    if paths[info.index] is not None:
+        _scan_index(scan, _Stream(chunks(info.index), np.dtype("<i8")))
+    kept = (raw[info.tokens], raw[info.index]) if len(raw) == 2 else None
+    return scan, kept
 
 
-def dataset_tables(url: str, storage: Any = None) -> dict[str, Any]:
-    """Per-document, per-shard and per-split tables of a written dataset, for suite (b)."""
-    import numpy as np
+@dataclass
+class DatasetTables:
+    """A dataset's tables for suite (b), and the shard scans they were made from."""
+
+    manifest: Any
+    """The dataset's manifest (training.dataset.DatasetManifest)."""
+    limit: int
+    """Token ids must be below this: the manifest's vocab_size, or the model's when that is smaller."""
+    limit_name: str
+    """Where the limit comes from, for messages (`model.vocab_size` or `the manifest's vocab_size`)."""
+    scans: list[ShardScan]
+    shards: Any
+    splits: Any
+    documents: Any | None = None
+    """One row per document; None where it was not built (`documents=False`)."""
+
+    def table(self, name: str) -> Any:
+        """The table of suite part `name` (`documents`, `shards`, `splits`)."""
+        return {"documents": self.documents, "shards": self.shards, "splits": self.splits}[name]
+
+
+def dataset_tables(
+    url: str, storage: Any = None, vocab_size: int | None = None, documents: bool = True
+) -> DatasetTables:
+    """Per-shard and per-split tables of a written dataset (and per-document ones with `documents`), for suite (b).
+
+    Every shard is read once: streamed in chunks, or whole (one shard at a time) for the per-document table.
+    `vocab_size` is the model's: token ids must also be below it.
+    """
     import pandas as pd
 
     from training.dataset import read_manifest
-    from training.storage import filesystem, join
+    from training.storage import filesystem, is_local, local_path
 
     manifest = read_manifest(url, storage)
     fs, root = filesystem(url, storage)
-    itemsize = np.dtype(manifest.dtype).itemsize
-    docs, shards, splits = [], [], []
+    real_root = os.path.realpath(local_path(url)) if is_local(url) else None
+    limit, limit_name = manifest.vocab_size, "the manifest's vocab_size"
+    if vocab_size is not None and vocab_size <= manifest.vocab_size:
+        limit, limit_name = vocab_size, "model.vocab_size"
+    token_type = np.dtype(manifest.dtype).newbyteorder("<")
+    docs, scans, splits = [], [], []
     for split_name, split in manifest.splits.items():
         counted_tokens = counted_docs = 0
         for number, shard in enumerate(split.shards):
-            tokens_path, index_path = join(root, shard.tokens), join(root, shard.index)
-            raw = fs.cat_file(tokens_path)
-            index_raw = fs.cat_file(index_path)
-            shards.append(
-                {
-                    "split": split_name,
-                    "shard": number,
-                    "n_tokens": len(raw) // itemsize,
-                    "bytes_match": len(raw) == shard.n_tokens * itemsize,
-                    "tokens_sha256_match": hashlib.sha256(raw).hexdigest() == shard.tokens_sha256,
-                    "index_sha256_match": hashlib.sha256(index_raw).hexdigest() == shard.index_sha256,
-                }
+            scan, kept = scan_shard(
+                fs, root, split_name, number, shard, manifest.dtype, limit, real_root, keep_bytes=documents
             )
-            ids = np.frombuffer(raw, dtype=np.dtype(manifest.dtype).newbyteorder("<")).astype(np.int64)
-            starts = np.frombuffer(index_raw, dtype="<i8")
-            counted_tokens += ids.size
-            counted_docs += max(0, starts.size - 1)
-            for begin, end in zip(starts[:-1], starts[1:], strict=True):
-                body = ids[begin:end]
-                if manifest.eos_id is not None and body.size and body[-1] == manifest.eos_id:
-                    body = body[:-1]
-                docs.append(
-                    {
-                        "split": split_name,
-                        "n_tokens": int(body.size),
-                        "min_id": int(body.min()) if body.size else 0,
-                        "max_id": int(body.max()) if body.size else 0,
-                        "doc_hash": hashlib.sha256(body.tobytes()).hexdigest(),
-                    }
-                )
+            scans.append(scan)
+            counted_tokens += scan.counted_tokens
+            counted_docs += scan.counted_docs
+            if kept is not None:
+                docs += _document_rows(split_name, kept, token_type, manifest.eos_id)
         splits.append(
             {
                 "split": split_name,
@@ -351,12 +517,248 @@ def dataset_tables(url: str, storage: Any = None) -> dict[str, Any]:
                 "counted_docs": counted_docs,
             }
         )
-    doc_frame = pd.DataFrame(docs)
-    per_split = doc_frame.groupby("doc_hash")["split"].nunique()
-    doc_frame["in_several_splits"] = doc_frame["doc_hash"].map(per_split) > 1
-    return {
-        "manifest": manifest,
-        "documents": doc_frame,
-        "shards": pd.DataFrame(shards),
-        "splits": pd.DataFrame(splits),
+    doc_frame = None
+    if documents:
+        doc_frame = pd.DataFrame(docs, columns=["split", "n_tokens", "doc_hash"])
+        per_split = doc_frame.groupby("doc_hash")["split"].nunique()
+        doc_frame["in_several_splits"] = doc_frame["doc_hash"].map(per_split) > 1
+    return DatasetTables(
+        manifest, limit, limit_name, scans, pd.DataFrame([s.row() for s in scans]), pd.DataFrame(splits), doc_frame
+    )
+
+
+def _document_rows(split: str, kept: tuple[bytes, bytes], token_type: np.dtype, eos_id: int | None) -> list[dict]:
+    tokens_raw, index_raw = kept
+    ids = np.frombuffer(tokens_raw, dtype=token_type, count=len(tokens_raw) // token_type.itemsize)
+    starts = np.frombuffer(index_raw, dtype="<i8", count=len(index_raw) // 8)
+    rows = []
+    for begin, end in zip(starts[:-1], starts[1:], strict=True):
+        body = ids[begin:end]
+        if eos_id is not None and body.size and body[-1] == eos_id:
+            body = body[:-1]
+        rows.append(
+            {"split": split, "n_tokens": int(body.size), "doc_hash": hashlib.sha256(body.tobytes()).hexdigest()}
+        )
+    return rows
+
+
+def dataset_expectations(
+    gx: Any,
+    vocab_size: int,
+    max_shard_tokens: int | None,
+    limits: DataExpectations,
+    val_split: str = "val",
+    documents: bool = True,
+) -> dict[str, list]:
+    """Suite (b): one list of expectations per table of `dataset_tables` (ids below `vocab_size`)."""
+    from great_expectations.expectations.row_conditions import Column
+
+    e = gx.expectations
+    suites = {
+        "dataset_shards": [
+            e.ExpectColumnValuesToBeBetween(column="min_id", min_value=0),
+            e.ExpectColumnValuesToBeBetween(column="max_id", max_value=vocab_size - 1),
+            e.ExpectColumnValuesToBeBetween(column="n_tokens", min_value=1, max_value=max_shard_tokens),
+            e.ExpectColumnValuesToBeInSet(column="bytes_match", value_set=[True]),
+            e.ExpectColumnValuesToBeInSet(column="tokens_sha256_match", value_set=[True]),
+            e.ExpectColumnValuesToBeInSet(column="index_sha256_match", value_set=[True]),
+            e.ExpectColumnValuesToBeInSet(column="index_valid", value_set=[True]),
+        ],
+        "dataset_splits": [
+            e.ExpectColumnPairValuesToBeEqual(column_A="manifest_tokens", column_B="counted_tokens"),
+            e.ExpectColumnPairValuesToBeEqual(column_A="manifest_docs", column_B="counted_docs"),
+            e.ExpectColumnValuesToBeBetween(
+                column="counted_docs",
+                min_value=limits.min_val_documents,
+                row_condition=Column("split") == val_split,
+            ),
+        ],
     }
+    if documents:
+        suites = {
+            "dataset_documents": [
+                e.ExpectColumnValuesToBeBetween(column="n_tokens", min_value=1),
+                e.ExpectColumnValuesToBeInSet(column="in_several_splits", value_set=[False]),
+            ],
+            **suites,
+        }
+    return suites
+
+
+@dataclass
+class DatasetSuiteResult:
+    """Suite (b) over one dataset: the expectations' outcome and each defect with its file, value and fix."""
+
+    evaluated: int
+    failed: list[FailedExpectation]
+    problems: list[DataProblem]
+    splits: dict[str, dict[str, int]]
+    """Per split: `docs` and `tokens` (from the manifest)."""
+
+    @property
+    def success(self) -> bool:
+        """Every expectation held and no defect was found."""
+        return not self.failed and not self.problems
+
+
+def run_dataset_suite(
+    runner: SuiteRunner,
+    url: str,
+    limits: DataExpectations,
+    shard_tokens: int | None,
+    storage: Any = None,
+    *,
+    vocab_size: int | None = None,
+    val_split: str = "val",
+    documents: bool = True,
+) -> DatasetSuiteResult:
+    """Suite (b): the tokenized dataset at `url` against its manifest (and the model's `vocab_size`).
+
+    `shard_tokens` is what the dataset was written with (None: unknown, for a dataset made elsewhere): a
+    shard is closed once it reaches it, so it holds fewer than shard_tokens plus its last document and EOS.
+    """
+    tables = dataset_tables(url, storage, vocab_size, documents)
+    manifest = tables.manifest
+    max_shard_tokens = None
+    if shard_tokens is not None:
+        longest = int(tables.documents["n_tokens"].max()) if documents and len(tables.documents) else 0
+        max_shard_tokens = shard_tokens + longest + 1
+    suites = dataset_expectations(runner.gx, tables.limit, max_shard_tokens, limits, val_split, documents)
+    evaluated, failed = 0, []
+    for name, expectations in suites.items():
+        n, bad = runner.run(name, tables.table(name.removeprefix("dataset_")), expectations)
+        evaluated += n
+        failed.extend(bad)
+    splits = {name: {"docs": s.n_docs, "tokens": s.n_tokens} for name, s in manifest.splits.items()}
+    return DatasetSuiteResult(evaluated, failed, table_problems(tables, limits, val_split), splits)
+
+
+def table_problems(tables: DatasetTables, limits: DataExpectations, val_split: str = "val") -> list[DataProblem]:
+    """Every defect the scans found, each naming its file (or split), the value and the fix."""
+    problems: list[DataProblem] = []
+    for scan in tables.scans:
+        problems += _shard_problems(scan, tables.limit, tables.limit_name)
+    for row in tables.splits.to_dict("records"):
+        name = row["split"]
+        for what, field_name in (("tokens", "n_tokens"), ("docs", "n_docs")):
+            if row[f"manifest_{what}"] != row[f"counted_{what}"]:
+                problems.append(
+                    DataProblem(
+                        None,
+                        f"split {name}: the manifest says {field_name}={row[f'manifest_{what}']}, its shard files "
+                        f"hold {row[f'counted_{what}']}",
+                        _REBUILD,
+                    )
+                )
+        if name == val_split and row["counted_docs"] < limits.min_val_documents:
+            problems.append(
+                DataProblem(
+                    None,
+                    f"split {name}: {row['counted_docs']} documents, fewer than "
+                    f"min_val_documents={limits.min_val_documents}",
+                    "use a dataset with a held-out split (data.val_split names it)",
+                )
+            )
+    return problems
+
+
+def _shard_problems(scan: ShardScan, limit: int, limit_name: str) -> list[DataProblem]:
+    """The shard's defects: one row per check (file, finding or None, fix), read by one loop."""
+    info, item = scan.info, scan.itemsize
+    tokens_size, index_size = info.n_tokens * item, (info.n_docs + 1) * 8
+    tokens_sized = scan.tokens_bytes == tokens_size
+    index_sized = scan.index_bytes == index_size
+
+    def size(rel: str, actual: int | None, expected: int, what: str) -> str | None:
+        if actual is None or actual == expected:
+            return None
+        cut = ", truncated" if actual < expected else ""
+        return f"{rel} has {actual} bytes, the manifest says {expected} ({what}){cut}"
+
+    checks = [
+        (info.tokens, scan.unreadable.get(info.tokens), _RECOPY),
+        (info.index, scan.unreadable.get(info.index), _RECOPY),
+        (info.tokens, size(info.tokens, scan.tokens_bytes, tokens_size, f"{info.n_tokens} x {scan.dtype}"), _RECOPY),
+        (info.index, size(info.index, scan.index_bytes, index_size, f"{info.n_docs + 1} x int64"), _RECOPY),
+        (
+            info.tokens,
+            tokens_sized
+            and scan.tokens_sha256 != info.tokens_sha256
+            and f"{info.tokens} has sha256 {scan.tokens_sha256}, the manifest says {info.tokens_sha256}",
+            _REPLACED,
+        ),
+        (
+            info.index,
+            index_sized
+            and scan.index_sha256 != info.index_sha256
+            and f"{info.index} has sha256 {scan.index_sha256}, the manifest says {info.index_sha256}",
+            _REPLACED,
+        ),
+        (
+            info.tokens,
+            scan.first_bad is not None
+            and f"token id {scan.first_bad[1]} at position {scan.first_bad[0]} of {info.tokens} >= "
+            f"{limit_name}={limit} (outside the vocabulary)",
+            "the ids do not come from a tokenizer of this vocabulary: use a dataset made with the model's "
+            "tokenizer, rebuild this one, or set model.vocab_size to the tokenizer's vocabulary",
+        ),
+        (info.index, scan.index_problem and f"{info.index} {scan.index_problem}", _REBUILD),
+    ]
+    return [DataProblem(rel, finding, fix) for rel, finding, fix in checks if finding]
+
+
+@dataclass(frozen=True)
+class TokenizerExpectation:
+    """What a spec asks of a dataset's tokenizer; None means anything. `source` names the spec's field."""
+
+    source: str
+    kind: str | None = None
+    vocab_size: int | None = None
+    sha256: str | None = None
+    eos_id: int | None = None
+
+
+def tokenizer_problems(
+    url: str, manifest: Any, expected: TokenizerExpectation, storage: Any = None
+) -> list[DataProblem]:
+    """The dataset's tokenizer against the spec: the manifest's kind, vocab_size, EOS and sha256, and the
+    sha256 of the tokenizer file the manifest names (it must be there when a sha256 is asked for)."""
+    from training.dataset import MANIFEST
+    from training.storage import filesystem, join, sha256_file
+
+    tok = manifest.tokenizer
+    fix = (
+        f"the dataset was made with another tokenizer than {expected.source} asks for: rebuild it (remove the "
+        "folder), or point the spec at the dataset made with this tokenizer"
+    )
+    compared = [
+        ("tokenizer.kind", tok.kind, expected.kind, "kind"),
+        ("vocab_size", manifest.vocab_size, expected.vocab_size, "vocab_size"),
+        ("eos_id", manifest.eos_id, expected.eos_id, "eos_id"),
+        ("tokenizer.sha256", tok.sha256, expected.sha256, "sha256"),
+    ]
+    problems = [
+        DataProblem(MANIFEST, f"{MANIFEST} {name}={have}, {expected.source}.{field_name} asks for {want}", fix)
+        for name, have, want, field_name in compared
+        if want is not None and have != want
+    ]
+    if tok.path is None:
+        if expected.sha256 is not None and tok.kind != "bytes":
+            problems.append(
+                DataProblem(MANIFEST, f"{MANIFEST} names no tokenizer file", "copy tokenizer.json with the dataset")
+            )
+        return problems
+    fs, root = filesystem(url, storage)
+    path = join(root, tok.path)
+    if not fs.exists(path):
+        return [*problems, DataProblem(tok.path, f"{tok.path} is missing", "copy the tokenizer file with the dataset")]
+    actual = sha256_file(fs, path)
+    if actual != tok.sha256:
+        problems.append(
+            DataProblem(
+                tok.path,
+                f"{tok.path} has sha256 {actual}, the manifest says {tok.sha256} (the file was replaced)",
+                "restore the dataset's own tokenizer file, or rebuild the dataset (remove the folder)",
+            )
+        )
+    return problems

@@ -12,10 +12,10 @@ import html
 import json
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from validation.data import ExpectationOutcome, SuiteRun
+from validation.data import DataProblem, ExpectationOutcome, SuiteRun
 
 INDEX = "index.html"
 PASS_RGB = (0x1A, 0x7F, 0x37)
@@ -50,6 +50,8 @@ class ReportContext:
     generated_at: str
     ge_docs_href: str | None = None
     """Relative link to Great Expectations' own Data Docs, when they were published beside these pages."""
+    problems: list[DataProblem] = field(default_factory=list)
+    """Each defect found (file, what and the value, fix): the index lists them above the validations."""
 
 
 def page_name(number: int, run: SuiteRun) -> str:
@@ -168,8 +170,18 @@ def _expectations_table(number: int, run: SuiteRun) -> str:
     )
 
 
+def _problems_table(context: ReportContext) -> str:
+    if not context.problems:
+        return ""
+    rows = "".join(
+        f'<tr><td class="value">{_e(p.file or "")}</td><td class="value">{_e(p.problem)}</td><td>{_e(p.fix)}</td></tr>'
+        for p in context.problems
+    )
+    return f"<h2>Problems found</h2>\n<table><tr><th>file</th><th>problem</th><th>fix</th></tr>{rows}</table>\n"
+
+
 def _index(runs: Sequence[SuiteRun], context: ReportContext) -> str:
-    body = _header(runs, context) + _splits_table(context) + _summary_table(runs)
+    body = _header(runs, context) + _problems_table(context) + _splits_table(context) + _summary_table(runs)
     body += "".join(_expectations_table(number, run) for number, run in enumerate(runs, start=1))
     if context.ge_docs_href:
         body += (

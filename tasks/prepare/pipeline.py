@@ -17,7 +17,7 @@ import multiprocessing
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -30,9 +30,10 @@ from tasks.prepare.config import PrepareConfig
 from tasks.prepare.corpus import split_of
 from tasks.prepare.encoding import encode_in_worker, init_worker
 from tasks.prepare.sources import SourceFile, expand_sources, iter_documents
-from tasks.prepare.tokenizer import TOKENIZER_FILE, TextTokenizer, load_tokenizer, train_bpe
+from tasks.prepare.tokenizer import BYTE_EOS, TOKENIZER_FILE, TextTokenizer, load_tokenizer, train_bpe
 from training.dataset import FORMAT_VERSION, MANIFEST, DatasetManifest, DatasetWriter, read_manifest
 from training.storage import StorageConfig, filesystem, join, write_bytes_atomic
+from validation.data import DataProblem, TokenizerExpectation, tokenizer_problems
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +41,8 @@ Progress = Callable[[str, int, int | None], None]
 """progress(stage, done, total): called as work advances (total None when unknown)."""
 
 PREPARE_FILE = "prepare.json"
+REJECTED_MANIFEST = "manifest.rejected.json"
+"""A finished dataset whose checks failed: its manifest, moved aside (the dataset reads as unfinished)."""
 VALIDATION_FILE = "validation/validation.json"
 DATA_DOCS_DIR = "validation/data_docs"
 """Great Expectations' own Data Docs (their styling and scripts come from CDNs)."""
@@ -48,19 +51,28 @@ REPORT_DIR = "validation/report"
 
 
 class DataValidationError(UserError):
-    """A data suite failed; `failed` lists each failed expectation with what was observed.
+    """A data check failed; `problems` lists each defect (file, value, fix), `failed` each failed expectation.
 
     `report_url` is validation.json and `docs_url` the offline report's index, where they were published.
     """
 
-    def __init__(self, where: str, failed: list[Any], report_url: str | None, docs_url: str | None = None) -> None:
+    def __init__(
+        self,
+        where: str,
+        failed: list[Any],
+        report_url: str | None,
+        docs_url: str | None = None,
+        problems: Sequence[Any] = (),
+        fix: str = "fix the data or the thresholds in data.prepare.expectations",
+    ) -> None:
+        found = "; ".join(p.describe() for p in problems)
         names = "; ".join(f.describe() for f in failed)
-        published = f" (report: {report_url}; page: {docs_url})" if docs_url else f" (report: {report_url})"
-        super().__init__(
-            f"{where}: data validation failed: {names}",
-            f"fix the data or the thresholds in data.prepare.expectations{published}",
-        )
-        self.failed, self.report_url, self.docs_url = failed, report_url, docs_url
+        if found and names:
+            found += f" [failed expectations: {names}]"
+        if report_url:
+            fix += f" (report: {report_url}; page: {docs_url})" if docs_url else f" (report: {report_url})"
+        super().__init__(f"{where}: data validation failed: {found or names}", fix)
+        self.failed, self.problems, self.report_url, self.docs_url = failed, list(problems), report_url, docs_url
 
 
 @dataclass
@@ -85,17 +97,40 @@ class PrepareResult:
         return asdict(self)
 
 
+NOT_TOKEN_SETTINGS = frozenset({"output_url", "workers", "batch_documents", "expectations"})
+"""Settings of data.prepare that cannot change a token (where the dataset goes, how fast it is made, how it is
+judged); every other setting is part of the dataset's key."""
+PIPELINE_VERSION = 1
+"""Bump when reading, cleaning, splitting or encoding code changes the tokens: every dataset gets a new key."""
+
+
 def dataset_key(cfg: PrepareConfig, files: list[SourceFile], tokenizer_fingerprint: str | None) -> str:
-    """Content address of the dataset: inputs, settings that shape the tokens, tokenizer, format version."""
-    shaping = cfg.model_dump(exclude={"output_url", "workers", "batch_documents", "expectations"})
+    """Content address of the dataset: inputs, settings that shape the tokens, tokenizer, code that makes them."""
+    shaping = cfg.model_dump(exclude=set(NOT_TOKEN_SETTINGS))
     material = {
         "format_version": FORMAT_VERSION,
         "settings": shaping,
         "inputs": [f.fingerprint for f in files],
         "builtin": _builtin_fingerprint(cfg),
         "tokenizer": tokenizer_fingerprint,
+        "code": _code_fingerprint(cfg),
     }
     return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _code_fingerprint(cfg: PrepareConfig) -> dict[str, Any]:
+    """The versions of the code behind the tokens: this pipeline, the Unicode tables (normalisation) and the
+    `tokenizers` library (BPE training and encoding)."""
+    code: dict[str, Any] = {"pipeline": PIPELINE_VERSION}
+    if cfg.cleaning.unicode_normalization is not None:
+        import unicodedata
+
+        code["unicode"] = unicodedata.unidata_version
+    if cfg.tokenizer.kind == "bpe":
+        import importlib.metadata
+
+        code["tokenizers"] = importlib.metadata.version("tokenizers")
+    return code
 
 
 def _builtin_fingerprint(cfg: PrepareConfig) -> str | None:
@@ -176,21 +211,57 @@ def _write_tokens(
             pool.join()
 
 
-def _tokenizer(cfg: PrepareConfig, staging: _Staging | None, storage: StorageConfig) -> TextTokenizer:
-    tok = cfg.tokenizer
-    if tok.kind == "bytes":
+def _tokenizer(cfg: PrepareConfig, staging: _Staging | None, given: TextTokenizer | None) -> TextTokenizer:
+    if cfg.tokenizer.kind == "bytes":
         return TextTokenizer("bytes")
-    if tok.path:
-        return load_tokenizer(tok.path, tok, storage)
+    if given is not None:
+        return given
     assert staging is not None
-    return train_bpe(staging.texts("train"), tok)
+    return train_bpe(staging.texts("train"), cfg.tokenizer)
 
 
-def _tokenizer_fingerprint(cfg: PrepareConfig, storage: StorageConfig) -> str | None:
-    """Identity of a given tokenizer file (a trained one is a function of the data and settings)."""
+def _given_tokenizer(cfg: PrepareConfig, storage: StorageConfig) -> TextTokenizer | None:
+    """The tokenizer file data.prepare.tokenizer.path names (None: bytes, or one trained on the data)."""
     if cfg.tokenizer.kind == "bytes" or not cfg.tokenizer.path:
         return None
-    return load_tokenizer(cfg.tokenizer.path, cfg.tokenizer, storage).sha256
+    return load_tokenizer(cfg.tokenizer.path, cfg.tokenizer, storage)
+
+
+def reused_tokenizer_problems(
+    cfg: PrepareConfig, url: str, storage: StorageConfig, given: TextTokenizer | None
+) -> list[DataProblem]:
+    """A finished dataset found under the key, against the tokenizer data.prepare asks for.
+
+    The manifest's kind, vocab_size and EOS (and sha256, for a given tokenizer file) must be the spec's, and
+    the dataset's tokenizer.json must be the file the manifest names, with the spec's EOS token in it.
+    """
+    tok = cfg.tokenizer
+    if tok.kind == "bytes":
+        expected = TokenizerExpectation("data.prepare.tokenizer", "bytes", BYTE_EOS + 1, None, BYTE_EOS)
+    elif given is not None:
+        expected = TokenizerExpectation("data.prepare.tokenizer", "bpe", given.vocab_size, given.sha256, given.eos_id)
+    else:
+        expected = TokenizerExpectation("data.prepare.tokenizer", "bpe", tok.vocab_size)
+    manifest = read_manifest(url, storage)
+    problems = tokenizer_problems(url, manifest, expected, storage)
+    if problems or manifest.tokenizer.path is None:
+        return problems
+    fs, root = filesystem(url, storage)
+    try:
+        own = TextTokenizer("bpe", fs.cat_file(join(root, manifest.tokenizer.path)).decode()).with_eos(tok.eos_token)
+    except Exception as err:  # noqa: BLE001 - a file the tokenizers library cannot load is the finding
+        return [DataProblem(manifest.tokenizer.path, f"{manifest.tokenizer.path} is not a usable tokenizer: {err}",
+                            "rebuild the dataset (remove the folder)")]  # fmt: skip
+    if (own.vocab_size, own.eos_id) != (manifest.vocab_size, manifest.eos_id):
+        problems.append(
+            DataProblem(
+                manifest.tokenizer.path,
+                f"{manifest.tokenizer.path} has vocab_size={own.vocab_size} and EOS id {own.eos_id} "
+                f"({tok.eos_token}), the manifest says {manifest.vocab_size} and {manifest.eos_id}",
+                "rebuild the dataset (remove the folder)",
+            )
+        )
+    return problems
 
 
 def _validate_dataset(
@@ -198,38 +269,42 @@ def _validate_dataset(
 ) -> Any:
     from validation.data import SuiteReport, run_dataset_suite
 
-    evaluated, failed = run_dataset_suite(runner, url, cfg.expectations, cfg.shard_tokens, storage)
+    suite = run_dataset_suite(runner, url, cfg.expectations, cfg.shard_tokens, storage)
+    evaluated, failed = suite.evaluated, suite.failed
     if document_report:
         evaluated += document_report[0]
         failed = document_report[1] + failed
-    return SuiteReport(success=not failed, evaluated=evaluated, failed=failed)
+    return SuiteReport(success=not failed and not suite.problems, evaluated=evaluated, failed=failed,
+                       problems=suite.problems)  # fmt: skip
 
 
-def _publish_validation(
-    url: str, storage: StorageConfig, report: Any, runner: Any, manifest: DatasetManifest
+def publish_validation(
+    dataset_url: str, folder_url: str, storage: StorageConfig, report: Any, runner: Any, manifest: DatasetManifest
 ) -> tuple[str, str]:
-    """Write validation.json, the offline report and GE's Data Docs beside the dataset.
+    """Write validation.json, the offline report and GE's Data Docs of `dataset_url` under `folder_url`
+    (the dataset's own folder on the prepare path, the deployment's reports for a dataset given by URL).
 
     Returns the URLs of validation.json and of the offline report's index.
     """
     from validation.data_report import INDEX, ReportContext, render_pages
 
-    fs, root = filesystem(url, storage)
+    fs, root = filesystem(folder_url, storage)
     report_path = join(root, VALIDATION_FILE)
     write_bytes_atomic(fs, report_path, json.dumps(report.to_json(), indent=2, default=str).encode())
     docs_local = runner.build_docs()
     docs_path = join(root, DATA_DOCS_DIR)
     fs.put(docs_local.rstrip("/") + "/", docs_path, recursive=True)
     context = ReportContext(
-        dataset_url=url,
+        dataset_url=dataset_url,
         splits={name: {"docs": s.n_docs, "tokens": s.n_tokens} for name, s in manifest.splits.items()},
         generated_at=datetime.now(UTC).isoformat(timespec="seconds"),
         ge_docs_href=f"{relpath(DATA_DOCS_DIR, REPORT_DIR)}/index.html",
+        problems=list(report.problems),
     )
     pages_path = join(root, REPORT_DIR)
     for name, page in render_pages(runner.runs, context).items():
         write_bytes_atomic(fs, join(pages_path, name), page.encode())
-    prefix = f"{url.split('://', 1)[0]}://" if "://" in url else ""
+    prefix = f"{folder_url.split('://', 1)[0]}://" if "://" in folder_url else ""
     return prefix + report_path, prefix + join(pages_path, INDEX)
 
 
@@ -254,7 +329,8 @@ def _prepare(cfg: PrepareConfig, storage: StorageConfig, progress: Progress | No
     seconds: dict[str, float] = {}
     started = time.perf_counter()
     files = expand_sources(cfg.sources, storage)
-    key = dataset_key(cfg, files, _tokenizer_fingerprint(cfg, storage))
+    given = _given_tokenizer(cfg, storage)
+    key = dataset_key(cfg, files, given.sha256 if given else None)
     url = join(cfg.output_url, key)
     fs, root = filesystem(url, storage)
     seconds["inputs"] = time.perf_counter() - started
@@ -269,9 +345,16 @@ def _prepare(cfg: PrepareConfig, storage: StorageConfig, progress: Progress | No
     try:
         if fs.exists(join(root, MANIFEST)):
             log.info("reusing the finished dataset %s (same inputs and settings)", url)
+            problems = reused_tokenizer_problems(cfg, url, storage, given)
+            if problems:
+                _reject(fs, root)
+                raise DataValidationError(
+                    f"dataset {url} (reused from the store)", [], None, problems=problems,
+                    fix=f"its manifest was moved to {REJECTED_MANIFEST}: the next run rebuilds it",
+                )  # fmt: skip
             stats = json.loads(fs.cat_file(join(root, PREPARE_FILE)))
             return _finish(cfg, url, storage, runner, None, stats["cleaning"], True, seconds, started)
-        document_report, cleaning = _build(cfg, storage, files, key, url, runner, progress, seconds)
+        document_report, cleaning = _build(cfg, storage, files, key, url, runner, progress, seconds, given)
         return _finish(cfg, url, storage, runner, document_report, cleaning, False, seconds, started)
     finally:
         if runner is not None:
@@ -287,6 +370,7 @@ def _build(
     runner: Any,
     progress: Progress | None,
     seconds: dict[str, float],
+    given: TextTokenizer | None,
 ) -> tuple[Any, dict[str, Any]]:
     """Write the dataset at `url`: returns the document suite's report and the cleaning counts.
 
@@ -326,7 +410,7 @@ def _build(
                 raise DataValidationError("data.prepare (cleaned documents)", document_report[1], None)
 
         t0 = time.perf_counter()
-        tokenizer = _tokenizer(cfg, staging, storage)
+        tokenizer = _tokenizer(cfg, staging, given)
         seconds["tokenizer"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         meta = {"key": key, "sources": [f.url for f in files], "builtin_corpus": cfg.builtin_corpus}
@@ -349,6 +433,11 @@ def _build(
     finally:
         staging.remove()
     return document_report, stats.to_json()
+
+
+def _reject(fs: Any, root: str) -> None:
+    """Uncommit a finished dataset that failed its checks: the next run with its key builds it anew."""
+    fs.mv(join(root, MANIFEST), join(root, REJECTED_MANIFEST))
 
 
 def _remove_uncommitted(fs: Any, root: str, url: str) -> None:
@@ -377,13 +466,12 @@ def _finish(
     if runner is not None:
         t0 = time.perf_counter()
         report = _validate_dataset(cfg, url, storage, runner, document_report)
-        report_url, docs_url = _publish_validation(url, storage, report, runner, manifest)
+        report_url, docs_url = publish_validation(url, url, storage, report, runner, manifest)
         validation = report.to_json()
         seconds["validate_dataset"] = time.perf_counter() - t0
         if not report.success:
-            fs, root = filesystem(url, storage)
-            fs.mv(join(root, MANIFEST), join(root, "manifest.rejected.json"))
-            raise DataValidationError(f"dataset {url}", report.failed, report_url, docs_url)
+            _reject(*filesystem(url, storage))
+            raise DataValidationError(f"dataset {url}", report.failed, report_url, docs_url, report.problems)
     seconds["total"] = time.perf_counter() - started
     return PrepareResult(
         dataset_url=url,

@@ -186,9 +186,11 @@ def test_dataset_suite_fails_naming_the_expectation_for_each_seeded_defect(
     tmp_path: Path, runner: SuiteRunner, defect: str, expectation: str | None, column: str | None
 ) -> None:
     url = _seeded_dataset(tmp_path, defect)
-    evaluated, failed = run_dataset_suite(runner, url, DataExpectations(), shard_tokens=300)
-    assert evaluated == 11
-    assert [(f.expectation, f.column) for f in failed] == ([] if expectation is None else [(expectation, column)])
+    result = run_dataset_suite(runner, url, DataExpectations(), shard_tokens=300)
+    assert result.evaluated == 12
+    assert [(f.expectation, f.column) for f in result.failed] == (
+        [] if expectation is None else [(expectation, column)]
+    )
 
 
 def test_a_corrupted_finished_dataset_is_rejected_on_reuse(tmp_path: Path) -> None:
