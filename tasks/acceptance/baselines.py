@@ -63,7 +63,9 @@ class Baseline(BaseModel):
     format_version: int = Field(default=FORMAT_VERSION, description="Format of this file.")
     key: str = Field(pattern=_KEY.pattern, description="sha256 of `identity`; the file's name.")
     created_at: str = Field(description="When it was recorded (UTC, ISO 8601).")
-    spec_name: str = Field(description="The deployment folder's name (runs/<name>: the spec's name by default).")
+    deployment_dir: str = Field(
+        description="The deployment folder its acceptance ran under (runs/<spec name> unless the spec says otherwise)."
+    )
     run_id: str = Field(description="The acceptance run workspace it came from (its folder name).")
     workspace: str = Field(description="That workspace's folder.")
     output_dir: str = Field(description="The distributed run's output folder in it.")
@@ -204,7 +206,7 @@ class QualityGate:
         baseline = Baseline(
             key=self.key,
             created_at=datetime.now(UTC).isoformat(timespec="seconds"),
-            spec_name=self.registry.folder.parent.parent.name,
+            deployment_dir=str(self.registry.folder.parent.parent),
             run_id=workspace.name,
             workspace=str(workspace),
             output_dir=str(output_dir),

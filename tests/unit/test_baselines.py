@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from tasks.acceptance import suite
 from tasks.acceptance.baselines import (
     BASELINES_DIR,
     Baseline,
@@ -21,13 +22,23 @@ from tasks.acceptance.baselines import (
     registry_for,
 )
 from tasks.acceptance.config import AcceptanceConfig
-from tasks.acceptance.workspace import latest_run, mark_latest, new_run_id, open_workspace, run_workspaces
+from tasks.acceptance.drills import DrillResult
+from tasks.acceptance.workspace import (
+    RunOutcome,
+    latest_run,
+    mark_latest,
+    new_run_id,
+    open_workspace,
+    run_workspaces,
+)
+from tasks.launch.base import JobHandle, JobState, JobStatus
 from tasks.spec import parse_spec
 from tests.conftest import TINY_SPEC, deep_merge
 from training.config import TrainConfig
 from training.dataset import DatasetWriter, TokenizerInfo, read_manifest
 from training.run_output import RunOutputWriter, RunResult
 from training.storage import StorageConfig
+from validation.acceptance import DimensionResult
 
 
 def _dataset(url: Path, last_token: int = 7) -> str:
@@ -102,7 +113,7 @@ def test_the_key_changes_with_the_world_size_and_the_datasets_content(tmp_path: 
 
 def _baseline(key: str = "a" * 64, val_loss: float = 3.0, run_id: str = "first") -> Baseline:
     return Baseline(
-        key=key, created_at="2030-01-01T00:00:00+00:00", spec_name="tiny", run_id=run_id, workspace="/w",
+        key=key, created_at="2030-01-01T00:00:00+00:00", deployment_dir="/runs/tiny", run_id=run_id, workspace="/w",
         output_dir="/w/distributed/output", identity={"k": 1}, curve={1: 5.5, 2: 4.0}, val_loss=val_loss,
         first_loss=5.5,
     )  # fmt: skip
@@ -213,3 +224,74 @@ def test_an_unfinished_run_leaves_the_gate_unmeasured(tmp_path: Path, dataset: s
     gate = judge_quality(AcceptanceConfig(), _train(tmp_path, dataset), _train(tmp_path, dataset), 2, tmp_path / "x")
     assert gate.result.passed is None and "wrote no result" in gate.result.message
     assert gate.record(tmp_path / "ws", tmp_path / "x") is False
+
+
+class _FinishedJob:
+    """Stands in for a submitted job: writes a finished run output with the curve `curves[name]` at once."""
+
+    curves: dict[str, tuple[list[float], float]] = {}
+
+    def __init__(self, cluster: Any, train: TrainConfig, name: str, *args: Any, **kwargs: Any) -> None:
+        self.output_dir = Path(train.run.output_url)
+        losses, val_loss = self.curves.get(name, ([5.5, 4.0], 3.5))
+        _run(self.output_dir, losses, val_loss)
+        handle = JobHandle("local", name, name, str(self.output_dir), str(self.output_dir / "train.log"))
+        self.outcome = RunOutcome(handle, JobStatus(JobState.SUCCEEDED, "done"), self.output_dir)
+
+    def wait(self, *args: Any, **kwargs: Any) -> RunOutcome:
+        return self.outcome
+
+
+def _dimension(name: str, passed: bool = True) -> DimensionResult:
+    return DimensionResult(name, passed, {"max_rel_deviation": 0.0} if name == "correctness" else None, None)
+
+
+@pytest.fixture
+def fake_suite(monkeypatch: pytest.MonkeyPatch) -> dict[str, bool]:
+    """run_acceptance with jobs that finish at once and dimensions/drill verdicts the test sets."""
+    verdicts = {"stability": True, "rank_kill": True}
+    names = ("connectivity", "correctness", "performance", "stability", "data_consistency")
+    monkeypatch.setattr(suite, "Job", _FinishedJob)
+    monkeypatch.setattr(suite, "judge", lambda *args, **kwargs: [_dimension(n, verdicts.get(n, True)) for n in names])
+    monkeypatch.setattr(
+        suite,
+        "drill_rank_kill",
+        lambda ctx: (
+            DrillResult("rank_kill", verdicts["rank_kill"], evidence={"output_dir": "unused"}),
+            _dimension("recovery", verdicts["rank_kill"]),
+        ),
+    )
+    monkeypatch.setattr(suite, "check_data_consistency", lambda *args, **kwargs: _dimension("data_consistency"))
+    monkeypatch.setattr(suite, "with_resumed_run", lambda dimension, resumed: dimension)
+    return verdicts
+
+
+def test_the_suite_records_the_first_fully_accepted_run_and_judges_later_ones_against_it(
+    tmp_path: Path, dataset: str, fake_suite: dict[str, bool]
+) -> None:
+    spec = parse_spec(deep_merge(TINY_SPEC, {"data": {"dataset_url": dataset}, "deployment_dir": str(tmp_path)}))
+    train, acceptance = spec.training_config(), spec.acceptance.model_copy(update={"steps": 20})
+    registry = registry_for(acceptance, train)
+
+    def accept(curve: list[float], val_loss: float) -> tuple[bool, DimensionResult]:
+        _FinishedJob.curves = {"accept-distributed": (curve, val_loss)}
+        report = suite.run_acceptance(spec.cluster, train, acceptance, tmp_path / "acceptance" / new_run_id())
+        return report.passed, next(d for d in report.dimensions if d.name == "correctness")
+
+    for failing in ("stability", "rank_kill"):  # a failed dimension or drill records nothing
+        fake_suite[failing] = False
+        passed, correctness = accept([5.5, 4.0], 3.5)
+        assert not passed and correctness.passed and not any(registry.folder.glob("*.json"))
+        fake_suite[failing] = True
+    passed, first = accept([5.5, 4.0], 3.5)
+    assert passed and first.measured["quality"]["rule"] == "sanity" and first.evidence["quality"]["recorded"]
+    (stored,) = registry.folder.glob("*.json")
+    assert registry.folder == tmp_path / "acceptance" / "baselines"
+    assert Baseline.model_validate_json(stored.read_text()).deployment_dir == str(tmp_path)
+
+    passed, worse = accept([5.5, 4.5], 4.0)
+    assert not passed and not worse.passed and worse.measured["quality"]["rule"] == "baseline"
+    assert "4.0000" in worse.message and "3.5000" in worse.message
+    passed, better = accept([5.5, 3.9], 3.4)
+    assert passed and better.passed and not better.evidence["quality"]["recorded"]
+    assert Baseline.model_validate_json(stored.read_text()).val_loss == 3.5  # the first baseline stays

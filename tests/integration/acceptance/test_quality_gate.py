@@ -1,0 +1,49 @@
+"""The quality gate on real 2-rank CPU runs of the tiny model: the first accepted run becomes the baseline, a
+run that converges worse (test-only fault lr_scale) fails against it with both figures, a clean rerun passes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tasks.acceptance.baselines import judge_quality
+from tasks.acceptance.config import AcceptanceConfig
+from tasks.acceptance.workspace import Job, variant
+from training.faults import ENV_VAR
+
+pytestmark = pytest.mark.integration
+
+STEPS = 30
+
+
+def test_a_worse_converging_run_fails_against_the_first_accepted_run_and_a_clean_rerun_passes(
+    make_spec, tmp_path: Path
+) -> None:
+    spec = make_spec()
+    train, acceptance = spec.training_config(), AcceptanceConfig(steps=STEPS)
+
+    def gate(name: str, faults: dict | None = None):  # noqa: ANN202 - a QualityGate
+        run_train = variant(train, tmp_path, name, run={"steps": STEPS})
+        injected = {ENV_VAR: json.dumps(faults)} if faults else None
+        run = Job(spec.cluster, run_train, name, injected, None).wait(600)
+        assert run.ok, run.status.describe()
+        return judge_quality(acceptance, train, run_train, spec.cluster.world_size, run.output_dir)
+
+    first = gate("first")
+    assert first.result.passed and first.result.measured["rule"] == "sanity", first.result.message
+    assert first.record(tmp_path / "ws-first", tmp_path / "first" / "output")
+
+    worse = gate("worse", {"lr_scale": 0.1})
+    quality = worse.result.measured
+    assert worse.result.passed is False and quality["rule"] == "baseline"
+    assert quality["val_loss"] > quality["baseline_val_loss"] * (1 + acceptance.thresholds.quality_max_rel_worse)
+    assert f"{quality['val_loss']:.4f}" in worse.result.message
+    assert f"{quality['baseline_val_loss']:.4f}" in worse.result.message
+    assert worse.result.evidence["baseline_run_id"] == "ws-first"
+
+    again = gate("again")
+    assert again.result.passed, again.result.message
+    assert again.result.measured["val_loss"] == again.result.measured["baseline_val_loss"]  # deterministic CPU
+    assert again.key == first.key and not again.record(tmp_path / "ws-again", tmp_path / "again" / "output")
