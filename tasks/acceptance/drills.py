@@ -24,7 +24,7 @@ from tasks.errors import UserError
 from tasks.progress import report
 from training.checkpoint import COMMIT, CheckpointManager, step_dir_name
 from training.config import TrainConfig
-from training.faults import SavePhase, paused_ranks, with_faults
+from training.faults import SAVE_PHASES, SavePhase, paused_ranks, with_faults
 from training.run_output import CheckpointEvent
 from validation.acceptance import DimensionResult, check_recovery
 
@@ -163,6 +163,9 @@ def drill_rank_kill(ctx: DrillContext) -> tuple[DrillResult, DimensionResult]:
     return result, recovery
 
 
+SAVE_CHAIN = "drill-kill-during-save"
+
+
 @dataclass
 class SavePhaseOutcome:
     """kill_during_save at one phase: what the kill left on storage and what the relaunch resumed from."""
@@ -170,6 +173,7 @@ class SavePhaseOutcome:
     phase: SavePhase
     save_step: int
     expected_step: int  # where a relaunch must resume: the previous checkpoint until COMMIT.json, then this one
+    output_dir: str = ""  # the job that was stopped and killed
     files_at_kill: list[str] = field(default_factory=list)  # the stopped save's folder when every rank was killed
     resumed_from: int | None = None
     whole: bool = False  # the checkpoint the relaunch resumes from (the newest committed one) is whole
@@ -188,15 +192,16 @@ class SavePhaseOutcome:
         return {**asdict(self), "passed": self.passed}
 
 
-def _kill_in_save(ctx: DrillContext, phase: SavePhase, save_step: int, previous: int) -> SavePhaseOutcome:
-    """Stop the save of `save_step` at `phase` on every rank, SIGKILL them, check what is left, relaunch."""
-    name = f"drill-kill-during-save-{phase.replace('_', '-')}"
-    expected = save_step if phase == "after_commit" else previous
-    outcome = SavePhaseOutcome(phase, save_step, expected)
+def _stopped_save(
+    ctx: DrillContext, name: str, train: TrainConfig, phase: SavePhase, save_step: int
+) -> tuple[RunOutcome, float | None, str]:
+    """Run `train` until every rank has stopped at `phase` of the save of `save_step`, then SIGKILL them all.
+
+    Returns the job's outcome, the time of the kill and, when the ranks never all stopped, why (kill time None).
+    """
     markers = str(ctx.root / name / "save-pause")
     faults = with_faults(ctx.faults, pause_in_save={"phase": phase, "step": save_step, "marker_dir": markers})
-    train = ctx.train(name, run={"stop_after_steps": save_step + 1})
-    no_restart = ctx.cluster.model_copy(update={"max_restarts": 0})  # the relaunch below is the recovery
+    no_restart = ctx.cluster.model_copy(update={"max_restarts": 0})  # the next launch is the recovery
     job = ctx.job(train, name, cluster=no_restart, faults=faults)
     try:
         job.wait_until(
@@ -204,53 +209,68 @@ def _kill_in_save(ctx: DrillContext, phase: SavePhase, save_step: int, previous:
             f"every rank to stop at {phase} of the save of step {save_step}", ctx.acceptance.job_timeout_s, 0.1,
         )  # fmt: skip
     except UserError as err:
-        job.cancel()
-        outcome.problems.append(str(err))
-        return outcome
+        if not job.status().state.terminal:
+            job.cancel()
+        return job.wait(ctx.acceptance.job_timeout_s), None, str(err)
     for rank in paused_ranks(markers):
         try:
             job.kill_rank(rank.rank)
         except ProcessLookupError:
             pass
-    t_fail = time.time()
-    job.wait(ctx.acceptance.job_timeout_s)
+    t_kill = time.time()
+    return job.wait(ctx.acceptance.job_timeout_s), t_kill, ""
+
+
+def _inspect_kill(outcome: SavePhaseOutcome, train: TrainConfig) -> None:
+    """What the kill left: the stopped save's files, and the newest committed checkpoint, which must be whole."""
     manager = CheckpointManager(train.checkpoint, train.storage)
-    outcome.files_at_kill = manager.files(save_step)
+    outcome.files_at_kill = manager.files(outcome.save_step)
     newest = max(committed_steps(train), default=None)
-    if newest != expected:
+    if newest != outcome.expected_step:
+        when = "after" if outcome.phase == "after_commit" else "before"
         outcome.problems.append(
-            f"after the kill the newest committed checkpoint is step {newest}, expected step {expected} "
-            f"(the save of step {save_step} was killed {'after' if phase == 'after_commit' else 'before'} "
-            f"its {COMMIT} should exist)"
+            f"after the kill the newest committed checkpoint is step {newest}, expected step "
+            f"{outcome.expected_step} (the save of step {outcome.save_step} was killed {when} its {COMMIT})"
         )
     if newest is not None:
         missing = manager.wholeness(newest)
         outcome.whole = not missing
         outcome.problems.extend(f"{step_dir_name(newest)} is not whole: {problem}" for problem in missing)
 
-    relaunch = ctx.train(name, run={"stop_after_steps": expected + ctx.drills.relaunch_steps})
-    resumed = ctx.job(relaunch, name).wait(ctx.acceptance.job_timeout_s)
-    if not resumed.ok:
-        outcome.problems.append(f"the relaunch {resumed.status.describe()}")
-        return outcome
-    recovery = ctx.recovery(resumed, expected)
-    outcome.resumed_from = recovery.measured["resumed_from_step"]
-    outcome.state_matched = recovery.passed
+
+def _judge_relaunch(
+    ctx: DrillContext, killed: SavePhaseOutcome, t_kill: float, relaunch: RunOutcome, stopped: bool
+) -> None:
+    """The launch after a kill resumed from the expected checkpoint, passed over the partial one, and matched."""
+    if not stopped and not relaunch.ok:
+        killed.problems.append(f"the relaunch {relaunch.status.describe()}")
+    if relaunch.run.ranks() is None:
+        return  # it never got to training (the problem above says why)
+    recovery = ctx.recovery(relaunch, killed.expected_step)
+    killed.resumed_from = recovery.measured["resumed_from_step"]
+    killed.state_matched = recovery.passed
     if not recovery.passed:
-        outcome.problems.append(recovery.message)
-    if outcome.resumed_from is not None:
-        first = first_step_time_after(resumed.output_dir, outcome.resumed_from + 1, t_fail)
-        outcome.recovery_s = None if first is None else first - t_fail
-    if phase != "after_commit":
-        outcome.partial_skipped_with_warning = _skipped_for(resumed, save_step, "partial")
-        if not outcome.partial_skipped_with_warning:
-            outcome.problems.append(f"the resume did not record skipping the partial checkpoint of step {save_step}")
-    return outcome
+        killed.problems.append(recovery.message)
+    if killed.resumed_from is not None:
+        first = first_step_time_after(relaunch.output_dir, killed.resumed_from + 1, t_kill)
+        killed.recovery_s = None if first is None else first - t_kill
+    if killed.phase != "after_commit":
+        killed.partial_skipped_with_warning = _skipped_for(relaunch, killed.save_step, "partial")
+        if not killed.partial_skipped_with_warning:
+            killed.problems.append(
+                f"the resume did not record skipping the partial checkpoint of step {killed.save_step}"
+            )
 
 
 def drill_kill_during_save(ctx: DrillContext) -> DrillResult:
-    """SIGKILL every rank at each point of a save (drills.save_phases); each relaunch resumes from a whole
-    checkpoint: the previous one while the save is uncommitted, the new one once its COMMIT.json is written."""
+    """SIGKILL every rank at each point of a save; each relaunch resumes from a whole checkpoint: the previous
+    one while the save is uncommitted, the new one once its COMMIT.json is written.
+
+    The phases (drills.save_phases, in protocol order) share one checkpoint folder and one chain of launches:
+    the launch that relaunches after a kill is itself stopped at the next phase of the same save (of step
+    2 x save_every_steps), the last one trains drills.relaunch_steps past its resume point. Every launch has
+    its own output folder, so what a relaunch records is never an earlier launch's.
+    """
     every = ctx.acceptance.save_every_steps
     save_step = 2 * every  # the second save, so that a committed checkpoint precedes it
     needed = save_step + ctx.drills.relaunch_steps
@@ -261,7 +281,40 @@ def drill_kill_during_save(ctx: DrillContext) -> DrillResult:
             f"{save_step} and relaunches for drills.relaunch_steps={ctx.drills.relaunch_steps}; "
             f"use acceptance.steps >= {needed}",
         )  # fmt: skip
-    outcomes = [_kill_in_save(ctx, phase, save_step, every) for phase in ctx.drills.save_phases]
+    phases = [p for p in SAVE_PHASES if p in ctx.drills.save_phases]
+
+    def resume_point(phase: SavePhase) -> int:
+        return save_step if phase == "after_commit" else every
+
+    checkpoints = {"url": str(ctx.root / SAVE_CHAIN / "checkpoints")}
+    outcomes: list[SavePhaseOutcome] = []
+    killed: tuple[SavePhaseOutcome, float] | None = None  # the last kill, judged by the launch after it
+    for k, phase in enumerate([*phases, None]):
+        name = f"{SAVE_CHAIN}-{k}-{(phase or 'relaunch').replace('_', '-')}"
+        if phase is None:
+            assert killed is not None  # every earlier phase was killed, or the loop broke
+            last = killed[0].expected_step + ctx.drills.relaunch_steps
+        else:
+            last = save_step + 1
+        train = ctx.train(name, run={"stop_after_steps": last}, checkpoint=checkpoints)
+        if phase is None:
+            launched, t_kill, why = ctx.job(train, name).wait(ctx.acceptance.job_timeout_s), None, ""
+        else:
+            launched, t_kill, why = _stopped_save(ctx, name, train, phase, save_step)
+        if killed is not None:
+            _judge_relaunch(ctx, *killed, launched, stopped=t_kill is not None)
+        if phase is None:
+            break
+        outcome = SavePhaseOutcome(phase, save_step, resume_point(phase), str(launched.output_dir))
+        outcomes.append(outcome)
+        if t_kill is None:
+            outcome.problems.append(why)
+            break
+        _inspect_kill(outcome, train)
+        killed = (outcome, t_kill)
+    for phase in phases[len(outcomes) :]:
+        not_run = f"not run: the chain of launches broke at {outcomes[-1].phase}"
+        outcomes.append(SavePhaseOutcome(phase, save_step, resume_point(phase), problems=[not_run]))
     failed = [o for o in outcomes if not o.passed]
     times = [o.recovery_s for o in outcomes if o.recovery_s is not None]
     return DrillResult(
@@ -271,7 +324,7 @@ def drill_kill_during_save(ctx: DrillContext) -> DrillResult:
         steps_lost=max(o.save_step - o.expected_step for o in outcomes),
         state_matched=all(o.state_matched for o in outcomes),
         message="; ".join(f"killed at {o.phase}: {'; '.join(o.problems)}" for o in failed),
-        evidence={"save_step": save_step, "phases": [o.to_json() for o in outcomes]},
+        evidence={"save_step": save_step, "checkpoints": checkpoints["url"], "phases": [o.to_json() for o in outcomes]},
     )
 
 

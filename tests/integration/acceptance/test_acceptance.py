@@ -77,9 +77,12 @@ def test_a_rank_seeded_differently_fails_correctness(make_spec, tmp_path: Path) 
 
 
 def test_a_slow_rank_fails_performance_and_is_named(make_spec, tmp_path: Path) -> None:
-    dims = _faulty_judgement(make_spec, tmp_path, {"slow_rank": 1, "slow_step_s": 0.3})
+    """Rank 1 computes 1.5x as long as it would (relative, not a fixed sleep): above the default 1.25x."""
+    dims = _faulty_judgement(make_spec, tmp_path, {"slow_rank": 1, "slow_factor": 1.5})
     perf = dims["performance"]
-    assert not perf.passed and perf.measured["slow_rank"] == 1
+    assert perf.threshold["straggler_ratio_max"] == 1.25
+    assert not perf.passed and perf.measured["slow_rank"] == 1, perf.measured
+    assert perf.measured["straggler_ratio_per_rank"][1] > 1.25
     assert "rank 1 computes" in perf.message and "rank 1's host" in perf.look_first
 
 
@@ -115,7 +118,10 @@ def test_every_drill_recovers_with_state_matching(make_spec, tmp_path: Path) -> 
     for name, result in results.items():
         assert result.passed, (name, result.message, result.evidence)
         assert result.state_matched, name
-    assert results["kill_during_save"].evidence["partial_skipped_with_warning"]
+    save_phases = {p["phase"]: p for p in results["kill_during_save"].evidence["phases"]}
+    assert list(save_phases) == ["writing_dcp", "after_dcp", "after_extras", "after_commit"]
+    assert all(p["whole"] and p["resumed_from"] == p["expected_step"] for p in save_phases.values()), save_phases
+    assert all(p["partial_skipped_with_warning"] for n, p in save_phases.items() if n != "after_commit")
     assert results["corrupt_checkpoint"].evidence["detected_and_skipped"]
     assert results["reshard"].evidence["to_world_size"] == 1
     assert results["storage_outage"].evidence["failed_save_step"] > 20
