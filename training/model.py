@@ -1,4 +1,4 @@
-"""Decoder-only Transformer: RMSNorm, rotary embeddings, GQA attention, SwiGLU or MoE MLP."""
+"""Decoder-only Transformer: RMSNorm, rotary embeddings, GQA attention, SwiGLU or MoE MLP, residual dropout."""
 
 from __future__ import annotations
 
@@ -135,15 +135,19 @@ class Block(nn.Module):
         self.attn = Attention(cfg, recompute_attention)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = MoE(cfg, cfg.moe) if cfg.moe else make_mlp(cfg)
+        # Residual dropout as in GPT-2/nanoGPT: on each branch's output before it joins the residual stream.
+        # It draws from torch's global RNG, so bit-exact resumption needs the checkpoint's per-rank RNG state.
+        self.attn_dropout = nn.Dropout(cfg.dropout)
+        self.mlp_dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        x = x + self.attn(self.attn_norm(x), cos, sin)
+        x = x + self.attn_dropout(self.attn(self.attn_norm(x), cos, sin))
         mlp_out = self.mlp(self.mlp_norm(x))
         if isinstance(mlp_out, tuple):
             mlp_out, aux = mlp_out
         else:
             aux = x.new_zeros((), dtype=torch.float32)
-        return x + mlp_out, aux
+        return x + self.mlp_dropout(mlp_out), aux
 
 
 class Transformer(nn.Module):

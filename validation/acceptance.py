@@ -23,7 +23,12 @@ class AcceptanceThresholds(StrictModel):
     """Pass thresholds of the acceptance dimensions."""
 
     correctness_max_rel_deviation: float = Field(
-        default=1e-3, gt=0, description="Largest relative loss deviation from the single-process reference."
+        default=1e-4,
+        gt=0,
+        description="Largest relative loss deviation of the distributed run (fp32, no dropout) from the "
+        "independent reference over acceptance.reference_steps. Set from benchmarks/acceptance_noise.py: "
+        "clean runs deviate by about 1e-7, a rank initialised differently, missing gradient sync or a broken "
+        "accumulation by 2e-3 to 1e-2.",
     )
     scaling_efficiency_min: float = Field(
         default=0.7, gt=0, le=1.5, description="Smallest T_N / (N * T_1) (throughput of N ranks vs one)."
@@ -125,15 +130,20 @@ def check_connectivity(output_dir: Path, expected_world: int) -> DimensionResult
 
 # ---- correctness ----------------------------------------------------------------------------
 
+CLEAN_REL_DEVIATION = 1e-7
+"""The largest relative deviation of clean runs from the reference that benchmarks/acceptance_noise.py measured
+(2 CPU ranks, gloo, fp32, grad_accum_steps 2; the tiny and the embedded default's model, 10 steps)."""
+
 
 def check_correctness(
     distributed: dict[int, dict[str, Any]], reference: dict[int, dict[str, Any]], max_rel: float
 ) -> DimensionResult:
-    """Every step's loss within max_rel of the single-process reference (same data, seed, global batch)."""
+    """Every step's loss within max_rel of the independent reference (same data, seed, global batch)."""
     steps = sorted(set(distributed) & set(reference))
+    threshold = {"max_rel_deviation": max_rel, "clean_rel_deviation_measured": CLEAN_REL_DEVIATION}
     if not steps:
         return DimensionResult(
-            "correctness", False, None, max_rel, {}, "no common steps to compare", "the two runs' metrics"
+            "correctness", False, None, threshold, {}, "no common steps to compare", "the two runs' metrics"
         )
     deviations = {
         s: abs(distributed[s]["loss"] - reference[s]["loss"]) / max(abs(reference[s]["loss"]), 1e-12) for s in steps
@@ -145,11 +155,11 @@ def check_correctness(
     return DimensionResult(
         "correctness",
         passed,
-        {"max_rel_deviation": value, "worst_step": worst},
-        {"max_rel_deviation": max_rel},
+        {"max_rel_deviation": value, "worst_step": worst, "deviation_per_step": deviations},
+        threshold,
         {"steps_compared": [steps[0], steps[-1]], "first_failing_step": first_bad},
         "" if passed else f"loss deviates from the reference by {value:.3g} (relative) at step {worst}",
-        "" if passed else "data order and seeds per rank (sampler records), then gradient averaging and precision",
+        "" if passed else "data order and seeds per rank (sampler records), then gradient accumulation and sync",
     )
 
 

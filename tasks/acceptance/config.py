@@ -26,7 +26,11 @@ class AcceptanceConfig(StrictModel):
         default=20, ge=1, le=MAX_STEPS, description="Checkpoint cadence of the acceptance runs."
     )
     reference_steps: int = Field(
-        default=10, ge=2, le=MAX_STEPS, description="K: steps of the single-process reference."
+        default=10,
+        ge=2,
+        le=MAX_STEPS,
+        description="K: steps compared with the independent reference (training/reference.py). By "
+        "benchmarks/acceptance_noise.py each injected fault exceeds the correctness tolerance by step 2.",
     )
     soak_steps: int | None = Field(
         default=None, ge=10, le=MAX_STEPS, description="Nightly: a longer stability run; None = steps."

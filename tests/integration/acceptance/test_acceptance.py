@@ -16,8 +16,8 @@ import pytest
 from tasks.acceptance.config import AcceptanceConfig
 from tasks.acceptance.drills import DrillContext, drill_rank_kill, run_drills
 from tasks.acceptance.report import plot_losses, write_json, write_junit
-from tasks.acceptance.suite import judge, run_acceptance
-from tasks.acceptance.workspace import Job, single_process, variant
+from tasks.acceptance.suite import judge, run_acceptance, run_correctness_pair
+from tasks.acceptance.workspace import Job, variant
 from training.faults import ENV_VAR
 
 pytestmark = pytest.mark.integration
@@ -30,18 +30,15 @@ def _acceptance(**overrides) -> AcceptanceConfig:  # noqa: ANN003
 
 
 def _faulty_judgement(make_spec, tmp_path: Path, faults: dict, acceptance: AcceptanceConfig | None = None) -> dict:
-    """A distributed run with `faults` and a clean reference, judged; returns dimension name -> result."""
+    """A distributed run with `faults` and the independent reference, judged; returns dimension name -> result."""
     acceptance = acceptance or _acceptance()
     spec = make_spec()
     train = spec.training_config()
     injected = {ENV_VAR: json.dumps(faults)}
     dist_train = variant(train, tmp_path, "dist", run={"steps": acceptance.steps})
     dist = Job(spec.cluster, dist_train, "dist", injected, None).wait(600, acceptance.thresholds.stall_timeout_s)
-    one, sections = single_process(spec.cluster, train)
-    ref_run = {**sections["run"], "steps": acceptance.steps, "stop_after_steps": 10}
-    ref_train = variant(train, tmp_path, "ref", **{**sections, "run": ref_run})
-    reference = Job(one, ref_train, "ref", None, None).wait(600)
-    return {d.name: d for d in judge(spec.cluster, dist_train, acceptance, dist, reference)}
+    pair, reference = run_correctness_pair(spec.cluster, train, acceptance, tmp_path, acceptance.steps, injected)
+    return {d.name: d for d in judge(spec.cluster, dist_train, acceptance, dist, reference, pair)}
 
 
 def test_clean_run_passes_every_dimension_and_writes_the_reports(make_spec, tmp_path: Path) -> None:

@@ -1,0 +1,234 @@
+"""The independent correctness reference: the trainer's mathematics computed the plainest way.
+
+Acceptance compares a distributed job's step losses with this run. It can only catch a bug that it does not
+share, so it shares none of the trainer's step code (training/train.py): not its loop, loss scaling,
+gradient accumulation, gradient synchronisation, optimizer construction, LR scheduler or sampler. What it
+does share is what defines the problem, and only where each is a definition rather than a computation:
+
+- the model (training/model.py) and its initial weights: torch seeded with `run.seed` right before the
+  model is built, as the trainer does on every rank;
+- the data: the dataset reader, and the sampler's documented order (training/sampler.py) written out again
+  here: epoch e is `np.random.default_rng([seed, e]).permutation(n)`, step after step takes the next global
+  batch of it, and the rest of an epoch (less than one global batch) is dropped, or with data.drop_last
+  false the last batch is filled up from the start of the same order;
+- the optimizer's definition: `torch.optim.AdamW` over the same two parameter groups (weight decay on the
+  matrices only) and the spec's hyperparameters; the LR schedule written out below from OptimConfig's
+  description (linear warmup, then cosine, linear or constant towards lr_min over run.steps);
+- the run-output format, through training/run_output.py, so acceptance reads it like any other run.
+
+What it does differently on purpose: one process, fp32, no sharding, no loss scaling and no accumulation.
+The whole global batch (micro_batch x grad_accum_steps x the distributed job's world size) goes through one
+forward and one backward; its mean token loss equals the trainer's average over micro-batches and ranks
+because each holds the same number of tokens. (Under MoE the load-balancing loss is defined per micro-batch
+of a rank, so there the forward runs per group of micro_batch sequences, still with one backward.)
+Dropout is off: the trainer draws its masks from per-rank RNG streams that no single process reproduces,
+so acceptance compares this run with a distributed run that has dropout off as well.
+
+Started as `-m training.train --config run.json` with `reference` set in the config (only the acceptance
+suite sets it); one process only.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import socket
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from training.config import OptimConfig, TrainConfig
+from training.dataset import TokenDataset
+from training.metrics import peak_memory_bytes
+from training.model import Transformer
+from training.run_output import Ranks, RunOutputWriter, RunResult
+
+log = logging.getLogger(__name__)
+
+
+class ReferenceError(RuntimeError):
+    """The reference was started in a way it cannot run (more than one process, no reference section)."""
+
+
+def learning_rate(optim: OptimConfig, total_steps: int, step: int) -> float:
+    """The learning rate of 0-based optimizer step `step` of a run of `total_steps` steps."""
+    if step < optim.warmup_steps:
+        return optim.lr_peak * (step + 1) / optim.warmup_steps
+    if optim.schedule == "constant":
+        return optim.lr_peak
+    decay_steps = max(1, total_steps - optim.warmup_steps)
+    progress = min(1.0, (step - optim.warmup_steps) / decay_steps)
+    if optim.schedule == "cosine":
+        remaining = 0.5 * (1.0 + math.cos(math.pi * progress))
+    else:  # linear
+        remaining = 1.0 - progress
+    return optim.lr_min + (optim.lr_peak - optim.lr_min) * remaining
+
+
+def batch_indices(
+    n_samples: int, global_batch: int, seed: int, step: int, drop_last: bool = True
+) -> tuple[int, np.ndarray]:
+    """The epoch and the sample indices (all ranks' together) of 0-based optimizer step `step`."""
+    whole, rest = divmod(n_samples, global_batch)
+    steps_per_epoch = whole + int(rest > 0 and not drop_last)  # padding: one more step, wrapping to the start
+    epoch, position = divmod(step, steps_per_epoch)
+    order = np.random.default_rng([seed, epoch]).permutation(n_samples)
+    return epoch, order[np.arange(position * global_batch, (position + 1) * global_batch) % n_samples]
+
+
+def _mean_loss(model: Transformer, tokens: torch.Tensor, group: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean next-token cross-entropy over `tokens`, and the MoE load-balancing loss (mean over groups)."""
+    groups = tokens.split(group) if group else (tokens,)
+    losses, auxes = [], []
+    for part in groups:
+        logits, aux = model(part[:, :-1])
+        losses.append(F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), part[:, 1:].reshape(-1)))
+        auxes.append(aux)
+    return torch.stack(losses).mean(), torch.stack(auxes).mean()
+
+
+def run_reference(cfg: TrainConfig) -> RunResult:
+    """Train `cfg.run.stop_after_steps or cfg.run.steps` steps the plain way; write metrics and the result."""
+    if cfg.reference is None:
+        raise ReferenceError("the config has no reference section; the trainer runs such configs")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world != 1:
+        raise ReferenceError(f"the reference runs as one process, {world} were started; start it with one")
+    model_cfg, run, optim = cfg.model.model_copy(update={"dropout": 0.0}), cfg.run, cfg.optim
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if torch.cuda.is_available() else None
+    device = device or torch.device("cpu")
+    torch.set_num_threads(run.threads_per_rank or os.cpu_count() or 1)
+    global_batch = cfg.parallel.micro_batch * cfg.parallel.grad_accum_steps * cfg.reference.world_size
+    train = TokenDataset(
+        cfg.data.dataset_url, cfg.data.train_split, model_cfg.seq_len, cfg.storage, vocab_size=model_cfg.vocab_size
+    )
+    val = TokenDataset(
+        cfg.data.dataset_url, cfg.data.val_split, model_cfg.seq_len, cfg.storage, vocab_size=model_cfg.vocab_size
+    )
+    if global_batch > len(train):
+        raise ReferenceError(f"global batch {global_batch} exceeds the {len(train)} training samples")
+
+    torch.manual_seed(run.seed)  # the trainer's initial weights: torch seeded with run.seed, then the model built
+    model = Transformer(model_cfg).to(device)
+    matrices = [p for p in model.parameters() if p.dim() >= 2]
+    vectors = [p for p in model.parameters() if p.dim() < 2]
+    optimizer = torch.optim.AdamW(
+        [{"params": matrices, "weight_decay": optim.weight_decay}, {"params": vectors, "weight_decay": 0.0}],
+        lr=optim.lr_peak,
+        betas=(optim.beta1, optim.beta2),
+        eps=optim.eps,
+    )
+    coef = model_cfg.moe.aux_loss_coef if model_cfg.moe else 0.0
+    group = cfg.parallel.micro_batch if model_cfg.moe else None
+    clip = optim.grad_clip_norm if optim.grad_clip_norm is not None else math.inf
+
+    out = RunOutputWriter(run.output_url, cfg.storage)
+    me = {
+        "rank": 0,
+        "local_rank": 0,
+        "world_size": 1,
+        "local_world_size": 1,
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "device": str(device),
+        "backend": None,
+        "restart_count": 0,
+        "resumed_from_step": None,
+        "reference_of_world_size": cfg.reference.world_size,
+    }
+    out.write_ranks(Ranks(1, [me]))
+    out.sync()
+
+    last_step = min(run.steps, run.stop_after_steps or run.steps)
+    log.info(
+        "independent reference: global batch %d x %d tokens, steps 0 -> %d of %d (fp32, one process)",
+        global_batch,
+        model_cfg.seq_len,
+        last_step,
+        run.steps,
+    )
+    model.train()
+    first_loss = loss_value = None
+    for step in range(last_step):
+        started = time.perf_counter()
+        epoch, indices = batch_indices(len(train), global_batch, run.seed, step, cfg.data.drop_last)
+        tokens = train.batch(indices).to(device)
+        data_s = time.perf_counter() - started
+        lr = learning_rate(optim, run.steps, step)
+        for param_group in optimizer.param_groups:
+            param_group["lr"] = lr
+        loss, aux = _mean_loss(model, tokens, group)
+        (loss + coef * aux).backward()
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        loss_value = loss.item()
+        first_loss = loss_value if first_loss is None else first_loss
+        elapsed = time.perf_counter() - started
+        tokens_step = global_batch * model_cfg.seq_len
+        out.append_metrics(
+            0,
+            {
+                "step": step + 1,
+                "epoch": epoch,
+                "loss": loss_value,
+                "rank_loss": loss_value,
+                "aux_loss": aux.item() if model_cfg.moe else None,
+                "lr": lr,
+                "grad_norm": grad_norm,
+                "loss_scale": None,
+                "skipped": False,
+                "tokens_per_s": tokens_step / elapsed,
+                "tokens_per_s_rank": tokens_step / elapsed,
+                "step_time_s": elapsed,
+                "data_wait_s": data_s,
+                "comm_s": None,
+                "compute_s": elapsed - data_s,
+                "peak_mem_bytes": peak_memory_bytes(device),
+                "time_unix_s": time.time(),
+            },
+        )
+        if run.record_samples:
+            out.append_samples(0, {"step": step + 1, "epoch": epoch, "resumed_from": None, "indices": indices.tolist()})
+        if (step + 1) % run.log_every_steps == 0 or step + 1 == last_step:
+            log.info(
+                "reference step %d/%d loss %.4f lr %.2e grad_norm %.3f", step + 1, run.steps, loss_value, lr, grad_norm
+            )
+            out.sync()
+
+    val_loss = _validation_loss(model, val, cfg, device)
+    result = RunResult(
+        steps=last_step,
+        resumed_from_step=None,
+        world_size=1,
+        first_loss=first_loss,
+        final_loss=loss_value,
+        val_loss=val_loss,
+        val_ppl=math.exp(min(val_loss, 700.0)),
+        skipped_steps=0,
+        tokens_seen=last_step * global_batch * model_cfg.seq_len,
+        n_params=model.num_params(),
+    )
+    out.write_result(result)
+    out.close()
+    log.info("reference done: step %d val_loss %.4f", last_step, val_loss)
+    return result
+
+
+@torch.no_grad()
+def _validation_loss(model: Transformer, val: TokenDataset, cfg: TrainConfig, device: torch.device) -> float:
+    """Mean token loss over the validation samples the distributed job evaluates (the first eval_batches x
+    micro_batch x world_size of the split, wrapping around)."""
+    assert cfg.reference is not None
+    model.eval()
+    b = cfg.parallel.micro_batch
+    count = cfg.run.eval_batches * b * cfg.reference.world_size
+    losses = []
+    for first in range(0, count, b):
+        tokens = val.batch([k % len(val) for k in range(first, first + b)]).to(device)
+        loss, _ = _mean_loss(model, tokens, None)
+        losses.append(loss.item())
+    return float(np.mean(losses))
