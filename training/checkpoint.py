@@ -302,27 +302,52 @@ def _estimate(state: dict[str, Any], world: int) -> _Space:
 
 
 class _PhaseWriter(StorageWriter):
-    """A DCP writer whose per-rank file write is the "writing_dcp" point of the save of `step` (for the drills)."""
+    """A DCP writer with the "writing_dcp" phase point around this rank's file write (only in a drill's job)."""
 
-    def __init__(self, *args: Any, step: int, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.save_step = step
+    def __init__(self, inner: StorageWriter, step: int) -> None:
+        self.inner, self.save_step = inner, step
+
+    @property
+    def checkpoint_id(self) -> Any:
+        """The inner writer's (DCP's logger reads it)."""
+        return getattr(self.inner, "checkpoint_id", None)
+
+    def reset(self, checkpoint_id: Any = None) -> None:
+        """Delegated."""
+        self.inner.reset(checkpoint_id)
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        """Delegated (with the rank and use_collectives DCP passes)."""
+        self.inner.set_up_storage_writer(is_coordinator, *args, **kwargs)
+
+    def storage_meta(self) -> Any:
+        """Delegated."""
+        return self.inner.storage_meta()
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        """Delegated."""
+        return self.inner.prepare_local_plan(plan)
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        """Delegated."""
+        return self.inner.prepare_global_plan(plans)
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        """Write this rank's DCP files, with the drills' phase point before and after."""
+        """This rank's DCP files, with the phase point before and after writing them."""
         faults.at_save_phase("writing_dcp", self.save_step, shard_written=False)
-        written = super().write_data(plan, planner)
+        written = self.inner.write_data(plan, planner)
         written.wait()
         faults.at_save_phase("writing_dcp", self.save_step, shard_written=True)
         return written
 
+    def finish(self, metadata: Any, results: list[list[WriteResult]]) -> None:
+        """Delegated."""
+        self.inner.finish(metadata, results)
 
-class _LocalWriter(_PhaseWriter, dcp.FileSystemWriter):
-    """DCP's local-disk writer with the save phase point."""
-
-
-class _RemoteWriter(_PhaseWriter, FsspecWriter):
-    """DCP's fsspec writer with the save phase point."""
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+        """Never chosen by DCP itself: always given as the storage writer."""
+        return False
 
 
 class CheckpointManager:
@@ -341,10 +366,10 @@ class CheckpointManager:
     def _dir(self, step: int) -> str:
         return join(self.root, step_dir_name(step))
 
-    def _writer(self, path: str, step: int) -> dcp.StorageWriter:
+    def _writer(self, path: str) -> dcp.StorageWriter:
         if is_local(self.cfg.url):
-            return _LocalWriter(local_path(path), step=step)
-        return _RemoteWriter(path, step=step, **self.storage.fsspec_options(self.cfg.url))
+            return dcp.FileSystemWriter(local_path(path))
+        return FsspecWriter(path, **self.storage.fsspec_options(self.cfg.url))
 
     def _reader(self, path: str) -> SafeFileSystemReader | SafeFsspecReader:
         if is_local(self.cfg.url):
@@ -459,7 +484,14 @@ class CheckpointManager:
 
         Each phase point (faults.at_save_phase) is where the kill_during_save drill stops every rank.
         """
-        _agree(lambda: dcp.save(state, storage_writer=self._writer(self._url(path), step)), disk_full)
+
+        def write_dcp() -> None:
+            writer = self._writer(self._url(path))
+            if faults.active().pause_in_save is not None:  # a drill's job: it may stop this save mid-DCP
+                writer = _PhaseWriter(writer, step)
+            dcp.save(state, storage_writer=writer)
+
+        _agree(write_dcp, disk_full)
         early = faults.active().commit_before_extras  # test-only: the broken order the drill must catch
         nbytes = self._commit(step, sorted(state), path, disk_full) if early else 0
         faults.at_save_phase("after_dcp", step)

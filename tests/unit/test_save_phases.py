@@ -21,8 +21,10 @@ from training.faults import ENV_VAR, SAVE_PHASES, PausedRank, TestFaults, paused
 SHARD = "__0_0.distcp"
 
 
-def _phases_seen(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, injected: TestFaults) -> dict[str, list[str]]:
-    """Save one checkpoint; the files of its folder at each phase point (writing_dcp: once this rank's are written)."""
+def _phases_seen(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, **injected: object) -> dict[str, list[str]]:
+    """Save one checkpoint in a drill's job; its folder's files at each phase point (writing_dcp: once written)."""
+    elsewhere = {"phase": "after_commit", "step": 99, "marker_dir": str(tmp_path / "markers")}
+    fault = TestFaults(pause_in_save=elsewhere, **injected)
     manager = manager_at(tmp_path / "ckpt")
     seen: dict[str, list[str]] = {}
 
@@ -30,14 +32,14 @@ def _phases_seen(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, injected: Test
         if shard_written is not False:
             seen[phase] = manager.files(step)
 
-    monkeypatch.setattr(faults, "active", lambda: injected)
+    monkeypatch.setattr(faults, "active", lambda: fault)
     monkeypatch.setattr(faults, "at_save_phase", record)
     manager.save(3, *tiny_model(), {"step": 3})
     return seen
 
 
 def test_each_save_phase_point_sees_exactly_the_files_its_name_says(tmp_path: Path, monkeypatch) -> None:
-    seen = _phases_seen(tmp_path, monkeypatch, TestFaults())
+    seen = _phases_seen(tmp_path, monkeypatch)
     assert list(seen) == list(SAVE_PHASES)
     dcp_files = [DCP_METADATA, SHARD]
     extras = [rng_file(0), TRAIN_STATE]
@@ -48,7 +50,7 @@ def test_each_save_phase_point_sees_exactly_the_files_its_name_says(tmp_path: Pa
 
 
 def test_the_commit_before_extras_mutation_commits_right_after_the_dcp_files(tmp_path: Path, monkeypatch) -> None:
-    seen = _phases_seen(tmp_path, monkeypatch, TestFaults(commit_before_extras=True))
+    seen = _phases_seen(tmp_path, monkeypatch, commit_before_extras=True)
     assert seen["after_dcp"] == [DCP_METADATA, COMMIT, SHARD]
     commit = json.loads((tmp_path / "ckpt" / step_dir_name(3) / COMMIT).read_text())
     assert sorted(commit["files"]) == [DCP_METADATA, SHARD]
