@@ -111,11 +111,11 @@ def test_an_unwritable_checkpoint_folder_is_refused_by_the_preflight_before_any_
     assert not (tmp_path / "ckpt" / "output").exists()
 
 
-def test_a_failed_job_is_diagnosed_and_a_rerun_reuses_the_finished_pure_steps(
+def test_a_tampered_dataset_stops_the_flow_at_the_data_step_and_a_rerun_reuses_the_finished_pure_steps(
     prefect_harness, make_spec, tiny_dataset: str, tmp_path: Path
 ) -> None:
     # A dataset whose shard was tampered with after it was prepared (same size, other bytes): the preflight
-    # finds it in place, the training job refuses it on first use, and the job step fails.
+    # finds it in place, the data step's token suite refuses it (a user error: not retried), and no job starts.
     tampered = tmp_path / "tampered-dataset"
     shutil.copytree(tiny_dataset, tampered)
     shard = sorted((tampered / "train").iterdir())[0]
@@ -124,8 +124,11 @@ def test_a_failed_job_is_diagnosed_and_a_rerun_reuses_the_finished_pure_steps(
     shard.write_bytes(bytes(data))
     spec = _spec(make_spec, tmp_path, {"data": {"dataset_url": str(tampered)}}, "tampered")
     state, runs = _run(spec)
-    assert state.is_failed() and runs["submit_job"].state.is_failed() and runs["submit_job"].run_count == 1
-    assert "untrusted checkpoint or dataset refused" in _artifact("diagnosis")
+    assert state.is_failed() and runs["check_dataset"].state.is_failed() and runs["check_dataset"].run_count == 1
+    assert "submit_job" not in runs and not (tmp_path / "tampered" / "output").exists()
+    summary = _artifact("deployment-summary")
+    assert "| data preprocessing and validation | **FAILED** |" in summary
+    assert f"{shard.relative_to(tampered)} has sha256 " in summary
 
     again, reruns = _run(spec)
     assert again.is_failed()
