@@ -9,10 +9,12 @@ job recover by itself.
 
 from __future__ import annotations
 
+import collections
 import functools
 import logging
 import os
 import signal
+import statistics
 import time
 from typing import Literal, get_args
 
@@ -115,7 +117,7 @@ class TestFaults(BaseModel):
         default=None,
         gt=1,
         description="slow_rank computes this many times as long as it would: it sleeps (factor - 1) x its own "
-        "compute time of the step before (instead of slow_step_s), so the slowness is relative.",
+        "compute time per step (of its last steps; instead of slow_step_s), so the slowness is relative.",
     )
 
 
@@ -154,10 +156,11 @@ def sample_order(order: np.ndarray) -> np.ndarray:
 
 
 class _SlowDown:
-    """slow_rank's own compute time of its last step (the sleep taken out), and what it slept in this one."""
+    """slow_rank's own compute times of its recent steps (the sleep taken out), and what it slept in this one."""
 
-    own_compute_s: float | None = None
-    slept_s: float = 0.0
+    def __init__(self) -> None:
+        self.own_compute_s: collections.deque[float] = collections.deque(maxlen=5)
+        self.slept_s = 0.0
 
 
 _slow_down = _SlowDown()
@@ -165,14 +168,16 @@ _slow_down = _SlowDown()
 
 def maybe_slow_down() -> None:
     """Sleep inside the compute part of a step on slow_rank: slow_step_s, or with slow_factor (factor - 1) x
-    its own compute time of the step before (none in its first step; see `step_computed`)."""
+    its own compute time per step (the median of its last 5 steps, so one busy step does not double the next;
+    no sleep in its first step; see `step_computed`)."""
     faults = active()
     if faults.slow_rank is None or faults.slow_rank != _rank():
         return
     if faults.slow_factor is None:
         seconds = faults.slow_step_s
     else:
-        seconds = (faults.slow_factor - 1) * (_slow_down.own_compute_s or 0.0)
+        own = _slow_down.own_compute_s
+        seconds = (faults.slow_factor - 1) * statistics.median(own) if own else 0.0
     _slow_down.slept_s = seconds
     time.sleep(seconds)
 
@@ -180,7 +185,8 @@ def maybe_slow_down() -> None:
 def step_computed(compute_s: float) -> None:
     """Note this rank's compute time of the step that ended, for slow_factor (what maybe_slow_down slept taken
     out)."""
-    _slow_down.own_compute_s, _slow_down.slept_s = max(0.0, compute_s - _slow_down.slept_s), 0.0
+    _slow_down.own_compute_s.append(max(0.0, compute_s - _slow_down.slept_s))
+    _slow_down.slept_s = 0.0
 
 
 def loss_poison(step: int) -> float:

@@ -348,7 +348,9 @@ class Trainer:
 
         local_loss = loss_sum / accum
         global_loss = local_loss.clone()
+        synced = time.perf_counter()  # waiting here for a slower rank is not this rank's compute
         dist.all_reduce(global_loss, op=dist.ReduceOp.AVG if self.backend == "nccl" else dist.ReduceOp.SUM)
+        loss_sync_s = time.perf_counter() - synced
         if self.backend != "nccl":
             global_loss /= self.world
         self.step += 1
@@ -371,7 +373,7 @@ class Trainer:
             "step_time_s": elapsed,
             "data_wait_s": data_s,
             "comm_s": comm_s,
-            "compute_s": max(0.0, elapsed - data_s - (comm_s or 0.0)),
+            "compute_s": max(0.0, elapsed - data_s - (comm_s or 0.0) - loss_sync_s),
             "peak_mem_bytes": peak_memory_bytes(self.device),
             "time_unix_s": time.time(),
             **self.telemetry.gpu_readings(),

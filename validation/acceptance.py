@@ -170,14 +170,21 @@ def _median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
-def straggler_ratios(compute: dict[int, float]) -> dict[int, float]:
-    """Each rank's compute time as a ratio to the median of the OTHER ranks' (with two ranks, the median of all
-    would sit halfway and hide a 1.5x rank); NaN where either side is unknown."""
-    ratios = {}
-    for rank, value in compute.items():
-        others = _median([v for r, v in compute.items() if r != rank and math.isfinite(v)])
-        ratios[rank] = value / others if math.isfinite(value) and others > 0 else float("nan")
-    return ratios
+def straggler_ratios(distributed: dict[int, dict[int, dict[str, Any]]], steps: list[int]) -> dict[int, float]:
+    """Per rank, the median over `steps` of its compute time divided by the median of the OTHER ranks' in the same
+    step; NaN where unknown.
+
+    Against the others, not all ranks: with two ranks the median of all sits halfway and hides a 1.5x rank.
+    Per step, then the median: load that slows every rank in a step (a busy host, a shared core) cancels out.
+    """
+    per_step: dict[int, list[float]] = {rank: [] for rank in distributed}
+    for step in steps:
+        compute = {rank: m[step]["compute_s"] for rank, m in distributed.items() if step in m}
+        for rank, value in compute.items():
+            others = _median([v for r, v in compute.items() if r != rank])
+            if others > 0:
+                per_step[rank].append(value / others)
+    return {rank: _median(values) for rank, values in per_step.items()}
 
 
 def _ranks_text(ranks: list[int]) -> str:
@@ -240,7 +247,7 @@ def check_performance(
     }
     comm_share = max((v for v in shares.values() if math.isfinite(v)), default=float("nan"))
     compute = {rank: _median([m[s]["compute_s"] for s in steps if s in m]) for rank, m in distributed.items()}
-    ratios = straggler_ratios(compute)
+    ratios = straggler_ratios(distributed, steps)
     data_wait = {
         rank: _median([m[s]["data_wait_s"] / m[s]["step_time_s"] for s in steps if s in m])
         for rank, m in distributed.items()
@@ -262,9 +269,9 @@ def check_performance(
         (r for r, ratio in ratios.items() if ratio > limits.straggler_ratio_max), key=lambda r: -ratios[r]
     )
     for rank in stragglers:
-        others = _median([v for r, v in compute.items() if r != rank and math.isfinite(v)])
+        others = _median([v for r, v in compute.items() if r != rank])
         failures.append(
-            f"rank {rank} computes {compute[rank]:.3f} s/step, {ratios[rank]:.2f}x the median of the other ranks "
+            f"rank {rank} computes {compute[rank]:.3f} s/step, {ratios[rank]:.2f}x the other ranks' median "
             f"({others:.3f} s; straggler_ratio_max {limits.straggler_ratio_max}); they wait for it in the "
             "gradient synchronisation"
         )
