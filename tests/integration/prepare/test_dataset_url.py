@@ -22,7 +22,7 @@ from tasks.prepare.existing import REPORTS_SUBDIR, VERDICT_FILE, check_dataset_u
 from tasks.prepare.pipeline import DataValidationError, prepare_dataset
 from tests.conftest import TINY_SPEC, deep_merge
 from training.dataset import read_manifest
-from training.storage import StorageConfig
+from training.storage import StorageConfig, filesystem
 
 pytestmark = pytest.mark.integration
 
@@ -169,3 +169,22 @@ def test_the_settings_left_out_of_the_key_do_not_change_a_token(tmp_path: Path) 
     a, b = (prepare_dataset(cfg, StorageConfig(), validate=False) for cfg in (one, other))
     assert a.key == b.key
     assert read_manifest(a.dataset_url).splits == read_manifest(b.dataset_url).splits  # every shard's sha256
+
+
+def test_a_dataset_on_s3_is_checked_its_verdict_reused_and_a_replaced_shard_rescanned_and_refused(
+    tiny_dataset: str, tmp_path: Path, s3_endpoint: str, s3_bucket: str
+) -> None:
+    storage = StorageConfig(s3_endpoint_url=s3_endpoint)
+    fs, _ = filesystem(f"s3://{s3_bucket}", storage)
+    fs.put(f"{tiny_dataset}/", f"{s3_bucket}/ds", recursive=True)
+    data, reports = DataSpec(dataset_url=f"s3://{s3_bucket}/ds"), str(tmp_path / "reports")
+    first = check_dataset_url(data, VOCAB, storage, reports)
+    assert first.validation["success"] and not first.cached
+    assert check_dataset_url(data, VOCAB, storage, reports).cached
+
+    bad = _copy(tiny_dataset, tmp_path, "bad")
+    _poke(bad, 11, 4000, fix_checksum=True)
+    for rel in (SHARD, "manifest.json"):
+        fs.put_file(str(bad / rel), f"{s3_bucket}/ds/{rel}")
+    with pytest.raises(DataValidationError, match=f"token id 4000 at position 11 of {SHARD} >= model.vocab_size"):
+        check_dataset_url(data, VOCAB, storage, reports)
