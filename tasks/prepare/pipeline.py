@@ -65,6 +65,7 @@ class DataValidationError(UserError):
         problems: Sequence[Any] = (),
         fix: str = "fix the data or the thresholds in data.prepare.expectations",
     ) -> None:
+        given_fix = fix
         found = "; ".join(p.describe() for p in problems)
         names = "; ".join(f.describe() for f in failed)
         if found and names:
@@ -73,6 +74,11 @@ class DataValidationError(UserError):
             fix += f" (report: {report_url}; page: {docs_url})" if docs_url else f" (report: {report_url})"
         super().__init__(f"{where}: data validation failed: {found or names}", fix)
         self.failed, self.problems, self.report_url, self.docs_url = failed, list(problems), report_url, docs_url
+        self._args = (where, failed, report_url, docs_url, list(problems), given_fix)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickle by the constructor's arguments (Prefect stores a failed task's exception)."""
+        return (type(self), self._args)
 
 
 @dataclass
