@@ -1,9 +1,11 @@
 """The data-preparation step: read, clean, validate documents, tokenize, shard, index, validate the dataset.
 
 The dataset goes to `<output_url>/<key>/` where the key hashes the inputs (each
-file's fsspec checksum: size and modification time or ETag), the settings and
-the tokenizer; re-running with the same key reuses the finished dataset (after
-re-checking it), anything changed makes a new one. `manifest.json` is written
+file's fsspec checksum: size and modification time or ETag), every setting that
+can change a token (all but NOT_TOKEN_SETTINGS), the tokenizer and the versions
+of the code behind the tokens; re-running with the same key reuses the finished
+dataset (after re-checking it, and its tokenizer against the spec's), anything
+changed makes a new one. `manifest.json` is written
 last, so a half-written dataset is never taken for a finished one; one whose
 dataset suite fails has its manifest moved to `manifest.rejected.json`.
 """
@@ -65,16 +67,16 @@ class DataValidationError(UserError):
         problems: Sequence[Any] = (),
         fix: str = "fix the data or the thresholds in data.prepare.expectations",
     ) -> None:
-        given_fix = fix
         found = "; ".join(p.describe() for p in problems)
         names = "; ".join(f.describe() for f in failed)
         if found and names:
             found += f" [failed expectations: {names}]"
+        published = ""
         if report_url:
-            fix += f" (report: {report_url}; page: {docs_url})" if docs_url else f" (report: {report_url})"
-        super().__init__(f"{where}: data validation failed: {found or names}", fix)
+            published = f" (report: {report_url}; page: {docs_url})" if docs_url else f" (report: {report_url})"
+        super().__init__(f"{where}: data validation failed: {found or names}", fix + published)
         self.failed, self.problems, self.report_url, self.docs_url = failed, list(problems), report_url, docs_url
-        self._args = (where, failed, report_url, docs_url, list(problems), given_fix)
+        self._args = (where, failed, report_url, docs_url, list(problems), fix)
 
     def __reduce__(self) -> tuple[Any, ...]:
         """Pickle by the constructor's arguments (Prefect stores a failed task's exception)."""
@@ -280,8 +282,8 @@ def _validate_dataset(
     if document_report:
         evaluated += document_report[0]
         failed = document_report[1] + failed
-    return SuiteReport(success=not failed and not suite.problems, evaluated=evaluated, failed=failed,
-                       problems=suite.problems)  # fmt: skip
+    success = not failed and not suite.problems
+    return SuiteReport(success=success, evaluated=evaluated, failed=failed, problems=suite.problems)
 
 
 def publish_validation(
