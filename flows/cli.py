@@ -369,7 +369,7 @@ def _print_acceptance(report, root: Path) -> None:  # noqa: ANN001 - AcceptanceR
 
     table = Table("check", "verdict", "measured", "look first", show_lines=True)
     for row in table_rows(report):
-        style = "green" if row["verdict"] == "pass" else ("yellow" if row["verdict"] == "n/a" else "red")
+        style = {"pass": "green", "n/a": "yellow", "not measured": "yellow"}.get(row["verdict"], "red")
         cells = (Text(row["check"]), Text(row["verdict"], style=style), Text(row["measured"]), Text(row["look first"]))
         table.add_row(*cells)
     console.print(table)

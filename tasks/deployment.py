@@ -197,7 +197,8 @@ class AcceptanceResult(StepResult):
 
     def summary(self) -> str:
         """The verdict and each dimension's and drill's outcome."""
-        rows = [f"{d['name']} {'pass' if d['passed'] else 'FAIL'}" for d in self.report.get("dimensions", [])]
+        verdicts = {True: "pass", False: "FAIL", None: "not measured"}
+        rows = [f"{d['name']} {verdicts[d['passed']]}" for d in self.report.get("dimensions", [])]
         rows += [
             f"{d['name']} {'pass' if d['passed'] else ('n/a' if d['passed'] is None else 'FAIL')}"
             + (f" (recovery {d['recovery_s']:.1f} s)" if d.get("recovery_s") is not None else "")

@@ -62,21 +62,35 @@ class AcceptanceThresholds(StrictModel):
     )
 
 
+DIMENSIONS = ("connectivity", "correctness", "performance", "stability", "data_consistency", "recovery")
+"""The six acceptance dimensions, in report order."""
+
+
 @dataclass
 class DimensionResult:
-    """One dimension's verdict."""
+    """One dimension's verdict: passed, failed, or not measured (`passed` None: nothing to judge it by)."""
 
     name: str
-    passed: bool
+    passed: bool | None
     measured: Any
     threshold: Any
     evidence: dict[str, Any] = field(default_factory=dict)
     message: str = ""
     look_first: str = ""
 
+    @property
+    def status(self) -> str:
+        """passed, failed or not measured."""
+        return {True: "passed", False: "failed", None: "not measured"}[self.passed]
+
+    @classmethod
+    def not_measured(cls, name: str, why: str, look_first: str = "") -> DimensionResult:
+        """A dimension that could not be measured (not a failure of its own: `why` names the finding that is)."""
+        return cls(name, None, None, None, {}, f"not measured: {why}", look_first)
+
     def to_json(self) -> dict[str, Any]:
-        """As a dict."""
-        return asdict(self)
+        """As a dict, with its status."""
+        return {**asdict(self), "status": self.status}
 
 
 def rank_metrics(output_dir: Path) -> dict[int, dict[int, dict[str, Any]]]:

@@ -11,6 +11,11 @@ from xml.etree import ElementTree as ET
 from tasks.acceptance.suite import AcceptanceReport
 from training.run_output import RunOutput
 
+VERDICTS = {True: "pass", False: "FAIL", None: "not measured"}
+"""A dimension's verdict in the tables (None: it could not be measured)."""
+DRILL_VERDICTS = {True: "pass", False: "FAIL", None: "n/a"}
+"""A drill's verdict in the tables (None: it does not apply to the spec)."""
+
 
 def write_json(report: AcceptanceReport, path: Path) -> Path:
     """acceptance.json."""
@@ -20,7 +25,8 @@ def write_json(report: AcceptanceReport, path: Path) -> Path:
 
 
 def write_junit(report: AcceptanceReport, path: Path) -> Path:
-    """One test case per dimension and per drill, so CI systems show each."""
+    """One test case per dimension and per drill, so CI systems show each (one not measured, or a drill that does
+    not apply, as skipped)."""
     cases: list[tuple[str, str, bool | None, str, dict[str, Any]]] = [
         ("acceptance", d.name, d.passed, d.message, {"measured": d.measured, "threshold": d.threshold})
         for d in report.dimensions
@@ -54,13 +60,16 @@ def plot_losses(report: AcceptanceReport, path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 4.5), dpi=110)
+    curves = 0
     for label, key, style in (("distributed", "distributed", "-"), ("single-process reference", "reference", "--")):
         folder = report.runs.get(key)
         if not folder:
             continue
         metrics = RunOutput(folder).metrics()
         steps = sorted(s for s in metrics if math.isfinite(metrics[s]["loss"]))
-        ax.plot(steps, [metrics[s]["loss"] for s in steps], style, label=label)
+        if steps:
+            ax.plot(steps, [metrics[s]["loss"] for s in steps], style, label=label)
+            curves += 1
     for drill in report.drills:
         resumed = drill.evidence.get("resumed_from_step")
         if resumed is not None:
@@ -69,7 +78,10 @@ def plot_losses(report: AcceptanceReport, path: Path) -> Path:
     ax.set_xlabel("step")
     ax.set_ylabel("training loss")
     ax.set_title("Acceptance: distributed vs single-process reference")
-    ax.legend()
+    if curves:
+        ax.legend()
+    else:  # a job that never started training (the start finding) leaves no curve to draw
+        ax.text(0.5, 0.5, "no run recorded a training step", ha="center", va="center", transform=ax.transAxes)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)
@@ -82,7 +94,7 @@ def table_rows(report: AcceptanceReport) -> list[dict[str, Any]]:
     rows = [
         {
             "check": d.name,
-            "verdict": "pass" if d.passed else "FAIL",
+            "verdict": VERDICTS[d.passed],
             "measured": json.dumps(d.measured, default=str)[:160],
             "threshold": json.dumps(d.threshold, default=str)[:100],
             "look first": d.look_first or d.message,
@@ -92,7 +104,7 @@ def table_rows(report: AcceptanceReport) -> list[dict[str, Any]]:
     rows += [
         {
             "check": f"drill: {d.name}",
-            "verdict": {True: "pass", False: "FAIL", None: "n/a"}[d.passed],
+            "verdict": DRILL_VERDICTS[d.passed],
             "measured": f"recovery {d.recovery_s:.1f}s, steps lost {d.steps_lost}, state matched {d.state_matched}"
             if d.recovery_s is not None
             else f"state matched {d.state_matched}",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,9 +21,11 @@ from tasks.acceptance.workspace import (
     workspace_base,
 )
 from tasks.cluster import ClusterConfig
+from tasks.launch.base import parse_root_cause
 from tasks.progress import report
 from training.config import TrainConfig
 from validation.acceptance import (
+    DIMENSIONS,
     DimensionResult,
     check_connectivity,
     check_correctness,
@@ -46,8 +49,21 @@ class AcceptanceReport:
 
     @property
     def passed(self) -> bool:
-        """All dimensions passed and no drill failed (a drill that does not apply is not a failure)."""
-        return all(d.passed for d in self.dimensions) and all(d.passed is not False for d in self.drills)
+        """All dimensions passed (one not measured has not) and no drill failed (a drill that does not apply is
+        not a failure)."""
+        return all(d.passed is True for d in self.dimensions) and all(d.passed is not False for d in self.drills)
+
+    @property
+    def failed(self) -> list[str]:
+        """The names of the findings that failed (not those that could not be measured)."""
+        return [d.name for d in self.dimensions if d.passed is False] + [
+            d.name for d in self.drills if d.passed is False
+        ]
+
+    @property
+    def not_measured(self) -> list[str]:
+        """The dimensions that could not be measured."""
+        return [d.name for d in self.dimensions if d.passed is None]
 
     def to_json(self) -> dict[str, Any]:
         """acceptance.json."""
@@ -162,6 +178,11 @@ def run_acceptance(
     dist = Job(cluster, dist_train, "accept-distributed", faults, image, phase=phase).wait(
         acceptance.job_timeout_s, limits.stall_timeout_s
     )
+    start = check_start(dist)
+    if start is not None:  # one finding; the reference, the correctness pair and the drills would tell nothing
+        why = "the distributed job never started training (see start)"
+        unmeasured = [DimensionResult.not_measured(name, why, "the start finding") for name in DIMENSIONS]
+        return AcceptanceReport([start, *unmeasured], [], {"distributed": str(dist.output_dir)})
     pair, reference = run_correctness_pair(cluster, train, acceptance, root, steps, faults, image)
     report("acceptance", "judging connectivity, correctness, performance, stability, data consistency")
     dimensions = judge(cluster, dist_train, acceptance, dist, reference, pair)
@@ -206,6 +227,40 @@ def run_acceptance(
     if accepted.passed:  # every dimension and drill: the first accepted run of its key becomes the baseline
         gate.record(root, dist.output_dir)
     return accepted
+
+
+def job_error(outcome: RunOutcome) -> str:
+    """The job's own error: its first failing rank's (torchrun's report), else the last error line of its log."""
+    if outcome.status.failure is not None:
+        return outcome.status.failure.describe()
+    log_path = Path(outcome.handle.log_path)
+    text = log_path.read_text(errors="replace") if log_path.is_file() else ""
+    cause = parse_root_cause(text)
+    if cause is not None:
+        return cause.describe()
+    errors = [line.strip() for line in text.splitlines() if re.search(r"\w(Error|Exception)\b", line)]
+    return errors[-1] if errors else outcome.status.describe()
+
+
+def check_start(dist: RunOutcome) -> DimensionResult | None:
+    """None once the distributed job trained a step; else the one finding that it never started, with its error.
+
+    A job refused at start-up (a dataset made with another tokenizer, a spec the trainer rejects, a rendezvous
+    that never completed) has nothing for the six dimensions to judge: failing all of them would bury the cause.
+    """
+    if dist.ok or rank_metrics(dist.output_dir):
+        return None
+    error = job_error(dist)
+    return DimensionResult(
+        "start",
+        False,
+        {"state": dist.status.state.value, "steps_trained": 0},
+        {"steps_trained": ">= 1"},
+        {"job": dist.handle.ref, "log": dist.handle.log_path, "output": str(dist.output_dir)},
+        f"the distributed job never started training: {error}",
+        "the error above: a spec, dataset or environment problem the job refused at start-up (fix it in the spec "
+        f"or the data, not by rerunning); then the job's log {dist.handle.log_path}",
+    )
 
 
 def judge(

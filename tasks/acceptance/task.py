@@ -60,10 +60,10 @@ def run_acceptance(
     for row in table_rows(report):
         logger.info("%s: %s %s", row["check"], row["verdict"], row["look first"])
     if not report.passed:
-        failed = [d.name for d in report.dimensions if not d.passed] + [
-            d.name for d in report.drills if d.passed is False
-        ]
-        raise AcceptanceFailed(f"acceptance failed: {', '.join(failed)}", f"see {summary.files['json']}")
+        unmeasured = f" (not measured: {', '.join(report.not_measured)})" if report.not_measured else ""
+        raise AcceptanceFailed(
+            f"acceptance failed: {', '.join(report.failed)}{unmeasured}", f"see {summary.files['json']}"
+        )
     return summary
 
 
