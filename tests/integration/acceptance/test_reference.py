@@ -8,6 +8,7 @@ spec has it on) with or without a test fault and judges it with the default tole
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -17,8 +18,10 @@ from tasks.acceptance.suite import CorrectnessPlan, correctness_plan
 from tasks.acceptance.workspace import Job, RunOutcome, single_process, variant
 from tasks.spec import DeploymentSpec, parse_spec
 from tests.conftest import TINY_SPEC, deep_merge, metrics_by_step
+from training.checkpoint import step_dir_name
 from training.faults import ENV_VAR
-from validation.acceptance import AcceptanceThresholds, DimensionResult, check_correctness
+from training.run_output import RunOutput
+from validation.acceptance import CLEAN_REL_DEVIATION, AcceptanceThresholds, DimensionResult, check_correctness
 
 pytestmark = pytest.mark.integration
 
@@ -127,3 +130,21 @@ def test_ranks_that_never_synchronise_gradients_fail(
     correctness = _judged(_distributed(spec, tmp_path / "unsynced", {"skip_grad_sync": True}), reference)
     assert not correctness.passed and correctness.measured["max_rel_deviation"] > TOLERANCE
     assert correctness.measured["deviation_per_step"][1] < TOLERANCE  # step 1 starts from the same weights
+
+
+def test_a_run_with_dropout_resumes_bit_exactly_on_every_rank(
+    spec: DeploymentSpec, reference: RunOutcome, tmp_path: Path
+) -> None:
+    train = spec.training_config()
+    whole = variant(train, tmp_path, "whole", run={"steps": 8}, checkpoint={"save_every_steps": 4})
+    assert Job(spec.cluster, whole, "whole", None, None).wait(300).ok
+    first, plain = RunOutput(whole.run.output_url).metrics()[1]["loss"], reference.metrics()[1]["loss"]
+    assert abs(first - plain) / plain > 100 * CLEAN_REL_DEVIATION  # dropout is on: not the dropout-free loss
+    resumed = variant(train, tmp_path, "resumed", run={"steps": 8})
+    Path(resumed.checkpoint.url).mkdir(parents=True)
+    shutil.copytree(Path(whole.checkpoint.url) / step_dir_name(4), Path(resumed.checkpoint.url) / step_dir_name(4))
+    outcome = Job(spec.cluster, resumed, "resumed", None, None).wait(300)
+    assert outcome.ok and outcome.ranks().ranks[0]["resumed_from_step"] == 4
+    for rank in (0, 1):  # each rank's dropout masks continue from its own restored RNG stream
+        before, after = RunOutput(whole.run.output_url).metrics(rank), outcome.metrics(rank)
+        assert [after[s]["rank_loss"] for s in range(5, 9)] == [before[s]["rank_loss"] for s in range(5, 9)]
