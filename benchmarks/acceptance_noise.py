@@ -121,7 +121,7 @@ def main() -> None:
             env = {ENV_VAR: json.dumps(faults)} if faults else None
             dist = Job(spec.cluster, plan.distributed, name, env, None).wait(600)
             runs[name] = deviations(dist, reference)
-        clean = max(max(v) for k, v in runs.items() if k.startswith("clean"))
+        clean = max(max(v) for k, v in runs.items() if k.startswith("clean")) or 1e-300  # bit-exact: no noise
         tolerance = AcceptanceThresholds().correctness_max_rel_deviation
         print(f"shape={args.shape} grad_accum_steps=2 world=2 steps={args.steps} schedule={args.schedule_steps}")
         print(f"tolerance (correctness_max_rel_deviation) {tolerance:g} = {tolerance / clean:.3g}x the clean maximum")

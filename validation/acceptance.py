@@ -28,7 +28,7 @@ class AcceptanceThresholds(StrictModel):
         description="Largest relative loss deviation of the distributed run (fp32, no dropout) from the "
         "independent reference over acceptance.reference_steps. Set from benchmarks/acceptance_noise.py: "
         "clean runs deviate by about 1e-7, a rank initialised differently, missing gradient sync or a broken "
-        "accumulation by 2e-3 to 1e-2.",
+        "accumulation by 3e-3 to 1e-2.",
     )
     scaling_efficiency_min: float = Field(
         default=0.7, gt=0, le=1.5, description="Smallest T_N / (N * T_1) (throughput of N ranks vs one)."
@@ -169,9 +169,9 @@ def check_correctness(
     return DimensionResult(
         "correctness",
         passed,
-        {"max_rel_deviation": value, "worst_step": worst, "deviation_per_step": deviations},
+        {"max_rel_deviation": value, "worst_step": worst},
         threshold,
-        {"steps_compared": [steps[0], steps[-1]], "first_failing_step": first_bad},
+        {"steps_compared": [steps[0], steps[-1]], "first_failing_step": first_bad, "deviation_per_step": deviations},
         "" if passed else f"loss deviates from the reference by {value:.3g} (relative) at step {worst}",
         "" if passed else "data order and seeds per rank (sampler records), then gradient accumulation and sync",
     )

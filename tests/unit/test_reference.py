@@ -19,6 +19,7 @@ from training.model import Transformer
 from training.reference import ReferenceError, batch_indices, learning_rate, run_reference
 from training.sampler import GlobalBatchSampler
 from training.train import lr_lambda
+from validation.acceptance import CLEAN_REL_DEVIATION, check_correctness
 
 BASE = deep_merge(
     TINY_SPEC, {"data": {"dataset_url": "/tmp/d"}, "checkpoint": {"url": "/tmp/c"}, "run": {"output_url": "/tmp/o"}}
@@ -138,3 +139,14 @@ def test_the_reference_cluster_is_one_process_without_restarts(tmp_path: Path) -
     plan = correctness_plan(cluster, spec.training_config(), tmp_path, 40, 10)
     assert (plan.reference_cluster.nodes, plan.reference_cluster.procs_per_node) == (1, 1)
     assert plan.reference_cluster.max_restarts == 0 and plan.reference.reference == ReferenceConfig(world_size=8)
+
+
+def test_correctness_reports_the_deviation_the_tolerance_and_the_measured_clean_noise() -> None:
+    reference = {s: {"loss": 5.0 - 0.1 * s} for s in range(1, 6)}
+    close = {s: {"loss": m["loss"] * (1 + 1e-7)} for s, m in reference.items()}
+    off = {**close, 4: {"loss": reference[4]["loss"] * (1 + 1e-3)}}
+    passed, failed = check_correctness(close, reference, 1e-4), check_correctness(off, reference, 1e-4)
+    assert passed.passed and passed.measured["max_rel_deviation"] == pytest.approx(1e-7, rel=1e-3)
+    assert passed.threshold == {"max_rel_deviation": 1e-4, "clean_rel_deviation_measured": CLEAN_REL_DEVIATION}
+    assert not failed.passed and failed.evidence["first_failing_step"] == 4 and failed.measured["worst_step"] == 4
+    assert sorted(failed.evidence["deviation_per_step"]) == [1, 2, 3, 4, 5]

@@ -129,7 +129,7 @@ def test_ranks_that_never_synchronise_gradients_fail(
 ) -> None:
     correctness = _judged(_distributed(spec, tmp_path / "unsynced", {"skip_grad_sync": True}), reference)
     assert not correctness.passed and correctness.measured["max_rel_deviation"] > TOLERANCE
-    assert correctness.measured["deviation_per_step"][1] < TOLERANCE  # step 1 starts from the same weights
+    assert correctness.evidence["deviation_per_step"][1] < TOLERANCE  # step 1 starts from the same weights
 
 
 def test_a_run_with_dropout_resumes_bit_exactly_on_every_rank(
@@ -148,3 +148,15 @@ def test_a_run_with_dropout_resumes_bit_exactly_on_every_rank(
     for rank in (0, 1):  # each rank's dropout masks continue from its own restored RNG stream
         before, after = RunOutput(whole.run.output_url).metrics(rank), outcome.metrics(rank)
         assert [after[s]["rank_loss"] for s in range(5, 9)] == [before[s]["rank_loss"] for s in range(5, 9)]
+
+
+def test_a_moe_model_agrees_with_the_reference_which_balances_load_per_micro_batch(
+    spec: DeploymentSpec, tmp_path: Path
+) -> None:
+    moe = parse_spec(deep_merge(spec.model_dump(), {"model": {"moe": {"n_experts": 4, "top_k": 2}}}), "tiny:moe")
+    plan = _plan(moe, tmp_path)
+    reference = Job(plan.reference_cluster, plan.reference, "reference", None, None).wait(300)
+    correctness = _judged(_distributed(moe, tmp_path), reference)
+    print(f"MoE: max relative deviation from the reference {correctness.measured['max_rel_deviation']:.3g}")
+    assert correctness.passed, correctness.measured
+    assert reference.metrics()[1]["aux_loss"] > 0
