@@ -58,6 +58,9 @@ def apply_ddp(model: nn.Module, cfg: ParallelConfig, device: torch.device, timer
         model,
         device_ids=[device.index] if device.type == "cuda" else None,
         bucket_cap_mb=cfg.ddp_bucket_cap_mb,
+        # The model's buffers (RoPE tables) are constants every rank computes from the config: broadcasting
+        # them before every forward would be a collective outside the timed ones, booked as compute.
+        broadcast_buffers=False,
     )
     hook = {
         None: default_hooks.allreduce_hook,
