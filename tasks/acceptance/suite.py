@@ -221,9 +221,10 @@ def run_acceptance(
     if with_drills and dist.ok:
         wanted = ctx.drills.only if ctx.drills.only is not None else list(DRILLS)
         drill_results += run_drills(ctx, [n for n in wanted if n != "rank_kill"])  # rank_kill ran above
-    accepted = AcceptanceReport(
-        dimensions, drill_results, {"distributed": str(dist.output_dir), "reference": str(reference.output_dir)}
-    )
+    runs = {"distributed": str(dist.output_dir), "reference": str(reference.output_dir)}
+    if pair is not None:  # the distributed side of correctness, when the main run could not serve
+        runs["correctness"] = str(pair.output_dir)
+    accepted = AcceptanceReport(dimensions, drill_results, runs)
     if accepted.passed:  # every dimension and drill: the first accepted run of its key becomes the baseline
         gate.record(root, dist.output_dir)
     return accepted
