@@ -49,7 +49,7 @@ from training.run_output import Ranks, RunOutputWriter, RunResult
 log = logging.getLogger(__name__)
 
 
-class ReferenceError(RuntimeError):
+class ReferenceSetupError(RuntimeError):
     """The reference was started in a way it cannot run (more than one process, no reference section)."""
 
 
@@ -93,10 +93,10 @@ def _mean_loss(model: Transformer, tokens: torch.Tensor, group: int | None) -> t
 def run_reference(cfg: TrainConfig) -> RunResult:
     """Train `cfg.run.stop_after_steps or cfg.run.steps` steps the plain way; write metrics and the result."""
     if cfg.reference is None:
-        raise ReferenceError("the config has no reference section; the trainer runs such configs")
+        raise ReferenceSetupError("the config has no reference section; the trainer runs such configs")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world != 1:
-        raise ReferenceError(f"the reference runs as one process, {world} were started; start it with one")
+        raise ReferenceSetupError(f"the reference runs as one process, {world} were started; start it with one")
     model_cfg, run, optim = cfg.model.model_copy(update={"dropout": 0.0}), cfg.run, cfg.optim
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if torch.cuda.is_available() else None
     device = device or torch.device("cpu")
@@ -109,7 +109,7 @@ def run_reference(cfg: TrainConfig) -> RunResult:
         cfg.data.dataset_url, cfg.data.val_split, model_cfg.seq_len, cfg.storage, vocab_size=model_cfg.vocab_size
     )
     if global_batch > len(train):
-        raise ReferenceError(f"global batch {global_batch} exceeds the {len(train)} training samples")
+        raise ReferenceSetupError(f"global batch {global_batch} exceeds the {len(train)} training samples")
 
     torch.manual_seed(run.seed)  # the trainer's initial weights: torch seeded with run.seed, then the model built
     model = Transformer(model_cfg).to(device)
@@ -122,6 +122,7 @@ def run_reference(cfg: TrainConfig) -> RunResult:
         eps=optim.eps,
     )
     coef = model_cfg.moe.aux_loss_coef if model_cfg.moe else 0.0
+    # Group k of micro_batch sequences is micro-batch k // world of rank k % world (the sampler's layout).
     group = cfg.parallel.micro_batch if model_cfg.moe else None
     clip = optim.grad_clip_norm if optim.grad_clip_norm is not None else math.inf
 

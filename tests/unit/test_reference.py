@@ -16,7 +16,7 @@ from tests.conftest import TINY_SPEC, deep_merge
 from training.checkpoint import capture_rng, restore_rng
 from training.config import ModelConfig, OptimConfig, ReferenceConfig, TrainConfig
 from training.model import Transformer
-from training.reference import ReferenceError, batch_indices, learning_rate, run_reference
+from training.reference import ReferenceSetupError, batch_indices, learning_rate, run_reference
 from training.sampler import GlobalBatchSampler
 from training.train import lr_lambda
 from validation.acceptance import CLEAN_REL_DEVIATION, check_correctness
@@ -92,10 +92,10 @@ def test_a_spec_in_fp32_without_dropout_lets_the_main_run_stand_in_for_the_distr
 
 def test_the_reference_refuses_to_run_as_more_than_one_process(monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = parse_spec(BASE).training_config()
-    with pytest.raises(ReferenceError, match="no reference section"):
+    with pytest.raises(ReferenceSetupError, match="no reference section"):
         run_reference(cfg)
     monkeypatch.setitem(os.environ, "WORLD_SIZE", "2")
-    with pytest.raises(ReferenceError, match="runs as one process, 2 were started"):
+    with pytest.raises(ReferenceSetupError, match="runs as one process, 2 were started"):
         run_reference(TrainConfig.model_validate({**cfg.model_dump(), "reference": {"world_size": 2}}))
 
 
