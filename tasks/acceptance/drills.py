@@ -206,12 +206,15 @@ def _stopped_save(
     try:
         job.wait_until(
             lambda: len(paused_ranks(markers)) == ctx.cluster.world_size,
-            f"every rank to stop at {phase} of the save of step {save_step}", ctx.acceptance.job_timeout_s, 0.1,
+            f"every rank stopped at {phase} of the save of step {save_step}", ctx.acceptance.job_timeout_s, 0.1,
         )  # fmt: skip
     except UserError as err:
-        if not job.status().state.terminal:
+        ended = job.status().state.terminal
+        if not ended:
             job.cancel()
-        return job.wait(ctx.acceptance.job_timeout_s), None, str(err)
+        outcome = job.wait(ctx.acceptance.job_timeout_s)
+        why = f"the job {outcome.status.describe()}" if ended else str(err)
+        return outcome, None, f"the ranks never all stopped at {phase} of the save of step {save_step}: {why}"
     for rank in paused_ranks(markers):
         try:
             job.kill_rank(rank.rank)
@@ -230,12 +233,13 @@ def _inspect_kill(outcome: SavePhaseOutcome, train: TrainConfig) -> None:
         when = "after" if outcome.phase == "after_commit" else "before"
         outcome.problems.append(
             f"after the kill the newest committed checkpoint is step {newest}, expected step "
-            f"{outcome.expected_step} (the save of step {outcome.save_step} was killed {when} its {COMMIT})"
+            f"{outcome.expected_step} (the save of step {outcome.save_step} was killed {when} its {COMMIT} was due)"
         )
     if newest is not None:
         missing = manager.wholeness(newest)
         outcome.whole = not missing
-        outcome.problems.extend(f"{step_dir_name(newest)} is not whole: {problem}" for problem in missing)
+        if missing:
+            outcome.problems.append(f"{step_dir_name(newest)} is not whole: {'; '.join(missing)}")
 
 
 def _judge_relaunch(

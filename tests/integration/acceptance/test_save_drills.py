@@ -55,5 +55,7 @@ def test_a_commit_marker_written_before_the_extras_fails_the_drill_naming_the_mi
     (phase,) = result.evidence["phases"]
     assert phase["phase"] == "after_dcp" and not phase["passed"] and not phase["whole"]
     assert "the newest committed checkpoint is step 6, expected step 3" in result.message
+    assert "step-00000006 is not whole: " in result.message
     for missing in (TRAIN_STATE, rng_file(0), rng_file(1)):
-        assert f"step-00000006 is not whole: {missing} is missing (the loader needs it)" in result.message
+        assert f"{missing} is missing (the loader needs it)" in result.message
+    assert "the relaunch failed" in result.message and f"{TRAIN_STATE}" in phase["problems"][-1]
