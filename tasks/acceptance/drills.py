@@ -7,6 +7,7 @@ matched an uninterrupted run of the same job.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -21,11 +22,12 @@ from tasks.acceptance.outage import TcpProxy
 from tasks.acceptance.workspace import Job, RunOutcome, first_step_time_after, last_step, single_process, variant
 from tasks.cluster import ClusterConfig
 from tasks.errors import UserError
+from tasks.launch.base import JobState, JobStatus, find_job
 from tasks.progress import report
 from training.checkpoint import COMMIT, CheckpointManager, step_dir_name
 from training.config import TrainConfig
 from training.faults import SAVE_PHASES, SavePhase, paused_ranks, with_faults
-from training.run_output import CheckpointEvent
+from training.run_output import CheckpointEvent, RunOutput
 from validation.acceptance import DimensionResult, check_recovery
 
 log = logging.getLogger(__name__)
@@ -135,6 +137,35 @@ def _finish(name: str, recovery: DimensionResult, t_fail: float, outcome: RunOut
         message=recovery.message or ("" if outcome.ok else f"the resumed job {outcome.status.describe()}"),
         evidence={"output_dir": str(outcome.output_dir), "resumed_from_step": resumed_from, **(extra or {})},
     )
+
+
+def reuse_acceptance(root: Path, ctx: DrillContext) -> tuple[RunOutcome | None, DrillResult | None]:
+    """The uninterrupted distributed run and the rank_kill drill that the acceptance step left in the run
+    workspace `root`, when they are what the drills would run themselves (the same job but for its folders,
+    finished; the drill passed): the drills step then reuses them instead of running both again."""
+    try:
+        data = json.loads((root / "acceptance.json").read_text())
+        out = Path(data["runs"]["distributed"])
+        accepted = TrainConfig.from_json_file(out / "run.json")
+        kill = next((d for d in data["drills"] if d.get("name") == "rank_kill"), None)
+        handle = find_job(str(out))
+    except (OSError, ValueError, KeyError, TypeError, UserError):
+        return None, None  # no acceptance step ran here (or it left nothing usable): run them afresh
+
+    def without_folders(cfg: TrainConfig) -> dict[str, Any]:
+        dump = cfg.model_dump()
+        dump["run"]["output_url"] = dump["checkpoint"]["url"] = None
+        return dump
+
+    result = RunOutput(out).result()
+    if without_folders(accepted) != without_folders(ctx.base) or result is None or result.steps != ctx.base.run.steps:
+        return None, None
+    reference = RunOutcome(handle, JobStatus(JobState.SUCCEEDED, "finished in the acceptance step"), out)
+    reused = None
+    if isinstance(kill, dict) and kill.get("passed") is True:
+        reused = DrillResult(**kill)
+        reused.evidence = {**reused.evidence, "reused_from": str(root / "acceptance.json")}
+    return reference, reused
 
 
 def drill_rank_kill(ctx: DrillContext) -> tuple[DrillResult, DimensionResult]:

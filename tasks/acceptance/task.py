@@ -7,8 +7,8 @@ from pathlib import Path
 from prefect import get_run_logger, task
 from prefect.artifacts import create_table_artifact
 
-from tasks.acceptance.config import AcceptanceConfig, DrillConfig
-from tasks.acceptance.drills import DrillContext
+from tasks.acceptance.config import DRILLS, AcceptanceConfig, DrillConfig
+from tasks.acceptance.drills import DrillContext, reuse_acceptance
 from tasks.acceptance.drills import run_drills as run_drill_list
 from tasks.acceptance.report import plot_losses, table_rows, write_json, write_junit
 from tasks.acceptance.suite import AcceptanceReport
@@ -83,8 +83,20 @@ def run_drills(
     logger = get_run_logger()
     workspace = open_workspace(root, acceptance.keep_runs, "drills")
     logger.info("drills workspace %s", workspace.drills)
-    ctx = DrillContext(cluster, train, workspace.drills, acceptance, drills, faults, image)
-    results = run_drill_list(ctx, only, on_result=lambda r: logger.info("drill %s: %s %s", r.name, r.passed, r.message))
+    fresh = DrillContext(cluster, train, workspace.drills, acceptance, drills, faults, image)
+    reference, rank_kill = reuse_acceptance(workspace.root, fresh)
+    ctx = DrillContext(cluster, train, workspace.drills, acceptance, drills, faults, image, reference=reference)
+    chosen = only if only is not None else (drills.only if drills.only is not None else list(DRILLS))
+    results = []
+    if rank_kill is not None and "rank_kill" in chosen:
+        logger.info("drill rank_kill: reused from the acceptance step in %s", workspace.root)
+        results.append(rank_kill)
+        chosen = [name for name in chosen if name != "rank_kill"]
+    if reference is not None:
+        logger.info("drills compare with the acceptance step's uninterrupted run %s", reference.output_dir)
+    results += run_drill_list(
+        ctx, chosen, on_result=lambda r: logger.info("drill %s: %s %s", r.name, r.passed, r.message)
+    )
     report = AcceptanceReport([], results, {})
     summary = publish(report, workspace.drills, "drills", workspace)
     if any(r.passed is False for r in results):
