@@ -159,6 +159,11 @@ def rng_file(rank: int) -> str:
     return f"rng/rank-{rank:05d}.json"
 
 
+def loader_files(world_size: int) -> list[str]:
+    """The small files every resume reads (besides the DCP shards .metadata names): what a commit must list."""
+    return [DCP_METADATA, TRAIN_STATE, *(rng_file(rank) for rank in range(world_size))]
+
+
 def capture_rng() -> dict[str, Any]:
     """This process's RNG states as JSON-safe data."""
     np_state = np.random.get_state()
@@ -650,9 +655,7 @@ class CheckpointManager:
                 problems.append(f"{rel} has {size} bytes, COMMIT.json says {expected['bytes']}")
             elif sha256_file(self.fs, full) != expected["sha256"]:
                 problems.append(f"{rel} fails its sha256 check")
-        needed: dict[str, int] = {rng_file(rank): 0 for rank in range(commit["world_size"])}
-        needed[TRAIN_STATE] = 0
-        needed[DCP_METADATA] = 0
+        needed: dict[str, int] = dict.fromkeys(loader_files(commit["world_size"]), 0)
         if self.fs.exists(join(path, DCP_METADATA)):
             try:
                 metadata = self._reader(self._url(path)).read_metadata()
@@ -707,7 +710,12 @@ class CheckpointManager:
             reason = untrusted_reason(commit, self.key, name)
         except CheckpointKeyError as err:
             return "key", err.problem
-        return ("untrusted", reason) if reason else ("ok", commit)
+        if reason:
+            return "untrusted", reason
+        unlisted = sorted(set(loader_files(commit["world_size"])) - set(commit["files"]))
+        if unlisted:  # what the commit does not list, nothing verifies: a save that committed too early
+            return "corrupt", f"{COMMIT} does not list {', '.join(unlisted)}, which the loader needs"
+        return "ok", commit
 
     def latest_sound(self, skipped: list[SkippedCheckpoint] | None = None) -> tuple[int, dict[str, Any]] | None:
         """Newest committed, trusted, verified checkpoint; partial, untrusted and corrupt ones are skipped.

@@ -183,3 +183,15 @@ def test_an_uncommitted_checkpoint_is_not_whole(saved) -> None:
     manager, folder = saved
     (folder / COMMIT).unlink()
     assert manager.wholeness(2) == [f"{COMMIT} is missing"]
+
+
+def test_the_loader_skips_a_committed_checkpoint_that_does_not_list_what_it_needs(saved, tmp_path: Path) -> None:
+    manager, folder = saved
+    saved_steps(tmp_path / "ckpt", 4)  # step 4 is the newest, step 2 the sound one before it
+    newest = tmp_path / "ckpt" / step_dir_name(4)
+    (newest / rng_file(0)).unlink()
+    _rewrite_commit(newest, rng_file(0))  # committed before its RNG file was written
+    skipped: list = []
+    step, _ = manager.latest_sound(skipped)
+    assert step == 2
+    assert skipped[0].reason == "corrupt" and rng_file(0) in skipped[0].detail and "loader needs" in skipped[0].detail
