@@ -401,8 +401,21 @@ def drill_corrupt_checkpoint(ctx: DrillContext) -> DrillResult:
     return result
 
 
+def _checkpoints_up_to(ctx: DrillContext, target: TrainConfig, step: int) -> None:
+    """`target`'s checkpoint folder holds the reference run's committed checkpoints up to `step`."""
+    for copied in _copy_reference_checkpoints(ctx, target):
+        if copied > step:
+            shutil.rmtree(Path(target.checkpoint.url) / step_dir_name(copied))
+
+
 def drill_reshard(ctx: DrillContext) -> DrillResult:
-    """Restore a checkpoint of N ranks on one rank (global batch kept): model and optimizer state carry over."""
+    """Restore a checkpoint of N ranks on one rank (global batch kept): model and optimizer state carry over.
+
+    The resharded run is compared with the uninterrupted run. With dropout it cannot be: each rank draws its
+    masks from its own RNG stream, which one rank cannot reproduce. Then both the resharded run and a control
+    (the same checkpoint resumed on the original layout, which the other drills compare bit for bit with the
+    uninterrupted run) train a few steps without dropout, and the resharded run must match the control.
+    """
     if ctx.cluster.world_size < 2:
         return DrillResult("reshard", None, message="needs a world size of 2 or more to reshard from")
     reference = ctx.reference()
@@ -412,19 +425,35 @@ def drill_reshard(ctx: DrillContext) -> DrillResult:
     midpoint = steps[len(steps) // 2 - 1] if len(steps) >= 2 else None
     if midpoint is None:
         return DrillResult("reshard", False, message="the reference run left fewer than 2 checkpoints")
-    for step in steps:
-        if step > midpoint:
-            shutil.rmtree(Path(train.checkpoint.url) / step_dir_name(step))
+    _checkpoints_up_to(ctx, train, midpoint)
+    control = None
+    if ctx.base.model.dropout > 0:
+        quiet = {"model": {"dropout": 0.0}}
+        stop = {"stop_after_steps": min(ctx.base.run.steps, midpoint + max(5, ctx.drills.relaunch_steps))}
+        train = ctx.train("drill-reshard", **{**sections, **quiet, "run": {**sections["run"], **stop}})
+        control_train = ctx.train("drill-reshard-control", **quiet, run=stop)
+        _checkpoints_up_to(ctx, control_train, midpoint)
+        control = ctx.job(control_train, "drill-reshard-control").wait(ctx.acceptance.job_timeout_s)
+        if not control.ok:
+            return DrillResult(
+                "reshard", False, message=f"the same-layout control run failed: {control.status.describe()}",
+                evidence={"output_dir": str(control.output_dir)},
+            )  # fmt: skip
     t_fail = time.time()
     job = ctx.job(train, "drill-reshard", cluster=one_cluster)
     outcome = job.wait(ctx.acceptance.job_timeout_s)
     resumed = outcome.run.resume()
     resharded = resumed is not None and resumed.resharded
-    recovery = ctx.recovery(outcome, midpoint, bit_identical=False)
+    if control is None:
+        recovery = ctx.recovery(outcome, midpoint, bit_identical=False)
+    else:
+        resumed_from = outcome.ranks().ranks[0]["resumed_from_step"]
+        recovery = check_recovery(control.metrics(), outcome.metrics(), midpoint, resumed_from, bit_identical=False)
     result = _finish(
         "reshard", recovery, t_fail, outcome, 0,
         {"from_world_size": ctx.cluster.world_size, "to_world_size": 1, "checkpoint_step": midpoint,
-         "reshard_reported": resharded, "reference_world_size": reference.ranks().world_size},
+         "reshard_reported": resharded, "reference_world_size": reference.ranks().world_size,
+         "compared_with": "uninterrupted run" if control is None else f"same-layout resume {control.output_dir}"},
     )  # fmt: skip
     if not resharded:
         result.passed = False
