@@ -58,4 +58,6 @@ def test_a_commit_marker_written_before_the_extras_fails_the_drill_naming_the_mi
     assert "step-00000006 is not whole: " in result.message
     for missing in (TRAIN_STATE, rng_file(0), rng_file(1)):
         assert f"{missing} is missing (the loader needs it)" in result.message
-    assert "the relaunch failed" in result.message and f"{TRAIN_STATE}" in phase["problems"][-1]
+    # the relaunch's loader passes over commits that do not list what it needs (step 3's neither, under this
+    # mutation), so it resumes from nothing instead of from the checkpoint before the killed save
+    assert "did not resume from a checkpoint" in result.message, result.message
