@@ -1,8 +1,9 @@
 """The acceptance suite and the drills on CPU with gloo, 2 ranks, the tiny model, through the local launcher.
 
 The suite must pass a clean run and fail each dimension when a test-only fault breaks it.
-Performance thresholds here are loose on purpose (no timing thresholds in tests): two ranks share two cores
-with everything else in CI; the slow-rank fault adds 0.3 s to steps of about 10 ms.
+Scaling and communication thresholds here are loose on purpose (no timing thresholds in tests): two ranks
+share two cores with everything else in CI. The straggler rule keeps its default (1.25x the other ranks'
+compute, step by step): the slow-rank fault makes rank 1 1.5x slower than its own recent steps.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from xml.etree import ElementTree as ET
 
 import pytest
 
-from tasks.acceptance.config import AcceptanceConfig
+from tasks.acceptance.config import AcceptanceConfig, DrillConfig
 from tasks.acceptance.drills import DrillContext, drill_rank_kill, run_drills
 from tasks.acceptance.report import plot_losses, write_json, write_junit
 from tasks.acceptance.suite import judge, run_acceptance, run_correctness_pair
@@ -109,16 +110,20 @@ def test_a_checkpoint_without_optimizer_state_fails_recovery(make_spec, tmp_path
 
 def test_every_drill_recovers_with_state_matching(make_spec, tmp_path: Path) -> None:
     spec = make_spec()
-    ctx = DrillContext(spec.cluster, spec.training_config(), tmp_path, _acceptance(steps=200, save_every_steps=20))
+    # kill_during_save at one phase here: test_save_drills.py kills at every phase
+    drills = DrillConfig(save_phases=["after_extras"])
+    acceptance = _acceptance(steps=200, save_every_steps=20)
+    ctx = DrillContext(spec.cluster, spec.training_config(), tmp_path, acceptance, drills)
     results = {r.name: r for r in run_drills(ctx)}
     assert set(results) == {"rank_kill", "kill_during_save", "corrupt_checkpoint", "reshard", "storage_outage"}
     for name, result in results.items():
         assert result.passed, (name, result.message, result.evidence)
         assert result.state_matched, name
     save_phases = {p["phase"]: p for p in results["kill_during_save"].evidence["phases"]}
-    assert list(save_phases) == ["writing_dcp", "after_dcp", "after_extras", "after_commit"]
-    assert all(p["whole"] and p["resumed_from"] == p["expected_step"] for p in save_phases.values()), save_phases
-    assert all(p["partial_skipped_with_warning"] for n, p in save_phases.items() if n != "after_commit")
+    assert list(save_phases) == ["after_extras"]
+    phase = save_phases["after_extras"]
+    assert phase["whole"] and phase["resumed_from"] == phase["expected_step"] == 20, phase
+    assert phase["partial_skipped_with_warning"], phase
     assert results["corrupt_checkpoint"].evidence["detected_and_skipped"]
     assert results["reshard"].evidence["to_world_size"] == 1
     assert results["storage_outage"].evidence["failed_save_step"] > 20
