@@ -81,18 +81,6 @@ def test_the_reference_writes_a_finished_run_of_the_distributed_jobs_global_batc
     assert metrics[REFERENCE_STEPS]["loss"] < metrics[1]["loss"]
 
 
-def test_three_clean_runs_in_a_row_agree_with_the_reference(
-    spec: DeploymentSpec, reference: RunOutcome, tmp_path: Path
-) -> None:
-    deviations = []
-    for attempt in range(3):
-        correctness = _judged(_distributed(spec, tmp_path / f"clean-{attempt}"), reference)
-        assert correctness.passed, correctness.message
-        deviations.append(correctness.measured["max_rel_deviation"])
-    print(f"clean max relative deviations from the reference: {deviations} (tolerance {TOLERANCE:g})")
-    assert max(deviations) < TOLERANCE / 10
-
-
 def test_an_accumulation_bug_in_the_trainer_fails_against_the_independent_reference_only(
     spec: DeploymentSpec, reference: RunOutcome, tmp_path: Path
 ) -> None:
