@@ -12,14 +12,16 @@ from tasks.prepare.existing import check_dataset_url
 from tasks.prepare.pipeline import prepare_dataset
 from training.storage import StorageConfig
 
+# Both ways into the data step retry the same: storage outages (TransientError) only, never a bad dataset.
+_DATA_STEP = {
+    "retries": 3,
+    "retry_delay_seconds": [2, 10, 30],
+    "retry_condition_fn": retry_on_transient,
+    "timeout_seconds": 6 * 3600,
+}
 
-@task(
-    name="prepare_data",
-    retries=3,
-    retry_delay_seconds=[2, 10, 30],
-    retry_condition_fn=retry_on_transient,
-    timeout_seconds=6 * 3600,
-)
+
+@task(name="prepare_data", **_DATA_STEP)
 def prepare_data(prepare: PrepareConfig, storage: StorageConfig) -> DataResult:
     """Clean, tokenize, shard and validate the corpus (or reuse the finished dataset); publish the counts."""
     logger = get_run_logger()
@@ -51,13 +53,7 @@ def prepare_data(prepare: PrepareConfig, storage: StorageConfig) -> DataResult:
     return DataResult.of(result)
 
 
-@task(
-    name="check_dataset",
-    retries=3,
-    retry_delay_seconds=[2, 10, 30],
-    retry_condition_fn=retry_on_transient,
-    timeout_seconds=6 * 3600,
-)
+@task(name="check_dataset", **_DATA_STEP)
 def check_dataset(data: DataSpec, vocab_size: int, storage: StorageConfig, reports_dir: str) -> DataResult:
     """Run the token suite over the dataset of data.dataset_url (or reuse the verdict of an identical check)."""
     logger = get_run_logger()
