@@ -223,6 +223,78 @@ class ParallelConfig(StrictModel):
         default=None, description="ddp only: compress gradients for the all-reduce (DDP comm hook)."
     )
     ddp_bucket_cap_mb: float = Field(default=25.0, gt=0, le=65536, description="ddp only: gradient bucket size in MB.")
+    tensor_parallel: int = Field(
+        default=1,
+        ge=1,
+        le=MAX_HEADS,
+        description="Tensor-parallel degree: attention heads and MLP columns split over this many ranks (keep it "
+        "within a node). Ranks are placed tensor-parallel first.",
+    )
+    sequence_parallel: bool = Field(
+        default=False,
+        description="With tensor_parallel > 1: norms and dropout run on a 1/TP slice of the sequence "
+        "(all-gather + reduce-scatter instead of all-reduce).",
+    )
+    pipeline_parallel: int = Field(
+        default=1, ge=1, le=MAX_LAYERS, description="Pipeline stages: the layers are cut into this many ranks' stages."
+    )
+    pipeline_schedule: Literal["gpipe", "1f1b", "interleaved-1f1b"] = Field(
+        default="1f1b",
+        description="Pipeline schedule (torch.distributed.pipelining): gpipe, 1f1b, or interleaved-1f1b with "
+        "virtual_stages model chunks per rank.",
+    )
+    virtual_stages: int = Field(
+        default=1, ge=1, le=MAX_LAYERS, description="interleaved-1f1b: model chunks per pipeline rank (>= 2)."
+    )
+    pipeline_microbatches: int | None = Field(
+        default=None,
+        ge=1,
+        le=MAX_BATCH,
+        description="Microbatches each pipeline step splits its micro_batch x grad_accum_steps sequences into "
+        "(gradient accumulation is folded into them); None = grad_accum_steps.",
+    )
+    pipeline_split: list[int] | None = Field(
+        default=None,
+        max_length=MAX_LAYERS,
+        description="Layers of each pipeline chunk, in order (pipeline_parallel x virtual_stages numbers summing "
+        "to model.n_layers; uneven allowed, for example 126 layers on 16 stages); None = balanced, printed.",
+    )
+    expert_parallel: int = Field(
+        default=1,
+        ge=1,
+        le=MAX_EXPERTS,
+        description="MoE experts sharded over this many data-parallel ranks; tokens reach them by all-to-all.",
+    )
+    expert_capacity_factor: float | None = Field(
+        default=None,
+        gt=0,
+        le=MAX_EXPERTS,
+        description="Tokens an expert takes per step, as a multiple of the even share (tokens x top_k / experts); "
+        "the rest are dropped and counted per step. None = dropless.",
+    )
+    context_parallel: int = Field(
+        default=1,
+        ge=1,
+        le=MAX_RANKS,
+        description="Context (ring-attention) parallel degree. Only 1 is accepted: see training/mesh.py "
+        "(CONTEXT_PARALLEL_UNSUPPORTED).",
+    )
+
+    @property
+    def model_parallel(self) -> bool:
+        """Any of tensor, pipeline or expert parallelism is on (the device-mesh path of training/parallel.py)."""
+        return self.tensor_parallel > 1 or self.pipeline_parallel > 1 or self.expert_parallel > 1
+
+    @property
+    def pipeline_chunks(self) -> int:
+        """Pipeline model chunks over all ranks: stages x virtual stages."""
+        virtual = self.virtual_stages if self.pipeline_schedule == "interleaved-1f1b" else 1
+        return self.pipeline_parallel * virtual
+
+    @property
+    def n_microbatches(self) -> int:
+        """Pipeline microbatches per optimizer step (grad_accum_steps unless pipeline_microbatches is set)."""
+        return self.pipeline_microbatches or self.grad_accum_steps
 
 
 class PrecisionConfig(StrictModel):
@@ -416,6 +488,9 @@ def training_problems(cfg: TrainConfig | Any) -> list[Problem]:
         problems.append(
             (("parallel", "hsdp_shard_size"), par.hsdp_shard_size, "only applies to sharding=hsdp; remove it")
         )
+    from training.layout import layout_problems  # noqa: PLC0415 - layout imports this module
+
+    problems.extend(layout_problems(cfg.model, par, cfg.precision.dtype))
     if cfg.optim.warmup_steps > cfg.run.steps:
         problems.append((("optim", "warmup_steps"), cfg.optim.warmup_steps, f"must be <= run.steps={cfg.run.steps}"))
     return problems

@@ -57,9 +57,10 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         bsz, seq, _ = x.shape
-        q = self.wq(x).view(bsz, seq, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(bsz, seq, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.wv(x).view(bsz, seq, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        # -1 heads: under tensor parallelism each rank holds n_heads/TP query and n_kv_heads/TP KV heads.
+        q = self.wq(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if self.recompute_core and torch.is_grad_enabled():
             out = checkpoint(self._core, q, k, v, use_reentrant=False)
@@ -105,7 +106,8 @@ class MoE(nn.Module):
         super().__init__()
         self.top_k, self.n_experts = moe.top_k, moe.n_experts
         self.router = nn.Linear(cfg.d_model, moe.n_experts, bias=False)
-        self.experts = nn.ModuleList(make_mlp(cfg) for _ in range(moe.n_experts))
+        # Keyed by global expert id: expert parallelism keeps a rank's own experts under their full-model names.
+        self.experts = nn.ModuleDict({str(e): make_mlp(cfg) for e in range(moe.n_experts)})
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         shape = x.shape
@@ -114,7 +116,8 @@ class MoE(nn.Module):
         weights, chosen = probs.topk(self.top_k, dim=-1)
         weights = (weights / weights.sum(-1, keepdim=True)).to(x.dtype)
         out = torch.zeros_like(tokens)
-        for e, expert in enumerate(self.experts):
+        for key, expert in self.experts.items():
+            e = int(key)
             token_idx, slot = (chosen == e).nonzero(as_tuple=True)
             # Experts that got no tokens still run on an empty batch so that every
             # parameter takes part in backward (DDP needs no find_unused_parameters).
@@ -158,7 +161,9 @@ class Transformer(nn.Module):
         self.cfg = cfg
         self.recompute_blocks = recompute == "full"
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.blocks = nn.ModuleList(Block(cfg, recompute == "selective") for _ in range(cfg.n_layers))
+        # Keyed by layer index: a pipeline stage keeps its layers under their full-model names (blocks.<i>...),
+        # so a stage's checkpoint is a part of the whole model's.
+        self.blocks = nn.ModuleDict({str(i): Block(cfg, recompute == "selective") for i in range(cfg.n_layers)})
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -184,15 +189,19 @@ class Transformer(nn.Module):
         self.rope_sin.copy_(sin)
 
     def forward(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        x = self.tok_emb(idx)
+        """Logits and aux loss. A pipeline chunk without tok_emb takes hidden states, one without lm_head
+        returns them (training/pipeline.py)."""
+        x = self.tok_emb(idx) if self.tok_emb is not None else idx
         aux_total = x.new_zeros((), dtype=torch.float32)
-        for block in self.blocks:
+        for block in self.blocks.values():
             if self.recompute_blocks and torch.is_grad_enabled():
                 x, aux = checkpoint(block, x, self.rope_cos, self.rope_sin, use_reentrant=False)
             else:
                 x, aux = block(x, self.rope_cos, self.rope_sin)
             aux_total = aux_total + aux
-        return self.lm_head(self.norm(x)), aux_total
+        if self.norm is not None:
+            x = self.norm(x)
+        return (self.lm_head(x) if self.lm_head is not None else x), aux_total
 
     def num_params(self) -> int:
         """Parameters, counting tied weights once."""

@@ -41,7 +41,7 @@ def data_parallel_mesh(cfg: ParallelConfig, world: int, local_world: int, device
 def apply_fsdp(model: Transformer, mesh: DeviceMesh, timer: CommTimer | None = None) -> Transformer:
     """FSDP2: shard every block, then the root (embeddings, final norm, output layer); `timer` times the
     all-gathers and reduce-scatters."""
-    for block in model.blocks:
+    for block in model.blocks.values():
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     if timer is not None:

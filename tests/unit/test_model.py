@@ -28,7 +28,7 @@ def test_forward_gives_logits_for_every_position() -> None:
 
 def test_grouped_query_attention_has_fewer_kv_parameters() -> None:
     model = Transformer(SMALL)
-    attn = model.blocks[0].attn
+    attn = model.blocks["0"].attn
     assert attn.wq.weight.shape == (32, 32)
     assert attn.wk.weight.shape == attn.wv.weight.shape == (16, 32)  # 2 kv heads of width 8
 
@@ -68,7 +68,7 @@ def test_moe_routes_top2_and_returns_a_balancing_loss() -> None:
     torch.manual_seed(0)
     cfg = SMALL.model_copy(update={"moe": MoEConfig(n_experts=4, top_k=2)})
     model = Transformer(cfg)
-    assert len(model.blocks[0].mlp.experts) == 4
+    assert len(model.blocks["0"].mlp.experts) == 4
     tokens = torch.randint(0, 97, (4, 17))
     loss, grads = _loss_and_grads(model, tokens)
     _, aux = model(tokens[:, :-1])
