@@ -36,7 +36,9 @@ from training import faults, process
 from training.checkpoint import CheckpointManager, CheckpointSaveError
 from training.config import OptimConfig, TrainConfig
 from training.dataset import DatasetError, TokenDataset
+from training.grad_clip import clip_grad_norm
 from training.lease import Lease
+from training.mesh import Meshes, ParallelDims
 from training.metrics import CommTimer, peak_memory_bytes
 from training.model import Transformer
 from training.parallel import comm_timed, gradient_sync, parallelize
@@ -44,6 +46,7 @@ from training.reference import run_reference
 from training.run_output import CheckpointEvent, EpochEnd, Ranks, RunOutputWriter, RunResult
 from training.sampler import GlobalBatchSampler, SamplerState
 from training.telemetry import Telemetry
+from training.tensor_parallel import lm_loss, loss_context
 
 log = logging.getLogger("training.train")  # not __main__ under `python -m`
 
@@ -157,6 +160,11 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def _to_tensor(value: torch.Tensor) -> torch.Tensor:
+    """A plain tensor of a DTensor (the loss under loss_parallel is a replicated DTensor)."""
+    return value.full_tensor() if hasattr(value, "full_tensor") else value
+
+
 def _to_float(value: torch.Tensor | float) -> float:
     if isinstance(value, torch.Tensor):
         value = value.full_tensor() if hasattr(value, "full_tensor") else value
@@ -196,18 +204,34 @@ class Trainer:
                 f"dataset vocab_size={data_vocab} exceeds model.vocab_size={model_cfg.vocab_size}",
                 f"set model.vocab_size >= {data_vocab} or use a dataset of this vocabulary",
             )
+        # Model-parallel layouts run on a named device mesh (training/mesh.py); samples go per data-parallel
+        # rank, so the tensor and pipeline peers of one data-parallel rank are fed the same ones.
+        self.meshes: Meshes | None = None
+        self.pipeline: Any = None
+        self.dp_rank, self.dp_size = self.rank, self.world
+        if par.model_parallel:
+            self.meshes = ParallelDims.from_config(par, self.world, self.env.local_world_size).build(self.device.type)
+            self.dp_rank, self.dp_size = self.meshes.coords["dp"], self.meshes.dims.dp
         seed = faults.seed_for(cfg.run.seed)
         self.sampler = GlobalBatchSampler(
-            len(self.train_data), par.micro_batch, par.grad_accum_steps, self.world, faults.sample_rank(self.rank),
-            seed, drop_last=cfg.data.drop_last,
+            len(self.train_data), par.micro_batch, par.grad_accum_steps, self.dp_size,
+            faults.sample_rank(self.dp_rank), seed, drop_last=cfg.data.drop_last,
         )  # fmt: skip
 
         seed_everything(seed)  # identical initial weights on every rank
         model = Transformer(model_cfg, recompute=par.activation_recompute).to(self.device)
         self.n_params = model.num_params()
+        if model_cfg.moe is not None:
+            from training.experts import set_capacity_factor  # noqa: PLC0415 - MoE models only
+
+            set_capacity_factor(model, par.expert_capacity_factor)
         self.comm_timer = CommTimer()
-        self.model = parallelize(model, par, self.device, self.env.local_world_size, self.comm_timer)
-        self.comm_measured = comm_timed(par, self.world, self.env.local_world_size)
+        if self.meshes is None:
+            self.model = parallelize(model, par, self.device, self.env.local_world_size, self.comm_timer)
+            self.comm_measured = comm_timed(par, self.world, self.env.local_world_size)
+        else:
+            self.model = self._model_parallel(model)
+            self.comm_measured = self.meshes.dims.dp > 1
         self.optimizer = build_optimizer(self.model, cfg.optim)
         faults.scale_lr(self.optimizer)  # before the scheduler takes the groups' lr as its base
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg.optim, cfg.run.steps))
@@ -227,10 +251,30 @@ class Trainer:
 
         self.step, self.tokens_seen, self.skipped_steps = 0, 0, 0
         self.resumed_from: int | None = None
-        seed_everything(cfg.run.seed + 1 + self.rank)  # per-rank streams from here on (dropout, sampling, ...)
+        # Per-rank streams from here on (dropout, sampling, ...). Tensor-parallel peers hold the same activations
+        # outside the sharded matmuls, so they must draw the same dropout masks: one stream per (dp, pp) place.
+        stream = self.rank if self.meshes is None else self.dp_rank * self.meshes.dims.pp + self.meshes.coords["pp"]
+        seed_everything(cfg.run.seed + 1 + stream)
         if cfg.checkpoint.resume:
             self._resume()
         self._write_ranks()
+
+    def _model_parallel(self, model: Transformer) -> nn.Module:
+        """Tensor/expert parallel and FSDP2 on the mesh; with pipeline stages, this rank's chunks of the model."""
+        assert self.meshes is not None
+        par = self.cfg.parallel
+
+        from training.parallel import apply_model_parallel  # noqa: PLC0415 - model-parallel layouts only
+
+        def wrap(chunk: nn.Module) -> nn.Module:
+            return apply_model_parallel(chunk, par, self.meshes, self.comm_timer)  # type: ignore[arg-type]
+
+        if par.pipeline_parallel > 1:
+            from training.pipeline import build_pipeline  # noqa: PLC0415 - pipeline layouts only
+
+            self.pipeline = build_pipeline(model, self.cfg, self.meshes, self.device, wrap)
+            return self.pipeline.model
+        return wrap(model)
 
     # ---- state ------------------------------------------------------------------------------
 
@@ -280,6 +324,26 @@ class Trainer:
             "broadcast_ok": bool(torch.equal(payload.cpu(), torch.arange(8, dtype=torch.float32) * 7)),
         }
 
+    def _mesh_record(self) -> dict[str, Any] | None:
+        """Model-parallel layouts: this rank's mesh coordinates and an all-reduce of rank+1 on each of its
+        sub-groups (tensor, pipeline, data, expert) against the sum those ranks should give."""
+        if self.meshes is None:
+            return None
+        m = self.meshes
+        dims = m.dims
+        sizes = {"pp": dims.pp, "dp": dims.dp, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard,
+                 "cp": dims.cp, "tp": dims.tp, "ep": dims.ep}  # fmt: skip
+        groups: dict[str, Any] = {}
+        for name, mesh in (("tp", m.tp), ("pp", m.pp), ("dp", m.dp_flat), ("ep", m.ep)):
+            if mesh is None or mesh.size() == 1:
+                continue
+            ranks = mesh.mesh.flatten().tolist()
+            total = torch.tensor([float(self.rank + 1)], device=self.device)
+            dist.all_reduce(total, group=mesh.get_group())
+            groups[name] = {"ranks": ranks, "all_reduce_sum": total.item(),
+                            "all_reduce_expected": float(sum(r + 1 for r in ranks))}  # fmt: skip
+        return {"dims": sizes, "coords": {k: m.coords[k] for k in sizes}, "groups": groups}
+
     def _write_ranks(self) -> None:
         me = {
             "rank": self.rank,
@@ -293,6 +357,7 @@ class Trainer:
             "restart_count": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
             "resumed_from_step": self.resumed_from,
             "collective": self._collective_check(),
+            "mesh": self._mesh_record(),
         }
         everyone: list[Any] = [None] * self.world
         dist.all_gather_object(everyone, me)
@@ -306,8 +371,31 @@ class Trainer:
         inputs, targets = tokens[:, :-1].to(self.device), tokens[:, 1:].to(self.device)
         with torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
             logits, aux = self.model(inputs)
+        if self.meshes is not None:  # vocabulary-sharded logits under tensor parallelism (loss_context)
+            return lm_loss(logits, targets), aux
         loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))
         return loss, aux
+
+    @property
+    def _tensor_parallel(self) -> bool:
+        return self.meshes is not None and self.meshes.dims.tp > 1
+
+    def _pipeline_step(self, micro_batches: list[np.ndarray]) -> tuple[torch.Tensor, float]:
+        """One pipelined optimizer step (the schedule folds the accumulation into its microbatches): the data-
+        parallel rank's mean loss on every stage, and the seconds spent reading samples."""
+        fetch = time.perf_counter()
+        tokens = self.train_data.batch(np.concatenate(micro_batches))
+        data_s = time.perf_counter() - fetch
+        faults.maybe_slow_down()
+        loss = self.pipeline.train_step(tokens)
+        return self._from_last_stage(loss), data_s
+
+    def _from_last_stage(self, loss: torch.Tensor | None) -> torch.Tensor:
+        """The last stage's loss on every stage of the pipeline (the others contribute zero to the sum)."""
+        value = torch.zeros((), device=self.device) if loss is None else loss.detach().float().reshape(())
+        if self.meshes is not None and self.meshes.dims.pp > 1:
+            dist.all_reduce(value, group=self.meshes.pp.get_group())
+        return value
 
     def train_step(self) -> dict[str, Any]:
         """One optimizer step over grad_accum_steps micro-batches; returns its metrics record."""
@@ -320,23 +408,33 @@ class Trainer:
         aux_sum = torch.zeros((), device=self.device)
         accum = len(micro_batches)
         coef = cfg.model.moe.aux_loss_coef if cfg.model.moe else 0.0
-        for m, indices in enumerate(micro_batches):
+        if self.pipeline is not None:
+            loss_mean, data_s = self._pipeline_step(micro_batches)
+            loss_sum, micro_batches_run = loss_mean * accum, []
+        else:
+            micro_batches_run = micro_batches
+        for m, indices in enumerate(micro_batches_run):
             fetch = time.perf_counter()
             tokens = self.train_data.batch(indices)
             data_s += time.perf_counter() - fetch
             if m > 0 and faults.active().accum_bug:
                 self.optimizer.zero_grad(set_to_none=True)
-            with gradient_sync(self.model, enabled=m == accum - 1 and not faults.active().skip_grad_sync):
+            sync = m == accum - 1 and not faults.active().skip_grad_sync
+            with gradient_sync(self.model, enabled=sync), loss_context(self._tensor_parallel):
                 loss, aux = self._loss(tokens)
                 loss = loss * faults.loss_poison(self.step + 1)
                 if m == 0:
                     faults.maybe_slow_down()
-                self.scaler.scale((loss + coef * aux) / accum).backward()
-            loss_sum += loss.detach()
-            aux_sum += aux.detach()
+                objective = loss + coef * aux if coef else loss  # a tensor-parallel loss is a DTensor, aux is not
+                self.scaler.scale(objective / accum).backward()
+            loss_sum += _to_tensor(loss.detach())
+            aux_sum += _to_tensor(aux.detach())
         self.scaler.unscale_(self.optimizer)
         clip = cfg.optim.grad_clip_norm if cfg.optim.grad_clip_norm is not None else float("inf")
-        grad_norm = _to_float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip))
+        if self.meshes is None:
+            grad_norm = _to_float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip))
+        else:
+            grad_norm = _to_float(clip_grad_norm(self.model, clip, self.meshes))
         scale_before = self.scaler.get_scale()
         self.scaler.step(self.optimizer)
         self.scaler.update()
@@ -375,18 +473,20 @@ class Trainer:
             "comm_s": comm_s,
             "compute_s": max(0.0, elapsed - data_s - (comm_s or 0.0) - loss_sync_s),
             "peak_mem_bytes": peak_memory_bytes(self.device),
+            "dropped_tokens": self._dropped_tokens(),
             "time_unix_s": time.time(),
             **self.telemetry.gpu_readings(),
         }
         faults.step_computed(record["compute_s"])
         self.out.append_metrics(self.rank, record)
         self.telemetry.observe(record)
-        if cfg.run.record_samples:
+        if cfg.run.record_samples and (self.meshes is None or self.meshes.is_data_leader):
+            # One record per data-parallel rank (its first-stage, tensor-rank-0 process), keyed by that rank.
             flat = np.concatenate(micro_batches).tolist()
             sampler = self.sampler
             offset = sampler.state.offset - sampler.global_batch  # where this step's global batch began
             self.out.append_samples(
-                self.rank,
+                self.dp_rank,
                 {"step": self.step, "epoch": epoch, "offset": offset, "resumed_from": self.resumed_from,
                  "indices": flat},
             )  # fmt: skip
@@ -396,6 +496,14 @@ class Trainer:
                 self.out.append_epoch(end)
         return record
 
+    def _dropped_tokens(self) -> int | None:
+        """MoE assignments over expert capacity in this step on this rank (None: dense model)."""
+        if self.cfg.model.moe is None:
+            return None
+        from training.experts import take_dropped_tokens  # noqa: PLC0415 - MoE models only
+
+        return take_dropped_tokens(self.model)
+
     @torch.no_grad()
     def evaluate(self) -> dict[str, Any]:
         """Mean validation loss and perplexity over eval_batches micro-batches per rank, reduced across ranks."""
@@ -403,11 +511,16 @@ class Trainer:
         b, n = self.cfg.parallel.micro_batch, len(self.val_data)
         totals = torch.zeros(2, dtype=torch.float64, device=self.device)
         for j in range(self.cfg.run.eval_batches):
-            first = (j * self.world + self.rank) * b
+            first = (j * self.dp_size + self.dp_rank) * b
             tokens = self.val_data.batch([(first + k) % n for k in range(b)])
-            loss, _ = self._loss(tokens)
+            if self.pipeline is not None:
+                loss = self._from_last_stage(self.pipeline.eval_loss(tokens))
+            else:
+                with loss_context(self._tensor_parallel):
+                    loss = _to_tensor(self._loss(tokens)[0])
             count = tokens[:, 1:].numel()
             totals += torch.tensor([loss.item() * count, count], dtype=torch.float64, device=self.device)
+        # Tensor and pipeline peers of a data-parallel rank hold the same figures: the ratio is unchanged.
         dist.all_reduce(totals)
         val_loss = (totals[0] / totals[1]).item()
         result = {"step": self.step, "val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 700.0))}
