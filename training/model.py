@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -100,14 +101,29 @@ def make_mlp(cfg: ModelConfig) -> nn.Module:
 
 
 class MoE(nn.Module):
-    """Top-k routed experts with the Switch Transformer load-balancing loss."""
+    """Top-k routed experts with the Switch Transformer load-balancing loss, optionally with a capacity limit.
 
-    def __init__(self, cfg: ModelConfig, moe: MoEConfig) -> None:
+    `capacity_factor` (None = dropless) caps each expert at ceil(factor x tokens x top_k / n_experts) of this
+    forward's assignments, the first in token order; a dropped assignment contributes zero (the residual
+    carries the token) and is counted in `dropped_tokens`. `dispatch` is None for the dense path, where this
+    module holds every expert; training/experts.py sets it to an expert-parallel all-to-all.
+    """
+
+    def __init__(self, cfg: ModelConfig, moe: MoEConfig, capacity_factor: float | None = None) -> None:
         super().__init__()
         self.top_k, self.n_experts = moe.top_k, moe.n_experts
+        self.capacity_factor = capacity_factor
+        self.dropped_tokens = 0  # assignments dropped by the capacity limit since training.experts last took them
+        self.dispatch: Callable[[MoE, torch.Tensor, list[int]], torch.Tensor] | None = None
         self.router = nn.Linear(cfg.d_model, moe.n_experts, bias=False)
         # Keyed by global expert id: expert parallelism keeps a rank's own experts under their full-model names.
         self.experts = nn.ModuleDict({str(e): make_mlp(cfg) for e in range(moe.n_experts)})
+
+    def run_experts(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """The experts held here, in id order, applied to `rows` grouped by expert (`counts` rows each)."""
+        # Experts that got no rows still run on an empty batch so that every parameter takes part in
+        # backward (DDP needs no find_unused_parameters, FSDP2 reduces a zero gradient).
+        return torch.cat([expert(part) for expert, part in zip(self.experts.values(), rows.split(counts), strict=True)])
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         shape = x.shape
@@ -115,17 +131,32 @@ class MoE(nn.Module):
         probs = F.softmax(self.router(tokens).float(), dim=-1)
         weights, chosen = probs.topk(self.top_k, dim=-1)
         weights = (weights / weights.sum(-1, keepdim=True)).to(x.dtype)
-        out = torch.zeros_like(tokens)
-        for key, expert in self.experts.items():
-            e = int(key)
-            token_idx, slot = (chosen == e).nonzero(as_tuple=True)
-            # Experts that got no tokens still run on an empty batch so that every
-            # parameter takes part in backward (DDP needs no find_unused_parameters).
-            contribution = expert(tokens[token_idx]) * weights[token_idx, slot].unsqueeze(-1)
-            out = out.index_add(0, token_idx, contribution)
-        # Fraction of routing assignments per expert times its mean probability (Fedus et al. 2021).
+        # Fraction of routing assignments per expert times its mean probability (Fedus et al. 2021); computed
+        # before any drop, from this rank's tokens only.
         assigned = F.one_hot(chosen, self.n_experts).sum(dim=(0, 1)).float() / chosen.numel()
         aux = self.n_experts * (assigned * probs.mean(dim=0)).sum()
+
+        # Assignments sorted by expert; the stable sort keeps token order within each expert.
+        flat = chosen.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.n_experts)
+        if self.capacity_factor is not None:
+            capacity = math.ceil(self.capacity_factor * tokens.shape[0] * self.top_k / self.n_experts)
+            rank_in_expert = torch.arange(flat.numel(), device=flat.device) - (counts.cumsum(0) - counts)[flat[order]]
+            order = order[rank_in_expert < capacity]
+            kept = counts.clamp(max=capacity)
+            # A forward recomputed inside backward (activation checkpointing) was counted the first time.
+            if torch._C._current_graph_task_id() == -1:  # noqa: SLF001 - torch has no public "in backward"
+                self.dropped_tokens += int((counts - kept).sum())
+            counts = kept
+        token_idx = order // self.top_k
+        rows = tokens[token_idx]
+        counts_list = counts.tolist()
+        out_rows = (
+            self.dispatch(self, rows, counts_list) if self.dispatch is not None else self.run_experts(rows, counts_list)
+        )
+        contribution = out_rows * weights.reshape(-1)[order].unsqueeze(-1)
+        out = torch.zeros_like(tokens).index_add(0, token_idx, contribution)
         return out.reshape(shape), aux
 
 
