@@ -34,6 +34,7 @@ from training.config import (
     raise_problems,
     training_problems,
 )
+from training.layout import data_parallel_degree, world_problems
 from training.secrets import REDACTED, credential_message, find_credentials
 from training.storage import LocalPath, StorageConfig, is_local
 
@@ -163,21 +164,29 @@ class DeploymentSpec(StrictModel):
                     "(object stores suit checkpoint.url)",
                 )
             )
-        if par.data_parallel is not None and par.data_parallel != world:
-            problems.append(
-                (
-                    ("parallel", "data_parallel"),
-                    par.data_parallel,
-                    f"must equal cluster.nodes x cluster.procs_per_node = {world}; set it to {world} or remove it",
-                )
-            )
-        if par.sharding == "hsdp":
-            shard = par.hsdp_shard_size or self.cluster.procs_per_node
-            if world % shard:
-                valid = divisors(world)
+        if par.model_parallel:
+            where = f"cluster.nodes x cluster.procs_per_node = {world}"
+            problems.extend(world_problems(par, world, self.cluster.procs_per_node, where))
+        else:
+            if par.data_parallel is not None and par.data_parallel != world:
                 problems.append(
-                    (("parallel", "hsdp_shard_size"), shard, f"must divide the world size {world}; use one of {valid}")
+                    (
+                        ("parallel", "data_parallel"),
+                        par.data_parallel,
+                        f"must equal cluster.nodes x cluster.procs_per_node = {world}; set it to {world} or remove it",
+                    )
                 )
+            if par.sharding == "hsdp":
+                shard = par.hsdp_shard_size or self.cluster.procs_per_node
+                if world % shard:
+                    valid = divisors(world)
+                    problems.append(
+                        (
+                            ("parallel", "hsdp_shard_size"),
+                            shard,
+                            f"must divide the world size {world}; use one of {valid}",
+                        )
+                    )
         prepared_vocab = self.data.prepare.vocab_size if self.data.prepare else None
         if prepared_vocab is not None and self.model.vocab_size < prepared_vocab:
             problems.append(
@@ -216,6 +225,21 @@ class DeploymentSpec(StrictModel):
         """sha256 of the normalised spec (for cache keys and labels)."""
         return hashlib.sha256(self.model_dump_json().encode()).hexdigest()
 
+    @property
+    def data_parallel_degree(self) -> int:
+        """Data-parallel ranks of the job: the world size with the tensor and pipeline degrees divided out."""
+        return data_parallel_degree(self.parallel, self.cluster.world_size)
+
+    def layout(self) -> str:
+        """The layout in words, outermost mesh dimension first: "pp2 x dp2 x tp2 (fsdp)", "dp4 (ddp)"."""
+        p = self.parallel
+        dims = [("pp", p.pipeline_parallel), ("dp", self.data_parallel_degree), ("tp", p.tensor_parallel)]
+        text = " x ".join(f"{name}{size}" for name, size in dims if size > 1 or name == "dp")
+        extra = [f"ep{p.expert_parallel}"] if p.expert_parallel > 1 else []
+        extra += ["sp"] if p.sequence_parallel else []
+        extra += [f"{p.pipeline_schedule}"] if p.pipeline_parallel > 1 else []
+        return f"{text} ({', '.join([p.sharding, *extra])})"
+
     def summary(self) -> str:
         """One short paragraph for humans."""
         m, p, c = self.model, self.parallel, self.cluster
@@ -223,9 +247,9 @@ class DeploymentSpec(StrictModel):
         return (
             f"{self.name}: {c.scheduler} {c.nodes} node(s) x {c.procs_per_node} {c.accelerator} process(es); "
             f"model {m.n_layers}L d{m.d_model} {m.n_heads}h/{m.kv_heads}kv ffn{m.ffn_hidden} {kind} "
-            f"vocab {m.vocab_size} seq {m.seq_len}; {p.sharding} micro_batch {p.micro_batch} x accum "
-            f"{p.grad_accum_steps} (global {p.micro_batch * p.grad_accum_steps * c.world_size} sequences); "
-            f"{self.precision.dtype}; {self.run.steps} steps"
+            f"vocab {m.vocab_size} seq {m.seq_len}; layout {self.layout()} micro_batch {p.micro_batch} x accum "
+            f"{p.grad_accum_steps} (global {p.micro_batch * p.grad_accum_steps * self.data_parallel_degree} "
+            f"sequences); {self.precision.dtype}; {self.run.steps} steps"
         )
 
 

@@ -6,6 +6,7 @@ threshold, the evidence (files, steps), and when it fails, what to look at first
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
 from collections import defaultdict
@@ -131,15 +132,125 @@ def check_connectivity(output_dir: Path, expected_world: int) -> DimensionResult
     ]
     if bad_collectives:
         problems.append(f"collective sanity check wrong on ranks {bad_collectives}")
+    mesh = mesh_problems(ranks, expected_world)
+    problems += mesh.problems
+    measured: dict[str, Any] = {"world_size": record.world_size, "hosts": {h: len(v) for h, v in by_host.items()}}
+    evidence: dict[str, Any] = {"file": str(path), "backend": sorted({r["backend"] for r in ranks})}
+    if mesh.dims is not None:
+        measured["mesh"] = {"dims": mesh.dims, "groups_checked": mesh.groups_checked}
+        evidence["coords"] = mesh.coords
+    look = "the rendezvous and the network: node-check findings on ports and hostname resolution"
+    if mesh.problems:
+        look = "the device mesh (training/mesh.py) and the sub-group named first, then " + look.removeprefix("the ")
     return DimensionResult(
         "connectivity",
         not problems,
-        {"world_size": record.world_size, "hosts": {h: len(v) for h, v in by_host.items()}},
+        measured,
         {"world_size": expected_world},
-        {"file": str(path), "backend": sorted({r["backend"] for r in ranks})},
+        evidence,
         "; ".join(problems),
-        "the rendezvous and the network: node-check findings on ports and hostname resolution" if problems else "",
+        look if problems else "",
     )
+
+
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+"""The world mesh's dimensions (training/mesh.py), outermost first; their product is the world size."""
+MESH_GROUPS = {"tp": ("tp",), "pp": ("pp",), "dp": ("dp_replicate", "dp_shard"), "ep": ("ep",)}
+"""A sub-group's name in ranks.json and the coordinates its ranks differ in (an EP group: consecutive dp ranks)."""
+
+
+@dataclass
+class MeshCheck:
+    """What the ranks' mesh records showed (dims None: a data-parallel layout, which records no mesh)."""
+
+    dims: dict[str, int] | None = None
+    coords: dict[int, dict[str, int]] = field(default_factory=dict)
+    groups_checked: dict[str, int] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)
+
+
+def _dp_rank(coords: dict[str, int], dims: dict[str, int]) -> int:
+    return coords["dp_replicate"] * dims["dp_shard"] + coords["dp_shard"]
+
+
+def _same_place(group: str, a: dict[str, int], b: dict[str, int], dims: dict[str, int]) -> bool:
+    """Ranks with coordinates `a` and `b` belong to one `group` sub-group: equal on every other dimension (for
+    ep also the same block of ep consecutive data-parallel ranks)."""
+    free = MESH_GROUPS[group]
+    if group == "ep":
+        block = {_dp_rank(a, dims) // dims["ep"], _dp_rank(b, dims) // dims["ep"]}
+        return all(a[d] == b[d] for d in ("pp", "cp", "tp")) and len(block) == 1
+    return all(a[d] == b[d] for d in MESH_DIMS if d not in free)
+
+
+def mesh_problems(ranks: list[dict[str, Any]], world: int) -> MeshCheck:
+    """The mesh records of a model-parallel job (ranks.json `mesh`): every coordinate once, the degrees' product
+    the world size, each sub-group's ranks those that share every other coordinate, every sub-group's all-reduce
+    right. A job whose ranks record no mesh (a data-parallel layout) has nothing to check here."""
+    meshed = {r["rank"]: r["mesh"] for r in ranks if r.get("mesh")}
+    check = MeshCheck()
+    if not meshed:
+        return check
+    if len(meshed) != len(ranks):
+        missing = sorted(r["rank"] for r in ranks if not r.get("mesh"))
+        check.problems.append(f"{_ranks_text(missing)} recorded no mesh coordinates while the others did")
+    dims_seen = {json_key(m["dims"]) for m in meshed.values()}
+    first = min(meshed)
+    dims = check.dims = dict(meshed[first]["dims"])
+    if len(dims_seen) > 1:
+        check.problems.append(f"the ranks disagree on the mesh degrees: {sorted(dims_seen)}")
+    product = math.prod(dims[d] for d in MESH_DIMS)
+    if product != world:
+        shape = " x ".join(f"{d}{dims[d]}" for d in MESH_DIMS)
+        check.problems.append(f"mesh {shape} has {product} places for {world} ranks")
+    by_place: dict[tuple[int, ...], list[int]] = defaultdict(list)
+    for rank, mesh in sorted(meshed.items()):
+        coords = check.coords[rank] = {d: int(mesh["coords"][d]) for d in (*MESH_DIMS, "ep") if d in mesh["coords"]}
+        by_place[tuple(coords.get(d, -1) for d in MESH_DIMS)].append(rank)
+        outside = [d for d in MESH_DIMS if not 0 <= coords.get(d, -1) < dims[d]]
+        if outside:
+            check.problems.append(f"rank {rank}: coordinates {coords} outside the mesh on {', '.join(outside)}")
+    for place, holders in by_place.items():
+        if len(holders) > 1:
+            shown = dict(zip(MESH_DIMS, place, strict=True))
+            check.problems.append(f"{_ranks_text(holders)} all claim the mesh place {shown}")
+    for rank, mesh in sorted(meshed.items()):
+        for group, record in sorted((mesh.get("groups") or {}).items()):
+            if group not in MESH_GROUPS:
+                continue
+            check.groups_checked[group] = check.groups_checked.get(group, 0) + 1
+            expected = sorted(
+                other for other, c in check.coords.items() if _same_place(group, check.coords[rank], c, dims)
+            )
+            if sorted(record["ranks"]) != expected:
+                check.problems.append(
+                    f"rank {rank}: its {group} group is ranks {sorted(record['ranks'])}, its coordinates "
+                    f"{check.coords[rank]} put ranks {expected} in it"
+                )
+            if record["all_reduce_sum"] != record["all_reduce_expected"]:
+                check.problems.append(
+                    f"rank {rank}: the all-reduce over its {group} group (ranks {sorted(record['ranks'])}) gave "
+                    f"{record['all_reduce_sum']}, expected {record['all_reduce_expected']}"
+                )
+        sized = {g for g, free in MESH_GROUPS.items() if math.prod(dims.get(d, 1) for d in free) > 1}
+        missed = sorted(sized - set(mesh.get("groups") or {}))
+        if missed:
+            check.problems.append(f"rank {rank}: no collective recorded on its {', '.join(missed)} group(s)")
+    return check
+
+
+def mesh_of(output_dir: Path, world: int) -> MeshCheck | None:
+    """The mesh the job's ranks recorded in ranks.json (None: no ranks.json, or a data-parallel layout)."""
+    record = RunOutput(output_dir).ranks()
+    if record is None:
+        return None
+    check = mesh_problems(record.ranks, world)
+    return check if check.dims is not None else None
+
+
+def json_key(value: Any) -> str:
+    """A stable text form of a JSON value (to compare records)."""
+    return json.dumps(value, sort_keys=True)
 
 
 # ---- correctness ----------------------------------------------------------------------------
@@ -184,18 +295,24 @@ def _median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
-def straggler_ratios(distributed: dict[int, dict[int, dict[str, Any]]], steps: list[int]) -> dict[int, float]:
+def straggler_ratios(
+    distributed: dict[int, dict[int, dict[str, Any]]], steps: list[int], peers: dict[int, int] | None = None
+) -> dict[int, float]:
     """Per rank, the median over `steps` of its compute time divided by the median of the OTHER ranks' in the same
     step; NaN where unknown.
 
     Against the others, not all ranks: with two ranks the median of all sits halfway and hides a 1.5x rank.
     Per step, then the median: load that slows every rank in a step (a busy host, a shared core) cancels out.
+    `peers` (rank -> a role, for a pipeline layout its stage) compares each rank with the ranks of its own role
+    only: the stages do different work (the first embeds, the last computes the loss and waits least in the
+    bubble), so a stage is no straggler for being another stage; a rank alone in its role has no ratio.
     """
+    role = peers or {}
     per_step: dict[int, list[float]] = {rank: [] for rank in distributed}
     for step in steps:
         compute = {rank: m[step]["compute_s"] for rank, m in distributed.items() if step in m}
         for rank, value in compute.items():
-            others = _median([v for r, v in compute.items() if r != rank])
+            others = _median([v for r, v in compute.items() if r != rank and role.get(r) == role.get(rank)])
             if others > 0:
                 per_step[rank].append(value / others)
     return {rank: _median(values) for rank, values in per_step.items()}
@@ -205,19 +322,25 @@ def _ranks_text(ranks: list[int]) -> str:
     return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(str(r) for r in ranks)
 
 
-def grad_sync_problem(distributed: dict[int, dict[int, dict[str, Any]]], world: int, sharding: str) -> str | None:
+def grad_sync_problem(
+    distributed: dict[int, dict[int, dict[str, Any]]], world: int, sharding: str, always_timed: bool | None = None
+) -> str | None:
     """What shows that a multi-rank data-parallel job never synchronised gradients, or None.
 
     Every step of such a job synchronises gradients, so a step whose measured communication time is exactly 0
     had none; DDP and FSDP always measure it (training/metrics.py CommTimer), so no measurement at all is a
-    failure too (HSDP with one rank per shard group is not measured: an all-reduce only).
+    failure too (HSDP with one rank per shard group is not measured: an all-reduce only). `world` is the
+    data-parallel degree (the ranks whose gradients are synchronised); `always_timed` overrides the sharding's
+    rule (a model-parallel layout's FSDP2 times its all-gathers and reduce-scatters, not a pure replicate's
+    all-reduce).
     """
     if world <= 1:
         return None
+    timed = sharding != "hsdp" if always_timed is None else always_timed
     unmeasured, silent = [], []
     for rank, metrics in sorted(distributed.items()):
         comm = [m["comm_s"] for m in metrics.values() if m.get("comm_s") is not None]
-        if not comm and sharding != "hsdp":
+        if not comm and timed:
             unmeasured.append(rank)
         zero = sum(1 for c in comm if c == 0)
         if zero:
@@ -236,6 +359,24 @@ def grad_sync_problem(distributed: dict[int, dict[int, dict[str, Any]]], world: 
     return "; ".join(problems) or None
 
 
+def layout_text(dims: dict[str, int] | None, world: int, sharding: str) -> str:
+    """A layout in words from mesh degrees (None: data parallel on `world` ranks): "pp2 x dp2 x tp2 (fsdp)"."""
+    if not dims:
+        return f"dp{world} ({sharding})"
+    sizes = {"pp": dims["pp"], "dp": dims["dp_replicate"] * dims["dp_shard"], "cp": dims["cp"], "tp": dims["tp"]}
+    text = " x ".join(f"{name}{size}" for name, size in sizes.items() if size > 1 or name == "dp")
+    return text + (f" ep{dims['ep']}" if dims.get("ep", 1) > 1 else "") + f" ({sharding})"
+
+
+def _per_dimension(rank0: dict[int, dict[str, Any]], steps: list[int], key: str) -> dict[str, float]:
+    """The median over `steps` of a per-dimension record (comm_bytes: {"tp": ..., "dp": ...}) of rank 0."""
+    values: dict[str, list[float]] = defaultdict(list)
+    for s in steps:
+        for dim, value in (rank0[s].get(key) or {}).items():
+            values[dim].append(float(value))
+    return {dim: _median(v) for dim, v in sorted(values.items())}
+
+
 def check_performance(
     distributed: dict[int, dict[int, dict[str, Any]]],
     reference: dict[int, dict[str, Any]],
@@ -243,10 +384,23 @@ def check_performance(
     limits: AcceptanceThresholds,
     gpu: dict[str, float] | None = None,
     sharding: str = "ddp",
+    mesh: MeshCheck | None = None,
 ) -> DimensionResult:
     """Scaling efficiency, communication share (and GPU utilisation/memory), gradient synchronisation that
-    happened; names a rank that lags (compute time above straggler_ratio_max x the median of the others)."""
+    happened; names a rank that lags (compute time above straggler_ratio_max x the median of the others).
+
+    With a model-parallel `mesh` (connectivity's reading of ranks.json): gradient synchronisation is judged
+    over the data-parallel degree, stragglers against the ranks of the same pipeline stage, comm_s is the
+    data-parallel collectives' time (the tensor-parallel all-reduces and pipeline sends run inside the
+    compute), and per-dimension records (comm_bytes, comm_s_per_dim) are reported as measured.
+    """
     skip = limits.warmup_steps_ignored
+    dims = mesh.dims if mesh is not None else None
+    sync_ranks, timed, peers = world, None, None
+    if dims:
+        sync_ranks = dims["dp_replicate"] * dims["dp_shard"]
+        timed = dims["dp_shard"] > 1  # FSDP2 replicating only (sharding ddp) all-reduces untimed, as HSDP does
+        peers = {rank: c["pp"] for rank, c in mesh.coords.items()} if dims["pp"] > 1 else None
     rank0 = distributed.get(0, {})
     steps = [s for s in sorted(rank0) if s > skip]
     ref_steps = [s for s in sorted(reference) if s > skip]
@@ -261,7 +415,7 @@ def check_performance(
     }
     comm_share = max((v for v in shares.values() if math.isfinite(v)), default=float("nan"))
     compute = {rank: _median([m[s]["compute_s"] for s in steps if s in m]) for rank, m in distributed.items()}
-    ratios = straggler_ratios(distributed, steps)
+    ratios = straggler_ratios(distributed, steps, peers)
     data_wait = {
         rank: _median([m[s]["data_wait_s"] / m[s]["step_time_s"] for s in steps if s in m])
         for rank, m in distributed.items()
@@ -271,7 +425,7 @@ def check_performance(
         failures.append(f"scaling efficiency {efficiency:.2f} < {limits.scaling_efficiency_min}")
     if math.isfinite(comm_share) and comm_share > limits.comm_share_max:
         failures.append(f"communication share {comm_share:.2f} > {limits.comm_share_max}")
-    no_sync = grad_sync_problem(distributed, world, sharding)
+    no_sync = grad_sync_problem(distributed, sync_ranks, sharding, timed)
     if no_sync:
         failures.append(no_sync)
     if gpu:
@@ -283,9 +437,11 @@ def check_performance(
         (r for r, ratio in ratios.items() if ratio > limits.straggler_ratio_max), key=lambda r: -ratios[r]
     )
     for rank in stragglers:
-        others = _median([v for r, v in compute.items() if r != rank])
+        role = (peers or {}).get(rank)
+        others = _median([v for r, v in compute.items() if r != rank and (peers or {}).get(r) == role])
+        whose = "the other ranks'" if peers is None else f"the other pipeline stage {role} ranks'"
         failures.append(
-            f"rank {rank} computes {compute[rank]:.3f} s/step, {ratios[rank]:.2f}x the other ranks' median "
+            f"rank {rank} computes {compute[rank]:.3f} s/step, {ratios[rank]:.2f}x {whose} median "
             f"({others:.3f} s; straggler_ratio_max {limits.straggler_ratio_max}); they wait for it in the "
             "gradient synchronisation"
         )
@@ -317,6 +473,9 @@ def check_performance(
             "straggler_ratio_per_rank": ratios,
             "data_wait_share_per_rank": data_wait,
             "slow_rank": slow_rank,
+            "layout": layout_text(dims, world, sharding),
+            **({"comm_bytes_per_dim": _per_dimension(rank0, steps, "comm_bytes")} if dims else {}),
+            **({"comm_s_per_dim": _per_dimension(rank0, steps, "comm_s_per_dim")} if dims else {}),
             **({"gpu": gpu} if gpu else {}),
         },
         {
@@ -324,7 +483,7 @@ def check_performance(
             "comm_share_max": limits.comm_share_max,
             "straggler_ratio_max": limits.straggler_ratio_max,
         },
-        {"steps": [steps[0], steps[-1]] if steps else [], "sharding": sharding},
+        {"steps": [steps[0], steps[-1]] if steps else [], "sharding": sharding, "data_parallel_ranks": sync_ranks},
         "; ".join(failures),
         "; ".join(look),
     )

@@ -26,6 +26,7 @@ from typing import Any
 
 from training.config import TrainConfig
 from training.dataset import TokenDataset
+from training.layout import data_parallel_degree
 from training.run_output import EPOCHS, SAMPLES_DIR, EpochEnd, RunOutput
 from training.sampler import GlobalBatchSampler
 from validation.acceptance import DimensionResult
@@ -40,16 +41,22 @@ class Sampling:
     n_samples: int
     micro_batch: int
     grad_accum_steps: int
-    world_size: int
+    world_size: int  # data-parallel ranks: the sample records' ranks (tensor and pipeline peers share one)
     seed: int
     drop_last: bool = True
 
     @classmethod
     def of(cls, train: TrainConfig, world_size: int) -> Sampling:
-        """The sampling of a run of `train` on `world_size` ranks (opens the training split for its length)."""
+        """The sampling of a run of `train` on `world_size` processes (opens the training split for its length).
+
+        Samples are drawn per data-parallel rank: a model-parallel layout's tensor and pipeline peers of one
+        data-parallel rank are fed the same samples, and only its data leader records them, under its
+        data-parallel rank (training/mesh.py `is_data_leader`).
+        """
         data = TokenDataset(train.data.dataset_url, train.data.train_split, train.model.seq_len, train.storage)
         par = train.parallel
-        return cls(len(data), par.micro_batch, par.grad_accum_steps, world_size, train.run.seed, train.data.drop_last)
+        dp = data_parallel_degree(par, world_size)
+        return cls(len(data), par.micro_batch, par.grad_accum_steps, dp, train.run.seed, train.data.drop_last)
 
     @property
     def global_batch(self) -> int:

@@ -88,7 +88,9 @@ def _split_identity(manifest: DatasetManifest, split: str) -> dict[str, Any] | N
 
 
 def curve_identity(train: TrainConfig, world_size: int, manifest: DatasetManifest) -> dict[str, Any]:
-    """Everything that determines the loss curve of `train` (the acceptance run's config) on `world_size` ranks."""
+    """Everything that determines the loss curve of `train` (the acceptance run's config) on `world_size`
+    data-parallel ranks (the job's processes with the tensor and pipeline degrees divided out: the layout does not
+    change the mathematics, the global batch does)."""
     par = train.parallel
     return {
         "key_version": KEY_VERSION,

@@ -14,6 +14,7 @@ from tasks.acceptance.drills import DrillContext, DrillResult, drill_rank_kill, 
 from tasks.acceptance.workspace import (
     Job,
     RunOutcome,
+    data_parallel_ranks,
     new_run_id,
     open_workspace,
     threads_per_rank,
@@ -31,6 +32,7 @@ from validation.acceptance import (
     check_correctness,
     check_performance,
     check_stability,
+    mesh_of,
     rank_metrics,
 )
 from validation.data_consistency import Sampling, check_data_consistency, with_resumed_run
@@ -119,7 +121,8 @@ def correctness_plan(
             **paired,
             "run": {**paired["run"], "threads_per_rank": threads_per_rank(cluster, train)},
             "parallel": {"data_parallel": None},
-            "reference": {"world_size": cluster.world_size},
+            # its global batch: micro_batch x grad_accum_steps x the data-parallel degree (TP/PP peers share one)
+            "reference": {"world_size": data_parallel_ranks(cluster, train)},
         },
     )
     as_spec = train.model.dropout == 0 and train.precision.dtype == "fp32"
@@ -186,7 +189,7 @@ def run_acceptance(
     pair, reference = run_correctness_pair(cluster, train, acceptance, root, steps, faults, image)
     report("acceptance", "judging connectivity, correctness, performance, stability, data consistency")
     dimensions = judge(cluster, dist_train, acceptance, dist, reference, pair)
-    gate = judge_quality(acceptance, train, dist_train, cluster.world_size, dist.output_dir)
+    gate = judge_quality(acceptance, train, dist_train, data_parallel_ranks(cluster, train), dist.output_dir)
     dimensions = [with_quality(d, gate.result) if d.name == "correctness" else d for d in dimensions]
     ctx = DrillContext(
         cluster,
@@ -288,7 +291,12 @@ def judge(
             limits.correctness_max_rel_deviation,
         ),
         check_performance(
-            rank_metrics(dist.output_dir), reference.metrics(), world, limits, sharding=train.parallel.sharding
+            rank_metrics(dist.output_dir),
+            reference.metrics(),
+            world,
+            limits,
+            sharding=train.parallel.sharding,
+            mesh=mesh_of(dist.output_dir, world),
         ),
         check_stability(dist_metrics, limits, dist.ok, dist.status.describe(), dist.stalled_after_step),
     ]

@@ -32,6 +32,7 @@ from tasks.launch.base import JobHandle, JobState, JobStatus
 from tasks.launch.submit import submit
 from tasks.progress import report
 from training.config import TrainConfig
+from training.layout import data_parallel_degree
 from training.run_output import Ranks, RunOutput
 
 log = logging.getLogger(__name__)
@@ -180,17 +181,57 @@ def threads_per_rank(cluster: ClusterConfig, train: TrainConfig) -> int:
     return train.run.threads_per_rank or max(1, (os.cpu_count() or 1) // cluster.procs_per_node)
 
 
+def data_parallel_ranks(cluster: ClusterConfig, train: TrainConfig) -> int:
+    """The job's data-parallel degree on `cluster`: its global batch is micro_batch x grad_accum_steps x this."""
+    return data_parallel_degree(train.parallel, cluster.world_size)
+
+
+DATA_PARALLEL_ONLY: dict[str, Any] = {
+    "tensor_parallel": 1,
+    "sequence_parallel": False,
+    "pipeline_parallel": 1,
+    "pipeline_schedule": "1f1b",
+    "virtual_stages": 1,
+    "pipeline_microbatches": None,
+    "pipeline_split": None,
+    "expert_parallel": 1,
+}
+"""The `parallel` fields that turn a model-parallel layout into a data-parallel one (the model whole on every
+rank); data parallelism and the batch fields are left as they are."""
+
+
 def single_process(cluster: ClusterConfig, train: TrainConfig) -> tuple[ClusterConfig, dict[str, Any]]:
-    """The one-process cluster and the sections that keep data, seed and global batch of `train` on `cluster`."""
+    """The one-process cluster and the sections that keep data, seed and global batch of `train` on `cluster`
+    (the micro-batch times the data-parallel degree; a model-parallel layout's model whole on the one rank)."""
     one = cluster.model_copy(update={"nodes": 1, "procs_per_node": 1, "max_restarts": 0})
-    sections = {
-        "parallel": {"micro_batch": train.parallel.micro_batch * cluster.world_size, "data_parallel": None},
-        "run": {"threads_per_rank": threads_per_rank(cluster, train)},
-    }
+    dp = data_parallel_ranks(cluster, train)
+    parallel: dict[str, Any] = {"micro_batch": train.parallel.micro_batch * dp, "data_parallel": None}
+    if train.parallel.model_parallel:
+        parallel |= DATA_PARALLEL_ONLY
+    sections = {"parallel": parallel, "run": {"threads_per_rank": threads_per_rank(cluster, train)}}
     if train.parallel.sharding == "hsdp":
         sections["parallel"]["sharding"] = "fsdp"
         sections["parallel"]["hsdp_shard_size"] = None
     return one, sections
+
+
+def data_parallel_layout(cluster: ClusterConfig, train: TrainConfig) -> dict[str, Any] | None:
+    """The `parallel` section that runs model-parallel `train` as pure data parallelism on the same processes with
+    the same global batch (micro_batch x grad_accum_steps x data-parallel degree), or None when the batch does
+    not divide over them (or `train` is data-parallel already)."""
+    if not train.parallel.model_parallel:
+        return None
+    world, par = cluster.world_size, train.parallel
+    sequences = par.micro_batch * par.grad_accum_steps * data_parallel_ranks(cluster, train)
+    if sequences % world:
+        return None
+    per_rank = sequences // world
+    accum = next((a for a in range(min(par.grad_accum_steps, per_rank), 0, -1) if per_rank % a == 0), 1)
+    section: dict[str, Any] = {**DATA_PARALLEL_ONLY, "micro_batch": per_rank // accum, "grad_accum_steps": accum}
+    section |= {"data_parallel": None}
+    if par.sharding == "hsdp" and world % (par.hsdp_shard_size or cluster.procs_per_node):
+        section |= {"sharding": "fsdp", "hsdp_shard_size": None}
+    return section
 
 
 @dataclass
