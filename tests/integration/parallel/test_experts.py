@@ -102,7 +102,7 @@ def _worker(out: Path) -> None:
     apply_expert_parallel(model, meshes)
     moe = model.blocks["0"].mlp
     with torch.no_grad():
-        moe.router.weight.copy_(torch.tensor([1.0, 1.0, 1.0, -1.0]).unsqueeze(1).expand(4, CFG.d_model))
+        moe.router.weight.copy_(torch.tensor([1.0, 2.0, 3.0, -1.0]).unsqueeze(1).expand(4, CFG.d_model))
     x = torch.rand(2, 8, CFG.d_model) + 0.1
     out_x, _ = moe(x)
     out_x.sum().backward()
