@@ -1,4 +1,6 @@
-"""Data parallelism as composable functions: DDP, FSDP2 full shard, and hybrid shard on a 2-D mesh."""
+"""Data parallelism as composable functions: DDP, FSDP2 full shard, and hybrid shard on a 2-D mesh; and the
+model-parallel wrapping (tensor, expert, then FSDP2 over the data-parallel mesh) of a whole model or of a
+pipeline chunk."""
 
 from __future__ import annotations
 
@@ -15,8 +17,10 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from training.config import ParallelConfig
+from training.mesh import Meshes
 from training.metrics import CommTimer
-from training.model import Transformer
+from training.model import MoE, Transformer
+from training.tensor_parallel import apply_tensor_parallel
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +53,59 @@ def apply_fsdp(model: Transformer, mesh: DeviceMesh, timer: CommTimer | None = N
             if isinstance(module, FSDPModule):
                 module.set_custom_all_gather(timer.all_gather())
                 module.set_custom_reduce_scatter(timer.reduce_scatter())
+    return model
+
+
+def _time_collectives(model: nn.Module, timer: CommTimer | None) -> None:
+    if timer is None:
+        return
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_custom_all_gather(timer.all_gather())
+            module.set_custom_reduce_scatter(timer.reduce_scatter())
+
+
+def apply_model_parallel(model: Transformer, cfg: ParallelConfig, meshes: Meshes, timer: CommTimer | None) -> nn.Module:
+    """Tensor parallel over meshes.tp, expert parallel over meshes.ep, then FSDP2 over meshes.dp, in place, on
+    a whole model or a pipeline chunk (a Transformer with some blocks and tok_emb/norm/lm_head possibly None).
+
+    Each block is one FSDP2 unit and the root another; a MoE block's experts are a unit of their own over the
+    ranks that hold the same experts (meshes.expert_dp), so experts are never averaged across EP ranks that
+    hold different ones. With one data-parallel rank there is nothing to synchronise and FSDP2 is not applied
+    (use `gradient_sync`, which handles both, for gradient accumulation).
+    """
+    dims = meshes.dims
+    if dims.tp > 1:
+        apply_tensor_parallel(model, meshes.tp, cfg.sequence_parallel)
+    if dims.ep > 1:
+        from training.experts import apply_expert_parallel  # noqa: PLC0415 - only expert-parallel layouts need it
+
+        apply_expert_parallel(model, meshes)
+    if dims.dp == 1:  # expert_parallel divides dp, so there are no experts to shard either
+        return model
+    # Under pipeline parallelism a stage runs forward once per microbatch: keep the gathered parameters instead
+    # of gathering them again each time (torchtitan's default for PP).
+    reshard = dims.pp == 1
+    for block in model.blocks.values():
+        if dims.ep > 1 and isinstance(block.mlp, MoE):
+            assert meshes.expert_dp is not None
+            experts = block.mlp.experts
+            units = fully_shard(
+                list(experts.values()) if isinstance(experts, nn.ModuleDict) else experts,
+                mesh=meshes.expert_dp,
+                reshard_after_forward=reshard,
+            )
+            unit = units[0] if isinstance(units, list) else units
+            # An expert's gradient sums the tokens of every EP peer's samples: the mean over all dp ranks'
+            # samples divides by dp, not by the expert_dp ranks it is reduced over (torchtitan does the same).
+            unit.set_gradient_divide_factor(dims.dp)
+            if meshes.expert_dp.device_type == "cpu":
+                # gloo has no PREMUL_SUM, which FSDP2 uses for a divide factor other than the group size:
+                # sum, then divide.
+                unit.set_force_sum_reduction_for_comms(True)
+        fully_shard(block, mesh=meshes.dp, reshard_after_forward=reshard)
+    fully_shard(model, mesh=meshes.dp, reshard_after_forward=reshard)
+    _time_collectives(model, timer)
     return model
 
 

@@ -1,14 +1,46 @@
 """Tensor (and sequence) parallelism of the Transformer with torch's `parallelize_module`, and the loss on
-vocabulary-sharded logits (`loss_parallel`)."""
+vocabulary-sharded logits (`loss_parallel`).
+
+Megatron's layout, as torchtitan applies it: each block's Q/K/V and MLP up/gate
+projections are split by output columns (each rank holds whole heads), the
+attention output and MLP down projections by input rows, so a block costs one
+all-reduce per branch in forward and one in backward. The embedding is split by
+vocabulary rows and the output layer by vocabulary columns; its logits stay
+sharded and `loss_context` computes the cross-entropy on the shards.
+
+With sequence parallelism the residual stream between the branches (norms,
+dropout, residual adds) is split along the sequence instead of replicated: the
+all-reduce becomes an all-gather before each branch and a reduce-scatter after
+it (the same bytes), and the activations outside the matmuls take 1/TP of the
+memory.
+
+Every parameter becomes a DTensor on the tensor-parallel mesh (the norms'
+weights replicated), so that FSDP2, the optimizer and the gradient norm see one
+kind of tensor.
+"""
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.distributed.tensor.parallel import loss_parallel
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
+    parallelize_module,
+)
+
+from training.model import MoE, Transformer
 
 
 @contextlib.contextmanager
@@ -22,3 +54,80 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy of (B, T, V) logits (a DTensor sharded on V under loss_context) against
     (B, T) targets."""
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(0, 1))
+
+
+def local_value(loss: torch.Tensor) -> torch.Tensor:
+    """A loss as a plain tensor: under loss_context it is a DTensor replicated over the tensor-parallel ranks."""
+    return loss.full_tensor() if isinstance(loss, DTensor) else loss
+
+
+class ReplicateParallel(ParallelStyle):
+    """The module's parameters replicated on the mesh, its input and output plain replicated tensors: the
+    norms between tensor-parallel regions without sequence parallelism (every rank computes them whole)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def to_dtensor(_mod: nn.Module, inputs: tuple[Any, ...], mesh: DeviceMesh) -> tuple[Any, ...]:
+            return tuple(
+                DTensor.from_local(t, mesh, (Replicate(),), run_check=False) if isinstance(t, torch.Tensor) else t
+                for t in inputs
+            )
+
+        def to_local(_mod: nn.Module, output: torch.Tensor, _mesh: DeviceMesh) -> torch.Tensor:
+            return output.to_local() if isinstance(output, DTensor) else output
+
+        return distribute_module(module, device_mesh, input_fn=to_dtensor, output_fn=to_local)
+
+
+def _block_plan(block: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    """The parallel style of each projection (and, with sequence parallelism, norm) of one block."""
+    # With sequence parallelism the branches take the sequence shard and gather it; their row-wise outputs are
+    # reduce-scattered back onto the sequence shard, where dropout and the residual add run.
+    residual = Shard(1) if sequence_parallel else Replicate()
+    norm: ParallelStyle = SequenceParallel() if sequence_parallel else ReplicateParallel()
+    plan: dict[str, ParallelStyle] = {
+        "attn_norm": norm,
+        "attn.wq": ColwiseParallel(),
+        "attn.wk": ColwiseParallel(),
+        "attn.wv": ColwiseParallel(),
+        "attn.wo": RowwiseParallel(output_layouts=residual),
+        "mlp_norm": SequenceParallel() if sequence_parallel else ReplicateParallel(),
+    }
+    if sequence_parallel:
+        # (x, cos, sin): the RoPE tables are plain tensors every rank holds whole.
+        plan["attn"] = PrepareModuleInput(
+            input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
+        )
+    if isinstance(block.mlp, MoE):
+        # training/layout.py rejects tensor_parallel with MoE: experts are sharded by expert parallelism instead.
+        return plan
+    if sequence_parallel:
+        plan["mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    plan["mlp.w1"] = ColwiseParallel()
+    if hasattr(block.mlp, "w3"):  # SwiGLU's gate; GeluMLP has none
+        plan["mlp.w3"] = ColwiseParallel()
+    plan["mlp.w2"] = RowwiseParallel(output_layouts=residual)
+    return plan
+
+
+def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
+    """Shard `model` (a whole Transformer or a pipeline chunk of it) over `tp_mesh` in place.
+
+    Under sequence parallelism the hidden states between blocks (and between pipeline chunks) are this rank's
+    slice of the sequence, (B, T / TP, D), as plain tensors; without it they are whole, (B, T, D). The logits
+    are a DTensor sharded on the vocabulary: compute the loss with `lm_loss` inside `loss_context(True)`.
+    """
+    residual = Shard(1) if sequence_parallel else Replicate()
+    for block in model.blocks.values():
+        parallelize_module(block, tp_mesh, _block_plan(block, sequence_parallel))
+    plan: dict[str, ParallelStyle] = {}
+    if model.tok_emb is not None:
+        plan["tok_emb"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=residual)
+    if model.norm is not None:
+        plan["norm"] = SequenceParallel() if sequence_parallel else ReplicateParallel()
+    if model.lm_head is not None:
+        plan["lm_head"] = ColwiseParallel(input_layouts=residual, output_layouts=Shard(-1), use_local_output=False)
+    if plan:
+        parallelize_module(model, tp_mesh, plan)
+    if model.cfg.tie_embeddings and model.tok_emb is not None and model.lm_head is not None:
+        # Both are split by vocabulary rows (Shard(0)); parallelize_module gave each its own DTensor, so tie again.
+        model.lm_head.weight = model.tok_emb.weight
