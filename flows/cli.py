@@ -318,7 +318,14 @@ def cancel(job: str = typer.Argument(..., help="Job reference (scheduler:id) or 
     console.print(f"{handle.ref}: cancel requested", markup=False, highlight=False)
 
 
-@app.command("plan", epilog=_example("tdeploy plan examples/local.yaml", "tdeploy plan examples/local.yaml --json"))
+@app.command(
+    "plan",
+    epilog=_example(
+        "tdeploy plan examples/local.yaml",
+        "tdeploy plan examples/local.yaml --json",
+        "tdeploy plan examples/local.yaml --emit-parallel",
+    ),
+)
 def plan(
     spec: str = typer.Argument(..., help=SPEC_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print plan.json to stdout instead of the table."),
@@ -329,6 +336,12 @@ def plan(
     ),
     self_check: bool = typer.Option(
         False, "--self-check", help="Also measure one training step of the model on this machine and compare."
+    ),
+    emit_parallel: bool = typer.Option(
+        False,
+        "--emit-parallel",
+        help="Print only the `parallel:` section of the fastest fitting layout the payload runs (YAML to paste "
+        "into the spec); exit 1 if no layout fits.",
     ),
 ) -> None:
     """Estimate memory, time and communication, search the layouts; exit 1 if the requested one does not fit."""
@@ -343,6 +356,19 @@ def plan(
 
         result.self_check = [run_self_check(parsed.model, parsed.parallel, parsed.precision, parsed.cluster)]
     url = write_plan(result, out)
+    if emit_parallel:
+        if result.chosen() is None:
+            err = result.error()
+            err_console.print(f"{err.message}\n{err.fix}", style="red", markup=False, highlight=False)
+            raise typer.Exit(1)
+        if not result.fits:
+            err_console.print(
+                f"the requested layout {result.requested.layout.describe()} does not fit; "
+                "printed the fastest that does",
+                style="yellow", markup=False, highlight=False,
+            )  # fmt: skip
+        sys.stdout.write(result.emit_parallel())
+        return
     if as_json:
         console.print_json(data=result.to_json())
     else:

@@ -121,6 +121,11 @@ class CapacityConfig(StrictModel):
         default=1.0, gt=0, le=1e6, description="Warn when communication time exceeds this multiple of compute time."
     )
     comm_overlap: bool = Field(default=True, description="Data-parallel traffic overlaps the backward pass.")
+    search_runnable_only: bool = Field(
+        default=True,
+        description="Search only layouts the payload runs (false: also ZeRO-1/2, tensor or pipeline parallelism on "
+        "MoE models, ..., listed with what the payload would reject).",
+    )
     search_top: int = Field(default=5, ge=1, le=1000, description="Fitting layouts listed in the plan.")
     max_micro_batch: int = Field(
         default=64, ge=1, le=MAX_BATCH, description="Largest micro-batch the plan search tries."
@@ -238,8 +243,11 @@ def capacity_problems(
                     f"use {_choices(valid)}",
                 )
             )
+    if lo is None and world % (parallel.tensor_parallel * parallel.pipeline_parallel) == 0:
+        dp = world // (parallel.tensor_parallel * parallel.pipeline_parallel)  # the payload's own layout
     if dp:
-        global_batch = capacity.global_batch or parallel.micro_batch * parallel.grad_accum_steps * world
+        default_batch = parallel.micro_batch * parallel.grad_accum_steps * (world if lo else dp)
+        global_batch = capacity.global_batch or default_batch
         if global_batch % (dp * parallel.micro_batch):
             problems.append(
                 (

@@ -84,7 +84,7 @@ class Layout:
     grad_accum: int = 1
     recompute: Recompute = "none"
     sequence_parallel: bool = False
-    pp_schedule: Literal["1f1b", "interleaved"] = "1f1b"
+    pp_schedule: Literal["1f1b", "interleaved", "gpipe"] = "1f1b"
     virtual_stages: int = 1
 
     @property
@@ -115,6 +115,8 @@ class Layout:
             name += " sp"
         if self.pp > 1 and self.pp_schedule == "interleaved":
             name += f" v{self.virtual_stages}"
+        if self.pp > 1 and self.pp_schedule == "gpipe":
+            name += " gpipe"
         return name
 
 
@@ -520,7 +522,8 @@ class MemoryModel:
         # them for 1F1B, times 1 + (p-1)/(pv) when interleaved over v chunks).
         in_flight = 1.0
         if lo.pp > 1 and first:
-            in_flight = float(min(lo.pp, lo.grad_accum))
+            # GPipe runs every forward before the first backward: all micro-batches are in flight.
+            in_flight = float(lo.grad_accum if lo.pp_schedule == "gpipe" else min(lo.pp, lo.grad_accum))
             if lo.pp_schedule == "interleaved":
                 in_flight *= 1 + (lo.pp - 1) / (lo.pp * lo.virtual_stages)
         full = lo.recompute == "full"

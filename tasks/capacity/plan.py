@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import fsspec
@@ -14,6 +14,7 @@ from tasks.capacity.compute import SECONDS_PER_DAY, flops_per_token
 from tasks.capacity.config import CapacityConfig
 from tasks.capacity.memory import GIB, Layout, Margin, MemoryModel, Precision, Runtime, kv_cache_bytes
 from tasks.capacity.params import Architecture, count_params
+from tasks.capacity.payload import parallel_section, parallel_yaml, payload_problems, planner_schedule, problem_lines
 from tasks.capacity.search import (
     Estimator,
     Evaluation,
@@ -25,7 +26,7 @@ from tasks.capacity.search import (
 )
 from tasks.cluster import ClusterConfig
 from tasks.errors import UserError
-from training.config import ModelConfig, ParallelConfig, PrecisionConfig, RunConfig
+from training.config import ModelConfig, ParallelConfig, PrecisionConfig, Problem, RunConfig
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +59,37 @@ class CapacityPlan:
     kv_cache_bytes: float
     warnings: list[str] = field(default_factory=list)
     self_check: list[dict[str, Any]] = field(default_factory=list)
+    model: ModelConfig | None = None
+    parallel: ParallelConfig | None = None
+    payload: dict[Layout, list[Problem]] = field(default_factory=dict)
+    """Why the payload would not run a layout (empty list: it runs), for the requested and the fitting ones."""
+
+    def runnable(self, ev: Evaluation) -> bool:
+        """Whether the payload runs the evaluated layout as planned."""
+        return not self.payload.get(ev.layout, [])
+
+    def chosen(self) -> Evaluation | None:
+        """The layout `--emit-parallel` prints: the fastest fitting one the payload runs, else the fastest fitting."""
+        runnable = [ev for ev in self.search.fitting if self.runnable(ev)]
+        return (runnable or self.search.fitting or [None])[0]
+
+    def parallel_of(self, ev: Evaluation) -> ParallelConfig:
+        """The `parallel` section that runs `ev`'s layout, the spec's other parallel fields kept."""
+        assert self.parallel is not None, "the plan was made without the spec's parallel section"
+        return parallel_section(ev.layout, self.parallel)
+
+    def emit_parallel(self) -> str:
+        """The chosen layout's `parallel:` section as YAML, with what it is and, if the payload rejects it, why."""
+        ev = self.chosen()
+        if ev is None:
+            raise self.error()
+        comments = [
+            f"tdeploy plan {self.name}: fastest fitting layout {ev.layout.describe()} on {self.cluster.nodes} x "
+            f"{self.cluster.procs_per_node} {self.accelerator.name}",
+            f"{ev.memory.total / GIB:.3g} GiB per device of {ev.usable_bytes / GIB:.3g} GiB usable, "
+            f"{ev.step_seconds:.3g} s per step, MFU {ev.mfu:.1%}",
+        ]
+        return parallel_yaml(self.parallel_of(ev), comments, self.payload.get(ev.layout, []))
 
     @property
     def fits(self) -> bool:
@@ -118,7 +150,7 @@ class CapacityPlan:
                 "achieved_flops_per_gpu": (self.capacity.achieved_tflops_per_gpu or 0) * 1e12 or None,
                 "comm_overlap": self.capacity.comm_overlap,
             },
-            "requested": _evaluation_json(self.requested),
+            "requested": _evaluation_json(self.requested) | self._payload_json(self.requested),
             "flops": {
                 "per_token_forward_flops": flops.forward,
                 "per_token_model_flops": flops.model,
@@ -142,11 +174,25 @@ class CapacityPlan:
                 "evaluated_layouts": self.search.evaluated,
                 "fitting_layouts": self.search.fitting_count,
                 "seconds": self.search.seconds,
-                "best": [_evaluation_json(e) | {"why": explain_win(e, nxt)} for e, nxt in ranked(self.search.fitting)],
+                "runnable_only": self.capacity.search_runnable_only,
+                "best": [
+                    _evaluation_json(e) | {"why": explain_win(e, nxt)} | self._payload_json(e)
+                    for e, nxt in ranked(self.search.fitting)
+                ],
                 "rejected_nearest": [_evaluation_json(e) | {"why_not": e.why_not()} for e in self.search.rejected],
             },
             "warnings": self.warnings,
             "self_check": self.self_check,
+        }
+
+    def _payload_json(self, ev: Evaluation) -> dict[str, Any]:
+        """The payload's `parallel` fields for the layout and why it would not run (empty: it runs)."""
+        if self.parallel is None:
+            return {}
+        return {
+            "parallel": self.parallel_of(ev).model_dump(mode="json"),
+            "runnable": self.runnable(ev),
+            "payload_problems": problem_lines(self.payload.get(ev.layout, [])),
         }
 
 
@@ -172,31 +218,45 @@ def _evaluation_json(ev: Evaluation) -> dict[str, Any]:
 
 
 def requested_layout(capacity: CapacityConfig, cluster: ClusterConfig, parallel: ParallelConfig) -> Layout:
-    """The layout the spec asks for: the payload's DDP/FSDP/HSDP, or `capacity.layout` on top of it."""
+    """The layout the spec asks for: the payload's `parallel` section, or `capacity.layout` on top of DDP/FSDP/HSDP."""
     lo = capacity.layout
-    tp, pp = (lo.tensor_parallel, lo.pipeline_parallel) if lo else (1, 1)
     world = cluster.world_size
-    dp = world // (tp * pp)
     zero = {"ddp": 0, "fsdp": 3, "hsdp": 3}[parallel.sharding]
-    if lo and lo.zero_stage is not None:
-        zero = lo.zero_stage
+    if lo is None:
+        tp, pp, ep, sp = (parallel.tensor_parallel, parallel.pipeline_parallel, parallel.expert_parallel,
+                          parallel.sequence_parallel)  # fmt: skip
+        schedule, virtual = planner_schedule(parallel.pipeline_schedule), parallel.virtual_stages
+        micro = parallel.micro_batch
+        dp = world // (tp * pp)
+        default_batch = parallel.micro_batch * parallel.grad_accum_steps * dp
+        if pp > 1:  # the pipeline splits micro_batch x grad_accum_steps sequences into its microbatches
+            micro = parallel.micro_batch * parallel.grad_accum_steps // parallel.n_microbatches
+    else:
+        tp, pp, ep, sp = lo.tensor_parallel, lo.pipeline_parallel, lo.expert_parallel, lo.sequence_parallel
+        schedule, virtual = lo.pipeline_schedule, lo.virtual_stages
+        dp = world // (tp * pp)
+        default_batch = parallel.micro_batch * parallel.grad_accum_steps * world
+        micro = parallel.micro_batch
+        if lo.zero_stage is not None:
+            zero = lo.zero_stage
     shard = None
     if parallel.sharding == "hsdp" and zero == 3:
-        shard = parallel.hsdp_shard_size or cluster.procs_per_node
-    global_batch = capacity.global_batch or parallel.micro_batch * parallel.grad_accum_steps * world
+        node_shard = cluster.procs_per_node // tp if parallel.model_parallel else cluster.procs_per_node
+        shard = parallel.hsdp_shard_size or node_shard
+    global_batch = capacity.global_batch or default_batch
     return Layout(
         dp=dp,
         tp=tp,
         pp=pp,
-        ep=lo.expert_parallel if lo else 1,
+        ep=ep,
         zero=zero,
         shard_group=shard if shard != dp else None,
-        micro_batch=parallel.micro_batch,
-        grad_accum=global_batch // (dp * parallel.micro_batch),
+        micro_batch=micro,
+        grad_accum=global_batch // (dp * micro),
         recompute=parallel.activation_recompute,
-        sequence_parallel=lo.sequence_parallel if lo else False,
-        pp_schedule=lo.pipeline_schedule if lo else "1f1b",
-        virtual_stages=lo.virtual_stages if lo else 1,
+        sequence_parallel=sp,
+        pp_schedule=schedule,  # type: ignore[arg-type]
+        virtual_stages=virtual,
     )
 
 
@@ -239,6 +299,21 @@ def make_estimator(
     )
 
 
+class _PayloadCheck:
+    """payload_problems memoised on what they depend on (not the recompute mode)."""
+
+    def __init__(self, model: ModelConfig, parallel: ParallelConfig, dtype: str, cluster: ClusterConfig) -> None:
+        self.model, self.parallel, self.dtype, self.cluster = model, parallel, dtype, cluster
+        self._seen: dict[Layout, list[Problem]] = {}
+
+    def __call__(self, lo: Layout) -> list[Problem]:
+        key = replace(lo, recompute="none")
+        if key not in self._seen:
+            c = self.cluster
+            self._seen[key] = payload_problems(lo, self.model, self.parallel, self.dtype, c.nodes, c.procs_per_node)
+        return self._seen[key]
+
+
 def plan_capacity(
     name: str,
     capacity: CapacityConfig,
@@ -248,18 +323,19 @@ def plan_capacity(
     precision: PrecisionConfig,
     run: RunConfig,
 ) -> CapacityPlan:
-    """Estimate the requested layout and search the alternatives (the spec has been validated)."""
+    """Estimate the requested layout and search the alternatives (the spec has been validated); with
+    capacity.search_runnable_only the search skips layouts the payload would reject."""
     arch = Architecture.from_model_config(model, name=name)
     est = make_estimator(arch, capacity, cluster, precision)
     layout = requested_layout(capacity, cluster, parallel)
     requested = est.evaluate(layout)
-    found = search(
-        est,
-        enumerate_layouts(
-            arch, cluster.world_size, cluster.procs_per_node, layout.global_batch, capacity.max_micro_batch
-        ),
-        top=capacity.search_top,
+    check = _PayloadCheck(model, parallel, precision.dtype, cluster)
+    layouts = enumerate_layouts(
+        arch, cluster.world_size, cluster.procs_per_node, layout.global_batch, capacity.max_micro_batch
     )
+    if capacity.search_runnable_only:
+        layouts = (lo for lo in layouts if not check(lo))
+    found = search(est, layouts, top=capacity.search_top)
     tokens = capacity.train_tokens or run.steps * layout.global_batch * model.seq_len
     warnings = list(requested.comm.warnings)
     if not requested.fits:
@@ -276,6 +352,9 @@ def plan_capacity(
         train_tokens=float(tokens),
         kv_cache_bytes=kv_cache_bytes(arch, layout.micro_batch, model.seq_len),
         warnings=warnings,
+        model=model,
+        parallel=parallel,
+        payload={ev.layout: check(ev.layout) for ev in [requested, *found.fitting]},
     )
     for warning in warnings:
         log.warning("%s", warning)

@@ -9,6 +9,7 @@ from rich.table import Table
 from rich.text import Text
 
 from tasks.capacity.params import count_params
+from tasks.capacity.payload import problem_lines
 from tasks.capacity.plan import CapacityPlan
 from tasks.capacity.search import Evaluation, explain_win, ranked
 from tasks.capacity.units import count, gib, sig
@@ -56,6 +57,8 @@ def _fitting_rows(plan: CapacityPlan) -> list[tuple[str, str, str, str, str]]:
     rows = []
     for ev, nxt in ranked(plan.search.fitting):
         why = "; ".join(explain_win(ev, nxt))
+        if not plan.runnable(ev):
+            why += "; the payload would reject it: " + "; ".join(problem_lines(plan.payload[ev.layout]))
         rows.append((ev.layout.describe(), gib(ev.memory.total), sig(ev.step_seconds), f"{ev.mfu:.1%}", why))
     return rows
 
