@@ -37,6 +37,7 @@ from training.config import (
 from training.layout import data_parallel_degree, world_problems
 from training.secrets import REDACTED, credential_message, find_credentials
 from training.storage import LocalPath, StorageConfig, is_local
+from validation.acceptance import layout_text
 
 MAX_SPEC_BYTES = 1 << 20
 """A spec is a few kB; anything past 1 MiB is the wrong file (or an attack on the parser)."""
@@ -231,14 +232,12 @@ class DeploymentSpec(StrictModel):
         return data_parallel_degree(self.parallel, self.cluster.world_size)
 
     def layout(self) -> str:
-        """The layout in words, outermost mesh dimension first: "pp2 x dp2 x tp2 (fsdp)", "dp4 (ddp)"."""
+        """The layout in words, outermost mesh dimension first: "pp2 x dp2 x tp2 (fsdp, sp, 1f1b)", "dp4 (ddp)"."""
         p = self.parallel
-        dims = [("pp", p.pipeline_parallel), ("dp", self.data_parallel_degree), ("tp", p.tensor_parallel)]
-        text = " x ".join(f"{name}{size}" for name, size in dims if size > 1 or name == "dp")
-        extra = [f"ep{p.expert_parallel}"] if p.expert_parallel > 1 else []
-        extra += ["sp"] if p.sequence_parallel else []
-        extra += [f"{p.pipeline_schedule}"] if p.pipeline_parallel > 1 else []
-        return f"{text} ({', '.join([p.sharding, *extra])})"
+        sizes = {"pp": p.pipeline_parallel, "dp": self.data_parallel_degree, "tp": p.tensor_parallel,
+                 "ep": p.expert_parallel}  # fmt: skip
+        extra = (["sp"] if p.sequence_parallel else []) + ([p.pipeline_schedule] if p.pipeline_parallel > 1 else [])
+        return layout_text(sizes, p.sharding, *extra)
 
     def summary(self) -> str:
         """One short paragraph for humans."""

@@ -113,6 +113,11 @@ class TestFaults(BaseModel):
     skip_grad_sync: bool = Field(
         default=False, description="DDP never synchronises gradients (each rank trains on its own)."
     )
+    tp_shard_seed: bool = Field(
+        default=False,
+        description="Tensor-parallel rank 1 of every TP group initialises its shards with another seed "
+        "(seed_offset), so the sharded matrices are not slices of one model (a broken TP init).",
+    )
     slow_factor: float | None = Field(
         default=None,
         gt=1,
@@ -140,6 +145,44 @@ def seed_for(seed: int) -> int:
     """The seed this rank uses (another one on seed_offset_rank)."""
     faults = active()
     return seed + faults.seed_offset if faults.seed_offset_rank == _rank() else seed
+
+
+def tp_shard_seed_offset(tp_coordinate: int) -> int:
+    """What tp_shard_seed adds to the init seed of a rank at `tp_coordinate` of its tensor-parallel group: 0, or
+    seed_offset on coordinate 1."""
+    return active().seed_offset if active().tp_shard_seed and tp_coordinate == 1 else 0
+
+
+@torch.no_grad()
+def maybe_reseed_tp_shards(model: torch.nn.Module, tp_coordinate: int, seed: int) -> int:
+    """With tp_shard_seed, redraw this rank's local shard of every parameter sharded over the "tp" mesh
+    dimension from seed + tp_shard_seed_offset (same mean and spread, other values); the number redrawn.
+
+    Call it after the model is parallelised (parallelize_module, fully_shard): the DTensors are distributed
+    from one rank's full weights, so seeding the init alone would not reach the shards.
+    """
+    offset = tp_shard_seed_offset(tp_coordinate)
+    if not offset:
+        return 0
+    from torch.distributed.tensor import DTensor, Shard  # noqa: PLC0415 - model-parallel jobs only
+
+    generator = torch.Generator(device="cpu").manual_seed(seed + offset)
+    redrawn = 0
+    for param in model.parameters():
+        if not isinstance(param, DTensor) or "tp" not in (param.device_mesh.mesh_dim_names or ()):
+            continue
+        if not isinstance(param.placements[param.device_mesh.mesh_dim_names.index("tp")], Shard):
+            continue
+        local = param.to_local()
+        if local.numel() < 2:
+            continue
+        mean, std = local.float().mean().item(), local.float().std().item()
+        fresh = torch.randn(local.shape, generator=generator) * (std or 0.02) + mean
+        local.copy_(fresh.to(device=local.device, dtype=local.dtype))
+        redrawn += 1
+    log.warning("test fault: tensor-parallel rank %d redrew %d shards with seed %d", tp_coordinate, redrawn,
+                seed + offset)  # fmt: skip
+    return redrawn
 
 
 def sample_rank(rank: int) -> int:

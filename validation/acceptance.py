@@ -359,13 +359,18 @@ def grad_sync_problem(
     return "; ".join(problems) or None
 
 
-def layout_text(dims: dict[str, int] | None, world: int, sharding: str) -> str:
-    """A layout in words from mesh degrees (None: data parallel on `world` ranks): "pp2 x dp2 x tp2 (fsdp)"."""
+def layout_text(sizes: dict[str, int], sharding: str, *extra: str) -> str:
+    """A layout in words, outermost dimension first, from its degrees (pp, dp, cp, tp, ep; a missing one is 1):
+    "pp2 x dp2 x tp2 (fsdp)", "dp4 (ddp)"."""
+    text = " x ".join(f"{d}{sizes.get(d, 1)}" for d in ("pp", "dp", "cp", "tp") if sizes.get(d, 1) > 1 or d == "dp")
+    ep = sizes.get("ep", 1)
+    return text + (f" ep{ep}" if ep > 1 else "") + f" ({', '.join([sharding, *extra])})"
+
+
+def _mesh_sizes(dims: dict[str, int] | None, world: int) -> dict[str, int]:
     if not dims:
-        return f"dp{world} ({sharding})"
-    sizes = {"pp": dims["pp"], "dp": dims["dp_replicate"] * dims["dp_shard"], "cp": dims["cp"], "tp": dims["tp"]}
-    text = " x ".join(f"{name}{size}" for name, size in sizes.items() if size > 1 or name == "dp")
-    return text + (f" ep{dims['ep']}" if dims.get("ep", 1) > 1 else "") + f" ({sharding})"
+        return {"dp": world}
+    return {**dims, "dp": dims["dp_replicate"] * dims["dp_shard"]}
 
 
 def _per_dimension(rank0: dict[int, dict[str, Any]], steps: list[int], key: str) -> dict[str, float]:
@@ -473,7 +478,7 @@ def check_performance(
             "straggler_ratio_per_rank": ratios,
             "data_wait_share_per_rank": data_wait,
             "slow_rank": slow_rank,
-            "layout": layout_text(dims, world, sharding),
+            "layout": layout_text(_mesh_sizes(dims, world), sharding),
             **({"comm_bytes_per_dim": _per_dimension(rank0, steps, "comm_bytes")} if dims else {}),
             **({"comm_s_per_dim": _per_dimension(rank0, steps, "comm_s_per_dim")} if dims else {}),
             **({"gpu": gpu} if gpu else {}),

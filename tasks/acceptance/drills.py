@@ -19,16 +19,25 @@ from typing import Any
 
 from tasks.acceptance.config import DRILLS, AcceptanceConfig, DrillConfig
 from tasks.acceptance.outage import TcpProxy
-from tasks.acceptance.workspace import Job, RunOutcome, first_step_time_after, last_step, single_process, variant
+from tasks.acceptance.workspace import (
+    Job,
+    RunOutcome,
+    data_parallel_layout,
+    first_step_time_after,
+    last_step,
+    single_process,
+    variant,
+)
 from tasks.cluster import ClusterConfig
 from tasks.errors import UserError
 from tasks.launch.base import JobState, JobStatus, find_job
 from tasks.progress import report
 from training.checkpoint import COMMIT, CheckpointManager, step_dir_name
-from training.config import TrainConfig
+from training.config import ParallelConfig, TrainConfig
 from training.faults import SAVE_PHASES, SavePhase, paused_ranks, with_faults
+from training.layout import data_parallel_degree
 from training.run_output import CheckpointEvent, RunOutput
-from validation.acceptance import DimensionResult, check_recovery
+from validation.acceptance import DimensionResult, check_recovery, layout_text
 
 log = logging.getLogger(__name__)
 
@@ -168,6 +177,21 @@ def reuse_acceptance(root: Path, ctx: DrillContext) -> tuple[RunOutcome | None, 
     return reference, reused
 
 
+def kill_victim(ranks: list[dict[str, Any]]) -> tuple[int, dict[str, int] | None]:
+    """The rank the rank_kill drill kills, and its mesh coordinates: rank 1 (not rank 0, which writes the job's
+    records, where there is another); on a model-parallel layout the first rank inside a tensor-parallel group
+    (tp coordinate 1), else inside a pipeline (a later stage), so the survivors of its group hang in a collective
+    that only the restart ends."""
+    by_rank = {r["rank"]: r.get("mesh") for r in ranks}
+    meshed = {rank: mesh["coords"] for rank, mesh in by_rank.items() if mesh}
+    for dim in ("tp", "pp", "ep"):
+        inside = sorted(rank for rank, c in meshed.items() if rank > 0 and c.get(dim, 0) > 0)
+        if inside:
+            return inside[0], meshed[inside[0]]
+    victim = min(1, max(by_rank, default=0))
+    return victim, meshed.get(victim)
+
+
 def drill_rank_kill(ctx: DrillContext) -> tuple[DrillResult, DimensionResult]:
     """SIGKILL one rank mid-training; torchrun's restart or a relaunch resumes from the last complete checkpoint."""
     train = ctx.train("drill-rank-kill")
@@ -177,7 +201,7 @@ def drill_rank_kill(ctx: DrillContext) -> tuple[DrillResult, DimensionResult]:
         lambda: job.fresh_ranks() and last_step(job.output_dir) > first_save and first_save in committed_steps(train),
         "the first checkpoint", ctx.acceptance.job_timeout_s,
     )  # fmt: skip
-    victim = min(1, ctx.cluster.world_size - 1)
+    victim, coords = kill_victim(job.ranks_record().ranks)
     job.kill_rank(victim)
     t_fail = time.time()
     killed_at = last_step(job.output_dir)
@@ -189,7 +213,8 @@ def drill_rank_kill(ctx: DrillContext) -> tuple[DrillResult, DimensionResult]:
     recovery = ctx.recovery(outcome, checkpoint)
     result = _finish(
         "rank_kill", recovery, t_fail, outcome, killed_at - (checkpoint or 0),
-        {"killed_rank": victim, "killed_at_step": killed_at, "checkpoint_step": checkpoint, "relaunched": relaunched},
+        {"killed_rank": victim, "killed_rank_coords": coords, "killed_at_step": killed_at,
+         "checkpoint_step": checkpoint, "relaunched": relaunched},
     )  # fmt: skip
     return result, recovery
 
@@ -409,7 +434,12 @@ def _checkpoints_up_to(ctx: DrillContext, target: TrainConfig, step: int) -> Non
 
 
 def drill_reshard(ctx: DrillContext) -> DrillResult:
-    """Restore a checkpoint of N ranks on one rank (global batch kept): model and optimizer state carry over.
+    """Restore a checkpoint on another layout (global batch kept): model and optimizer state carry over.
+
+    A data-parallel job's checkpoint of N ranks is restored on one rank. A model-parallel job's (TP2xDP2,
+    PP2xDP2, EP2) is restored on pure data parallelism over the same processes (DP4: every stage-local and
+    shard-local name maps to the whole model's), and on one rank where its global batch does not divide
+    over them.
 
     The resharded run is compared with the uninterrupted run. With dropout it cannot be: each rank draws its
     masks from its own RNG stream, which one rank cannot reproduce. Then both the resharded run and a control
@@ -419,7 +449,11 @@ def drill_reshard(ctx: DrillContext) -> DrillResult:
     if ctx.cluster.world_size < 2:
         return DrillResult("reshard", None, message="needs a world size of 2 or more to reshard from")
     reference = ctx.reference()
-    one_cluster, sections = single_process(ctx.cluster, ctx.base)
+    flat = data_parallel_layout(ctx.cluster, ctx.base)
+    if flat is not None:
+        to_cluster, sections = ctx.cluster, {"parallel": flat, "run": {}}
+    else:
+        to_cluster, sections = single_process(ctx.cluster, ctx.base)
     train = ctx.train("drill-reshard", **sections)
     steps = _copy_reference_checkpoints(ctx, train)
     midpoint = steps[len(steps) // 2 - 1] if len(steps) >= 2 else None
@@ -440,10 +474,14 @@ def drill_reshard(ctx: DrillContext) -> DrillResult:
                 evidence={"output_dir": str(control.output_dir)},
             )  # fmt: skip
     t_fail = time.time()
-    job = ctx.job(train, "drill-reshard", cluster=one_cluster)
+    job = ctx.job(train, "drill-reshard", cluster=to_cluster)
     outcome = job.wait(ctx.acceptance.job_timeout_s)
     resumed = outcome.run.resume()
-    resharded = resumed is not None and resumed.resharded
+    from_layout = describe_layout(ctx.base.parallel, ctx.cluster)
+    to_layout = describe_layout(train.parallel, to_cluster)
+    # Same processes, other layout: every rank finds its own RNG file, so the manager may not call it resharded
+    reported = resumed is not None and resumed.resharded
+    resharded = resumed is not None and resumed.loaded_step == midpoint and (reported or from_layout != to_layout)
     if control is None:
         recovery = ctx.recovery(outcome, midpoint, bit_identical=False)
     else:
@@ -451,13 +489,24 @@ def drill_reshard(ctx: DrillContext) -> DrillResult:
         recovery = check_recovery(control.metrics(), outcome.metrics(), midpoint, resumed_from, bit_identical=False)
     result = _finish(
         "reshard", recovery, t_fail, outcome, 0,
-        {"from_world_size": ctx.cluster.world_size, "to_world_size": 1, "checkpoint_step": midpoint,
-         "reshard_reported": resharded, "reference_world_size": reference.ranks().world_size,
+        {"from_world_size": ctx.cluster.world_size, "to_world_size": to_cluster.world_size,
+         "from_layout": from_layout, "to_layout": to_layout, "checkpoint_step": midpoint,
+         "reshard_reported": reported, "reference_world_size": reference.ranks().world_size,
          "compared_with": "uninterrupted run" if control is None else f"same-layout resume {control.output_dir}"},
     )  # fmt: skip
     if not resharded:
         result.passed = False
+        result.message = (result.message + "; " if result.message else "") + (
+            f"the {to_layout} job did not resume from the {from_layout} checkpoint of step {midpoint}"
+        )
     return result
+
+
+def describe_layout(par: ParallelConfig, cluster: ClusterConfig) -> str:
+    """A layout in words: "pp2 x dp2 x tp2 (fsdp)", "dp4 (ddp)"."""
+    sizes = {"pp": par.pipeline_parallel, "dp": data_parallel_degree(par, cluster.world_size),
+             "tp": par.tensor_parallel, "ep": par.expert_parallel}  # fmt: skip
+    return layout_text(sizes, par.sharding)
 
 
 def drill_storage_outage(ctx: DrillContext) -> DrillResult:
