@@ -1,11 +1,13 @@
-"""Tensor parallelism (with and without sequence parallelism) composed with FSDP2 over four gloo processes,
-against the single-process model on the same global batch.
+"""`apply_model_parallel` over four gloo processes against the single-process model on the same global batch:
+tensor parallelism with and without sequence parallelism, composed with FSDP2 (replicating and sharding), and
+expert parallelism under FSDP2.
 
 The test starts this file under torchrun as the worker (`python -m torch.distributed.run ... OUT`); every rank
-runs each layout in `LAYOUTS`: `apply_model_parallel`, forward and backward of its data-parallel rank's half of
-a fixed global batch under `loss_context(True)` (in micro-steps without gradient sync where the layout
-accumulates), one AdamW step and a second forward. Rank 0 saves the data-parallel mean losses, the whole
-gradients of a few sharded weights and the global gradient norm; the test computes the same in one process.
+runs each layout in `LAYOUTS` as the trainer does: `apply_model_parallel`, forward and backward of its
+data-parallel rank's share of a fixed global batch under `loss_context(tp > 1)` (in micro-steps without
+gradient sync where the layout accumulates), clipping by the global norm (training/grad_clip.py), one AdamW
+step and a second forward. Rank 0 saves the data-parallel mean losses, the whole gradients of a few sharded
+weights and the gradient norms; the test computes the same in one process.
 """
 
 from __future__ import annotations
@@ -19,27 +21,38 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-from training.config import ModelConfig
+from training.config import ModelConfig, MoEConfig
 
-WORLD, TP, GLOBAL_BATCH, LR = 4, 2, 4, 1e-2
+WORLD, GLOBAL_BATCH, LR, MAX_NORM = 4, 4, 1e-2, 0.5
 LAYOUTS: dict[str, dict[str, Any]] = {
     "tp2xdp2": {"sharding": "ddp", "sequence_parallel": False},
     "tp2xdp2_sp": {"sharding": "ddp", "sequence_parallel": True, "recompute": "full"},
     "fsdp2xtp2": {"sharding": "fsdp", "sequence_parallel": False, "recompute": "selective", "accum": 2},
     "fsdp2xtp2_sp_tied_gelu": {"sharding": "fsdp", "sequence_parallel": True, "tie": True, "mlp": "gelu"},
+    # dp 4 with experts over ep 2: each expert's FSDP2 group is the 2 ranks holding it, its gradient / 4.
+    "ep2_fsdp4_moe": {"sharding": "fsdp", "sequence_parallel": False, "tp": 1, "ep": 2},
 }
 # Column-wise, row-wise, vocabulary-parallel, replicated (norm) and tied weights.
-CHECKED = ["blocks.0.attn.wq.weight", "blocks.1.attn.wo.weight", "blocks.0.mlp.w1.weight", "blocks.1.mlp.w2.weight",
-           "tok_emb.weight", "lm_head.weight", "blocks.0.attn_norm.weight", "norm.weight"]  # fmt: skip
+CHECKED = [
+    "blocks.0.attn.wq.weight", "blocks.1.attn.wo.weight", "blocks.0.mlp.w1.weight", "blocks.1.mlp.w2.weight",
+    "tok_emb.weight", "lm_head.weight", "blocks.0.attn_norm.weight", "norm.weight",
+    "blocks.0.mlp.router.weight", "blocks.0.mlp.experts.0.w1.weight", "blocks.1.mlp.experts.1.w2.weight",
+]  # fmt: skip
 
 
 def _cfg(layout: dict[str, Any]) -> ModelConfig:
     return ModelConfig(
         n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, ffn_hidden=64, vocab_size=96, seq_len=16, dropout=0.0,
         mlp=layout.get("mlp", "swiglu"), tie_embeddings=layout.get("tie", False),
+        moe=MoEConfig(n_experts=4, top_k=2) if layout.get("ep", 1) > 1 else None,
     )  # fmt: skip
+
+
+def _loss(logits: torch.Tensor, aux: torch.Tensor, targets: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    from training.tensor_parallel import lm_loss
+
+    return lm_loss(logits, targets) + (cfg.moe.aux_loss_coef * aux if cfg.moe else 0.0)
 
 
 def _tokens(cfg: ModelConfig) -> torch.Tensor:
@@ -51,15 +64,18 @@ def _run_layout(layout: dict[str, Any], meshes_for: Any) -> dict[str, Any]:
     import torch.distributed as dist
 
     from training.config import ParallelConfig
+    from training.grad_clip import clip_grad_norm
     from training.metrics import CommTimer
     from training.model import Transformer
     from training.parallel import apply_model_parallel
-    from training.tensor_parallel import lm_loss, local_value, loss_context
+    from training.tensor_parallel import local_value, loss_context
 
-    cfg, accum = _cfg(layout), layout.get("accum", 1)
-    par = ParallelConfig(sharding=layout["sharding"], micro_batch=GLOBAL_BATCH // (WORLD // TP) // accum,
-                         grad_accum_steps=accum, tensor_parallel=TP, sequence_parallel=layout["sequence_parallel"],
-                         activation_recompute=layout.get("recompute", "none"))  # fmt: skip
+    cfg, accum, tp = _cfg(layout), layout.get("accum", 1), layout.get("tp", 2)
+    par = ParallelConfig(
+        sharding=layout["sharding"], micro_batch=GLOBAL_BATCH // (WORLD // tp) // accum, grad_accum_steps=accum,
+        tensor_parallel=tp, sequence_parallel=layout["sequence_parallel"], expert_parallel=layout.get("ep", 1),
+        activation_recompute=layout.get("recompute", "none"),
+    )  # fmt: skip
     meshes = meshes_for(par)
     torch.manual_seed(0)
     model = Transformer(cfg, recompute=par.activation_recompute)
@@ -77,27 +93,28 @@ def _run_layout(layout: dict[str, Any], meshes_for: Any) -> dict[str, Any]:
     local = torch.zeros(())
     for i, micro in enumerate(rows.chunk(accum)):
         wrapped.set_requires_gradient_sync(i == accum - 1)  # the trainer's accumulation pattern
-        with loss_context(True):
-            logits, _ = wrapped(micro[:, :-1])
-            loss = lm_loss(logits, micro[:, 1:]) / accum
+        with loss_context(tp > 1):
+            logits, aux = wrapped(micro[:, :-1])
+            loss = _loss(logits, aux, micro[:, 1:], cfg) / accum
             loss.backward()
         local += local_value(loss).detach()
     params = dict(wrapped.named_parameters())
     grads = {n: params[n].grad.full_tensor() for n in CHECKED if n in params}
-    norm = torch.nn.utils.get_total_norm([p.grad for p in params.values()])
+    norm = clip_grad_norm(wrapped, MAX_NORM, meshes)
     result = {
         "loss": dp_mean(local),
         "grads": grads,
-        "grad_norm": norm.full_tensor().item(),
+        "grad_norm": norm.item(),
+        "clipped_norm": clip_grad_norm(wrapped, float("inf"), meshes).item(),
         "comm_s": timer.take(),
         "tied": cfg.tie_embeddings and wrapped.lm_head.weight is wrapped.tok_emb.weight,
         "params": sorted(params),
     }
     optimizer.step()
     optimizer.zero_grad()
-    with torch.no_grad(), loss_context(True):
-        logits, _ = wrapped(rows[:, :-1])
-        result["loss_after_step"] = dp_mean(local_value(lm_loss(logits, rows[:, 1:])))
+    with torch.no_grad(), loss_context(tp > 1):
+        logits, aux = wrapped(rows[:, :-1])
+        result["loss_after_step"] = dp_mean(local_value(_loss(logits, aux, rows[:, 1:], cfg)))
     return result
 
 
@@ -144,18 +161,18 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any
 
 
 def _reference(layout: dict[str, Any]) -> dict[str, Any]:
-    """The single-process model on the whole batch: loss, gradients, gradient norm, loss after one step."""
+    """The single-process model on the whole batch (the mean of the data-parallel ranks' losses, each with the
+    load-balancing loss of its own tokens): loss, gradients, gradient norm, loss after one clipped step."""
     from training.model import Transformer
 
     cfg = _cfg(layout)
     torch.manual_seed(0)
     model = Transformer(cfg)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-    tokens = _tokens(cfg)
+    shares = _tokens(cfg).chunk(WORLD // layout.get("tp", 2))
 
     def loss_of() -> torch.Tensor:
-        logits, _ = model(tokens[:, :-1])
-        return F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten(0, 1))
+        return torch.stack([_loss(*model(rows[:, :-1]), rows[:, 1:], cfg) for rows in shares]).mean()
 
     loss = loss_of()
     loss.backward()
@@ -163,7 +180,7 @@ def _reference(layout: dict[str, Any]) -> dict[str, Any]:
     result = {
         "loss": loss.item(),
         "grads": {n: params[n].grad.clone() for n in CHECKED if n in params},
-        "grad_norm": torch.nn.utils.get_total_norm([p.grad for p in params.values()]).item(),
+        "grad_norm": torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM).item(),
         "params": sorted(params),
     }
     optimizer.step()
@@ -182,7 +199,9 @@ def test_losses_match_the_single_process_model_before_and_after_an_optimizer_ste
     # The step moved the loss, and by the same amount: the gradients (with their data-parallel mean) agree.
     assert abs(ref["loss_after_step"] - ref["loss"]) > 1e-3
     assert math.isclose(got["loss_after_step"], ref["loss_after_step"], rel_tol=1e-5)
-    assert got["params"] == ref["params"]  # full-model names, so checkpoints map one to one
+    # Full-model names (an EP rank holds some of the experts), so checkpoints map one to one.
+    assert set(got["params"]) <= set(ref["params"])
+    assert LAYOUTS[layout].get("ep", 1) > 1 or got["params"] == ref["params"]
 
 
 @pytest.mark.timeout(300)
@@ -192,7 +211,15 @@ def test_sharded_weights_get_the_single_process_gradients(results: dict[str, dic
     assert set(got["grads"]) == set(ref["grads"])
     for name, grad in got["grads"].items():
         torch.testing.assert_close(grad, ref["grads"][name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_clipping_uses_the_global_gradient_norm(results: dict[str, dict[str, Any]], layout: str) -> None:
+    ref, got = _reference(LAYOUTS[layout]), results[layout]
+    assert ref["grad_norm"] > MAX_NORM
     assert math.isclose(got["grad_norm"], ref["grad_norm"], rel_tol=1e-5)
+    assert math.isclose(got["clipped_norm"], MAX_NORM, rel_tol=1e-4)
 
 
 @pytest.mark.timeout(300)
