@@ -24,7 +24,8 @@ REPO = Path(__file__).resolve().parents[3]
 TOLERANCE = 1e-5
 WORKER_MODULE = "tests.integration.parallel.test_pipeline"
 
-# Layouts on 2 processes (pipeline 2) and on 4 (pipeline 2 x data 2, FSDP2 per chunk over meshes.dp).
+# Layouts on 2 processes (pipeline 2) and on 4 (pipeline 2 x data 2 with FSDP2 per chunk over meshes.dp, or
+# pipeline 2 x tensor 2 through training.parallel.apply_model_parallel, the trainer's parallelize_chunk).
 TWO_RANKS: dict[str, dict[str, Any]] = {
     "1f1b": {"layers": 2, "parallel": {"pipeline_schedule": "1f1b"}},
     "gpipe": {"layers": 2, "parallel": {"pipeline_schedule": "gpipe"}},
@@ -37,6 +38,17 @@ FOUR_RANKS: dict[str, dict[str, Any]] = {
         "layers": 4,
         "fsdp": True,
         "parallel": {"pipeline_schedule": "interleaved-1f1b", "virtual_stages": 2, "sharding": "fsdp"},
+    },
+    "tp2": {"layers": 2, "tp": True, "parallel": {"pipeline_schedule": "1f1b", "tensor_parallel": 2}},
+    "tp2-sp-interleaved": {
+        "layers": 4,
+        "tp": True,
+        "parallel": {
+            "pipeline_schedule": "interleaved-1f1b",
+            "virtual_stages": 2,
+            "tensor_parallel": 2,
+            "sequence_parallel": True,
+        },  # fmt: skip
     },
 }
 
@@ -52,7 +64,7 @@ def _config(layout: dict[str, Any]) -> Any:
                 "n_heads": 4,
                 "n_kv_heads": 2,
                 "ffn_hidden": 48,
-                "vocab_size": 61,
+                "vocab_size": 64 if layout.get("tp") else 61,
                 "seq_len": 16,
             },  # fmt: skip
             "parallel": {"micro_batch": 2, "grad_accum_steps": 2, "pipeline_parallel": 2, **layout["parallel"]},
@@ -88,6 +100,7 @@ def _run_layout(name: str, layout: dict[str, Any]) -> dict[str, Any]:
 
     from training.mesh import ParallelDims  # noqa: PLC0415
     from training.model import Transformer  # noqa: PLC0415
+    from training.parallel import apply_model_parallel  # noqa: PLC0415
     from training.pipeline import build_pipeline  # noqa: PLC0415
     from training.tensor_parallel import lm_loss  # noqa: PLC0415
 
@@ -128,7 +141,11 @@ def _run_layout(name: str, layout: dict[str, Any]) -> dict[str, Any]:
             fully_shard(block, mesh=meshes.dp)
         return fully_shard(chunk, mesh=meshes.dp)
 
-    pipe = build_pipeline(model, cfg, meshes, torch.device("cpu"), shard_chunk if layout.get("fsdp") else lambda c: c)
+    def model_parallel(chunk: torch.nn.Module) -> torch.nn.Module:
+        return apply_model_parallel(chunk, cfg.parallel, meshes, None)
+
+    parallelize = shard_chunk if layout.get("fsdp") else model_parallel if layout.get("tp") else lambda c: c
+    pipe = build_pipeline(model, cfg, meshes, torch.device("cpu"), parallelize)
     opt = torch.optim.AdamW(pipe.model.parameters(), lr=cfg.optim.lr_peak)
     got: dict[str, Any] = {"step1": pipe.train_step(mine(batches[0]))}
     worst = 0.0
@@ -231,12 +248,12 @@ def _spawn(world: int, layouts: list[str], out_dir: Path, timeout_s: float) -> l
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    return _spawn(2, list(TWO_RANKS), tmp_path_factory.mktemp("pp2"), timeout_s=240)
+    return _spawn(2, list(TWO_RANKS), tmp_path_factory.mktemp("pp2"), timeout_s=300)
 
 
 @pytest.fixture(scope="module")
 def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    return _spawn(4, list(FOUR_RANKS), tmp_path_factory.mktemp("pp2dp2"), timeout_s=300)
+    return _spawn(4, list(FOUR_RANKS), tmp_path_factory.mktemp("pp2dp2"), timeout_s=420)
 
 
 def _rel(a: float, b: float) -> float:
@@ -247,7 +264,11 @@ def _check_against_reference(ranks: list[dict[str, Any]], name: str) -> None:
     results = [r[name] for r in ranks]
     last = [r for r in results if r["holds_last"]]
     assert last and all(r["pipeline"]["step1"] is None for r in results if not r["holds_last"])
-    assert len({r["dp_rank"] for r in last}) == len(last)  # one loss owner per data-parallel rank
+    # The tensor-parallel peers of one data-parallel rank on the last stage report the same loss.
+    owners = {r["dp_rank"]: r for r in last}
+    for r in last:
+        assert r["pipeline"] == owners[r["dp_rank"]]["pipeline"], (name, r["pipeline"])
+    last = list(owners.values())
     reference = last[0]["reference"]
     for key in ("step1", "eval", "step2"):
         # The data-parallel ranks' losses are means over equal shares: their mean is the global batch's mean.
@@ -257,22 +278,22 @@ def _check_against_reference(ranks: list[dict[str, Any]], name: str) -> None:
         assert r["grad_rel_dev"] < TOLERANCE, (name, r["grad_rel_dev"])
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(360)
 @pytest.mark.parametrize("layout", list(TWO_RANKS))
 def test_two_stage_pipeline_matches_the_single_process_model(two_ranks: list[dict[str, Any]], layout: str) -> None:
     _check_against_reference(two_ranks, layout)
 
 
-@pytest.mark.timeout(360)
+@pytest.mark.timeout(480)
 @pytest.mark.parametrize("layout", list(FOUR_RANKS))
-def test_pipeline_with_fsdp_data_parallel_matches_the_single_process_model(
+def test_pipeline_with_data_or_tensor_parallel_matches_the_single_process_model(
     four_ranks: list[dict[str, Any]], layout: str
 ) -> None:
     _check_against_reference(four_ranks, layout)
 
 
-@pytest.mark.timeout(360)
-@pytest.mark.parametrize("layout", list(FOUR_RANKS))
+@pytest.mark.timeout(480)
+@pytest.mark.parametrize("layout", [name for name, layout in FOUR_RANKS.items() if layout.get("fsdp")])
 def test_fsdp_reduce_scatters_once_per_step_not_per_microbatch(four_ranks: list[dict[str, Any]], layout: str) -> None:
     for r in four_ranks:
         result = r[layout]
@@ -280,7 +301,7 @@ def test_fsdp_reduce_scatters_once_per_step_not_per_microbatch(four_ranks: list[
         assert result["reduce_scatters"] == result["fsdp_groups"] > 0, (layout, result["reduce_scatters"])
 
 
-@pytest.mark.timeout(360)
+@pytest.mark.timeout(780)
 def test_the_stage_models_together_hold_the_full_model_under_its_names(
     two_ranks: list[dict[str, Any]], four_ranks: list[dict[str, Any]]
 ) -> None:
@@ -295,7 +316,7 @@ def test_the_stage_models_together_hold_the_full_model_under_its_names(
             assert not stage0 & stage1, (name, sorted(stage0 & stage1))
 
 
-@pytest.mark.timeout(360)
+@pytest.mark.timeout(780)
 def test_state_dict_round_trip_restores_parameters_and_optimizer_state(
     two_ranks: list[dict[str, Any]], four_ranks: list[dict[str, Any]]
 ) -> None:
