@@ -74,7 +74,7 @@ class Pipeline:
     def eval_loss(self, tokens: torch.Tensor) -> torch.Tensor | None:
         """Forward only (dropout off) of (B, T + 1) tokens; their mean loss on the last chunk's ranks, else None."""
         # The schedule splits into exactly n_microbatches: a batch that does not divide is repeated k times,
-        # which leaves the mean over its sequences unchanged (the eval batch is small; k < n_microbatches).
+        # which leaves the mean over its sequences unchanged (k <= n_microbatches, on a small eval batch).
         repeat = self.n_microbatches // math.gcd(tokens.shape[0], self.n_microbatches)
         if repeat > 1:
             tokens = tokens.repeat(repeat, 1)
