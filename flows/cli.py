@@ -335,7 +335,10 @@ def plan(
         help="Folder for plan.json; default capacity.output_url (deployment_dir unless set).",
     ),
     self_check: bool = typer.Option(
-        False, "--self-check", help="Also measure one training step of the model on this machine and compare."
+        False,
+        "--self-check",
+        help="Also measure one training step of the model on this machine and compare; a tensor/pipeline/expert "
+        "layout also runs a tiny model in its shape on up to 4 gloo processes and compares its traffic.",
     ),
     emit_parallel: bool = typer.Option(
         False,
@@ -355,6 +358,11 @@ def plan(
         from tasks.capacity.measure import run_self_check  # imports torch: only when asked
 
         result.self_check = [run_self_check(parsed.model, parsed.parallel, parsed.precision, parsed.cluster)]
+        if parsed.parallel.model_parallel:  # the layout's traffic too, from a tiny model in its shape on gloo
+            from tasks.capacity.parallel_check import run_parallel_self_check
+
+            checked = run_parallel_self_check(parsed.model, parsed.parallel, parsed.precision, parsed.cluster)
+            result.self_check.append(checked)
     url = write_plan(result, out)
     if emit_parallel:
         if result.chosen() is None:

@@ -3,6 +3,8 @@
 Ranks are placed tensor-parallel first (within a node), then data-parallel, then pipeline stages; a group whose
 ranks span more than one node runs at the inter-node bandwidth. Collective volumes are the ring algorithms':
 an all-reduce sends 2(n-1)/n of the buffer, an all-gather or reduce-scatter (n-1)/n, an all-to-all (n-1)/n.
+Bytes are the busiest rank's, counted the way the payload communicates (checked against the trainer by
+benchmarks/parallel_comm.py, which counts its collectives).
 """
 
 from __future__ import annotations
@@ -58,39 +60,67 @@ def communication(
     lo = layout
     m, tp, dp, pp = lo.grad_accum, lo.tp, lo.dp, lo.pp
     tokens = lo.micro_batch * arch.seq_len
-    params_rank = (pc.total - pc.experts) / (tp * pp) + pc.experts / (tp * pp * lo.ep)
+    dense = (pc.total - pc.experts) / (tp * pp)
+    experts = pc.experts / (tp * pp * lo.ep)
+    params_rank = dense + experts
     sent: dict[str, float] = {}
     secs: dict[str, float] = {}
 
-    # Data parallel: gradients once per step (the payload skips the sync on all but the last micro-batch);
-    # ZeRO-3/FSDP also gathers the weights for the forward and again for the backward of every micro-batch.
+    # Data parallel: gradients once per step (the payload skips the sync on all but the last micro-batch).
+    # ZeRO-3/FSDP2 also gathers the weights: a block's for the forward and again for the backward of every
+    # micro-batch; the root's (embedding, final norm, output layer) once per micro-batch, as FSDP2 keeps the root
+    # gathered from its forward into its backward; under pipelining once per step (the schedule keeps the gathered
+    # weights over the microbatches and reduce-scatters after the last). With expert parallelism the experts are
+    # sharded (FSDP2) over the dp/ep ranks that hold the same experts, whatever the sharding of the rest.
     shard = lo.shard if lo.zero else 1
     replicas = dp // shard if lo.zero else dp
-    grads = params_rank * precision.grad_bytes
-    weights = params_rank * precision.weight_bytes
+    sharded_experts = lo.ep > 1 and arch.is_moe
+    if not sharded_experts:
+        dense, experts = params_rank, 0.0
+    block_gathers, root_gathers = (1, 1) if pp > 1 else (2 * m, m)
+    root = (pc.embedding + pc.positions + pc.final_norm + pc.head) / tp if pp == 1 else 0.0
     if lo.zero >= 3:
-        shard_bytes = 2 * m * weights * _ring(shard, "all-gather") + grads * _ring(shard, "reduce-scatter")
-        replica_bytes = grads / shard * _ring(replicas, "all-reduce")
+        gathered = block_gathers * dense - (block_gathers - root_gathers) * root
+        shard_bytes = gathered * precision.weight_bytes * _ring(shard, "all-gather")
+        shard_bytes += dense * precision.grad_bytes * _ring(shard, "reduce-scatter")
+        replica_bytes = dense * precision.grad_bytes / shard * _ring(replicas, "all-reduce")
     else:
-        shard_bytes = grads * _ring(dp, "all-reduce")
+        shard_bytes = dense * precision.grad_bytes * _ring(dp, "all-reduce")
         replica_bytes = 0.0
-    sent["data_parallel"] = shard_bytes + replica_bytes
+    expert_group = dp // lo.ep if sharded_experts else 1
+    expert_bytes = block_gathers * experts * precision.weight_bytes * _ring(expert_group, "all-gather")
+    expert_bytes += experts * precision.grad_bytes * _ring(expert_group, "reduce-scatter")
+    sent["data_parallel"] = shard_bytes + replica_bytes + expert_bytes
     dp_span = tp * (shard if lo.zero >= 3 else dp)
-    secs["data_parallel"] = shard_bytes / _bandwidth(acc, dp_span, gpus_per_node) + replica_bytes / _bandwidth(
-        acc, tp * dp, gpus_per_node
+    secs["data_parallel"] = (
+        shard_bytes / _bandwidth(acc, dp_span, gpus_per_node)
+        + replica_bytes / _bandwidth(acc, tp * dp, gpus_per_node)
+        + expert_bytes / _bandwidth(acc, tp * dp, gpus_per_node)
     )
 
-    # Tensor parallel: two all-reduces (or all-gather + reduce-scatter with SP) per block in forward, two in
-    # backward, two more when the forward is recomputed.
+    # Tensor parallel, per block and micro-batch, in all-reduces of the hidden states: without sequence
+    # parallelism two in forward (after the row-wise output and down projections) and in backward one per
+    # column-wise projection, each all-reducing its own input gradient (wq, wk, wv; w1 and the SwiGLU gate w3);
+    # with it an all-gather and a reduce-scatter per region and direction (two all-reduces' bytes each way).
+    # A full recompute repeats the forward's. Per micro-batch the vocabulary-parallel embedding (forward) and the
+    # output layer's input gradient (backward) add one each, on the stages that hold them.
     per_block = tokens * arch.d_model * precision.act_bytes
-    passes = 6 if lo.recompute == "full" else 4
-    tp_bytes = m * arch.n_layers / pp * passes * per_block * _ring(tp, "all-reduce")
+    if lo.sequence_parallel:
+        block_reduces = 4 + (2 if lo.recompute == "full" else 0)
+    else:
+        block_reduces = 2 + 3 + (2 if arch.mlp == "swiglu" else 1) + (2 if lo.recompute == "full" else 0)
+    ends = 2 if pp == 1 else 1
+    tp_bytes = m * (arch.n_layers / pp * block_reduces + ends) * per_block * _ring(tp, "all-reduce")
     sent["tensor_parallel"] = tp_bytes
     secs["tensor_parallel"] = tp_bytes / _bandwidth(acc, tp, gpus_per_node)
 
-    # Pipeline: each micro-batch's activations forward and their gradients backward across a stage boundary.
+    # Pipeline: each micro-batch's activations forward and their gradients backward across every chunk boundary
+    # (1/TP of them under sequence parallelism). The busiest rank is a middle stage, which sends both for each
+    # of its chunks; with two stages every rank holds the first or the last chunk, which sends one.
     boundary = tokens * arch.d_model * precision.act_bytes / (tp if lo.sequence_parallel else 1)
-    pp_bytes = 2 * m * boundary if pp > 1 else 0.0
+    chunks = lo.virtual_stages if lo.pp_schedule == "interleaved" else 1
+    sends = 2 * chunks - (1 if pp == 2 else 0)
+    pp_bytes = sends * m * boundary if pp > 1 else 0.0
     sent["pipeline_parallel"] = pp_bytes
     secs["pipeline_parallel"] = pp_bytes / _bandwidth(acc, tp * dp * 2, gpus_per_node) if pp > 1 else 0.0
 
@@ -98,7 +128,8 @@ def communication(
     ep_bytes = 0.0
     if arch.is_moe and lo.ep > 1:
         routed = tokens * arch.top_k * arch.d_model * precision.act_bytes
-        ep_bytes = m * arch.n_layers / pp * (passes // 2) * 2 * routed * _ring(lo.ep, "all-to-all")
+        passes = 3 if lo.recompute == "full" else 2  # forward, backward, and the recomputed forward
+        ep_bytes = m * arch.n_layers / pp * passes * 2 * routed * _ring(lo.ep, "all-to-all")
     sent["expert_parallel"] = ep_bytes
     secs["expert_parallel"] = ep_bytes / _bandwidth(acc, tp * lo.ep, gpus_per_node) if ep_bytes else 0.0
 

@@ -114,7 +114,21 @@ def markdown_report(plan: CapacityPlan) -> str:
 
 
 def format_self_check(check: dict[str, Any]) -> str:
-    """One line per component of a self-check (see measure.Comparison.as_dict)."""
+    """One line per component of a self-check (see measure.Comparison.as_dict), or per mesh dimension of a
+    traffic self-check (parallel_check.run_parallel_self_check)."""
+    if check.get("kind") == "traffic":
+        lines = [
+            f"self-check {check['label']} on {check['device']}: parameters per rank measured "
+            f"{check['measured_param_bytes'] / 1e6:.3f} MB, predicted {check['predicted_param_bytes'] / 1e6:.3f} MB; "
+            f"{check['tokens_per_s']:.0f} tokens/s"
+        ]
+        for dim, row in check["dims"].items():
+            ratio = f"{row['ratio']:.3f}" if row["ratio"] is not None else "n/a"
+            lines.append(
+                f"  {dim:3s} measured {row['measured_bytes_per_step'] / 1e6:.4f} MB/step  predicted "
+                f"{row['predicted_bytes_per_step'] / 1e6:.4f} MB/step  ratio {ratio}"
+            )
+        return "\n".join(lines)
     predicted, measured = check["predicted_bytes"], check["measured_bytes"]
     lines = [
         f"self-check {check['label']} on {check['device']}: predicted {gib(check['predicted_peak_bytes'])} GiB, "

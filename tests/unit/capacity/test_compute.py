@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from tasks.capacity.catalogue import CATALOGUE
@@ -49,13 +51,18 @@ def test_data_parallel_traffic_of_ddp_is_twice_the_gradients_and_warns_when_it_d
     assert comm.warnings and "communication would dominate" in comm.warnings[0]
 
 
-def test_tensor_parallel_traffic_is_four_all_reduces_per_block_and_pipeline_adds_a_bubble() -> None:
+def test_tensor_parallel_traffic_counts_the_payloads_all_reduces_and_pipeline_adds_a_bubble() -> None:
     arch = PRESETS["llama-2-7b"]
     pc = count_params(arch)
     precision = Precision.of("bf16", "master-weights")
     lo = Layout(dp=1, tp=8, micro_batch=1, grad_accum=4)
     comm = communication(arch, pc, precision, lo, CATALOGUE["h100-sxm"], 8, compute_seconds=1.0)
     per_block = arch.seq_len * arch.d_model * 2
-    assert comm.bytes["tensor_parallel"] == pytest.approx(4 * 4 * arch.n_layers * per_block * 2 * 7 / 8)
+    # Per block 2 forward + 5 backward (wq, wk, wv, w1, w3 each all-reduce their input gradient); embedding and
+    # output layer one each: what benchmarks/parallel_comm.py counts in the trainer.
+    reduces = 7 * arch.n_layers + 2
+    assert comm.bytes["tensor_parallel"] == pytest.approx(4 * reduces * per_block * 2 * 7 / 8)
+    sp = communication(arch, pc, precision, replace(lo, sequence_parallel=True), CATALOGUE["h100-sxm"], 8, 1.0)
+    assert sp.bytes["tensor_parallel"] == pytest.approx(4 * (4 * arch.n_layers + 2) * per_block * 2 * 7 / 8)
     piped = communication(arch, pc, precision, Layout(dp=1, pp=4, grad_accum=8), CATALOGUE["h100-sxm"], 8, 1.0)
     assert piped.bubble_seconds == pytest.approx(3 / 8)

@@ -1,0 +1,139 @@
+"""Bytes per mesh dimension per step, measured in the real trainer against the capacity planner's prediction.
+
+For TP2xDP2, TP2xDP2+SP, PP2xDP2 (1F1B), TP2xPP2, FSDP2xTP2 on 4 gloo processes and EP2 (4-expert MoE) on 2,
+the trainer (training/train.py under torchrun, run.json from a spec) runs a few steps of a tiny model with
+tasks/capacity/traffic.py's counter on two of them. Per layout and dimension (dp, tp, pp, ep) it prints the bytes
+the busiest rank sends per step (ring-equivalent, see traffic.py), the planner's bytes per GPU per step for the
+same spec (tasks/capacity/comm.py) and their ratio; then tokens/s of each layout beside DDP on the same world size,
+measured in the same run (CPU figures, for the record only). Every layout keeps the global batch at 16 sequences.
+
+Usage: python benchmarks/parallel_comm.py [--steps 6] [--only tp2xdp2,ep2] [--work DIR]
+(--work DIR again after changing the planner reprints the tables without measuring again.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from tasks.capacity.plan import plan_capacity
+from tasks.capacity.traffic import DIMS, PLANNER_KEYS, RankTraffic, Traffic, measure
+from tasks.deployment import plan_inputs
+from tasks.prepare.config import PrepareConfig
+from tasks.prepare.pipeline import prepare_dataset
+from tasks.spec import DeploymentSpec, parse_spec
+from training.storage import StorageConfig
+
+DENSE = {"n_layers": 4, "d_model": 64, "n_heads": 4, "n_kv_heads": 2, "ffn_hidden": 128, "vocab_size": 258,
+         "seq_len": 32}  # fmt: skip
+MOE = DENSE | {"n_layers": 2, "moe": {"n_experts": 4, "top_k": 2}}
+# name: (model, parallel, processes, the DDP layout it is compared with); global batch 16 sequences everywhere.
+LAYOUTS: dict[str, tuple[dict[str, Any], dict[str, Any], int, str]] = {
+    "ddp4": (DENSE, {"micro_batch": 4, "grad_accum_steps": 1}, 4, "ddp4"),
+    "tp2xdp2": (DENSE, {"tensor_parallel": 2, "micro_batch": 4, "grad_accum_steps": 2}, 4, "ddp4"),
+    "tp2xdp2+sp": (DENSE, {"tensor_parallel": 2, "sequence_parallel": True, "micro_batch": 4,
+                           "grad_accum_steps": 2}, 4, "ddp4"),
+    "pp2xdp2-1f1b": (DENSE, {"pipeline_parallel": 2, "micro_batch": 4, "grad_accum_steps": 2}, 4, "ddp4"),
+    "tp2xpp2": (DENSE, {"tensor_parallel": 2, "pipeline_parallel": 2, "micro_batch": 4, "grad_accum_steps": 4}, 4,
+                "ddp4"),
+    "fsdp2xtp2": (DENSE, {"sharding": "fsdp", "tensor_parallel": 2, "micro_batch": 4, "grad_accum_steps": 2}, 4,
+                  "ddp4"),
+    "ddp2-moe": (MOE, {"micro_batch": 4, "grad_accum_steps": 2}, 2, "ddp2-moe"),
+    "ep2": (MOE, {"expert_parallel": 2, "micro_batch": 4, "grad_accum_steps": 2}, 2, "ddp2-moe"),
+}  # fmt: skip
+
+
+def spec_for(work: Path, dataset: str, name: str, steps: int) -> DeploymentSpec:
+    """The layout's spec: one node of `procs` CPU processes, fp32, no checkpoints."""
+    model, parallel, procs, _ = LAYOUTS[name]
+    return parse_spec(
+        {
+            "name": f"comm-{name.replace('+', '-')}",
+            "cluster": {"scheduler": "local", "nodes": 1, "procs_per_node": procs, "accelerator": "cpu"},
+            "model": model,
+            "parallel": parallel,
+            "precision": {"dtype": "fp32"},
+            "optim": {"lr_peak": 1e-3, "warmup_steps": 1},
+            "data": {"dataset_url": dataset},
+            "checkpoint": {"url": str(work / name / "ckpt"), "save_every_steps": None, "save_at_end": False},
+            "run": {
+                "steps": steps,
+                "output_url": str(work / name / "out"),
+                "eval_batches": 1,
+                "log_every_steps": 100,
+                "threads_per_rank": 1,
+            },
+        }  # fmt: skip
+    )
+
+
+def run_layout(work: Path, dataset: str, name: str, steps: int) -> tuple[Traffic, dict[str, float]]:
+    """Measure the layout in the trainer; the planner's bytes per dimension for the same spec."""
+    spec = spec_for(work, dataset, name, steps)
+    config = work / name / "run.json"
+    config.parent.mkdir(parents=True, exist_ok=True)
+    spec.training_config().to_json_file(config)
+    folder, procs = work / name / "traffic", spec.cluster.procs_per_node
+    if (folder / f"rank{procs - 1}.json").exists():  # --work of an earlier run: its measurement, today's planner
+        traffic = Traffic([RankTraffic(**json.loads((folder / f"rank{r}.json").read_text())) for r in range(procs)])
+    else:
+        traffic = measure(config, procs, folder, (2, 4), timeout_s=900)
+    predicted = plan_capacity(*plan_inputs(spec)).requested.comm.bytes
+    return traffic, {dim: predicted[PLANNER_KEYS[dim]] for dim in DIMS}
+
+
+def _fmt(nbytes: float) -> str:
+    return f"{nbytes / 1e6:9.3f}" if nbytes else f"{'-':>9}"
+
+
+def main() -> None:
+    """Run every layout and print the two tables."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--steps", type=int, default=6, help="training steps per layout (2 and 3 are counted)")
+    parser.add_argument("--only", default="", help="comma-separated layout names (default: all)")
+    parser.add_argument("--work", default=None, help="work folder; layouts measured there before are reused")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.ERROR)
+    names = [n for n in LAYOUTS if not args.only or n in args.only.split(",")]
+    work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="tdeploy-comm-"))
+    data = PrepareConfig(
+        output_url=str(work / "data"), builtin_corpus="python-docs", builtin_max_bytes=300_000,
+        tokenizer={"kind": "bytes"}, workers=1,
+    )  # fmt: skip
+    dataset = prepare_dataset(data, StorageConfig(), validate=False).dataset_url
+    results: dict[str, tuple[Traffic, dict[str, float]]] = {}
+    for name in names:
+        results[name] = run_layout(work, dataset, name, args.steps)
+    print("MB sent per step by the busiest rank (ring-equivalent) vs the planner's MB per GPU per step")
+    print(f"{'layout':>14} {'dim':>3} {'measured':>9} {'mean':>9} {'planner':>9} {'ratio':>6}  collectives per step")
+    for name, (traffic, predicted) in results.items():
+        for dim in DIMS:
+            measured, mean = traffic.sent(dim), traffic.sent(dim, "mean")
+            if not measured and not predicted[dim]:
+                continue
+            ratio = f"{measured / predicted[dim]:6.3f}" if predicted[dim] else f"{'inf':>6}"
+            ops = ", ".join(
+                f"{op.split(':', 1)[1]} {n:g}" for op, n in sorted(traffic.ranks[0].ops_per_step.items())
+                if op.startswith(f"{dim}:")
+            )  # fmt: skip
+            print(f"{name:>14} {dim:>3} {_fmt(measured)} {_fmt(mean)} {_fmt(predicted[dim])} {ratio}  {ops}")
+        other = max(r.sent_per_step.get("other", 0.0) for r in traffic.ranks)
+        if other:
+            print(f"{name:>14} {'oth':>3} {_fmt(other)}   (groups outside the mesh: world-wide checks)")
+    print()
+    print(f"{'layout':>14} {'procs':>5} {'tokens/s':>9} {'vs DDP':>7}")
+    for name, (traffic, _) in results.items():
+        tps = traffic.tokens_per_s(skip=2)
+        baseline = LAYOUTS[name][3]
+        ref = results[baseline][0].tokens_per_s(skip=2) if baseline in results else None
+        vs = f"{tps / ref:7.2f}" if ref else f"{'-':>7}"
+        print(f"{name:>14} {LAYOUTS[name][2]:>5} {tps:9.0f} {vs}")
+    print(f"work folder {work}")
+
+
+if __name__ == "__main__":
+    main()
