@@ -51,5 +51,9 @@ def clip_grad_norm(model: nn.Module, max_norm: float, meshes: Meshes) -> torch.T
         dist.all_reduce(squared, group=meshes.pp.get_group())
     total = squared.sqrt()
     if named and max_norm != float("inf"):
-        torch.nn.utils.clip_grads_with_norm_([p for _, p in named], max_norm, total)
+        by_mesh: dict[object, list[torch.Tensor]] = defaultdict(list)  # foreach ops stay within one mesh
+        for _, p in named:
+            by_mesh[getattr(p, "device_mesh", None)].append(p)
+        for params in by_mesh.values():
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
     return total

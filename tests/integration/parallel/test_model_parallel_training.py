@@ -67,6 +67,7 @@ def _spec(root: Path, dataset: str, model: dict[str, Any], parallel: dict[str, A
 
 
 def _reference(spec: DeploymentSpec, root: Path) -> RunOutcome:
+    """The independent single-process reference of `spec`'s job (its data-parallel global batch)."""
     plan = correctness_plan(spec.cluster, spec.training_config(), root, STEPS, REFERENCE_STEPS)
     outcome = Job(plan.reference_cluster, plan.reference, "reference", None, None).wait(600)
     assert outcome.ok, outcome.status.describe()
@@ -74,34 +75,29 @@ def _reference(spec: DeploymentSpec, root: Path) -> RunOutcome:
 
 
 @pytest.fixture(scope="module")
-def references(tiny_dataset: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, RunOutcome]:
-    """One reference per model (the dense 4-layer, the 3-layer and the MoE), run lazily."""
-    cache: dict[str, RunOutcome] = {}
-
-    class Lazy(dict):
-        def __missing__(self, key: str) -> RunOutcome:
-            model = {"dense": DENSE, "uneven": UNEVEN, "moe": MOE}[key]
-            spec = _spec(tmp_path_factory.mktemp(f"ref-{key}"), tiny_dataset, model,
-                         {"micro_batch": 4, "grad_accum_steps": 2}, procs=1)  # fmt: skip
-            cache[key] = _reference(spec, tmp_path_factory.mktemp(f"ref-{key}-run"))
-            return cache[key]
-
-    return Lazy()
+def references() -> dict[Any, RunOutcome]:
+    """References run once per model: the correctness plan of the first layout that needs one (the reference's
+    global batch is the layout's; a MoE reference also balances load per micro-batch, so it keys on that)."""
+    return {}
 
 
-def _model_key(model: dict[str, Any]) -> str:
-    return "moe" if "moe" in model else "uneven" if model["n_layers"] == 3 else "dense"
+def _reference_for(spec: DeploymentSpec, cache: dict[Any, RunOutcome], root: Path) -> RunOutcome:
+    model = spec.model
+    key = (model.n_layers, model.moe is not None, spec.parallel.micro_batch if model.moe else None)
+    if key not in cache:
+        cache[key] = _reference(spec, root)
+    return cache[key]
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_each_layout_matches_the_single_process_reference(
-    layout: str, references: dict[str, RunOutcome], tiny_dataset: str, tmp_path: Path
+    layout: str, references: dict[Any, RunOutcome], tiny_dataset: str, tmp_path: Path
 ) -> None:
     model, parallel = LAYOUTS[layout]
     spec = _spec(tmp_path, tiny_dataset, model, parallel, procs=PROCS.get(layout, 4))
     plan = correctness_plan(spec.cluster, spec.training_config(), tmp_path / "pair", STEPS, REFERENCE_STEPS)
     assert plan.distributed is None  # fp32 without dropout: the run itself is the distributed side
-    ref = references[_model_key(model)]
+    ref = _reference_for(spec, references, tmp_path / "reference")
     assert ref.metrics()[1]["loss"] > 0
     job = run_local(spec.cluster, spec.training_config().model_copy(
         update={"run": spec.run.model_copy(update={"stop_after_steps": REFERENCE_STEPS})}))  # fmt: skip
@@ -111,7 +107,7 @@ def test_each_layout_matches_the_single_process_reference(
     dp = data_parallel_degree(spec.parallel, spec.cluster.world_size)
     assert {r["mesh"]["dims"]["dp"] for r in ranks} == {dp}
     result = check_correctness(out.metrics(0), ref.metrics(), TOLERANCE)
-    assert result.passed, result.findings
+    assert result.passed, (result.message, result.measured, result.evidence)
     worst = max(abs(out.metrics(0)[s]["loss"] - ref.metrics()[s]["loss"]) / ref.metrics()[s]["loss"]
                 for s in range(1, REFERENCE_STEPS + 1))  # fmt: skip
     assert worst < TOLERANCE, worst
