@@ -106,9 +106,12 @@ def test_deployments_run_through_a_worker_with_schedule_artifacts_and_ui(
     assert "0 2 * * *" in schedules.stdout, schedules.stdout
 
     worker_log = open(tmp_path / "worker.log", "wb")  # noqa: SIM115
+    # The worker asks for scheduled runs every 10 s by default; the run is created while it starts, so a 1 s
+    # interval picks it up without waiting out the rest of the first interval.
     worker = subprocess.Popen(
         [PREFECT, "worker", "start", "--pool", "tdeploy-local"],
-        env=env, cwd=REPO, stdout=worker_log, stderr=subprocess.STDOUT, start_new_session=True,
+        env={**env, "PREFECT_WORKER_QUERY_SECONDS": "1"}, cwd=REPO, stdout=worker_log, stderr=subprocess.STDOUT,
+        start_new_session=True,
     )  # fmt: skip
     try:
         ran = _prefect(
