@@ -67,28 +67,25 @@ def communication(
     secs: dict[str, float] = {}
 
     # Data parallel: gradients once per step (the payload skips the sync on all but the last micro-batch).
-    # ZeRO-3/FSDP2 also gathers the weights: a block's for the forward and again for the backward of every
-    # micro-batch; the root's (embedding, final norm, output layer) once per micro-batch, as FSDP2 keeps the root
-    # gathered from its forward into its backward; under pipelining once per step (the schedule keeps the gathered
-    # weights over the microbatches and reduce-scatters after the last). With expert parallelism the experts are
+    # ZeRO-3/FSDP2 also gathers the weights, every unit's (blocks and the root) for the forward and again for the
+    # backward of every micro-batch; under pipelining once per step (the schedule keeps the gathered weights over
+    # the microbatches and reduce-scatters after the last). With expert parallelism the experts are
     # sharded (FSDP2) over the dp/ep ranks that hold the same experts, whatever the sharding of the rest.
     shard = lo.shard if lo.zero else 1
     replicas = dp // shard if lo.zero else dp
     sharded_experts = lo.ep > 1 and arch.is_moe
     if not sharded_experts:
         dense, experts = params_rank, 0.0
-    block_gathers, root_gathers = (1, 1) if pp > 1 else (2 * m, m)
-    root = (pc.embedding + pc.positions + pc.final_norm + pc.head) / tp if pp == 1 else 0.0
+    gathers = 1 if pp > 1 else 2 * m
     if lo.zero >= 3:
-        gathered = block_gathers * dense - (block_gathers - root_gathers) * root
-        shard_bytes = gathered * precision.weight_bytes * _ring(shard, "all-gather")
+        shard_bytes = gathers * dense * precision.weight_bytes * _ring(shard, "all-gather")
         shard_bytes += dense * precision.grad_bytes * _ring(shard, "reduce-scatter")
         replica_bytes = dense * precision.grad_bytes / shard * _ring(replicas, "all-reduce")
     else:
         shard_bytes = dense * precision.grad_bytes * _ring(dp, "all-reduce")
         replica_bytes = 0.0
     expert_group = dp // lo.ep if sharded_experts else 1
-    expert_bytes = block_gathers * experts * precision.weight_bytes * _ring(expert_group, "all-gather")
+    expert_bytes = gathers * experts * precision.weight_bytes * _ring(expert_group, "all-gather")
     expert_bytes += experts * precision.grad_bytes * _ring(expert_group, "reduce-scatter")
     sent["data_parallel"] = shard_bytes + replica_bytes + expert_bytes
     dp_span = tp * (shard if lo.zero >= 3 else dp)

@@ -98,11 +98,21 @@ def ring_bytes(op: str, args: tuple[Any, ...], group_size: int, group_rank: int)
     return 0.0, 0.0  # recv, barrier, wait_tensor, ...: nothing sent
 
 
+def _label(dims: tuple[str, ...], op: str) -> str:
+    """The dimension a collective serves when its group serves several (a mesh dimension spanning the same ranks
+    as another reuses its group, e.g. ep and dp on two processes): all-to-alls are expert dispatch."""
+    if len(dims) == 1:
+        return dims[0]
+    if "ep" in dims and op in ("alltoall_base_", "alltoall_", "all_to_all_single"):
+        return "ep"
+    return next(d for d in ("dp", "tp", "pp", "cp", *dims) if d in dims)
+
+
 @dataclass
 class TrafficCounter(TorchDispatchMode):
     """Bytes sent per mesh dimension (see the module docstring) while active; `labels` maps group names."""
 
-    labels: dict[str, str] = field(default_factory=dict)
+    labels: dict[str, tuple[str, ...]] = field(default_factory=dict)
     sent: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     buffers: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
@@ -117,7 +127,7 @@ class TrafficCounter(TorchDispatchMode):
             op = func._overloadpacket.__name__  # noqa: SLF001 - the op's name
             group = _group_of(tuple(args))
             if group is not None and op not in ("wait_tensor", "_wrap_tensor_autograd", "recv_", "recv"):
-                label = self.labels.get(group.group_name, "other")
+                label = _label(self.labels.get(group.group_name, ("other",)), op)
                 rank = group.rank()
                 sent, buf = ring_bytes(op, tuple(args), group.size(), rank)
                 self.sent[label] += sent
@@ -132,19 +142,21 @@ class TrafficCounter(TorchDispatchMode):
             table.clear()
 
 
-def group_labels(meshes: Any) -> dict[str, str]:
-    """Group name -> dimension (dp, tp, pp, ep, cp) for every dimension of the trainer's meshes (None: pure data
-    parallel, where every group is the data-parallel one)."""
+def group_labels(meshes: Any) -> dict[str, tuple[str, ...]]:
+    """Group name -> the dimensions (dp, tp, pp, ep, cp) it serves, for every dimension of the trainer's meshes
+    (None: pure data parallel, where every group is the data-parallel one)."""
     if meshes is None:
-        return {dist.group.WORLD.group_name: "dp"}
-    labels: dict[str, str] = {}
+        return {dist.group.WORLD.group_name: ("dp",)}
+    labels: dict[str, set[str]] = defaultdict(set)
     for mesh in (meshes.world, meshes.experts):
         if mesh is None:
             continue
         for name in mesh.mesh_dim_names:
-            labels[mesh.get_group(name).group_name] = _MESH_DIM_LABELS[name]
-    labels[meshes.dp_flat.get_group().group_name] = "dp"
-    return labels
+            if mesh.size(mesh.mesh_dim_names.index(name)) > 1:
+                labels[mesh.get_group(name).group_name].add(_MESH_DIM_LABELS[name])
+    if meshes.dims.dp > 1:
+        labels[meshes.dp_flat.get_group().group_name].add("dp")
+    return {name: tuple(sorted(dims)) for name, dims in labels.items()}
 
 
 @dataclass

@@ -66,3 +66,26 @@ def test_tensor_parallel_traffic_counts_the_payloads_all_reduces_and_pipeline_ad
     assert sp.bytes["tensor_parallel"] == pytest.approx(4 * (4 * arch.n_layers + 2) * per_block * 2 * 7 / 8)
     piped = communication(arch, pc, precision, Layout(dp=1, pp=4, grad_accum=8), CATALOGUE["h100-sxm"], 8, 1.0)
     assert piped.bubble_seconds == pytest.approx(3 / 8)
+
+
+def test_pipeline_bytes_are_the_busiest_ranks_and_experts_sync_over_the_ranks_that_share_them() -> None:
+    arch = PRESETS["llama-2-7b"]
+    pc = count_params(arch)
+    precision = Precision.of("bf16", "master-weights")
+    acc = CATALOGUE["h100-sxm"]
+    boundary = arch.seq_len * arch.d_model * 2
+
+    def pp_bytes(lo: Layout) -> float:
+        return communication(arch, pc, precision, lo, acc, 8, 1.0).bytes["pipeline_parallel"]
+
+    # Two stages: each rank sends one direction (activations or gradients); a middle stage sends both.
+    assert pp_bytes(Layout(dp=1, pp=2, grad_accum=8)) == pytest.approx(8 * boundary)
+    assert pp_bytes(Layout(dp=1, pp=4, grad_accum=8)) == pytest.approx(16 * boundary)
+    assert pp_bytes(Layout(dp=1, pp=2, grad_accum=8, pp_schedule="interleaved", virtual_stages=2)) == (
+        pytest.approx(3 * 8 * boundary)
+    )
+    moe = replace(arch, n_experts=8, top_k=2)
+    mpc = count_params(moe)
+    ep = communication(moe, mpc, precision, Layout(dp=2, ep=2), acc, 8, 1.0).bytes["data_parallel"]
+    dense_grads = (mpc.total - mpc.experts) * precision.grad_bytes
+    assert ep == pytest.approx(dense_grads * 2 * 1 / 2)  # the experts' dp/ep group has one rank: nothing to sync
