@@ -60,7 +60,13 @@ def pp2_dp2(tiny_dataset: str, tmp_path_factory: pytest.TempPathFactory) -> tupl
     """One acceptance run (with its rank_kill drill) of PP2 x DP2."""
     root = tmp_path_factory.mktemp("accept-pp2xdp2")
     spec = _spec(root / "spec", tiny_dataset, PP2_DP2)
-    return spec, run_acceptance(spec.cluster, spec.training_config(), ACCEPTANCE, root / "run")
+    # A stage's compute time holds its waits for the other stage's sends (1F1B's bubble), so on two shared cores
+    # one pipeline's ranks lag the other's by up to about 1.4x without a slow rank: judge stragglers loosely here
+    # (the rule itself is tested in tests/unit/test_model_parallel_checks.py and test_acceptance.py).
+    loose = ACCEPTANCE.model_copy(
+        update={"thresholds": ACCEPTANCE.thresholds.model_copy(update={"straggler_ratio_max": 2.0})}
+    )
+    return spec, run_acceptance(spec.cluster, spec.training_config(), loose, root / "run")
 
 
 def _dims(report: AcceptanceReport) -> dict[str, Any]:
