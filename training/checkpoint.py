@@ -52,7 +52,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
@@ -355,11 +355,18 @@ class _PhaseWriter(StorageWriter):
         return False
 
 
+# Optimizer state keyed by parameter name ("state.<fqn>.exp_avg", "param_groups.<fqn>.lr"): pipeline stages and
+# expert-parallel ranks hold different parameters, so their param_groups lists would collide under one DCP key.
+_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
 class CheckpointManager:
     """Saves, finds, verifies, loads and prunes checkpoints. `save` and `load_latest` are collective."""
 
-    def __init__(self, cfg: CheckpointConfig, storage: StorageConfig) -> None:
-        self.cfg, self.storage = cfg, storage
+    def __init__(self, cfg: CheckpointConfig, storage: StorageConfig, layout: str = "") -> None:
+        """`layout` names the model-parallel layout ("" for pure data parallelism, which reshards freely): a
+        checkpoint loaded under another layout or world size is resharded and its per-rank RNG states unused."""
+        self.cfg, self.storage, self.layout = cfg, storage, layout
         self.fs, self.root = filesystem(cfg.url, storage)
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
@@ -428,7 +435,7 @@ class CheckpointManager:
         waiting in a collective); the attempt is retried with backoff, then CheckpointSaveError.
         Any other exception is a bug: raised at once on every rank.
         """
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=_OPTIONS)
         state = {"model": model_sd, "optim": optim_sd}
         if faults.active().checkpoint_without_optimizer:
             del state["optim"]
@@ -530,6 +537,7 @@ class CheckpointManager:
             record: dict[str, Any] = {
                 "step": step,
                 "world_size": self.world,
+                "layout": self.layout,
                 "contents": contents,
                 "created_unix_s": time.time(),
                 "files": {rel: {"sha256": checksums[rel], "bytes": sizes[rel]} for rel in sorted(checksums)},
@@ -782,10 +790,10 @@ class CheckpointManager:
         step, commit = found
         path = self._dir(step)
         url = self._url(path)
-        saved_world = int(commit["world_size"])
-        rng_restored = saved_world == self.world
+        saved_world, saved_layout = int(commit["world_size"]), commit.get("layout", "")
+        rng_restored = saved_world == self.world and saved_layout == self.layout
         train_state, rng = self._read_small_files(step, rng_restored)
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=_OPTIONS)
         state = {"model": model_sd, "optim": optim_sd}
         if "optim" not in commit.get("contents", ["model", "optim"]):
             del state["optim"]
@@ -809,16 +817,24 @@ class CheckpointManager:
             if refusal is not None:
                 raise refusal from err
             raise
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state.get("optim", optim_sd))
+        set_state_dict(
+            model,
+            optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state.get("optim", optim_sd),
+            options=_OPTIONS,
+        )
         if rng is not None:
             restore_rng(rng)
         elif self.rank == 0:
             log.warning(
-                "checkpoint %s was saved by %d ranks and is loaded by %d: model and optimizer resharded, "
-                "per-rank RNG states re-seeded",
+                "checkpoint %s was saved by %d ranks (layout %s) and is loaded by %d (layout %s): model and "
+                "optimizer resharded, per-rank RNG states re-seeded",
                 url,
                 saved_world,
+                saved_layout or "data parallel",
                 self.world,
+                self.layout or "data parallel",
             )
         self._record_resume(
             out,
@@ -861,6 +877,9 @@ def _check_commit(value: Any, step: int, where: str) -> dict[str, Any]:
     world = value.get("world_size")
     if not isinstance(world, int) or isinstance(world, bool) or world < 1:
         raise CheckpointFormatError(where, f"has world_size={world!r}; expected a positive integer")
+    layout = value.get("layout", "")
+    if not isinstance(layout, str) or len(layout) > 200:
+        raise CheckpointFormatError(where, f"has layout={layout!r}; expected a short string")
     contents = value.get("contents", ["model", "optim"])
     if not isinstance(contents, list) or not set(contents) <= {"model", "optim"} or "model" not in contents:
         raise CheckpointFormatError(where, f"has contents={contents!r}; expected ['model'] or ['model', 'optim']")

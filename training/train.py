@@ -231,7 +231,10 @@ class Trainer:
             self.comm_measured = comm_timed(par, self.world, self.env.local_world_size)
         else:
             self.model = self._model_parallel(model)
-            self.comm_measured = self.meshes.dims.dp > 1
+            faults.maybe_reseed_tp_shards(self.model, self.meshes.coords["tp"], cfg.run.seed)
+            # FSDP2's reduce-scatter is timed; a replicate-only data dimension synchronises by an all-reduce the
+            # timer does not see, so its comm_s is not measured rather than zero.
+            self.comm_measured = self.meshes.dims.dp_shard > 1
         self.optimizer = build_optimizer(self.model, cfg.optim)
         faults.scale_lr(self.optimizer)  # before the scheduler takes the groups' lr as its base
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg.optim, cfg.run.steps))
@@ -242,7 +245,7 @@ class Trainer:
             growth_interval=cfg.precision.fp16_growth_interval_steps,
             enabled=cfg.precision.dtype == "fp16",
         )
-        self.checkpoints = CheckpointManager(cfg.checkpoint, cfg.storage)
+        self.checkpoints = CheckpointManager(cfg.checkpoint, cfg.storage, layout=self._layout())
         self.out = RunOutputWriter(cfg.run.output_url, cfg.storage)
         self.telemetry = Telemetry.for_rank(
             cfg.run, rank=self.rank, local_rank=self.env.local_rank, local_world_size=self.env.local_world_size,
@@ -258,6 +261,13 @@ class Trainer:
         if cfg.checkpoint.resume:
             self._resume()
         self._write_ranks()
+
+    def _layout(self) -> str:
+        """The model-parallel layout as checkpoints record it ("" for pure data parallelism)."""
+        if self.meshes is None:
+            return ""
+        d = self.meshes.dims
+        return f"pp{d.pp} dp{d.dp_replicate}x{d.dp_shard} cp{d.cp} tp{d.tp} ep{d.ep}"
 
     def _model_parallel(self, model: Transformer) -> nn.Module:
         """Tensor/expert parallel and FSDP2 on the mesh; with pipeline stages, this rank's chunks of the model."""

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
 from tests.unit.checkpoints import manager_at as _manager
 from tests.unit.checkpoints import no_key_and_quiet_dcp  # noqa: F401 - autouse fixture
@@ -76,8 +76,9 @@ def test_a_planted_optimizer_entry_that_would_create_a_file_is_refused_and_creat
     folder = tmp_path / "ckpt" / step_dir_name(1)
     marker = tmp_path / "pwned"
     model, optimizer = _model()
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    optim_sd["param_groups"][0]["lr"] = _TouchViaExec(marker)  # DCP stores it as a pickled bytes entry
+    # The manager keys optimizer state by parameter name (flattened): plant into the learning rate of "weight".
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=StateDictOptions(flatten_optimizer_state_dict=True))
+    optim_sd["param_groups.weight.lr"] = _TouchViaExec(marker)  # DCP stores it as a pickled bytes entry
     for stale in folder.glob("*.distcp"):
         stale.unlink()
     dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=dcp.FileSystemWriter(str(folder)))
@@ -86,7 +87,7 @@ def test_a_planted_optimizer_entry_that_would_create_a_file_is_refused_and_creat
     with pytest.raises(UnsafeCheckpointError) as refused:
         manager.load_latest(*_model())
     assert not marker.exists()
-    assert "optim.param_groups.0.lr" in str(refused.value)
+    assert "optim.param_groups.weight.lr" in str(refused.value)
 
 
 def test_a_signed_checkpoint_whose_files_were_replaced_is_skipped_as_untrusted(
