@@ -14,7 +14,8 @@ import torch
 
 from tasks.launch.base import JobState
 from tasks.launch.local import LocalJob, run_local, start_local
-from tests.conftest import metrics_by_step
+from tasks.spec import parse_spec
+from tests.conftest import TINY_SPEC, deep_merge, metrics_by_step
 from training.checkpoint import CheckpointManager
 from training.checkpoint_trust import KEY_ENV
 from training.faults import ENV_VAR
@@ -57,10 +58,22 @@ def _assert_identical_after(reference: dict, resumed: dict, first: int, last: in
         assert resumed[step]["grad_norm"] == reference[step]["grad_norm"], f"step {step} differs"
 
 
-def test_killed_rank_relaunch_resumes_bit_identical(make_spec) -> None:
-    reference = make_spec(STEPS_30, name="reference")
-    run_local(reference.cluster, reference.training_config())
+@pytest.fixture(scope="module")
+def uninterrupted_30(tiny_dataset: str, tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict]:
+    """Per-step metrics of the uninterrupted 30-step job that the kill-and-resume tests must reproduce (run once:
+    the same job for each of them, deterministic on CPU)."""
+    root = tmp_path_factory.mktemp("uninterrupted-30")
+    paths = {
+        "data": {"dataset_url": tiny_dataset},
+        "checkpoint": {"url": str(root / "checkpoints")},
+        "run": {"output_url": str(root / "output")},
+    }
+    spec = parse_spec(deep_merge(deep_merge(TINY_SPEC, paths), STEPS_30), "tiny:uninterrupted-30")
+    run_local(spec.cluster, spec.training_config())
+    return metrics_by_step(spec.run.output_url)
 
+
+def test_killed_rank_relaunch_resumes_bit_identical(make_spec, uninterrupted_30: dict[int, dict]) -> None:
     spec = make_spec(STEPS_30, name="killed")
     job = _paused_job(spec, 25)
     _kill_rank(job.output_dir, 1)
@@ -69,20 +82,19 @@ def test_killed_rank_relaunch_resumes_bit_identical(make_spec) -> None:
 
     run_local(spec.cluster, spec.training_config())  # the relaunch
     assert RunOutput(job.output_dir).ranks().ranks[0]["resumed_from_step"] == 20
-    _assert_identical_after(metrics_by_step(reference.run.output_url), metrics_by_step(spec.run.output_url), 21, 30)
+    _assert_identical_after(uninterrupted_30, metrics_by_step(spec.run.output_url), 21, 30)
 
 
-def test_torchrun_restarts_a_killed_rank_and_the_job_recovers_by_itself(make_spec) -> None:
-    reference = make_spec(STEPS_30, name="reference")
-    run_local(reference.cluster, reference.training_config())
-
+def test_torchrun_restarts_a_killed_rank_and_the_job_recovers_by_itself(
+    make_spec, uninterrupted_30: dict[int, dict]
+) -> None:
     spec = make_spec({**STEPS_30, "cluster": {"max_restarts": 1}}, name="elastic")
     job = _paused_job(spec, 25)
     _kill_rank(job.output_dir, 1)
     assert job.wait(timeout_s=180).state is JobState.SUCCEEDED
     ranks = RunOutput(job.output_dir).ranks().ranks
     assert {r["restart_count"] for r in ranks} == {1} and ranks[0]["resumed_from_step"] == 20
-    _assert_identical_after(metrics_by_step(reference.run.output_url), metrics_by_step(spec.run.output_url), 21, 30)
+    _assert_identical_after(uninterrupted_30, metrics_by_step(spec.run.output_url), 21, 30)
 
 
 def test_checkpoint_killed_mid_save_is_never_loaded(make_spec) -> None:
