@@ -67,6 +67,13 @@ def _latest_acceptance(runs: Path, quality_rule: str) -> Path:
     return root
 
 
+def _quality(root: Path) -> dict:
+    """The quality gate's part of the correctness dimension in the run workspace `root`."""
+    acceptance = json.loads((root / "acceptance.json").read_text())
+    correctness = next(d for d in acceptance["dimensions"] if d["name"] == "correctness")
+    return {"measured": correctness["measured"]["quality"], "evidence": correctness["evidence"]["quality"]}
+
+
 def _every_drill_recovered(drills: list[dict]) -> None:
     """Every drill passed with its state matching the uninterrupted run, and left the evidence that says so."""
     results = {d["name"]: d for d in drills}
@@ -127,3 +134,9 @@ def test_the_main_job_passes_twice_in_a_row_resuming_training_and_accepting_afre
     second = _latest_acceptance(runs, "baseline")  # held to the first
     assert second != first and second.parent == first.parent == runs / "acceptance"
     assert first.is_dir(), "the first run's workspace is kept (acceptance.keep_runs=3)"
+    # the second run was judged against the first run's baseline, which it reproduced (deterministic CPU) and
+    # left as it was: a later accepted run never replaces the baseline of its key
+    quality = _quality(second)
+    assert quality["measured"]["val_loss"] == quality["measured"]["baseline_val_loss"], quality
+    assert quality["evidence"]["baseline_run_id"] == first.name and not quality["evidence"]["recorded"], quality
+    assert json.loads(Path(quality["evidence"]["baseline_file"]).read_text())["run_id"] == first.name
