@@ -8,6 +8,7 @@ one reference run per model serves all of them: the reference sees the same samp
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -152,30 +153,39 @@ def test_a_tensor_parallel_rank_killed_and_resumed_continues_bit_identically(tin
         assert (a[step]["loss"], a[step]["grad_norm"]) == (b[step]["loss"], b[step]["grad_norm"]), step
 
 
+@pytest.fixture(scope="module")
+def tp_checkpoint(tiny_dataset: str, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[int, Any]]:
+    """A TP2 x DP2 job stopped after its step-6 checkpoint (its folder), and the same job's uninterrupted
+    metrics, shared by the reshard targets."""
+    source = {"tensor_parallel": 2, "micro_batch": 2, "grad_accum_steps": 2}
+    root = tmp_path_factory.mktemp("tp-saved")
+    steps = {"run": {"steps": 12, "stop_after_steps": 6}, "checkpoint": {"save_every_steps": 6}}
+    saved = _spec(root, tiny_dataset, DENSE, source, **steps)
+    run_local(saved.cluster, saved.training_config())
+    whole = _spec(tmp_path_factory.mktemp("tp-whole"), tiny_dataset, DENSE, source, run={"steps": 12})
+    run_local(whole.cluster, whole.training_config())
+    return root, metrics_by_step(whole.run.output_url)
+
+
 @pytest.mark.parametrize(
     "target",
     [
-        {"tensor_parallel": 1, "micro_batch": 2, "grad_accum_steps": 1},  # DP4, plain DDP
-        {"tensor_parallel": 1, "pipeline_parallel": 2, "micro_batch": 2, "grad_accum_steps": 2},  # PP2 x DP2
+        {"tensor_parallel": None, "micro_batch": 2, "grad_accum_steps": 1},  # DP4, plain DDP
+        {"tensor_parallel": None, "pipeline_parallel": 2, "micro_batch": 2, "grad_accum_steps": 2},  # PP2 x DP2
     ],
     ids=["dp4", "pp2xdp2"],
 )
 def test_a_tp2xdp2_checkpoint_resumes_on_another_layout(
-    target: dict[str, Any], tiny_dataset: str, tmp_path: Path
+    target: dict[str, Any], tp_checkpoint: tuple[Path, dict[int, Any]], tiny_dataset: str, tmp_path: Path
 ) -> None:
-    source = {"tensor_parallel": 2, "micro_batch": 2, "grad_accum_steps": 2}
-    steps = {"run": {"steps": 12, "stop_after_steps": 6}, "checkpoint": {"save_every_steps": 6}}
-    saved = _spec(tmp_path / "tp", tiny_dataset, DENSE, source, **steps)
-    run_local(saved.cluster, saved.training_config())
-    # The same job uninterrupted, to compare the resumed steps with.
-    whole = _spec(tmp_path / "whole", tiny_dataset, DENSE, source, run={"steps": 12})
-    run_local(whole.cluster, whole.training_config())
-
-    moved = _spec(tmp_path / "tp", tiny_dataset, DENSE, {"tensor_parallel": None, **target},
-                  run={"steps": 12, "stop_after_steps": None})  # fmt: skip
+    saved, whole = tp_checkpoint
+    shutil.copytree(saved, tmp_path, dirs_exist_ok=True)
+    moved = _spec(tmp_path, tiny_dataset, DENSE, target, run={"steps": 12})
     run_local(moved.cluster, moved.training_config())
     out = RunOutput(moved.run.output_url)
     assert out.ranks().ranks[0]["resumed_from_step"] == 6
-    a, b = metrics_by_step(whole.run.output_url), metrics_by_step(moved.run.output_url)
+    resume = out.resume()
+    assert resume is not None and resume.resharded, resume  # same world size, another layout
+    resumed = metrics_by_step(moved.run.output_url)
     for step in range(7, 13):
-        assert abs(a[step]["loss"] - b[step]["loss"]) / a[step]["loss"] < TOLERANCE, step
+        assert abs(whole[step]["loss"] - resumed[step]["loss"]) / whole[step]["loss"] < TOLERANCE, step
