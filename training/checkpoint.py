@@ -358,6 +358,9 @@ class _PhaseWriter(StorageWriter):
 # Optimizer state keyed by parameter name ("state.<fqn>.exp_avg", "param_groups.<fqn>.lr"): pipeline stages and
 # expert-parallel ranks hold different parameters, so their param_groups lists would collide under one DCP key.
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+# Checkpoints of earlier versions keep torch's list-keyed layout ("optim.param_groups.0.lr"); they still load.
+_LIST_KEYED = StateDictOptions()
+_LIST_KEYED_OPTIMIZER = "optim.param_groups.0.lr"  # by name it would be optim.param_groups.<fqn>.lr
 
 
 class CheckpointManager:
@@ -793,16 +796,12 @@ class CheckpointManager:
         saved_world, saved_layout = int(commit["world_size"]), commit.get("layout", "")
         rng_restored = saved_world == self.world and saved_layout == self.layout
         train_state, rng = self._read_small_files(step, rng_restored)
-        model_sd, optim_sd = get_state_dict(model, optimizer, options=_OPTIONS)
-        state = {"model": model_sd, "optim": optim_sd}
-        if "optim" not in commit.get("contents", ["model", "optim"]):
-            del state["optim"]
-            if self.rank == 0:
-                log.warning("checkpoint %s has no optimizer state: the optimizer starts afresh", url)
         reader, planner = self._reader(url), SafeLoadPlanner(url)
-        refused = None
+        refused, options = None, _OPTIONS
         try:
-            reader.read_metadata()
+            metadata = reader.read_metadata()
+            if _LIST_KEYED_OPTIMIZER in metadata.state_dict_metadata:
+                options = _LIST_KEYED  # written before optimizer state was keyed by name: read it as written
         except UnsafeCheckpointError as err:
             refused = err
         except Exception:  # noqa: BLE001, S110 - any other failure is dcp.load's to raise, on every rank alike
@@ -810,6 +809,12 @@ class CheckpointManager:
         refusals = [r for r in _all_gather(refused) if r is not None]
         if refusals:
             raise refusals[0]
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
+        state = {"model": model_sd, "optim": optim_sd}
+        if "optim" not in commit.get("contents", ["model", "optim"]):
+            del state["optim"]
+            if self.rank == 0:
+                log.warning("checkpoint %s has no optimizer state: the optimizer starts afresh", url)
         try:
             dcp.load(state, storage_reader=reader, planner=planner)
         except (Exception, CheckpointException) as err:  # DCP's exception is a BaseException
@@ -822,7 +827,7 @@ class CheckpointManager:
             optimizer,
             model_state_dict=state["model"],
             optim_state_dict=state.get("optim", optim_sd),
-            options=_OPTIONS,
+            options=options,
         )
         if rng is not None:
             restore_rng(rng)

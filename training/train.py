@@ -408,6 +408,21 @@ class Trainer:
         return value
 
     def train_step(self) -> dict[str, Any]:
+        """One optimizer step; on model-parallel layouts the second step of each launch is also the measurement
+        step: its collectives are counted and timed per mesh dimension (training/comm_counter.py) and recorded
+        as comm_bytes and comm_s_per_dim. Waiting for each collective where it is issued serialises that one
+        step's communication, so only one step per launch is measured."""
+        self._steps_run = getattr(self, "_steps_run", 0) + 1
+        if self.meshes is None or self._steps_run != 2:
+            return self._train_step()
+        from training.comm_counter import TrafficCounter, group_labels  # noqa: PLC0415 - model-parallel only
+
+        counter = TrafficCounter(labels=group_labels(self.meshes), timed=True)
+        with counter:
+            record = self._train_step(counted=counter)
+        return record
+
+    def _train_step(self, counted: Any = None) -> dict[str, Any]:
         """One optimizer step over grad_accum_steps micro-batches; returns its metrics record."""
         cfg = self.cfg
         started = time.perf_counter()
@@ -484,6 +499,8 @@ class Trainer:
             "compute_s": max(0.0, elapsed - data_s - (comm_s or 0.0) - loss_sync_s),
             "peak_mem_bytes": peak_memory_bytes(self.device),
             "dropped_tokens": self._dropped_tokens(),
+            "comm_bytes": dict(counted.sent) if counted is not None else None,
+            "comm_s_per_dim": dict(counted.seconds) if counted is not None else None,
             "time_unix_s": time.time(),
             **self.telemetry.gpu_readings(),
         }
