@@ -101,6 +101,11 @@ def _label(dims: tuple[str, ...], op: str) -> str:
     return next(d for d in ("dp", "tp", "pp", "cp", *dims) if d in dims)
 
 
+# Waiting for a send where it is issued can deadlock a pipeline schedule (its peer may post the matching receive
+# only after its own send): point-to-point bytes are counted, their time is not.
+_POINT_TO_POINT = {"send", "recv", "recv_", "recv_any_source_", "batch_isend_irecv"}
+
+
 def _wait(out: Any) -> None:
     """Wait for a collective's result where it was issued: a c10d op's Work, a functional op's tensor."""
     items = out if isinstance(out, list | tuple) else (out,)
@@ -142,7 +147,7 @@ class TrafficCounter(TorchDispatchMode):
                 self.buffers[label] += buf
                 self.calls[label] += 1
                 self.ops[f"{label}:{op}"] += 1
-                if self.timed:
+                if self.timed and op not in _POINT_TO_POINT:  # a send completes only once its peer receives
                     _wait(out)
                     self.seconds[label] += time.perf_counter() - started
         return out

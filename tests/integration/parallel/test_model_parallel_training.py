@@ -112,6 +112,13 @@ def test_each_layout_matches_the_single_process_reference(
     worst = max(abs(out.metrics(0)[s]["loss"] - ref.metrics()[s]["loss"]) / ref.metrics()[s]["loss"]
                 for s in range(1, REFERENCE_STEPS + 1))  # fmt: skip
     assert worst < TOLERANCE, worst
+    # The measurement step (the launch's second) counts and times each mesh dimension's collectives.
+    measured = out.metrics(0)[2]
+    used = {dim for dim, key in (("tp", "tensor_parallel"), ("pp", "pipeline_parallel"), ("ep", "expert_parallel"))
+            if getattr(spec.parallel, key) > 1} | ({"dp"} if dp > 1 else set())  # fmt: skip
+    assert used <= {d for d, sent in measured["comm_bytes"].items() if sent > 0}, measured["comm_bytes"]
+    assert used <= set(measured["comm_s_per_dim"]), measured["comm_s_per_dim"]
+    assert out.metrics(0)[3]["comm_bytes"] is None
     # Samples are recorded once per data-parallel rank, under its data-parallel rank.
     assert out.sample_ranks() == list(range(dp))
 
