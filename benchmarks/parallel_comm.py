@@ -20,12 +20,13 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from tasks.capacity.parallel_check import tiny_spec
 from tasks.capacity.plan import plan_capacity
 from tasks.capacity.traffic import DIMS, PLANNER_KEYS, RankTraffic, Traffic, measure
 from tasks.deployment import plan_inputs
 from tasks.prepare.config import PrepareConfig
 from tasks.prepare.pipeline import prepare_dataset
-from tasks.spec import DeploymentSpec, parse_spec
+from tasks.spec import DeploymentSpec
 from training.storage import StorageConfig
 
 DENSE = {"n_layers": 4, "d_model": 64, "n_heads": 4, "n_kv_heads": 2, "ffn_hidden": 128, "vocab_size": 258,
@@ -48,27 +49,9 @@ LAYOUTS: dict[str, tuple[dict[str, Any], dict[str, Any], int, str]] = {
 
 
 def spec_for(work: Path, dataset: str, name: str, steps: int) -> DeploymentSpec:
-    """The layout's spec: one node of `procs` CPU processes, fp32, no checkpoints."""
+    """The layout's spec: one node of `procs` CPU processes, fp32, no checkpoints (the self-check's)."""
     model, parallel, procs, _ = LAYOUTS[name]
-    return parse_spec(
-        {
-            "name": f"comm-{name.replace('+', '-')}",
-            "cluster": {"scheduler": "local", "nodes": 1, "procs_per_node": procs, "accelerator": "cpu"},
-            "model": model,
-            "parallel": parallel,
-            "precision": {"dtype": "fp32"},
-            "optim": {"lr_peak": 1e-3, "warmup_steps": 1},
-            "data": {"dataset_url": dataset},
-            "checkpoint": {"url": str(work / name / "ckpt"), "save_every_steps": None, "save_at_end": False},
-            "run": {
-                "steps": steps,
-                "output_url": str(work / name / "out"),
-                "eval_batches": 1,
-                "log_every_steps": 100,
-                "threads_per_rank": 1,
-            },
-        }  # fmt: skip
-    )
+    return tiny_spec(model, parallel, procs, work / name, dataset, steps=steps, name=f"comm-{name.replace('+', '-')}")
 
 
 def run_layout(work: Path, dataset: str, name: str, steps: int) -> tuple[Traffic, dict[str, float]]:

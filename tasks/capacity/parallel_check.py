@@ -51,12 +51,16 @@ def tiny_layout(model: ModelConfig, parallel: ParallelConfig) -> tuple[dict[str,
     return tiny, par, tp * pp * dp
 
 
-def _tiny_spec(model: dict[str, Any], parallel: dict[str, Any], procs: int, work: Path, dataset: str) -> Any:
+def tiny_spec(
+    model: dict[str, Any], parallel: dict[str, Any], procs: int, work: Path, dataset: str, *,
+    steps: int = STEPS, name: str = "self-check",
+) -> Any:  # fmt: skip
+    """A one-node spec of `procs` CPU processes for measuring a layout: fp32, no checkpoints, one eval batch."""
     from tasks.spec import parse_spec
 
     return parse_spec(
         {
-            "name": "self-check",
+            "name": name,
             "cluster": {"scheduler": "local", "nodes": 1, "procs_per_node": procs, "accelerator": "cpu"},
             "model": model,
             "parallel": parallel,
@@ -65,7 +69,7 @@ def _tiny_spec(model: dict[str, Any], parallel: dict[str, Any], procs: int, work
             "data": {"dataset_url": dataset},
             "checkpoint": {"url": str(work / "ckpt"), "save_every_steps": None, "save_at_end": False},
             "run": {
-                "steps": STEPS,
+                "steps": steps,
                 "output_url": str(work / "out"),
                 "eval_batches": 1,
                 "log_every_steps": 100,
@@ -100,7 +104,7 @@ def run_parallel_self_check(
     started = time.perf_counter()
     root = work or Path(tempfile.mkdtemp(prefix="tdeploy-self-check-"))
     tiny_model, tiny_par, procs = tiny_layout(model, parallel)
-    spec = _tiny_spec(tiny_model, tiny_par, procs, root, _dataset(root))
+    spec = tiny_spec(tiny_model, tiny_par, procs, root, _dataset(root))
     config = root / "run.json"
     spec.training_config().to_json_file(config)
     traffic = measure(config, procs, root / "traffic", MEASURED, timeout_s)

@@ -1,13 +1,8 @@
 """Measured communication: the bytes each mesh dimension's collectives move per step in the real trainer.
 
-A TorchDispatchMode (the mechanism of torch's CommDebugMode, which counts calls but not bytes or groups) sees every
-c10d and functional collective the step issues: DTensor's (tensor and sequence parallel, loss_parallel), FSDP2's
-all-gathers and reduce-scatters, the expert all-to-alls and the pipeline's sends. Each call is booked to the mesh
-dimension of its process group and converted to the bytes one rank sends under the ring algorithms, the
-convention of the planner's model (tasks/capacity/comm.py): an all-reduce of B bytes sends 2(n-1)/n B, an
-all-gather (n-1)/n of its output, a reduce-scatter (n-1)/n of its input, an all-to-all what leaves the rank, a
-send its tensor. gloo's own algorithms may move other amounts; what is checked is which buffers the step
-communicates and how often, against what the planner assumes.
+training/comm_counter.py counts (and the trainer's measurement step times) every collective per mesh dimension
+as ring-equivalent bytes, the convention of the planner's model (tasks/capacity/comm.py); here it runs for chosen
+steps of a whole run, to set the measured bytes beside the planner's.
 
 `python -m tasks.capacity.traffic --config run.json --out DIR` runs under torchrun: the real Trainer, with the
 counter on for the steps of `--measure-steps` and every step timed; each rank writes DIR/rank<r>.json.
