@@ -832,14 +832,18 @@ class CheckpointManager:
         if rng is not None:
             restore_rng(rng)
         elif self.rank == 0:
+            layouts = (
+                ""
+                if saved_layout == self.layout
+                else f" (layout {saved_layout or 'data parallel'} -> {self.layout or 'data parallel'})"
+            )
             log.warning(
-                "checkpoint %s was saved by %d ranks (layout %s) and is loaded by %d (layout %s): model and "
-                "optimizer resharded, per-rank RNG states re-seeded",
+                "checkpoint %s was saved by %d ranks and is loaded by %d%s: model and optimizer resharded, "
+                "per-rank RNG states re-seeded",
                 url,
                 saved_world,
-                saved_layout or "data parallel",
                 self.world,
-                self.layout or "data parallel",
+                layouts,
             )
         self._record_resume(
             out,
