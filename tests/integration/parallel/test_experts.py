@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 import sys
 from pathlib import Path
 
@@ -17,6 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tasks.launch.torchrun import free_port
 from training.config import ModelConfig, MoEConfig
 from training.model import Transformer
 
@@ -111,12 +111,6 @@ def _worker(out: Path) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     """Run the EP2 worker once under torchrun; each rank's saved results."""
@@ -124,7 +118,7 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
 
     out = tmp_path_factory.mktemp("ep2")
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={WORLD}", "--master_addr=127.0.0.1",
-           f"--master_port={_free_port()}", __file__, str(out)]  # fmt: skip
+           f"--master_port={free_port()}", __file__, str(out)]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[3])}
     done = run_group(cmd, timeout=240, env=env)
     assert done.returncode == 0, done.stderr[-4000:]

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from tasks.launch.torchrun import free_port
 from tests.processes import start_group, stop_group
 
 REPO = Path(__file__).resolve().parents[3]
@@ -214,15 +214,9 @@ def _worker(layouts: list[str], out_dir: str) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _spawn(world: int, layouts: list[str], out_dir: Path, timeout_s: float) -> list[dict[str, Any]]:
     """Run the layouts on `world` processes; every rank's results. Every process is stopped however it ends."""
-    port = _free_port()
+    port = free_port()
     procs: list[subprocess.Popen] = []
     logs = [out_dir / f"rank{r}.log" for r in range(world)]
     try:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import functools
 import math
 import os
-import socket
 import sys
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ from typing import Any
 import pytest
 import torch
 
+from tasks.launch.torchrun import free_port
 from training.config import ModelConfig, MoEConfig
 
 WORLD, GLOBAL_BATCH, LR, MAX_NORM = 4, 4, 1e-2, 0.5
@@ -142,12 +142,6 @@ def _worker(out: Path) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
     """Run every layout once under torchrun on four processes; rank 0's results."""
@@ -155,7 +149,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any
 
     out = tmp_path_factory.mktemp("tp")
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={WORLD}", "--master_addr=127.0.0.1",
-           f"--master_port={_free_port()}", __file__, str(out)]  # fmt: skip
+           f"--master_port={free_port()}", __file__, str(out)]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[3])}
     done = run_group(cmd, timeout=480, env=env)  # minutes on a loaded 2-core machine
     assert done.returncode == 0, done.stderr[-6000:]
