@@ -1,7 +1,7 @@
 """The README's main job: `tdeploy run examples/local.yaml` runs every step of deploy-training and passes,
 and a second run in the same folder passes too: its training resumes, its acceptance starts afresh.
 
-The two runs are also the suite's clean acceptance runs in a row and its every-drill run, on the embedded
+The two runs are also the suite's clean acceptance runs in a row, and the first is its every-drill run, on the embedded
 default (dropout and gradient accumulation on, as users turn them on): every dimension passes with the
 correctness pair close to the independent reference, the first run records the quality baseline the second
 is held to, and every drill recovers with its state matching the uninterrupted run (kill_during_save at
@@ -32,9 +32,9 @@ pytestmark = pytest.mark.e2e
 DRILLS = {"rank_kill", "kill_during_save", "corrupt_checkpoint", "reshard", "storage_outage"}
 
 
-def _tdeploy_run(tmp_path: Path, env: dict[str, str]) -> None:
+def _tdeploy_run(tmp_path: Path, env: dict[str, str], spec: Path = REPO / "examples" / "local.yaml") -> None:
     tdeploy = shutil.which("tdeploy", path=str(Path(sys.executable).parent))
-    proc = run_group([tdeploy, "run", str(REPO / "examples" / "local.yaml")], timeout=2400, cwd=tmp_path, env=env)
+    proc = run_group([tdeploy, "run", str(spec)], timeout=2400, cwd=tmp_path, env=env)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "deploy-training local: succeeded" in proc.stdout
     # the end of the run names the one folder every report is in, and how to open the run in Prefect's UI
@@ -44,7 +44,7 @@ def _tdeploy_run(tmp_path: Path, env: dict[str, str]) -> None:
     assert summary["failed_step"] is None, summary
 
 
-def _latest_acceptance(runs: Path, quality_rule: str) -> Path:
+def _latest_acceptance(runs: Path, quality_rule: str, drills: bool) -> Path:
     """The latest run workspace's reports: acceptance passed every dimension, every drill recovered."""
     root = Path(json.loads((runs / "acceptance" / "latest.json").read_text())["root"])
     acceptance = json.loads((root / "acceptance.json").read_text())
@@ -63,7 +63,8 @@ def _latest_acceptance(runs: Path, quality_rule: str) -> Path:
     suite = ET.parse(root / "junit.xml").getroot()
     assert suite.get("tests") == "7" and suite.get("failures") == "0"
     assert (root / "loss_curve.png").read_bytes()[:4] == b"\x89PNG"
-    _every_drill_recovered(json.loads((root / "drills" / "acceptance.json").read_text())["drills"])
+    if drills:
+        _every_drill_recovered(json.loads((root / "drills" / "acceptance.json").read_text())["drills"])
     return root
 
 
@@ -109,7 +110,7 @@ def _every_drill_recovered(drills: list[dict]) -> None:
     assert results["storage_outage"]["evidence"]["failed_save_step"] > every
 
 
-@pytest.mark.timeout(5400)  # two whole runs, each ~6 min alone and far longer on two shared cores
+@pytest.mark.timeout(5400)  # two whole runs, the first ~6 min alone and far longer on two shared cores
 def test_the_main_job_passes_twice_in_a_row_resuming_training_and_accepting_afresh(tmp_path: Path) -> None:
     env = {
         **os.environ,
@@ -126,12 +127,17 @@ def test_the_main_job_passes_twice_in_a_row_resuming_training_and_accepting_afre
     assert json.loads((runs / "node-check.json").read_text())["ok"]
     first_result = json.loads((runs / "output" / "result.json").read_text())
     assert first_result["steps"] == 200 and first_result["resumed_from_step"] is None
-    first = _latest_acceptance(runs, "sanity")
+    first = _latest_acceptance(runs, "sanity", drills=True)
 
-    _tdeploy_run(tmp_path, env)
+    # The second run is the same spec without the drills the first one ran (`drills.only: []`): the drills
+    # do not depend on what is already in the folder, the resume and the baseline do.
+    again = yaml.safe_load((REPO / "examples" / "local.yaml").read_text())
+    again["drills"] = {"only": []}
+    (tmp_path / "local-again.yaml").write_text(yaml.safe_dump(again))
+    _tdeploy_run(tmp_path, env, tmp_path / "local-again.yaml")
     second_result = json.loads((runs / "output" / "result.json").read_text())
     assert second_result["steps"] == 200 and second_result["resumed_from_step"] == 200, second_result
-    second = _latest_acceptance(runs, "baseline")  # held to the first
+    second = _latest_acceptance(runs, "baseline", drills=False)  # held to the first
     assert second != first and second.parent == first.parent == runs / "acceptance"
     assert first.is_dir(), "the first run's workspace is kept (acceptance.keep_runs=3)"
     # the second run was judged against the first run's baseline, which it reproduced (deterministic CPU) and

@@ -20,6 +20,7 @@ from tasks.launch.base import JobState
 from tasks.launch.local import run_local, start_local
 from tasks.spec import DeploymentSpec, parse_spec
 from tests.conftest import TINY_SPEC, deep_merge, metrics_by_step
+from training.checkpoint import step_dir_name
 from training.faults import ENV_VAR
 from training.layout import data_parallel_degree
 from training.run_output import RunOutput
@@ -162,16 +163,15 @@ def test_a_tensor_parallel_rank_killed_and_resumed_continues_bit_identically(tin
 
 @pytest.fixture(scope="module")
 def tp_checkpoint(tiny_dataset: str, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[int, Any]]:
-    """A TP2 x DP2 job stopped after its step-6 checkpoint (its folder), and the same job's uninterrupted
-    metrics, shared by the reshard targets."""
+    """A TP2 x DP2 job's folder as it was after its step-6 checkpoint, and the job's uninterrupted metrics,
+    shared by the reshard targets: one uninterrupted job whose later checkpoint is left out of the copy."""
     source = {"tensor_parallel": 2, "micro_batch": 2, "grad_accum_steps": 2}
-    root = tmp_path_factory.mktemp("tp-saved")
-    steps = {"run": {"steps": 12, "stop_after_steps": 6}, "checkpoint": {"save_every_steps": 6}}
-    saved = _spec(root, tiny_dataset, DENSE, source, **steps)
-    run_local(saved.cluster, saved.training_config())
-    whole = _spec(tmp_path_factory.mktemp("tp-whole"), tiny_dataset, DENSE, source, run={"steps": 12})
+    root = tmp_path_factory.mktemp("tp-whole")
+    whole = _spec(root, tiny_dataset, DENSE, source, run={"steps": 12}, checkpoint={"save_every_steps": 6})
     run_local(whole.cluster, whole.training_config())
-    return root, metrics_by_step(whole.run.output_url)
+    saved = tmp_path_factory.mktemp("tp-saved")
+    shutil.copytree(root / "checkpoints" / step_dir_name(6), saved / "checkpoints" / step_dir_name(6))
+    return saved, metrics_by_step(whole.run.output_url)
 
 
 @pytest.mark.parametrize(
