@@ -1,0 +1,70 @@
+"""The `serve` section of the spec: how the exported model is served (vLLM's OpenAI-compatible server)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from training.config import ModelConfig, StrictModel
+
+# vLLM's CPU attention kernels take these head sizes only ("Unsupported CPU attention configuration: head_dim=16").
+CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 192, 256)
+
+
+class ServeConfig(StrictModel):
+    """The serving engine and its limits (`tdeploy serve`, the pipeline's serving check)."""
+
+    engine: Literal["vllm"] = Field(default="vllm", description="Serving engine: vLLM's OpenAI-compatible server.")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        default="float32", description="Weights and activations dtype of the served model."
+    )
+    max_model_len: int | None = Field(
+        default=None, ge=2, le=1_048_576, description="Longest prompt + completion in tokens; None = model.seq_len."
+    )
+    max_num_seqs: int = Field(
+        default=16, ge=1, le=4096, description="Most sequences the engine batches at once (continuous batching)."
+    )
+    kv_cache_gib: float = Field(
+        default=1.0, gt=0, le=4096, description="Memory for the paged KV cache in GiB (VLLM_CPU_KVCACHE_SPACE on CPU)."
+    )
+    gpu_memory_utilization: float = Field(
+        default=0.9, gt=0, le=1, description="Share of each GPU's memory vLLM may take (GPU serving only)."
+    )
+    host: Literal["127.0.0.1", "0.0.0.0"] = Field(  # noqa: S104 - a server that a cluster Service reaches
+        default="127.0.0.1", description="Address the server listens on: loopback, or all interfaces."
+    )
+    port: int = Field(default=8000, ge=1024, le=65535, description="Port of the OpenAI-compatible HTTP API.")
+    tensor_parallel: int = Field(default=1, ge=1, le=64, description="GPUs one server shards the model over.")
+    startup_timeout_s: float = Field(
+        default=900.0, gt=0, le=7200, description="How long the server may take to answer /health after start."
+    )
+
+
+def unservable(model: ModelConfig, serve: ServeConfig, accelerator: str) -> list[str]:
+    """Why `model` cannot be served as configured (empty when it can), each with the fix."""
+    problems = []
+    if accelerator == "cpu" and model.head_dim not in CPU_HEAD_DIMS:
+        good = [h for h in CPU_HEAD_DIMS if model.d_model % h == 0 and model.d_model // h >= 1]
+        fix = (
+            f"set model.n_heads to {', '.join(str(model.d_model // h) for h in good)} (head_dim {good})"
+            if good
+            else f"make d_model a multiple of one of {list(CPU_HEAD_DIMS)}"
+        )
+        problems.append(
+            f"model.head_dim={model.head_dim} (d_model={model.d_model} / n_heads={model.n_heads}): vLLM's CPU "
+            f"attention supports head_dim {list(CPU_HEAD_DIMS)} only; {fix}"
+        )
+    if serve.max_model_len is not None and serve.max_model_len > model.seq_len:
+        problems.append(
+            f"serve.max_model_len={serve.max_model_len}: longer than the trained model.seq_len={model.seq_len} "
+            f"(RoPE positions beyond it were never trained); use at most {model.seq_len} or leave it unset"
+        )
+    if model.n_heads % serve.tensor_parallel or model.kv_heads % serve.tensor_parallel:
+        problems.append(
+            f"serve.tensor_parallel={serve.tensor_parallel}: must divide n_heads={model.n_heads} and "
+            f"n_kv_heads={model.kv_heads}; use 1 or a common divisor"
+        )
+    if accelerator == "cpu" and serve.tensor_parallel > 1:
+        problems.append(f"serve.tensor_parallel={serve.tensor_parallel}: CPU serving runs one process; use 1")
+    return problems
