@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 
 NODE_REPORT = "node-check.json"
 IMAGE_DIR = "image"
+SERVING_DIR = "serving"
 
 
 class StepResult(BaseModel):
@@ -207,6 +208,48 @@ class AcceptanceResult(StepResult):
         return f"{self.verdict_text}: " + ", ".join(rows)
 
 
+class ServingResult(StepResult):
+    """The serving check: the served checkpoint, its latency, throughput, parity and quality figures."""
+
+    verdict_text: str
+    step: int
+    model_dir: str
+    p99_e2e_ms: float
+    p99_ttft_ms: float
+    output_tokens_per_s: float
+    error_rate: float
+    greedy_matched: int
+    greedy_prompts: int
+    rouge_l: float
+    bleu4: float
+    files: dict[str, str]
+    failed: list[str] = []
+
+    def summary(self) -> str:
+        """Verdict, P99 latencies, throughput, errors, parity and quality, and where serving.json is."""
+        return (
+            f"{self.verdict_text}: step {self.step}; P99 e2e {self.p99_e2e_ms:.1f} ms, TTFT {self.p99_ttft_ms:.1f} ms; "
+            f"{self.output_tokens_per_s:.0f} output tokens/s; errors {self.error_rate:.1%}; greedy parity "
+            f"{self.greedy_matched}/{self.greedy_prompts}; ROUGE-L {self.rouge_l:.3f}, BLEU-4 {self.bleu4:.2f}; "
+            f"`{self.files.get('json', '-')}`"
+        )
+
+
+class SkippedResult(StepResult):
+    """A step the spec turns off (for example `serve: null`)."""
+
+    reason: str
+
+    @property
+    def verdict(self) -> Literal["passed", "skipped"]:
+        """Always skipped."""
+        return "skipped"
+
+    def summary(self) -> str:
+        """Why it was skipped."""
+        return f"skipped: {self.reason}"
+
+
 @dataclass(frozen=True)
 class ImageInputs:
     """The image step's arguments, in the order `build_image` takes them."""
@@ -252,6 +295,11 @@ def plan_url(spec: DeploymentSpec, folder: str | None = None) -> str:
 def node_report_path(spec: DeploymentSpec, folder: str | None = None) -> str:
     """Where node-check.json goes: in `folder`, else in the deployment's reports folder."""
     return f"{(folder or spec.reports_dir).rstrip('/')}/{NODE_REPORT}"
+
+
+def serving_dir(spec: DeploymentSpec, folder: str | None = None) -> str:
+    """Where the serving check writes serving.json, its logs, the served model and the manifests."""
+    return folder or f"{spec.reports_dir.rstrip('/')}/{SERVING_DIR}"
 
 
 def image_inputs(spec: DeploymentSpec, record_dir: str | None = None) -> ImageInputs:

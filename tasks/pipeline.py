@@ -22,7 +22,7 @@ from training.secrets import redact
 # The Prefect Secret block that holds the checkpoint signing key (used when TDEPLOY_CHECKPOINT_KEY is unset).
 CHECKPOINT_KEY_BLOCK = "tdeploy-checkpoint-key"
 
-STEPS = ("spec", "capacity", "nodes", "image", "data", "job", "acceptance", "drills")
+STEPS = ("spec", "capacity", "nodes", "image", "data", "job", "acceptance", "drills", "serving")
 STEP_TITLES = {
     "spec": "spec validation",
     "capacity": "capacity estimation",
@@ -32,6 +32,7 @@ STEP_TITLES = {
     "job": "job submission",
     "acceptance": "acceptance tests",
     "drills": "checkpoint-restore drills",
+    "serving": "serving check",
 }
 ARTIFACTS = {
     "spec": "diagnosis",
@@ -42,6 +43,7 @@ ARTIFACTS = {
     "job": "submit-job",
     "acceptance": "acceptance",
     "drills": "drills",
+    "serving": "serving",
 }
 
 

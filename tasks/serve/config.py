@@ -6,6 +6,7 @@ from typing import Literal
 
 from pydantic import Field
 
+from tasks.serve.check import ServingCheckConfig
 from training.config import ModelConfig, StrictModel
 
 # vLLM's CPU attention kernels take these head sizes only ("Unsupported CPU attention configuration: head_dim=16").
@@ -38,6 +39,10 @@ class ServeConfig(StrictModel):
     tensor_parallel: int = Field(default=1, ge=1, le=64, description="GPUs one server shards the model over.")
     startup_timeout_s: float = Field(
         default=900.0, gt=0, le=7200, description="How long the server may take to answer /health after start."
+    )
+    check: ServingCheckConfig = Field(
+        default_factory=ServingCheckConfig,
+        description="The pipeline's serving check: load test, greedy parity, quality probes and thresholds.",
     )
 
 

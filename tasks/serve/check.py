@@ -1,0 +1,349 @@
+"""The serving check: export the accepted checkpoint, serve it with vLLM, load-test it, compare its greedy
+completions with our own model's, score its generations, and judge it all against the spec's thresholds."""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import urllib.request
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from pydantic import Field
+
+from tasks.errors import TransientError, UserError
+from training.config import ModelConfig, StrictModel, TrainConfig
+from validation.serving import (
+    LoadFigures,
+    ParityFigures,
+    QualityFigures,
+    ServerFigures,
+    ServingCheck,
+    ServingThresholds,
+    compare_greedy,
+    judge,
+    score_quality,
+)
+
+if TYPE_CHECKING:
+    import torch
+
+    from tasks.serve.config import ServeConfig
+    from tasks.serve.server import Server
+
+log = logging.getLogger(__name__)
+
+SERVING_JSON = "serving.json"
+JUNIT = "junit.xml"
+HISTOGRAM = "latency_histogram.png"
+SERVER_LOG = "server.log"
+BENCH_JSON = "bench.json"
+PROMPTS = "prompts.jsonl"
+MODEL_DIR = "model"
+
+
+class ServingCheckConfig(StrictModel):
+    """The serving check's load test, parity and quality probes, and its thresholds (`serve.check`)."""
+
+    num_prompts: int = Field(default=32, ge=1, le=100_000, description="Requests the load test sends.")
+    prompt_tokens: int = Field(
+        default=32, ge=1, le=1_048_576, description="Tokens of held-out text in each prompt (load, parity, quality)."
+    )
+    output_tokens: int = Field(
+        default=16, ge=1, le=1_048_576, description="Tokens each load-test and quality request generates."
+    )
+    max_concurrency: int = Field(default=4, ge=1, le=100_000, description="Load test: most requests in flight.")
+    request_rate_per_s: float | None = Field(
+        default=None,
+        gt=0,
+        description="Load test: Poisson arrival rate; None = send as fast as the concurrency allows.",
+    )
+    parity_prompts: int = Field(default=4, ge=1, le=10_000, description="Prompts of the greedy parity check.")
+    parity_tokens: int = Field(default=8, ge=1, le=4096, description="Greedy tokens compared per parity prompt.")
+    quality_prompts: int = Field(default=16, ge=1, le=10_000, description="Held-out continuations scored.")
+    metrics_interval_s: float = Field(
+        default=0.5, gt=0, le=60, description="How often the server's /metrics are sampled during the load test."
+    )
+    load_timeout_s: float = Field(default=1800.0, gt=0, le=86_400, description="Most time the load test may take.")
+    thresholds: ServingThresholds = Field(default_factory=ServingThresholds)
+
+
+def check_problems(model: ModelConfig, serve: ServeConfig, check: ServingCheckConfig) -> list[str]:
+    """Why the check's prompts cannot fit the served context (empty when they do), each with the fix."""
+    limit = serve.max_model_len or model.seq_len
+    longest = check.prompt_tokens + max(check.output_tokens, check.parity_tokens)
+    if longest > limit:
+        return [
+            f"serve.check.prompt_tokens={check.prompt_tokens} + output_tokens={check.output_tokens}: {longest} "
+            f"tokens exceed the served context of {limit} (serve.max_model_len or model.seq_len); lower them"
+        ]
+    return []
+
+
+@dataclass(frozen=True)
+class HeldOut:
+    """Prompts and their true continuations, as token ids, from the dataset's held-out split."""
+
+    prompts: list[list[int]]
+    continuations: list[list[int]]
+    split: str
+
+
+def held_out(train: TrainConfig, check: ServingCheckConfig, count: int) -> HeldOut:
+    """`count` samples of the validation split (the training split when there is none), cut into prompt and
+    continuation; spread over the split so that they are not one document."""
+    from training.dataset import TokenDataset, read_manifest
+
+    length = check.prompt_tokens + check.output_tokens
+    split = "val" if "val" in read_manifest(train.dataset_url, train.storage).splits else "train"
+    data = TokenDataset(train.dataset_url, split, length - 1, train.storage, vocab_size=train.model.vocab_size)
+    stride = max(1, len(data) // count)
+    indices = [(i * stride) % len(data) for i in range(count)]
+    samples = [data.sample(i).tolist() for i in indices]
+    return HeldOut(
+        [s[: check.prompt_tokens] for s in samples], [s[check.prompt_tokens : length] for s in samples], split
+    )
+
+
+def load_our_model(train: TrainConfig, checkpoint_dir: str) -> torch.nn.Module:
+    """Our own model (training/model.py) with the weights of one committed checkpoint, in eval mode, on CPU."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from training.checkpoint_trust import SafeFileSystemReader, SafeLoadPlanner
+    from training.model import Transformer
+
+    model = Transformer(train.model)
+    state = {"model": model.state_dict()}
+    dcp.load(state, storage_reader=SafeFileSystemReader(checkpoint_dir), planner=SafeLoadPlanner(checkpoint_dir))
+    model.load_state_dict(state["model"])
+    return model.eval().to(torch.float32)
+
+
+def our_greedy(model: torch.nn.Module, prompts: list[list[int]], tokens: int) -> list[list[int]]:
+    """Greedy completions of our model: argmax of the last position, `tokens` times, EOS not special."""
+    import torch
+
+    out = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = torch.tensor([prompt], dtype=torch.long)
+            for _ in range(tokens):
+                logits, _ = model(ids)
+                ids = torch.cat([ids, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+            out.append(ids[0, len(prompt) :].tolist())
+    return out
+
+
+def _post(url: str, body: dict[str, Any], timeout_s: float = 120.0) -> dict[str, Any]:
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}, method="POST"
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as resp:  # noqa: S310 - our own loopback server
+            return json.loads(resp.read())
+    except OSError as err:
+        raise TransientError(f"serving check: request to {url} failed: {err}", "see the server log") from err
+
+
+def served_greedy(server: Server, prompts: list[list[int]], tokens: int) -> tuple[list[list[int]], list[str]]:
+    """The server's greedy completions (temperature 0, EOS ignored) of token-id prompts: their ids and texts."""
+    ids, texts = [], []
+    for prompt in prompts:
+        body = {
+            "model": server.served_name,
+            "prompt": prompt,
+            "max_tokens": tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        }
+        choice = _post(f"{server.url}/v1/completions", body)["choices"][0]
+        ids.append(list(choice.get("token_ids") or []))
+        texts.append(choice.get("text", ""))
+    return ids, texts
+
+
+class MetricsSampler:
+    """Samples the server's Prometheus /metrics in a thread while the load test runs (the maxima are kept)."""
+
+    GAUGES = {
+        "kv_cache_usage_max": "vllm:kv_cache_usage_perc",
+        "running_max": "vllm:num_requests_running",
+        "waiting_max": "vllm:num_requests_waiting",
+    }
+
+    def __init__(self, url: str, interval_s: float) -> None:
+        self.url, self.interval_s = f"{url}/metrics", interval_s
+        self.maxima: dict[str, float] = {}
+        self.samples = 0
+        self.last: dict[str, float] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="metrics-sampler", daemon=True)
+
+    def read(self) -> dict[str, float]:
+        """One scrape: every sample's value by name (labels summed)."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        with urllib.request.urlopen(self.url, timeout=10) as resp:  # noqa: S310 - our own loopback server
+            text = resp.read().decode()
+        values: dict[str, float] = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                values[sample.name] = values.get(sample.name, 0.0) + float(sample.value)
+        return values
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                values = self.read()
+            except OSError as err:
+                log.debug("metrics scrape failed: %s", err)
+            else:
+                self.samples += 1
+                self.last = values
+                for key, name in self.GAUGES.items():
+                    if name in values:
+                        self.maxima[key] = max(self.maxima.get(key, 0.0), values[name])
+            self._stop.wait(self.interval_s)
+
+    def __enter__(self) -> MetricsSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+        try:
+            self.last = self.read()
+            self.samples += 1
+        except OSError as err:
+            log.warning("final metrics scrape failed: %s", err)
+
+    def figures(self) -> ServerFigures:
+        """The maxima, the engine's mean tokens per step and its preemptions, from the last scrape."""
+        last = self.last
+        steps = last.get("vllm:iteration_tokens_total_count")
+        tokens = last.get("vllm:iteration_tokens_total_sum")
+        return ServerFigures(
+            samples=self.samples,
+            kv_cache_usage_max=self.maxima.get("kv_cache_usage_max"),
+            running_max=self.maxima.get("running_max"),
+            waiting_max=self.maxima.get("waiting_max"),
+            mean_batch_tokens=(tokens / steps) if steps and tokens is not None else None,
+            preemptions=last.get("vllm:num_preemptions_total"),
+        )
+
+
+@dataclass(frozen=True)
+class ServingReport:
+    """Everything the serving check measured and judged."""
+
+    model_dir: str
+    step: int
+    url: str
+    server_pid: int
+    """The server's process (and process group) id: gone when the check ends."""
+    accelerator: str
+    devices: int
+    load: LoadFigures
+    server: ServerFigures
+    parity: ParityFigures
+    quality: QualityFigures
+    checks: list[ServingCheck]
+    per_request_e2e_ms: list[float]
+    files: dict[str, str]
+
+    @property
+    def passed(self) -> bool:
+        """No gated figure failed."""
+        return all(c.passed is not False for c in self.checks)
+
+    @property
+    def failed(self) -> list[str]:
+        """Names of the failed figures."""
+        return [c.name for c in self.checks if c.passed is False]
+
+    def to_json(self) -> dict[str, Any]:
+        """serving.json's content."""
+        data = asdict(self)
+        data.pop("per_request_e2e_ms")
+        data["verdict"] = "passed" if self.passed else "failed"
+        data["load"]["error_rate"] = self.load.error_rate
+        data["parity"]["share"] = self.parity.share
+        return data
+
+
+def run_serving_check(
+    serve: ServeConfig,
+    check: ServingCheckConfig,
+    train: TrainConfig,
+    accelerator: str,
+    name: str,
+    out_dir: Path,
+    step: int | None = None,
+) -> ServingReport:
+    """Export the newest sound (or the given) checkpoint, serve it, measure it, write the reports into `out_dir`,
+    stop the server; the report says whether it passed."""
+    from tasks.export.task import export_checkpoint
+    from tasks.serve.config import unservable
+    from tasks.serve.load import run_load_test
+    from tasks.serve.report import write_reports
+    from tasks.serve.server import start_server
+
+    problems = unservable(train.model, serve, accelerator) + check_problems(train.model, serve, check)
+    if problems:
+        raise UserError("; ".join(problems))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    exported = export_checkpoint(train, step, out_dir / MODEL_DIR)
+    model_dir = Path(exported.model_dir)
+    count = max(check.parity_prompts, check.quality_prompts, check.num_prompts)
+    data = held_out(train, check, count)
+    ours = our_greedy(
+        load_our_model(train, exported.checkpoint_dir), data.prompts[: check.parity_prompts], check.parity_tokens
+    )
+    max_model_len = serve.max_model_len or train.model.seq_len
+    started = time.monotonic()
+    server = start_server(model_dir, serve, name, max_model_len, out_dir / SERVER_LOG)
+    try:
+        log.info("serving %s at %s (up in %.0f s)", model_dir, server.url, time.monotonic() - started)
+        served, _ = served_greedy(server, data.prompts[: check.parity_prompts], check.parity_tokens)
+        parity = compare_greedy(ours, served, check.parity_tokens)
+        _, predictions = served_greedy(server, data.prompts[: check.quality_prompts], check.output_tokens)
+        references = decode(model_dir, data.continuations[: check.quality_prompts])
+        quality = score_quality(predictions, references)
+        prompts_text = decode(model_dir, data.prompts[: check.num_prompts])
+        with MetricsSampler(server.url, check.metrics_interval_s) as sampler:
+            load, per_request = run_load_test(server, model_dir, prompts_text, check, out_dir)
+        figures = sampler.figures()
+    finally:
+        server.stop()
+    devices = serve.tensor_parallel if accelerator != "cpu" else 1
+    checks = judge(load, parity, quality, check.thresholds, devices)
+    report = ServingReport(
+        model_dir=str(model_dir),
+        step=exported.step,
+        url=server.url,
+        server_pid=server.pid,
+        accelerator=accelerator,
+        devices=devices,
+        load=load,
+        server=figures,
+        parity=parity,
+        quality=quality,
+        checks=checks,
+        per_request_e2e_ms=per_request,
+        files={},
+    )
+    return write_reports(report, serve, name, out_dir)
+
+
+def decode(model_dir: Path, sequences: list[list[int]]) -> list[str]:
+    """Token ids to text with the exported tokenizer (the one the server uses)."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    return [tokenizer.decode(ids, skip_special_tokens=False) for ids in sequences]

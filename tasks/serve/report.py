@@ -1,0 +1,99 @@
+"""serving.json, a JUnit file, the latency histogram and the serving manifests of a serving check."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+from xml.etree import ElementTree as ET
+
+from tasks.serve.config import ServeConfig
+
+if TYPE_CHECKING:
+    from tasks.serve.check import ServingReport
+
+VERDICTS = {True: "pass", False: "FAIL", None: "not gated"}
+
+
+def write_junit(report: ServingReport, path: Path) -> Path:
+    """One test case per judged figure (an ungated one as skipped), so CI systems show each."""
+    suite = ET.Element(
+        "testsuite",
+        name="tdeploy-serving",
+        tests=str(len(report.checks)),
+        failures=str(sum(1 for c in report.checks if c.passed is False)),
+        skipped=str(sum(1 for c in report.checks if c.passed is None)),
+    )
+    for check in report.checks:
+        case = ET.SubElement(suite, "testcase", classname="serving", name=check.name)
+        ET.SubElement(case, "system-out").text = json.dumps(
+            {"measured": check.measured, "threshold": check.threshold}, default=str
+        )
+        if check.passed is False:
+            ET.SubElement(case, "failure", message=check.message).text = check.message
+        elif check.passed is None:
+            ET.SubElement(case, "skipped", message=check.message)
+    ET.ElementTree(suite).write(path, encoding="utf-8", xml_declaration=True)
+    return path
+
+
+def plot_latency(report: ServingReport, path: Path) -> Path:
+    """A histogram of the load test's per-request end-to-end latency with P50/P95/P99 and the threshold."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.hist(report.per_request_e2e_ms, bins=min(30, max(5, len(report.per_request_e2e_ms) // 2)), color="#4c72b0")
+    e2e = report.load.e2e_ms
+    for label, value, style in (("P50", e2e.p50, ":"), ("P95", e2e.p95, "--"), ("P99", e2e.p99, "-")):
+        ax.axvline(value, color="black", linestyle=style, label=f"{label} {value:.1f} ms")
+    limit = next((c.threshold for c in report.checks if c.name == "p99_e2e_latency_ms"), None)
+    if limit is not None:
+        ax.axvline(limit, color="red", label=f"P99 threshold {limit:.0f} ms")
+    ax.set_xlabel("end-to-end latency per request (ms)")
+    ax.set_ylabel("requests")
+    ax.set_title(
+        f"{report.load.requests} requests, concurrency {report.load.max_concurrency}, "
+        f"{report.load.output_tokens_per_s:.0f} output tokens/s"
+    )
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def table_rows(report: ServingReport) -> list[dict[str, Any]]:
+    """The artifact's table: one row per judged figure."""
+    return [
+        {
+            "check": c.name,
+            "verdict": VERDICTS[c.passed],
+            "measured": "-" if c.measured is None else f"{c.measured:.4g}",
+            "threshold": "-" if c.threshold is None else f"{c.threshold:.4g}",
+            "message": c.message,
+        }
+        for c in report.checks
+    ]
+
+
+def write_reports(report: ServingReport, serve: ServeConfig, name: str, out_dir: Path) -> ServingReport:
+    """Write serving.json (last, so that its presence means the rest is there), junit.xml, the histogram and
+    the Kubernetes and Slurm serving manifests; the report with their paths."""
+    from tasks.serve.check import HISTOGRAM, JUNIT, SERVING_JSON
+    from tasks.serve.manifests import write_manifests
+
+    files = {"junit": str(write_junit(report, out_dir / JUNIT))}
+    if report.per_request_e2e_ms:
+        files["histogram"] = str(plot_latency(report, out_dir / HISTOGRAM))
+    for path in write_manifests(serve, name, report.model_dir, out_dir, accelerator=report.accelerator):
+        files[path.name] = str(path)
+    files["json"] = str(out_dir / SERVING_JSON)
+    report = dataclasses.replace(report, files=files)
+    tmp = out_dir / f".{SERVING_JSON}.partial"
+    tmp.write_text(json.dumps(report.to_json(), indent=2, default=str))
+    tmp.replace(out_dir / SERVING_JSON)
+    return report
