@@ -161,7 +161,7 @@ def score_quality(predictions: list[str], references: list[str]) -> QualityFigur
 
 def _gate(name: str, value: float | None, limit: float | None, upper: bool, fix: str) -> ServingCheck:
     if limit is None:
-        return ServingCheck(name, value, None, None if value is None else True, "not gated")
+        return ServingCheck(name, value, None, None, "not gated")
     if value is None or math.isnan(value):
         return ServingCheck(name, value, limit, False, f"{name} was not measured; {fix}")
     ok = value <= limit if upper else value >= limit
