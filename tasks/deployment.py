@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 
 NODE_REPORT = "node-check.json"
 IMAGE_DIR = "image"
+EXPORT_DIR = "export"
 SERVING_DIR = "serving"
 
 
@@ -250,6 +251,30 @@ class SkippedResult(StepResult):
         return f"skipped: {self.reason}"
 
 
+class ExportResult(StepResult):
+    """A checkpoint exported as a Hugging Face model folder."""
+
+    model_dir: str
+    step: int
+    checkpoint_dir: str
+    """The source checkpoint's step folder (a path, or a URL on an object store)."""
+    n_params: int
+    files: list[str]
+    bytes: int
+    """Bytes of every file written, EXPORT.json included."""
+    architecture: str
+    notes: list[str] = []
+    """Where the exported model computes something other than the run (an MoE capacity factor, say)."""
+
+    def summary(self) -> str:
+        """Step, architecture, size and where the folder is."""
+        notes = f"; {len(self.notes)} note(s) in EXPORT.json" if self.notes else ""
+        return (
+            f"step {self.step} as {self.architecture}: {self.n_params / 1e6:.2f}M params, {len(self.files)} files, "
+            f"{self.bytes / 1e6:.1f} MB in `{self.model_dir}`{notes}"
+        )
+
+
 @dataclass(frozen=True)
 class ImageInputs:
     """The image step's arguments, in the order `build_image` takes them."""
@@ -300,6 +325,11 @@ def node_report_path(spec: DeploymentSpec, folder: str | None = None) -> str:
 def serving_dir(spec: DeploymentSpec, folder: str | None = None) -> str:
     """Where the serving check writes serving.json, its logs, the served model and the manifests."""
     return folder or f"{spec.reports_dir.rstrip('/')}/{SERVING_DIR}"
+
+
+def export_dir(spec: DeploymentSpec) -> str:
+    """The folder exports go under, one step-<N>/ each: <deployment_dir>/export."""
+    return f"{spec.reports_dir.rstrip('/')}/{EXPORT_DIR}"
 
 
 def image_inputs(spec: DeploymentSpec, record_dir: str | None = None) -> ImageInputs:

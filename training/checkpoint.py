@@ -5,6 +5,7 @@ Layout of one checkpoint::
     <url>/step-00000040/.metadata, __<rank>_<n>.distcp   model + optimizer (DCP, sharded)
     <url>/step-00000040/train_state.json                 step, sampler position, LR scheduler, loss scaler
     <url>/step-00000040/rng/rank-00000.json              per-rank python/numpy/torch RNG states
+    <url>/step-00000040/model.json                       the model card: architecture, tokenizer, dataset (ModelCard)
     <url>/step-00000040/COMMIT.json                      written last: file list with sha256 (+ hmac_sha256)
 
 A checkpoint exists only once COMMIT.json is there. Loading takes the newest
@@ -36,23 +37,34 @@ import binascii
 import errno
 import json
 import logging
+import math
 import os
 import random
 import re
 import shutil
 import time
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from pydantic import Field, ValidationError
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
@@ -67,14 +79,21 @@ from training.checkpoint_trust import (
     sign_commit,
     untrusted_reason,
 )
-from training.config import CheckpointConfig
+from training.config import CheckpointConfig, ModelConfig, StrictModel
 from training.run_output import ResumeRecord, RunOutputWriter, SkippedCheckpoint
 from training.storage import StorageConfig, filesystem, is_local, join, local_path, sha256_file, write_bytes_atomic
+
+if TYPE_CHECKING:
+    from training.config import TrainConfig
+    from training.dataset import DatasetManifest
 
 log = logging.getLogger(__name__)
 
 COMMIT = "COMMIT.json"
 TRAIN_STATE = "train_state.json"
+MODEL_CARD = "model.json"
+CARD_VERSION = 1
+MODEL_PREFIX = "model."  # DCP's flattened key of a model tensor: "model." + the module's parameter name
 DCP_METADATA = ".metadata"  # DCP's own name (torch.distributed.checkpoint.filesystem)
 _STEP_DIR = re.compile(r"step-(\d{8})$")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
@@ -147,6 +166,64 @@ class Restored:
     train_state: dict[str, Any]
     saved_world_size: int
     rng_restored: bool
+
+
+class CardTokenizer(StrictModel):
+    """Which tokenizer produced the ids the model was trained on (the dataset's, training/dataset.py)."""
+
+    kind: Literal["bytes", "bpe"] = Field(description="bytes: id = UTF-8 byte value, EOS 256; bpe: a tokenizer.json.")
+    url: str | None = Field(default=None, description="Path or fsspec URL of the dataset's tokenizer.json (bpe).")
+    sha256: str | None = Field(default=None, description="sha256 of that tokenizer.json (bpe).")
+
+
+class ModelCard(StrictModel):
+    """model.json: what a checkpoint holds, for whoever turns it into something else (tasks/export)."""
+
+    format_version: int = Field(default=CARD_VERSION, description="Version of this record's layout.")
+    model: ModelConfig = Field(description="The architecture the weights belong to.")
+    vocab_size: int = Field(ge=2, description="The tokenizer's (dataset's) vocabulary; model.vocab_size may be more.")
+    eos_id: int | None = Field(description="End-of-text id of the dataset (None: documents carry no EOS).")
+    dataset_url: str = Field(description="The dataset the run trained on.")
+    tokenizer: CardTokenizer
+    expert_capacity_factor: float | None = Field(
+        default=None, description="MoE: parallel.expert_capacity_factor of the run (tokens over capacity dropped)."
+    )
+
+    @classmethod
+    def of_run(cls, cfg: TrainConfig, manifest: DatasetManifest) -> ModelCard:
+        """The card of a run of `cfg` on the dataset whose manifest is `manifest`."""
+        tok = manifest.tokenizer
+        url = join(cfg.data.dataset_url, tok.path) if tok.path is not None else None
+        return cls(
+            model=cfg.model,
+            vocab_size=manifest.vocab_size,
+            eos_id=manifest.eos_id,
+            dataset_url=cfg.data.dataset_url,
+            tokenizer=CardTokenizer(kind=tok.kind, url=url, sha256=tok.sha256 or cfg.data.tokenizer_sha256),
+            expert_capacity_factor=cfg.parallel.expert_capacity_factor if cfg.model.moe else None,
+        )
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Shape and dtype of one model tensor in a checkpoint (from DCP's .metadata, nothing read)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the whole tensor."""
+        return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
+
+
+@contextmanager
+def _single_process_quiet() -> Iterator[None]:
+    """DCP warns that it assumes one process whenever no process group is up; that is the intent here."""
+    with warnings.catch_warnings():
+        if not dist.is_initialized():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        yield
 
 
 def step_dir_name(step: int) -> str:
@@ -366,10 +443,14 @@ _LIST_KEYED_OPTIMIZER = "optim.param_groups.0.lr"  # by name it would be optim.p
 class CheckpointManager:
     """Saves, finds, verifies, loads and prunes checkpoints. `save` and `load_latest` are collective."""
 
-    def __init__(self, cfg: CheckpointConfig, storage: StorageConfig, layout: str = "") -> None:
+    def __init__(
+        self, cfg: CheckpointConfig, storage: StorageConfig, layout: str = "", card: dict[str, Any] | None = None
+    ) -> None:
         """`layout` names the model-parallel layout ("" for pure data parallelism, which reshards freely): a
-        checkpoint loaded under another layout or world size is resharded and its per-rank RNG states unused."""
+        checkpoint loaded under another layout or world size is resharded and its per-rank RNG states unused.
+        `card` (a ModelCard's JSON data) is written into every checkpoint as model.json, before its commit."""
         self.cfg, self.storage, self.layout = cfg, storage, layout
+        self.card = None if card is None else ModelCard.model_validate(card).model_dump(mode="json")
         self.fs, self.root = filesystem(cfg.url, storage)
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
@@ -416,6 +497,34 @@ class CheckpointManager:
         except FileNotFoundError:
             return None
         return _check_commit(_parse_json(raw, self._url(full)), step, self._url(full))
+
+    def read_card(self, step: int, commit: dict[str, Any] | None = None) -> ModelCard | None:
+        """The model card (model.json) of `step`; None for a checkpoint saved without one. CheckpointFormatError
+        if it is not a card, or, given the step's `commit` record (from `sound`, which verified the files it
+        lists), if that record does not list it: a card added after the commit is not believed."""
+        full = join(self._dir(step), MODEL_CARD)
+        try:
+            raw = self.fs.cat_file(full)
+        except FileNotFoundError:
+            return None
+        if commit is not None and MODEL_CARD not in commit["files"]:
+            raise CheckpointFormatError(self._url(full), f"is not listed in {COMMIT}, so nothing verifies it")
+        value = _parse_json(raw, self._url(full))
+        try:
+            return ModelCard.model_validate(value)
+        except ValidationError as err:
+            first = err.errors()[0]
+            where = ".".join(str(part) for part in first["loc"]) or "<card>"
+            problem = f"is not a model card this trainer writes ({err.error_count()} problem(s), first: {where}: "
+            raise CheckpointFormatError(self._url(full), problem + f"{first['msg']})") from err
+
+    def committed_steps(self) -> list[int]:
+        """Steps whose checkpoint has a COMMIT.json (well-formed or not; not verified), ascending."""
+        return [s for s in self.steps_on_storage() if self._commit_or_none(s) is not None]
+
+    def step_url(self, step: int) -> str:
+        """The URL (a path for local storage) of the folder of checkpoint `step`."""
+        return self._url(self._dir(step))
 
     def _believed(self, step: int) -> bool:
         """Committed, well-formed and (with a key) signed by it: a checkpoint that counts for keep_last."""
@@ -517,6 +626,8 @@ class CheckpointManager:
             write_bytes_atomic(self.fs, join(path, rng_file(self.rank)), rng)
             if self.rank == 0:
                 write_bytes_atomic(self.fs, join(path, TRAIN_STATE), json.dumps(train_state, indent=2).encode())
+                if self.card is not None:
+                    write_bytes_atomic(self.fs, join(path, MODEL_CARD), json.dumps(self.card, indent=2).encode())
 
         _agree(extras, disk_full)
         faults.at_save_phase("after_extras", step)
@@ -733,31 +844,76 @@ class CheckpointManager:
 
         Each skipped checkpoint is appended to `skipped` (when given) with its reason.
         """
-        passed_over = skipped if skipped is not None else []
         steps = _broadcast_from_rank0(self.steps_on_storage() if self.rank == 0 else None)
         for step in reversed(steps):
-            kind, detail = _broadcast_from_rank0(self._inspect(step) if self.rank == 0 else None)
-            name = self._url(self._dir(step))
-            if kind == "key":
-                raise CheckpointKeyError(name, detail)
-            if kind == "partial":
-                if self.rank == 0:
-                    log.warning("skipping partial checkpoint %s: no %s (the save never finished)", name, COMMIT)
-                passed_over.append(SkippedCheckpoint(step, name, "partial", f"no {COMMIT} (the save never finished)"))
-                continue
-            if kind in ("untrusted", "corrupt"):
-                if self.rank == 0:
-                    log.warning("skipping %s checkpoint %s: %s", kind, name, detail)
-                passed_over.append(SkippedCheckpoint(step, name, kind, str(detail)))
-                continue
-            problem = self.verify(step, detail)
-            if problem:
-                if self.rank == 0:
-                    log.warning("skipping corrupt checkpoint %s: %s", name, problem)
-                passed_over.append(SkippedCheckpoint(step, name, "corrupt", problem))
-                continue
-            return step, detail
+            commit = self.sound(step, skipped)
+            if commit is not None:
+                return step, commit
         return None
+
+    def sound(self, step: int, skipped: list[SkippedCheckpoint] | None = None) -> dict[str, Any] | None:
+        """The commit record of checkpoint `step` if it is committed, trusted and verified (collective), else None
+        with the reason appended to `skipped` (when given) and logged. A missing folder counts as partial."""
+        passed_over = skipped if skipped is not None else []
+        kind, detail = _broadcast_from_rank0(self._inspect(step) if self.rank == 0 else None)
+        name = self._url(self._dir(step))
+        if kind == "key":
+            raise CheckpointKeyError(name, detail)
+        if kind == "partial":
+            if self.rank == 0:
+                log.warning("skipping partial checkpoint %s: no %s (the save never finished)", name, COMMIT)
+            passed_over.append(SkippedCheckpoint(step, name, "partial", f"no {COMMIT} (the save never finished)"))
+            return None
+        if kind in ("untrusted", "corrupt"):
+            if self.rank == 0:
+                log.warning("skipping %s checkpoint %s: %s", kind, name, detail)
+            passed_over.append(SkippedCheckpoint(step, name, kind, str(detail)))
+            return None
+        problem = self.verify(step, detail)
+        if problem:
+            if self.rank == 0:
+                log.warning("skipping corrupt checkpoint %s: %s", name, problem)
+            passed_over.append(SkippedCheckpoint(step, name, "corrupt", problem))
+            return None
+        return detail
+
+    # ---- model weights alone (one process: export, evaluation) -------------------------------
+
+    def model_tensors(self, step: int) -> dict[str, TensorInfo]:
+        """Every model tensor of checkpoint `step` by parameter name ("blocks.0.attn.wq.weight"), from its
+        .metadata (read with the allow-list); no tensor data is read. Check the step with `sound` first."""
+        metadata = self._reader(self.step_url(step)).read_metadata()
+        return {
+            key.removeprefix(MODEL_PREFIX): TensorInfo(tuple(entry.size), entry.properties.dtype)
+            for key, entry in metadata.state_dict_metadata.items()
+            if key.startswith(MODEL_PREFIX) and isinstance(entry, TensorStorageMetadata)
+        }
+
+    def load_model_tensors(self, step: int, wanted: dict[str, TensorInfo]) -> dict[str, torch.Tensor]:
+        """The model tensors named in `wanted` (as `model_tensors` gives them), read from checkpoint `step` and
+        nothing else: DCP reads only their byte ranges, so a caller can go through a large model part by part."""
+        state = {"model": {name: torch.empty(info.shape, dtype=info.dtype) for name, info in wanted.items()}}
+        self._load(step, state)
+        return state["model"]
+
+    def load_model(self, step: int, model: torch.nn.Module) -> None:
+        """Load only the model weights of checkpoint `step` into `model` (any world size; no optimizer, no RNG)."""
+        state = {"model": get_model_state_dict(model)}
+        self._load(step, state)
+        set_model_state_dict(model, state["model"])
+
+    def _load(self, step: int, state: dict[str, Any]) -> None:
+        url = self.step_url(step)
+        reader, planner = self._reader(url), SafeLoadPlanner(url)
+        reader.read_metadata()  # raises UnsafeCheckpointError as itself (inside dcp.load it would be generic)
+        try:
+            with _single_process_quiet():
+                dcp.load(state, storage_reader=reader, planner=planner)
+        except (Exception, CheckpointException) as err:  # DCP's exception is a BaseException
+            refusal = planner.refused or _refusal_in(err)
+            if refusal is not None:
+                raise refusal from err
+            raise
 
     def _read_small_files(self, step: int, rng_needed: bool) -> tuple[dict[str, Any], dict[str, Any] | None]:
         """train_state.json and this rank's RNG file, checked on every rank before anything is applied."""

@@ -33,7 +33,7 @@ from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from training import faults, process
-from training.checkpoint import CheckpointManager, CheckpointSaveError
+from training.checkpoint import CheckpointManager, CheckpointSaveError, ModelCard
 from training.config import OptimConfig, TrainConfig
 from training.dataset import DatasetError, TokenDataset
 from training.grad_clip import clip_grad_norm
@@ -245,7 +245,10 @@ class Trainer:
             growth_interval=cfg.precision.fp16_growth_interval_steps,
             enabled=cfg.precision.dtype == "fp16",
         )
-        self.checkpoints = CheckpointManager(cfg.checkpoint, cfg.storage, layout=self._layout())
+        card = ModelCard.of_run(cfg, self.train_data.manifest)
+        self.checkpoints = CheckpointManager(
+            cfg.checkpoint, cfg.storage, layout=self._layout(), card=card.model_dump(mode="json")
+        )
         self.out = RunOutputWriter(cfg.run.output_url, cfg.storage)
         self.telemetry = Telemetry.for_rank(
             cfg.run, rank=self.rank, local_rank=self.env.local_rank, local_world_size=self.env.local_world_size,

@@ -1,0 +1,279 @@
+"""The export step: a checkpoint (the newest sound one, or a given step) as a Hugging Face model folder.
+
+The folder holds config.json, generation_config.json, model.safetensors (or model-0000k-of-0000n.safetensors
+and model.safetensors.index.json), tokenizer.json, tokenizer_config.json and, written last, EXPORT.json: the
+source checkpoint, its step, the model card, notes and the sha256 of every other file. A local folder is
+written as `.partial-<name>-*` beside it and renamed when complete; an object-store URL gets every file
+uploaded before EXPORT.json. Either way a folder without EXPORT.json is not a finished export.
+
+The checkpoint is read only once `CheckpointManager.sound` has checked it (COMMIT.json, the signature when
+TDEPLOY_CHECKPOINT_KEY is set, every checksum), through the allow-list readers of training/checkpoint_trust.py;
+object-store checkpoints are read in place with the spec's storage options.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from prefect import get_run_logger, task
+from prefect.artifacts import create_markdown_artifact
+
+from tasks.deployment import ExportResult
+from tasks.errors import TransientError, UserError, is_connection_error, retry_on_transient
+from tasks.export.hf import (
+    CONFIG,
+    DEFAULT_MAX_SHARD_BYTES,
+    behaviour_notes,
+    export_model_weights,
+    unexportable,
+    write_configs,
+    write_tokenizer,
+)
+from training.checkpoint import CheckpointManager, ModelCard
+from training.dataset import read_manifest
+from training.run_output import SkippedCheckpoint
+from training.storage import filesystem, is_local, join, local_path
+
+if TYPE_CHECKING:
+    from training.config import TrainConfig
+
+log = logging.getLogger(__name__)
+
+EXPORT_RECORD = "EXPORT.json"
+EXPORT_VERSION = 1
+PARTIAL_PREFIX = ".partial-"
+
+
+def step_folder_name(step: int) -> str:
+    """The default folder of the export of `step` under an export root."""
+    return f"step-{step}"
+
+
+def default_export_root(train: TrainConfig) -> str:
+    """`export` beside checkpoint.url (runs/<name>/export for a spec's default checkpoint folder)."""
+    parent = train.checkpoint.url.rstrip("/").rpartition("/")[0]
+    return join(parent or ".", "export")
+
+
+def _select(manager: CheckpointManager, step: int | None) -> tuple[int, dict[str, Any]]:
+    """The step to export and its verified commit record; UserError naming the folder, the step and the others."""
+    url = manager.cfg.url
+    steps = manager.steps_on_storage()
+    if not steps:
+        raise UserError(
+            f"checkpoint.url={url}: no checkpoint there (no step-NNNNNNNN folder)",
+            "train first (tdeploy train SPEC), or point checkpoint.url at the run's checkpoint folder",
+        )
+    committed = manager.committed_steps()
+    listed = ", ".join(map(str, committed)) or "none"
+    skipped: list[SkippedCheckpoint] = []
+    if step is None:
+        found = manager.latest_sound(skipped)
+        if found is None:
+            reasons = "; ".join(f"step {s.step} {s.reason}: {s.detail}" for s in skipped)
+            raise UserError(
+                f"checkpoint.url={url}: no sound checkpoint ({reasons})",
+                "resume the run so that it saves a complete checkpoint, or restore one",
+            )
+        return found
+    if step not in steps:
+        raise UserError(
+            f"step={step}: no checkpoint of that step under {url} (committed steps: {listed})",
+            "pass one of the committed steps, or leave the step out to export the newest sound one",
+        )
+    commit = manager.sound(step, skipped)
+    if commit is None:
+        others = ", ".join(str(s) for s in committed if s != step) or "none"
+        raise UserError(
+            f"step={step}: the checkpoint {manager.step_url(step)} cannot be used: {skipped[0].detail}",
+            f"export another step (committed: {others}), or leave the step out for the newest sound one",
+        )
+    return step, commit
+
+
+def _card(
+    manager: CheckpointManager, step: int, commit: dict[str, Any], train: TrainConfig
+) -> tuple[ModelCard, list[str]]:
+    """The checkpoint's model card; for one saved before cards existed, the spec's model on its dataset."""
+    card = manager.read_card(step, commit)
+    if card is not None:
+        return card, []
+    card = ModelCard.of_run(train, read_manifest(train.data.dataset_url, train.storage))
+    note = (
+        f"checkpoint step {step} has no model.json (saved before model cards): the architecture is the spec's "
+        f"model section and the tokenizer that of {train.data.dataset_url}"
+    )
+    return card, [note]
+
+
+def _check_target(final: Path) -> None:
+    """Refuse to replace a folder that is not an earlier export (its EXPORT.json) and holds anything."""
+    if final.exists() and (not final.is_dir() or (any(final.iterdir()) and not (final / EXPORT_RECORD).exists())):
+        raise UserError(
+            f"out={final}: exists and is not an export (no {EXPORT_RECORD}); an export replaces only an earlier one",
+            "remove it, or choose another output folder",
+        )
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        while chunk := handle.read(8 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _write_folder(
+    manager: CheckpointManager,
+    step: int,
+    commit: dict[str, Any],
+    card: ModelCard,
+    notes: list[str],
+    train: TrainConfig,
+    folder: Path,
+    max_shard_bytes: int,
+) -> dict[str, Any]:
+    """Every file of the export into `folder`, EXPORT.json last; returns EXPORT.json's content."""
+    files = write_configs(card, folder)
+    weights = export_model_weights(manager, step, card.model, folder, max_shard_bytes)
+    files += weights.files
+    files += write_tokenizer(card, train.storage, folder)
+    config = json.loads((folder / CONFIG).read_text())
+    record = {
+        "format_version": EXPORT_VERSION,
+        "source": {
+            "checkpoint_url": manager.step_url(step),
+            "step": step,
+            "commit_created_unix_s": commit.get("created_unix_s"),
+            "commit_sha256": hashlib.sha256(json.dumps(commit, sort_keys=True).encode()).hexdigest(),
+        },
+        "architecture": config["architectures"][0],
+        "n_params": weights.n_params,
+        "card": card.model_dump(mode="json"),
+        "notes": notes,
+        "exported_unix_s": time.time(),
+        "files": {name: {"sha256": _sha256(folder / name), "bytes": (folder / name).stat().st_size} for name in files},
+    }
+    (folder / EXPORT_RECORD).write_text(_record_text(record))
+    return record
+
+
+def _record_text(record: dict[str, Any]) -> str:
+    return json.dumps(record, indent=2)
+
+
+def _replace(partial: Path, final: Path) -> None:
+    """Put the finished `partial` folder in place of `final` (an earlier export there goes)."""
+    _check_target(final)
+    if not final.exists():
+        partial.rename(final)
+        return
+    old = final.with_name(f"{PARTIAL_PREFIX}old-{final.name}-{time.time_ns()}")
+    final.rename(old)
+    partial.rename(final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _upload(folder: Path, url: str, train: TrainConfig) -> None:
+    """Upload a finished export to an object-store `url`, EXPORT.json last (an earlier one's removed first)."""
+    fs, root = filesystem(url, train.storage)
+    record = join(root, EXPORT_RECORD)
+    if fs.exists(record):
+        fs.rm(record)
+    for path in sorted(folder.iterdir()):
+        if path.name != EXPORT_RECORD:
+            fs.put_file(str(path), join(root, path.name))
+    fs.put_file(str(folder / EXPORT_RECORD), record)
+
+
+def export_checkpoint(
+    train: TrainConfig,
+    step: int | None = None,
+    out: str | Path | None = None,
+    *,
+    export_root: str | None = None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+) -> ExportResult:
+    """Export checkpoint `step` (None: the newest sound one) of `train`'s checkpoint folder to `out`.
+
+    `out` is the model folder (a local path or an object-store URL); None = <export_root>/step-<N>, where
+    export_root defaults to `export` beside checkpoint.url (callers with a spec pass export_dir(spec)).
+    """
+    manager = CheckpointManager(train.checkpoint, train.storage)
+    try:
+        chosen, commit = _select(manager, step)
+        card, notes = _card(manager, chosen, commit, train)
+        problems = unexportable(card.model)
+        if problems:
+            raise problems[0]
+        notes += behaviour_notes(card)
+        target = (
+            str(out) if out is not None else join(export_root or default_export_root(train), step_folder_name(chosen))
+        )
+        if is_local(target):
+            final = Path(local_path(target))
+            _check_target(final)
+            final.parent.mkdir(parents=True, exist_ok=True)
+            partial = Path(tempfile.mkdtemp(prefix=f"{PARTIAL_PREFIX}{final.name}-", dir=final.parent))
+            try:
+                record = _write_folder(manager, chosen, commit, card, notes, train, partial, max_shard_bytes)
+                _replace(partial, final)
+            finally:
+                shutil.rmtree(partial, ignore_errors=True)
+            model_dir = str(final)
+        else:
+            with tempfile.TemporaryDirectory(prefix=f"{PARTIAL_PREFIX}export-") as tmp:
+                record = _write_folder(manager, chosen, commit, card, notes, train, Path(tmp), max_shard_bytes)
+                _upload(Path(tmp), target, train)
+            model_dir = target
+    except Exception as err:
+        if is_connection_error(err) or (err.__cause__ is not None and is_connection_error(err.__cause__)):
+            raise TransientError(
+                f"export of {train.checkpoint.url}: storage unreachable: {err}", "run the export again"
+            ) from err
+        raise
+    files = [*record["files"], EXPORT_RECORD]
+    total = sum(entry["bytes"] for entry in record["files"].values()) + len(_record_text(record).encode())
+    result = ExportResult(
+        model_dir=model_dir,
+        step=chosen,
+        checkpoint_dir=record["source"]["checkpoint_url"],
+        n_params=record["n_params"],
+        files=files,
+        bytes=total,
+        architecture=record["architecture"],
+        notes=notes,
+    )
+    log.info("exported %s", result.summary())
+    for note in notes:
+        log.warning("export of step %d: %s", chosen, note)
+    return result
+
+
+@task(name="export_model", retries=2, retry_delay_seconds=[5, 30], retry_condition_fn=retry_on_transient)
+def export_model(
+    train: TrainConfig, step: int | None = None, out: str | None = None, export_root: str | None = None
+) -> ExportResult:
+    """Export a checkpoint as a Hugging Face model folder; publish what was written."""
+    logger = get_run_logger()
+    result = export_checkpoint(train, step, out, export_root=export_root)
+    logger.info("export: %s", result.summary())
+    rows = "\n".join(f"| `{name}` |" for name in result.files)
+    notes = "".join(f"\n- note: {note}" for note in result.notes)
+    create_markdown_artifact(
+        key="export",
+        markdown=(
+            f"# Export of step {result.step}\n\n- source: `{result.checkpoint_dir}`\n- model: "
+            f"`{result.model_dir}` ({result.architecture}, {result.n_params:,} parameters, "
+            f"{result.bytes / 1e6:.1f} MB){notes}\n\n| file |\n|---|\n{rows}\n"
+        ),
+        description=f"Hugging Face model folder of step {result.step}",
+    )
+    return result
