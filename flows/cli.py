@@ -479,6 +479,37 @@ def drill(
         raise typer.Exit(EXIT_FAILED_CHECK)
 
 
+@app.command(
+    epilog=_example(
+        "tdeploy export examples/local.yaml", "tdeploy export examples/local.yaml --step 20 --out runs/local/hf"
+    )
+)
+def export(
+    spec: str = typer.Argument(..., help=SPEC_HELP),
+    step: int | None = typer.Option(
+        None, "--step", min=0, help="Checkpoint step to export; default the newest sound one."
+    ),
+    out: str | None = typer.Option(
+        None,
+        "--out",
+        help="Model folder to write (a local folder or an fsspec URL); default <deployment_dir>/export/step-<N>.",
+    ),
+) -> None:
+    """Export a checkpoint as a Hugging Face model folder (config, safetensors, tokenizer) for transformers or vLLM."""
+    from tasks.deployment import export_dir
+    from tasks.export.task import export_checkpoint
+
+    parsed = _load(spec)
+    cfg = _training_config_prepared(parsed)
+    result = export_checkpoint(cfg, step, out, export_root=export_dir(parsed))
+    console.print(f"exported {result.summary()}", markup=False, highlight=False)
+    console.print(f"from {result.checkpoint_dir}", markup=False, highlight=False)
+    for name in result.files:
+        console.print(f"  {name}", markup=False, highlight=False)
+    for note in result.notes:
+        err_console.print(f"note: {note}", style="yellow", markup=False, highlight=False)
+
+
 @app.command(epilog=_example("tdeploy run examples/local.yaml"))
 def run(spec: str = typer.Argument(..., help=SPEC_HELP)) -> None:
     """Run the whole deploy-training flow on this machine (ephemeral Prefect; no server needed)."""
