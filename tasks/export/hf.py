@@ -279,6 +279,8 @@ def byte_tokenizer_json() -> str:
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True))
     tokenizer.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse()])
     tokenizer.add_special_tokens([AddedToken(BYTE_EOS_TOKEN, special=True, normalized=False)])
+    probe = "byte ids: é 日 🎉\n"
+    assert tokenizer.encode(probe).ids == list(probe.encode("utf-8")), "this tokenizers version changed byte_fallback"
     return tokenizer.to_str()
 
 

@@ -123,3 +123,43 @@ def test_a_checkpoint_on_s3_exports_to_s3(trained, s3_endpoint: str, s3_bucket: 
     fs.get(f"{s3_bucket}/export/step-4/", str(tmp_path / "hf") + "/", recursive=True)
     assert {p.name for p in (tmp_path / "hf").iterdir()} == HF_FILES | {EXPORT_RECORD}
     assert _max_logit_diff(tmp_path / "hf", _ours(spec, 4)) < 1e-5
+
+
+@pytest.mark.usefixtures("prefect_harness")
+def test_the_export_task_retries_a_storage_outage_and_publishes_the_folder(
+    trained, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from uuid import UUID
+
+    from prefect import flow
+    from prefect.client.orchestration import get_client
+
+    import tasks.export.task as export_task
+    from tasks.errors import TransientError
+
+    _, spec = trained
+    calls: list[int | None] = []
+    real = export_task.export_checkpoint
+
+    def flaky(*args: Any, **kwargs: Any) -> Any:
+        calls.append(args[1])
+        if len(calls) == 1:
+            raise TransientError("checkpoint storage unreachable", "run the export again")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(export_task, "export_checkpoint", flaky)
+
+    @flow
+    def export_flow() -> dict[str, Any]:
+        state = export_task.export_model.with_options(retry_delay_seconds=0)(
+            spec.training_config(), 2, str(tmp_path / "hf"), return_state=True
+        )
+        return {"id": str(state.state_details.task_run_id), "result": state.result()}
+
+    out = export_flow()
+    with get_client(sync_client=True) as client:
+        run_count = client.read_task_run(UUID(out["id"])).run_count
+        artifacts = [a for a in client.read_artifacts() if a.key == "export"]
+    assert run_count == 2 and calls == [2, 2]
+    assert out["result"].step == 2 and out["result"].model_dir == str(tmp_path / "hf")
+    assert any(str(tmp_path / "hf") in (a.data or "") for a in artifacts)
