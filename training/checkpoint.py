@@ -214,7 +214,7 @@ class TensorInfo:
     @property
     def nbytes(self) -> int:
         """Bytes of the whole tensor."""
-        return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 @contextmanager
