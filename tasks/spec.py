@@ -18,6 +18,7 @@ from tasks.errors import TransientError, is_connection_error
 from tasks.image.config import ImageConfig
 from tasks.nodes.config import NodesConfig
 from tasks.prepare.config import DataSpec
+from tasks.serve.config import ServeConfig, unservable
 from training.config import (
     MAX_RANKS,
     CheckpointConfig,
@@ -125,6 +126,11 @@ class DeploymentSpec(StrictModel):
         default_factory=AcceptanceConfig, description="Acceptance tests (tdeploy accept): thresholds and run lengths."
     )
     drills: DrillConfig = Field(default_factory=DrillConfig, description="Checkpoint-restore drills (tdeploy drill).")
+    serve: ServeConfig | None = Field(
+        default_factory=ServeConfig,
+        description="Serving the trained model with vLLM (tdeploy serve, the pipeline's serving check); "
+        "None = no serving.",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -147,8 +153,20 @@ class DeploymentSpec(StrictModel):
                 ],
             )
         capacity = capacity_problems(self.capacity, c.accelerator, c.nodes, c.procs_per_node, self.model, self.parallel)
-        raise_problems("DeploymentSpec", training_problems(self) + self._cluster_problems() + capacity)
+        problems = training_problems(self) + self._cluster_problems() + capacity + self._serve_problems()
+        raise_problems("DeploymentSpec", problems)
         return self
+
+    def _serve_problems(self) -> list[Problem]:
+        """Why the trained model could not be served as the serve section says (checked before training)."""
+        if self.serve is None:
+            return []
+        problems: list[Problem] = []
+        for text in unservable(self.model, self.serve, self.cluster.accelerator):
+            name, _, rest = text.partition("=")  # unservable() words each one as "field=value: problem; fix"
+            value, _, message = rest.partition(": ")
+            problems.append((tuple(name.split(".")), value, f"{message}; or set serve: null to train without serving"))
+        return problems
 
     def _cluster_problems(self) -> list[Problem]:
         problems: list[Problem] = []
