@@ -537,6 +537,87 @@ def diagnose(
         raise typer.Exit(1)
 
 
+@app.command(
+    epilog=_example(
+        "tdeploy serve examples/local.yaml",
+        "tdeploy serve examples/local.yaml --step 20",
+        "tdeploy serve examples/local.yaml --model-dir runs/local/export/step-20",
+    )
+)
+def serve(
+    spec: str = typer.Argument(..., help=SPEC_HELP),
+    step: int | None = typer.Option(
+        None, "--step", min=0, help="Checkpoint step to export and serve; default the newest sound one."
+    ),
+    model_dir: Path | None = typer.Option(
+        None, "--model-dir", help="Serve this Hugging Face model folder as it is, without exporting a checkpoint."
+    ),
+) -> None:
+    """Export a checkpoint and serve it with vLLM's OpenAI-compatible server until Ctrl-C or SIGTERM."""
+    import signal
+
+    from tasks.deployment import export_dir
+    from tasks.serve.server import SERVER_LOG, log_tail, start_server
+    from training.storage import is_local, local_path
+
+    parsed = _load(spec)  # a model the serve section cannot serve is refused here, with the fix
+    if parsed.serve is None:
+        err_console.print("serve: null in the spec: serving is off; remove it to serve with vLLM", markup=False)
+        raise typer.Exit(EXIT_USER_ERROR)
+    if step is not None and model_dir is not None:
+        err_console.print("--step exports a checkpoint, --model-dir serves a folder as it is: give one", markup=False)
+        raise typer.Exit(EXIT_USER_ERROR)
+    if model_dir is None:
+        from tasks.export.task import export_checkpoint
+
+        result = export_checkpoint(_training_config_prepared(parsed), step, export_root=export_dir(parsed))
+        console.print(f"exported {result.summary()}", markup=False, highlight=False)
+        if not is_local(result.model_dir):
+            err_console.print(f"{result.model_dir}: vLLM serves a local folder; export to one", markup=False)
+            raise typer.Exit(EXIT_USER_ERROR)
+        model_dir = Path(local_path(result.model_dir))
+
+    def stop_on_signal(signum: int, frame: object) -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):  # one stop at a time: Server.stop escalates by itself
+            signal.signal(sig, signal.SIG_IGN)
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    log_path = Path(parsed.reports_dir) / SERVER_LOG
+    max_model_len = parsed.serve.max_model_len or parsed.model.seq_len
+    console.print(
+        f"starting vLLM on {model_dir} (log {log_path}; ready within serve.startup_timeout_s="
+        f"{parsed.serve.startup_timeout_s:g})",
+        markup=False,
+        highlight=False,
+    )
+    previous = {sig: signal.signal(sig, stop_on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    server = None
+    try:
+        server = start_server(model_dir, parsed.serve, parsed.name, max_model_len, log_path)
+        with server:
+            console.print(
+                f"serving {parsed.name} at {server.url} (pid {server.pid}); Ctrl-C stops it\n"
+                f"  completions  {server.url}/v1/completions (model {parsed.name!r})\n"
+                f"  metrics      {server.url}/metrics",
+                markup=False,
+                highlight=False,
+            )
+            code = server.wait()
+        err_console.print(
+            f"the vLLM server (pid {server.pid}) exited with {code}; the last lines of {log_path}:\n"
+            f"{log_tail(log_path)}",
+            markup=False,
+            highlight=False,
+        )
+        raise typer.Exit(EXIT_FAILED_CHECK)
+    except KeyboardInterrupt:
+        what = f"stopped the vLLM server (pid {server.pid})" if server else "stopped the vLLM server before it served"
+        console.print(what, markup=False, highlight=False)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def main() -> None:
     """Console-script entry point."""
     app()

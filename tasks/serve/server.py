@@ -32,6 +32,8 @@ REPO = Path(__file__).resolve().parents[2]
 SERVE_PYTHON_ENV = "TDEPLOY_SERVE_PYTHON"
 """Names the Python of an environment with vLLM; default <repo>/.venv-serve/bin/python."""
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+SERVER_LOG = "serve/vllm.log"
+"""The server's log, under a deployment's reports folder (runs/<name>/serve/vllm.log)."""
 LOG_TAIL_LINES = 25
 # The engine's root cause: the first exception a worker or the engine logs at ERROR level (the API server's own
 # traceback at the end of the log only says "Engine core initialization failed. See root cause above").
@@ -195,6 +197,12 @@ class Server:
         except (urllib.error.URLError, OSError):
             return False
 
+    def wait(self, poll_s: float = 1.0) -> int | None:
+        """Block until the server process exits; its exit code (None when it is not this process's child)."""
+        while self.alive():
+            time.sleep(poll_s)
+        return self._proc.returncode if self._proc is not None else None
+
     def stop(self, timeout_s: float = 30.0) -> None:
         """SIGINT the server's process group, then SIGTERM, then SIGKILL; return once all its processes are gone."""
         stages = ((signal.SIGINT, timeout_s / 2), (signal.SIGTERM, timeout_s / 2), (signal.SIGKILL, 30.0))
@@ -235,7 +243,7 @@ def start_server(model_dir: Path, serve: ServeConfig, served_name: str, max_mode
             "pass the folder `tdeploy serve` exports (or an existing Hugging Face model folder)",
         )
     check_port_free(serve.host, serve.port)
-    command = server_command(model_dir, serve, served_name, max_model_len)
+    command = server_command(model_dir.resolve(), serve, served_name, max_model_len)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log.info("starting vLLM: %s (log %s)", " ".join(command), log_path)
     with log_path.open("wb") as out:  # a fresh log per start: its first error is this start's
