@@ -1,4 +1,4 @@
-"""Flow `deploy-training`: capacity -> nodes -> image -> data -> job -> acceptance -> drills.
+"""Flow `deploy-training`: capacity -> nodes -> image -> data -> job -> acceptance -> drills -> serving.
 
 Each step is a Prefect task that retries transient errors only. The pure steps
 (plan, image, dataset) are cached on their inputs, so a re-run after a failure
@@ -17,11 +17,13 @@ from tasks.acceptance.suite import workspace_root
 from tasks.acceptance.task import run_acceptance, run_drills
 from tasks.capacity.task import estimate_capacity
 from tasks.deployment import (
+    SkippedResult,
     dataset_check_inputs,
     image_inputs,
     node_report_path,
     plan_inputs,
     plan_url,
+    serving_dir,
     training_config,
 )
 from tasks.image.task import build_image
@@ -40,6 +42,7 @@ from tasks.pipeline import (
 )
 from tasks.prepare.task import check_dataset, prepare_data
 from tasks.progress import report
+from tasks.serve.task import serving_check
 from tasks.spec import DeploymentSpec
 
 _CACHED = {"cache_policy": INPUTS + TASK_SOURCE, "persist_result": True, "cache_expiration": timedelta(days=7)}
@@ -92,6 +95,12 @@ def deploy_training(spec: SpecSource = "examples/local.yaml") -> Results:
         results["acceptance"] = run_acceptance(spec.cluster, train, spec.acceptance, root, image, drills=spec.drills)
         step = begin("drills")
         results["drills"] = run_drills(spec.cluster, train, spec.acceptance, spec.drills, root, image=image)
+        step = begin("serving")
+        results["serving"] = (
+            serving_check(spec.serve, train, spec.cluster.accelerator, spec.name, serving_dir(spec))
+            if spec.serve is not None
+            else SkippedResult(reason="serve: null")
+        )
     except Exception as err:
         job = results.get("job")
         run_dir = job.output_dir if job else getattr(getattr(err, "handle", None), "output_dir", None)

@@ -127,9 +127,9 @@ class DeploymentSpec(StrictModel):
     )
     drills: DrillConfig = Field(default_factory=DrillConfig, description="Checkpoint-restore drills (tdeploy drill).")
     serve: ServeConfig | None = Field(
-        default_factory=ServeConfig,
+        default=None,
         description="Serving the trained model with vLLM (tdeploy serve, the pipeline's serving check); "
-        "None = no serving.",
+        "None (the default) = no serving. `serve: {}` takes every serving default.",
     )
 
     @model_validator(mode="before")

@@ -93,13 +93,15 @@ class HeldOut:
 
 
 def held_out(train: TrainConfig, check: ServingCheckConfig, count: int) -> HeldOut:
-    """`count` samples of the validation split (the training split when there is none), cut into prompt and
+    """`count` samples of the held-out split (the training split when there is none), cut into prompt and
     continuation; spread over the split so that they are not one document."""
     from training.dataset import TokenDataset, read_manifest
 
     length = check.prompt_tokens + check.output_tokens
-    split = "val" if "val" in read_manifest(train.dataset_url, train.storage).splits else "train"
-    data = TokenDataset(train.dataset_url, split, length - 1, train.storage, vocab_size=train.model.vocab_size)
+    url = train.data.dataset_url
+    splits = read_manifest(url, train.storage).splits
+    split = train.data.val_split if train.data.val_split in splits else train.data.train_split
+    data = TokenDataset(url, split, length - 1, train.storage, vocab_size=train.model.vocab_size)
     stride = max(1, len(data) // count)
     indices = [(i * stride) % len(data) for i in range(count)]
     samples = [data.sample(i).tolist() for i in indices]
@@ -108,18 +110,16 @@ def held_out(train: TrainConfig, check: ServingCheckConfig, count: int) -> HeldO
     )
 
 
-def load_our_model(train: TrainConfig, checkpoint_dir: str) -> torch.nn.Module:
-    """Our own model (training/model.py) with the weights of one committed checkpoint, in eval mode, on CPU."""
+def load_our_model(train: TrainConfig, step: int) -> torch.nn.Module:
+    """Our own model (training/model.py) with the weights of checkpoint `step` (already checked sound by the
+    export), in eval mode, fp32, on CPU."""
     import torch
-    import torch.distributed.checkpoint as dcp
 
-    from training.checkpoint_trust import SafeFileSystemReader, SafeLoadPlanner
+    from training.checkpoint import CheckpointManager
     from training.model import Transformer
 
     model = Transformer(train.model)
-    state = {"model": model.state_dict()}
-    dcp.load(state, storage_reader=SafeFileSystemReader(checkpoint_dir), planner=SafeLoadPlanner(checkpoint_dir))
-    model.load_state_dict(state["model"])
+    CheckpointManager(train.checkpoint, train.storage).load_model(step, model)
     return model.eval().to(torch.float32)
 
 
@@ -302,9 +302,7 @@ def run_serving_check(
     model_dir = Path(exported.model_dir)
     count = max(check.parity_prompts, check.quality_prompts, check.num_prompts)
     data = held_out(train, check, count)
-    ours = our_greedy(
-        load_our_model(train, exported.checkpoint_dir), data.prompts[: check.parity_prompts], check.parity_tokens
-    )
+    ours = our_greedy(load_our_model(train, exported.step), data.prompts[: check.parity_prompts], check.parity_tokens)
     max_model_len = serve.max_model_len or train.model.seq_len
     started = time.monotonic()
     server = start_server(model_dir, serve, name, max_model_len, out_dir / SERVER_LOG)

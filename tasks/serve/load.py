@@ -89,8 +89,8 @@ def load_figures(result: dict[str, Any], check: ServingCheckConfig) -> tuple[Loa
         max_concurrency=check.max_concurrency,
         request_rate_per_s=check.request_rate_per_s,
     )
-    e2e = result.get("e2els")
-    if e2e is None:  # older result files: first token plus the inter-token gaps
+    e2e = result.get("latencies")  # per request, in seconds (with --save-detailed)
+    if e2e is None:  # a result without them: first token plus the inter-token gaps
         ttfts, itls = result.get("ttfts") or [], result.get("itls") or []
         e2e = [t + sum(gaps) for t, gaps in zip(ttfts, itls, strict=False) if t]
     return figures, [1000.0 * float(x) for x in e2e if x]

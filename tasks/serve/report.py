@@ -89,7 +89,7 @@ def write_reports(report: ServingReport, serve: ServeConfig, name: str, out_dir:
     files = {"junit": str(write_junit(report, out_dir / JUNIT))}
     if report.per_request_e2e_ms:
         files["histogram"] = str(plot_latency(report, out_dir / HISTOGRAM))
-    for path in write_manifests(serve, name, report.model_dir, out_dir, accelerator=report.accelerator):
+    for path in write_manifests(serve, name, report.model_dir, out_dir, serve.image, report.accelerator):
         files[path.name] = str(path)
     files["json"] = str(out_dir / SERVING_JSON)
     report = dataclasses.replace(report, files=files)

@@ -68,6 +68,36 @@ def _latest_acceptance(runs: Path, quality_rule: str, drills: bool) -> Path:
     return root
 
 
+def _served(runs: Path) -> None:
+    """The serving check exported the accepted checkpoint, served it with vLLM, load-tested it, matched our
+    greedy completions, scored it, and stopped the server."""
+    report = json.loads((runs / "serving" / "serving.json").read_text())
+    assert report["verdict"] == "passed", report["checks"]
+    load = report["load"]
+    assert load["requests"] == 32 and load["failed"] == 0 and load["error_rate"] == 0, load
+    assert load["output_tokens"] == 32 * 16 and load["output_tokens_per_s"] > 0, load
+    for metric in ("ttft_ms", "itl_ms", "e2e_ms"):  # tokens that arrive in one chunk have gaps of microseconds
+        figures = load[metric]
+        assert 0 <= figures["p50"] <= figures["p95"] <= figures["p99"] and figures["p99"] > 0, (metric, figures)
+    assert load["ttft_ms"]["p50"] <= load["e2e_ms"]["p50"], load
+    parity = report["parity"]
+    assert (parity["prompts"], parity["tokens"], parity["matched"]) == (4, 8, 4), parity
+    quality = report["quality"]
+    assert quality["prompts"] == 16 and 0 <= quality["rouge_l"] <= 1 and 0 <= quality["bleu4"] <= 100, quality
+    server = report["server"]
+    assert server["samples"] > 0 and server["running_max"] >= 1, server  # the engine batched the load's requests
+    assert server["kv_cache_usage_max"] is not None and server["mean_batch_tokens"] > 0, server
+    with pytest.raises(ProcessLookupError):  # the server and every process of its group are gone
+        os.killpg(report["server_pid"], 0)
+    model = Path(report["model_dir"])
+    config = json.loads((model / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["head_dim"] == 32, config
+    suite = ET.parse(runs / "serving" / "junit.xml").getroot()
+    assert suite.get("failures") == "0" and int(suite.get("tests")) == len(report["checks"])
+    assert (runs / "serving" / "latency_histogram.png").read_bytes()[:4] == b"\x89PNG"
+    assert {"serving-k8s.yaml", "serving.sbatch"} <= {Path(f).name for f in report["files"].values()}
+
+
 def _quality(root: Path) -> dict:
     """The quality gate's part of the correctness dimension in the run workspace `root`."""
     acceptance = json.loads((root / "acceptance.json").read_text())
@@ -128,15 +158,19 @@ def test_the_main_job_passes_twice_in_a_row_resuming_training_and_accepting_afre
     first_result = json.loads((runs / "output" / "result.json").read_text())
     assert first_result["steps"] == 200 and first_result["resumed_from_step"] is None
     first = _latest_acceptance(runs, "sanity", drills=True)
+    _served(runs)
 
-    # The second run is the same spec without the drills the first one ran (`drills.only: []`): the drills
-    # do not depend on what is already in the folder, the resume and the baseline do.
+    # The second run is the same spec without the drills and the serving check the first one ran (`drills.only:
+    # []`, `serve: null`): they do not depend on what is already in the folder, the resume and the baseline do.
     again = yaml.safe_load((REPO / "examples" / "local.yaml").read_text())
     again["drills"] = {"only": []}
+    again["serve"] = None
     (tmp_path / "local-again.yaml").write_text(yaml.safe_dump(again))
     _tdeploy_run(tmp_path, env, tmp_path / "local-again.yaml")
     second_result = json.loads((runs / "output" / "result.json").read_text())
     assert second_result["steps"] == 200 and second_result["resumed_from_step"] == 200, second_result
+    steps = {row["step"]: row for row in json.loads((runs / "summary.json").read_text())["steps"]}
+    assert steps["serving"]["verdict"] == "skipped", steps["serving"]
     second = _latest_acceptance(runs, "baseline", drills=False)  # held to the first
     assert second != first and second.parent == first.parent == runs / "acceptance"
     assert first.is_dir(), "the first run's workspace is kept (acceptance.keep_runs=3)"

@@ -65,9 +65,10 @@ def test_a_spec_whose_model_cannot_be_served_lists_the_problem_with_both_fixes()
     assert any(p.startswith("serve.max_model_len=128: longer than the trained model.seq_len=32") for p in problems)
 
 
-def test_serve_null_turns_serving_and_its_checks_off() -> None:
-    assert parse_spec(SERVABLE).serve == ServeConfig()
-    data = deep_merge(SERVABLE, HEAD_DIM_16)
+def test_serving_is_off_unless_the_spec_has_a_serve_section_and_null_turns_it_off() -> None:
+    assert parse_spec({**SERVABLE, "serve": {}}).serve == ServeConfig()
+    assert parse_spec(deep_merge(SERVABLE, HEAD_DIM_16)).serve is None  # no section: nothing to serve, no refusal
+    data = deep_merge(SERVABLE, {**HEAD_DIM_16, "serve": {}})
     data["serve"] = None  # deep_merge would delete the key
     assert parse_spec(data).serve is None
 

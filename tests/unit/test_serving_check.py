@@ -69,7 +69,9 @@ def test_quality_scores_identical_text_perfectly_and_unrelated_text_near_zero() 
         (_load(), 3, "greedy_match"),
     ],
 )
-def test_each_threshold_fails_the_check_with_its_name_and_fix(load: LoadFigures, matched: int, failed_check: str) -> None:
+def test_each_threshold_fails_the_check_with_its_name_and_fix(
+    load: LoadFigures, matched: int, failed_check: str
+) -> None:
     parity = ParityFigures(prompts=4, tokens=8, matched=matched)
     checks = judge(load, parity, QualityFigures(16, 0.3, 2.0), ServingThresholds(p99_e2e_latency_ms_max=150))
     failed = [c for c in checks if c.passed is False]
@@ -120,6 +122,7 @@ def test_the_load_figures_come_from_the_benchmark_result_file() -> None:
     assert load.error_rate == pytest.approx(1 / 32)
     assert (load.e2e_ms.p50, load.e2e_ms.p99, load.ttft_ms.p95) == (10.0, 30.0, 20.0)
     assert per_request == pytest.approx([20.0, 30.0])  # first token plus the gaps, in ms
+    assert load_figures({**BENCH_RESULT, "latencies": [0.5, 0.25]}, ServingCheckConfig())[1] == [500.0, 250.0]
 
 
 def test_the_benchmark_command_carries_the_checks_load_and_no_shell(tmp_path: Path) -> None:
