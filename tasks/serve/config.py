@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
+from tasks.image.config import IMAGE_REF
 from tasks.serve.check import ServingCheckConfig
 from training.config import ModelConfig, StrictModel
 
@@ -40,10 +41,30 @@ class ServeConfig(StrictModel):
     startup_timeout_s: float = Field(
         default=900.0, gt=0, le=7200, description="How long the server may take to answer /health after start."
     )
+    image: str = Field(
+        default="docker.io/vllm/vllm-openai:v0.32.0",
+        min_length=1,
+        description="Image of vLLM's OpenAI-compatible server that the Kubernetes manifest runs; its vLLM version "
+        "decides the server's flags and metric names. Pin it by digest (name@sha256:...) for deploys that stay "
+        "identical when the tag moves.",
+    )
+    replicas: int = Field(
+        default=1, ge=1, le=1000, description="Servers the Kubernetes Deployment runs behind its one Service."
+    )
     check: ServingCheckConfig = Field(
         default_factory=ServingCheckConfig,
         description="The pipeline's serving check: load test, greedy parity, quality probes and thresholds.",
     )
+
+    @field_validator("image")
+    @classmethod
+    def _image_reference(cls, value: str) -> str:
+        if not IMAGE_REF.fullmatch(value):
+            raise ValueError(
+                f"{value!r} is not an image reference; write [registry[:port]/]name[:tag][@sha256:digest], "
+                "e.g. docker.io/vllm/vllm-openai:v0.32.0"
+            )
+        return value
 
 
 def unservable(model: ModelConfig, serve: ServeConfig, accelerator: str) -> list[str]:

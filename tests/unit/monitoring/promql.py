@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-_KEYWORDS = {"and", "or", "unless", "bool", "offset", "inf", "nan"}
+_KEYWORDS = {"and", "or", "unless", "bool", "offset", "inf", "nan", "group_left", "group_right"}
 _LABEL_LISTS = re.compile(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)")
 _NAME = re.compile(r"(?<![\w.$])[A-Za-z_:][\w:]*")
 
