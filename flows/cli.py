@@ -618,6 +618,48 @@ def serve(
             signal.signal(sig, handler)
 
 
+@app.command(
+    "check-serving",
+    epilog=_example(
+        "tdeploy check-serving examples/local.yaml", "tdeploy check-serving examples/local.yaml --step 150"
+    ),
+)
+def check_serving(
+    spec: str = typer.Argument(..., help=SPEC_HELP),
+    step: int | None = typer.Option(
+        None, "--step", min=0, help="Checkpoint step to export and check; default the newest sound one."
+    ),
+    out: Path | None = typer.Option(
+        None, "--out", help="Folder for serving.json and the rest; default runs/<name>/serving."
+    ),
+) -> None:
+    """The pipeline's serving check: export, serve with vLLM, load-test, greedy parity, quality; exit 1 on a miss."""
+    from tasks.deployment import serving_inputs
+    from tasks.serve.report import table_rows
+    from tasks.serve.task import check_serving as run_check
+
+    parsed = _load(spec)
+    if parsed.serve is None:
+        err_console.print("the spec has no serve section: serving is off; add `serve: {}` to check it", markup=False)
+        raise typer.Exit(EXIT_USER_ERROR)
+    inputs = serving_inputs(parsed, _training_config_prepared(parsed), str(out) if out else None)
+    report = run_check(*inputs, step=step)
+    for row in table_rows(report):
+        console.print(f"{row['check']}: {row['verdict']} ({row['message']})", markup=False, highlight=False)
+    load = report.load
+    console.print(
+        f"step {report.step} served from {report.model_dir}: {load.requests} requests at concurrency "
+        f"{load.max_concurrency}, {load.output_tokens_per_s:.0f} output tokens/s, P50/P95/P99 end-to-end "
+        f"{load.e2e_ms.p50:.1f}/{load.e2e_ms.p95:.1f}/{load.e2e_ms.p99:.1f} ms; greedy parity "
+        f"{report.parity.matched}/{report.parity.prompts}; ROUGE-L {report.quality.rouge_l:.3f}, BLEU-4 "
+        f"{report.quality.bleu4:.2f}\nreport {report.files['json']}",
+        markup=False,
+        highlight=False,
+    )
+    if not report.passed:
+        raise typer.Exit(EXIT_FAILED_CHECK)
+
+
 def main() -> None:
     """Console-script entry point."""
     app()

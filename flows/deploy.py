@@ -23,7 +23,7 @@ from tasks.deployment import (
     node_report_path,
     plan_inputs,
     plan_url,
-    serving_dir,
+    serving_inputs,
     training_config,
 )
 from tasks.image.task import build_image
@@ -97,7 +97,7 @@ def deploy_training(spec: SpecSource = "examples/local.yaml") -> Results:
         results["drills"] = run_drills(spec.cluster, train, spec.acceptance, spec.drills, root, image=image)
         step = begin("serving")
         results["serving"] = (
-            serving_check(spec.serve, train, spec.cluster.accelerator, spec.name, serving_dir(spec))
+            serving_check(*serving_inputs(spec, train))
             if spec.serve is not None
             else SkippedResult(reason="serve: null")
         )

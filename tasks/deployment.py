@@ -323,13 +323,20 @@ def node_report_path(spec: DeploymentSpec, folder: str | None = None) -> str:
 
 
 def serving_dir(spec: DeploymentSpec, folder: str | None = None) -> str:
-    """Where the serving check writes serving.json, its logs, the served model and the manifests."""
+    """Where the serving check writes serving.json, its logs and the manifests: `folder`, else <reports>/serving."""
     return folder or f"{spec.reports_dir.rstrip('/')}/{SERVING_DIR}"
 
 
 def export_dir(spec: DeploymentSpec) -> str:
     """The folder exports go under, one step-<N>/ each: <deployment_dir>/export."""
     return f"{spec.reports_dir.rstrip('/')}/{EXPORT_DIR}"
+
+
+def serving_inputs(spec: DeploymentSpec, train: TrainConfig, folder: str | None = None) -> tuple[Any, ...]:
+    """The serving step's arguments (`check_serving`, `serving_check`): the serve section, the training config
+    whose checkpoint is served, the accelerator, the served model's name, the report folder, the export root."""
+    assert spec.serve is not None, "callers handle serve: null"
+    return (spec.serve, train, spec.cluster.accelerator, spec.name, serving_dir(spec, folder), export_dir(spec))
 
 
 def image_inputs(spec: DeploymentSpec, record_dir: str | None = None) -> ImageInputs:

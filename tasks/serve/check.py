@@ -16,6 +16,7 @@ from pydantic import Field
 
 from tasks.errors import TransientError, UserError
 from training.config import ModelConfig, StrictModel, TrainConfig
+from training.storage import is_local, local_path
 from validation.serving import (
     LoadFigures,
     ParityFigures,
@@ -42,7 +43,6 @@ HISTOGRAM = "latency_histogram.png"
 SERVER_LOG = "server.log"
 BENCH_JSON = "bench.json"
 PROMPTS = "prompts.jsonl"
-MODEL_DIR = "model"
 
 
 class ServingCheckConfig(StrictModel):
@@ -279,27 +279,33 @@ class ServingReport:
 
 def run_serving_check(
     serve: ServeConfig,
-    check: ServingCheckConfig,
     train: TrainConfig,
     accelerator: str,
     name: str,
     out_dir: Path,
+    export_root: str,
     step: int | None = None,
 ) -> ServingReport:
-    """Export the newest sound (or the given) checkpoint, serve it, measure it, write the reports into `out_dir`,
-    stop the server; the report says whether it passed."""
+    """Export the newest sound (or the given) checkpoint under `export_root` (as `tdeploy export` does), serve it,
+    measure it, write the reports into `out_dir`, stop the server; the report says whether it passed."""
     from tasks.export.task import export_checkpoint
     from tasks.serve.config import unservable
     from tasks.serve.load import run_load_test
     from tasks.serve.report import write_reports
     from tasks.serve.server import start_server
 
-    problems = unservable(train.model, serve, accelerator) + check_problems(train.model, serve, check)
+    problems = unservable(train.model, serve, accelerator) + check_problems(train.model, serve, serve.check)
     if problems:
         raise UserError("; ".join(problems))
+    check = serve.check
     out_dir.mkdir(parents=True, exist_ok=True)
-    exported = export_checkpoint(train, step, out_dir / MODEL_DIR)
-    model_dir = Path(exported.model_dir)
+    exported = export_checkpoint(train, step, export_root=export_root)
+    if not is_local(exported.model_dir):
+        raise UserError(
+            f"the export went to {exported.model_dir}: vLLM serves a local folder",
+            "put the deployment folder (deployment_dir) on a local or shared filesystem",
+        )
+    model_dir = Path(local_path(exported.model_dir))
     count = max(check.parity_prompts, check.quality_prompts, check.num_prompts)
     data = held_out(train, check, count)
     ours = our_greedy(load_our_model(train, exported.step), data.prompts[: check.parity_prompts], check.parity_tokens)

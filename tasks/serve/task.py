@@ -39,10 +39,16 @@ def result_of(report: ServingReport) -> ServingResult:
 
 
 def check_serving(
-    serve: ServeConfig, train: TrainConfig, accelerator: str, name: str, out_dir: str, step: int | None = None
+    serve: ServeConfig,
+    train: TrainConfig,
+    accelerator: str,
+    name: str,
+    out_dir: str,
+    export_root: str,
+    step: int | None = None,
 ) -> ServingReport:
     """The serving check's full report (the CLI and the task share it); `gate` turns a failure into an error."""
-    return run_serving_check(serve, serve.check, train, accelerator, name, Path(out_dir), step)
+    return run_serving_check(serve, train, accelerator, name, Path(out_dir), export_root, step)
 
 
 def gate(report: ServingReport) -> ServingResult:
@@ -54,12 +60,18 @@ def gate(report: ServingReport) -> ServingResult:
 
 @task(name="serving_check", retries=1, retry_delay_seconds=30, retry_condition_fn=retry_on_transient)
 def serving_check(
-    serve: ServeConfig, train: TrainConfig, accelerator: str, name: str, out_dir: str, step: int | None = None
+    serve: ServeConfig,
+    train: TrainConfig,
+    accelerator: str,
+    name: str,
+    out_dir: str,
+    export_root: str,
+    step: int | None = None,
 ) -> ServingResult:
     """Export the accepted checkpoint, serve it with vLLM, load-test it and check its outputs; fails when a figure
     misses its threshold."""
     logger = get_run_logger()
-    report = check_serving(serve, train, accelerator, name, out_dir, step)
+    report = check_serving(serve, train, accelerator, name, out_dir, export_root, step)
     verdict = report.to_json()["verdict"]
     create_table_artifact(key="serving", table=table_rows(report), description=f"verdict: {verdict}")
     for row in table_rows(report):
