@@ -562,7 +562,7 @@ def serve(
 
     parsed = _load(spec)  # a model the serve section cannot serve is refused here, with the fix
     if parsed.serve is None:
-        err_console.print("serve: null in the spec: serving is off; remove it to serve with vLLM", markup=False)
+        err_console.print("the spec has no serve section: serving is off; add `serve: {}` to serve", markup=False)
         raise typer.Exit(EXIT_USER_ERROR)
     if step is not None and model_dir is not None:
         err_console.print("--step exports a checkpoint, --model-dir serves a folder as it is: give one", markup=False)
@@ -593,7 +593,7 @@ def serve(
     previous = {sig: signal.signal(sig, stop_on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     server = None
     try:
-        server = start_server(model_dir, parsed.serve, parsed.name, max_model_len, log_path)
+        server = start_server(model_dir, parsed.serve, parsed.name, max_model_len, log_path, parsed.cluster.accelerator)
         with server:
             console.print(
                 f"serving {parsed.name} at {server.url} (pid {server.pid}); Ctrl-C stops it\n"

@@ -311,7 +311,7 @@ def run_serving_check(
     ours = our_greedy(load_our_model(train, exported.step), data.prompts[: check.parity_prompts], check.parity_tokens)
     max_model_len = serve.max_model_len or train.model.seq_len
     started = time.monotonic()
-    server = start_server(model_dir, serve, name, max_model_len, out_dir / SERVER_LOG)
+    server = start_server(model_dir, serve, name, max_model_len, out_dir / SERVER_LOG, accelerator)
     try:
         log.info("serving %s at %s (up in %.0f s)", model_dir, server.url, time.monotonic() - started)
         served, _ = served_greedy(server, data.prompts[: check.parity_prompts], check.parity_tokens)

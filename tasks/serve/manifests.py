@@ -25,22 +25,19 @@ import yaml
 
 from tasks.errors import UserError
 from tasks.serve.config import ServeConfig
-from tasks.serve.server import SERVER_MODULE
+from tasks.serve.server import (  # noqa: F401 - REQUEST_LATENCY_BUCKETS_S: the monitoring tests read it here
+    ALL_INTERFACES,
+    REQUEST_LATENCY_BUCKETS_S,
+    SERVER_MODULE,
+    server_args,
+    server_env_vars,
+)
 from tasks.spec import NAME_PATTERN
 
 MODEL_MOUNT = "/model"
-ALL_INTERFACES = "0.0.0.0"  # noqa: S104 - the server a Service or other nodes reach
 GPU_RESOURCE = "nvidia.com/gpu"
 K8S_FILE = "serving-k8s.yaml"
 SLURM_FILE = "serving.sbatch"
-# vLLM's default request-latency buckets with bounds below 0.3 s added, so that a P99 near the 150 ms target is
-# measured instead of interpolated (ServingLatencyHigh compares the 0.15 s and 0.3 s buckets with the count).
-REQUEST_LATENCY_BUCKETS_S = (
-    0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
-    50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
-)  # fmt: skip
-# Set for every server: the model is a local folder (nothing to fetch from a hub) and nobody gets usage reports.
-SERVER_ENV = {"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
 PROBE_PERIOD_S = 10
 # A Service name is a DNS-1035 label: it starts with a letter and ends with a letter or digit.
 _SERVICE_NAME = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
@@ -48,27 +45,6 @@ _SERVICE_NAME = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
 _CLAIM = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
 _PATH_PART = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
-
-
-def server_args(serve: ServeConfig, name: str, model_dir: str, accelerator: str) -> list[str]:
-    """Arguments of vLLM's OpenAI-compatible server for `model_dir`, served as `name` on 0.0.0.0:serve.port."""
-    args = ["--model", model_dir, "--served-model-name", name, "--host", ALL_INTERFACES, "--port", str(serve.port)]
-    args += ["--dtype", serve.dtype]
-    if serve.max_model_len is not None:  # else vLLM takes the model's own limit (the trained seq_len)
-        args += ["--max-model-len", str(serve.max_model_len)]
-    args += ["--max-num-seqs", str(serve.max_num_seqs), "--tensor-parallel-size", str(serve.tensor_parallel)]
-    if accelerator != "cpu":
-        args += ["--gpu-memory-utilization", str(serve.gpu_memory_utilization)]
-    args += ["--custom-histogram-buckets", json.dumps({"request_latency": list(REQUEST_LATENCY_BUCKETS_S)})]
-    return args
-
-
-def _server_env(serve: ServeConfig, accelerator: str) -> dict[str, str]:
-    """Environment of the server: SERVER_ENV, and the KV-cache size in whole GiB on CPU."""
-    env = dict(SERVER_ENV)
-    if accelerator == "cpu":
-        env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, int(serve.kv_cache_gib)))
-    return env
 
 
 def render_kubernetes(
@@ -97,7 +73,7 @@ def render_kubernetes(
         "image": image,
         "command": ["python3", "-m", SERVER_MODULE],
         "args": server_args(serve, name, MODEL_MOUNT, accelerator),
-        "env": [{"name": key, "value": value} for key, value in sorted(_server_env(serve, accelerator).items())],
+        "env": [{"name": key, "value": value} for key, value in sorted(server_env_vars(serve, accelerator).items())],
         "ports": [{"name": "http", "containerPort": serve.port, "protocol": "TCP"}],
         "startupProbe": _health_probe(math.ceil(serve.startup_timeout_s / PROBE_PERIOD_S)),
         "readinessProbe": _health_probe(3),
@@ -170,7 +146,9 @@ def render_slurm(serve: ServeConfig, name: str, model_dir: str, python: str, *, 
         directives.append(f"--gres=gpu:{serve.tensor_parallel}")
     command = [python, "-m", SERVER_MODULE, *server_args(serve, name, model_dir, accelerator)]
     lines = ["#!/bin/bash", *(f"#SBATCH {d}" for d in directives), "set -euo pipefail"]
-    lines += [f"export {key}={shlex.quote(value)}" for key, value in sorted(_server_env(serve, accelerator).items())]
+    lines += [
+        f"export {key}={shlex.quote(value)}" for key, value in sorted(server_env_vars(serve, accelerator).items())
+    ]
     lines += [
         f'echo "tdeploy: serving {name} on $(hostname):{serve.port:d} (job $SLURM_JOB_ID)"',
         f"exec {shlex.join(command)}",

@@ -9,6 +9,7 @@ the engine processes it spawns.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import re
@@ -34,6 +35,15 @@ SERVE_PYTHON_ENV = "TDEPLOY_SERVE_PYTHON"
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 SERVER_LOG = "serve/vllm.log"
 """The server's log, under a deployment's reports folder (runs/<name>/serve/vllm.log)."""
+ALL_INTERFACES = "0.0.0.0"  # noqa: S104 - the server a Service or other nodes reach
+# vLLM's default request-latency buckets with bounds below 0.3 s added, so that a P99 near the 150 ms target is
+# measured instead of interpolated (ServingLatencyHigh compares the 0.15 s and 0.3 s buckets with the count).
+REQUEST_LATENCY_BUCKETS_S = (
+    0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+    50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
+)  # fmt: skip
+# Set for every server: the model is a local folder (nothing to fetch from a hub) and nobody gets usage reports.
+SERVER_ENV = {"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
 LOG_TAIL_LINES = 25
 # The engine's root cause: the first exception a worker or the engine logs at ERROR level (the API server's own
 # traceback at the end of the log only says "Engine core initialization failed. See root cause above").
@@ -76,40 +86,51 @@ def serve_python() -> Path:
     return python
 
 
-def server_command(model_dir: Path, serve: ServeConfig, served_name: str, max_model_len: int) -> list[str]:
-    """The argv of vLLM's OpenAI-compatible server for `model_dir` (run without a shell)."""
-    return [
-        str(serve_python()),
-        "-m",
-        SERVER_MODULE,
-        "--model",
-        str(model_dir),
-        "--served-model-name",
-        served_name,
-        "--host",
-        serve.host,
-        "--port",
-        str(serve.port),
-        "--dtype",
-        serve.dtype,
-        "--max-model-len",
-        str(max_model_len),
-        "--max-num-seqs",
-        str(serve.max_num_seqs),
-        "--tensor-parallel-size",
-        str(serve.tensor_parallel),
-        "--gpu-memory-utilization",
-        str(serve.gpu_memory_utilization),
-        "--enforce-eager",  # CUDA graphs and torch.compile cost minutes at start and nothing a check needs
-    ]
+def server_args(
+    serve: ServeConfig,
+    name: str,
+    model_dir: str,
+    accelerator: str,
+    *,
+    host: str = ALL_INTERFACES,
+    max_model_len: int | None = None,
+) -> list[str]:
+    """Arguments of vLLM's OpenAI-compatible server for `model_dir`, served as `name` on host:serve.port; the one
+    place its flags are spelt (this machine's server, the Kubernetes and Slurm manifests)."""
+    args = ["--model", model_dir, "--served-model-name", name, "--host", host, "--port", str(serve.port)]
+    args += ["--dtype", serve.dtype]
+    limit = max_model_len or serve.max_model_len
+    if limit is not None:  # else vLLM takes the model's own limit (the trained seq_len)
+        args += ["--max-model-len", str(limit)]
+    args += ["--max-num-seqs", str(serve.max_num_seqs), "--tensor-parallel-size", str(serve.tensor_parallel)]
+    if accelerator != "cpu":
+        args += ["--gpu-memory-utilization", str(serve.gpu_memory_utilization)]
+    args += ["--custom-histogram-buckets", json.dumps({"request_latency": list(REQUEST_LATENCY_BUCKETS_S)})]
+    return args
 
 
-def server_env(serve: ServeConfig) -> dict[str, str]:
-    """This process's environment plus vLLM's settings: the CPU KV cache size, no usage reports, no hub lookups."""
+def server_env_vars(serve: ServeConfig, accelerator: str) -> dict[str, str]:
+    """The server's own settings: SERVER_ENV, and the KV-cache size in whole GiB on CPU."""
+    env = dict(SERVER_ENV)
+    if accelerator == "cpu":
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, int(serve.kv_cache_gib)))
+    return env
+
+
+def server_command(
+    model_dir: Path, serve: ServeConfig, served_name: str, max_model_len: int, accelerator: str = "cpu"
+) -> list[str]:
+    """The argv of vLLM's OpenAI-compatible server on this machine for `model_dir` (run without a shell)."""
+    args = server_args(serve, served_name, str(model_dir), accelerator, host=serve.host, max_model_len=max_model_len)
+    # CUDA graphs and torch.compile cost minutes at start and nothing a check needs
+    return [str(serve_python()), "-m", SERVER_MODULE, *args, "--enforce-eager"]
+
+
+def server_env(serve: ServeConfig, accelerator: str = "cpu") -> dict[str, str]:
+    """This process's environment plus the server's settings (existing values of SERVER_ENV's keys are kept)."""
     env = dict(os.environ)
-    env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, int(serve.kv_cache_gib)))  # whole GiB; ignored on GPUs
-    for key in ("VLLM_NO_USAGE_STATS", "DO_NOT_TRACK", "HF_HUB_OFFLINE"):
-        env.setdefault(key, "1")  # the model is a local folder: nothing to fetch, nobody to report to
+    for key, value in server_env_vars(serve, accelerator).items():
+        env[key] = value if key == "VLLM_CPU_KVCACHE_SPACE" else env.get(key, value)
     return env
 
 
@@ -235,7 +256,9 @@ class Server:
         self.stop()
 
 
-def start_server(model_dir: Path, serve: ServeConfig, served_name: str, max_model_len: int, log_path: Path) -> Server:
+def start_server(
+    model_dir: Path, serve: ServeConfig, served_name: str, max_model_len: int, log_path: Path, accelerator: str = "cpu"
+) -> Server:
     """Start vLLM's OpenAI-compatible server on `model_dir` and return once /health answers 200."""
     if not (model_dir / "config.json").is_file():
         raise UserError(
@@ -243,12 +266,12 @@ def start_server(model_dir: Path, serve: ServeConfig, served_name: str, max_mode
             "pass the folder `tdeploy serve` exports (or an existing Hugging Face model folder)",
         )
     check_port_free(serve.host, serve.port)
-    command = server_command(model_dir.resolve(), serve, served_name, max_model_len)
+    command = server_command(model_dir.resolve(), serve, served_name, max_model_len, accelerator)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log.info("starting vLLM: %s (log %s)", " ".join(command), log_path)
     with log_path.open("wb") as out:  # a fresh log per start: its first error is this start's
         proc = subprocess.Popen(
-            command, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=server_env(serve),
+            command, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=server_env(serve, accelerator),
             start_new_session=True,
         )  # fmt: skip
     url = f"http://{_client_host(serve.host)}:{serve.port}"

@@ -170,7 +170,7 @@ def _spec_file(tmp_path: Path, overrides: dict[str, Any]) -> Path:
 
 
 def test_tdeploy_serve_refuses_an_unservable_model_with_the_reason(tmp_path: Path) -> None:
-    head_dim_16 = {"model": {**TINY_SPEC["model"], "d_model": 64, "n_heads": 4, "n_kv_heads": 2}}
+    head_dim_16 = {"model": {**TINY_SPEC["model"], "d_model": 64, "n_heads": 4, "n_kv_heads": 2}, "serve": {}}
     result = CliRunner().invoke(app, ["serve", str(_spec_file(tmp_path, head_dim_16))])
     assert result.exit_code == 2, result.output
     assert "model.head_dim=16 (d_model=64 / n_heads=4): vLLM's CPU attention supports head_dim" in result.output
@@ -181,7 +181,7 @@ def test_tdeploy_serve_refuses_an_unservable_model_with_the_reason(tmp_path: Pat
 def test_tdeploy_serve_refuses_a_spec_with_serving_off(tmp_path: Path) -> None:
     result = CliRunner().invoke(app, ["serve", str(_spec_file(tmp_path, {"serve": None}))])
     assert result.exit_code == 2, result.output
-    assert "serve: null in the spec: serving is off" in result.output
+    assert "the spec has no serve section: serving is off" in result.output
 
 
 def test_tdeploy_serve_help_ends_with_an_example() -> None:

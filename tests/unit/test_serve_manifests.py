@@ -56,7 +56,8 @@ def test_kubernetes_objects_are_a_deployment_and_a_service_the_api_models_accept
 
 
 def test_kubernetes_objects_pass_the_kubernetes_schemas_strictly() -> None:
-    kubernetes_validate = pytest.importorskip("kubernetes_validate")
+    import kubernetes_validate
+
     for accelerator in (GPU, "cpu"):
         for obj in render_kubernetes(_serve(tensor_parallel=2), "llm", "pvc://models", IMAGE, accelerator=accelerator):
             kubernetes_validate.validate(obj, kubernetes_validate.latest_version(), strict=True)
