@@ -906,14 +906,8 @@ class CheckpointManager:
         url = self.step_url(step)
         reader, planner = self._reader(url), SafeLoadPlanner(url)
         reader.read_metadata()  # raises UnsafeCheckpointError as itself (inside dcp.load it would be generic)
-        try:
-            with _single_process_quiet():
-                dcp.load(state, storage_reader=reader, planner=planner)
-        except (Exception, CheckpointException) as err:  # DCP's exception is a BaseException
-            refusal = planner.refused or _refusal_in(err)
-            if refusal is not None:
-                raise refusal from err
-            raise
+        with _single_process_quiet():
+            _dcp_load(state, reader, planner)
 
     def _read_small_files(self, step: int, rng_needed: bool) -> tuple[dict[str, Any], dict[str, Any] | None]:
         """train_state.json and this rank's RNG file, checked on every rank before anything is applied."""
@@ -971,13 +965,7 @@ class CheckpointManager:
             del state["optim"]
             if self.rank == 0:
                 log.warning("checkpoint %s has no optimizer state: the optimizer starts afresh", url)
-        try:
-            dcp.load(state, storage_reader=reader, planner=planner)
-        except (Exception, CheckpointException) as err:  # DCP's exception is a BaseException
-            refusal = planner.refused or _refusal_in(err)
-            if refusal is not None:
-                raise refusal from err
-            raise
+        _dcp_load(state, reader, planner)
         set_state_dict(
             model,
             optimizer,
@@ -1059,6 +1047,17 @@ def _check_commit(value: Any, step: int, where: str) -> dict[str, Any]:
         if not ok or not isinstance(size, int) or isinstance(size, bool) or size < 0:
             raise CheckpointFormatError(where, f"has the entry {rel!r}: {entry!r}; expected sha256 and bytes")
     return value
+
+
+def _dcp_load(state: dict[str, Any], reader: Any, planner: SafeLoadPlanner) -> None:
+    """dcp.load into `state`; a refusal of the trust checks is raised as itself, not inside DCP's exception."""
+    try:
+        dcp.load(state, storage_reader=reader, planner=planner)
+    except (Exception, CheckpointException) as err:  # DCP's exception is a BaseException
+        refusal = planner.refused or _refusal_in(err)
+        if refusal is not None:
+            raise refusal from err
+        raise
 
 
 def _refusal_in(err: BaseException) -> UnsafeCheckpointError | None:

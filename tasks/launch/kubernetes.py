@@ -121,23 +121,25 @@ def validate_pytorchjob(manifest: dict[str, Any]) -> None:
     back = client.sanitize_for_serialization(model)
     if back != manifest:
         raise UserError(
-            f"PyTorchJob manifest has fields the schema does not know: {_first_difference(manifest, back)}",
+            f"PyTorchJob manifest has fields the schema does not know: {first_difference(manifest, back)}",
             "this is a rendering bug; report it",
         )
 
 
-def _first_difference(ours: Any, schema: Any, path: str = "") -> str:
+def first_difference(ours: Any, schema: Any, path: str = "") -> str:
+    """The path of the first field of `ours` that `schema` (the object read back through the API models) lacks
+    or holds differently; "" when none."""
     if isinstance(ours, dict) and isinstance(schema, dict):
         for key in ours:
             if key not in schema:
                 return f"{path}.{key}".lstrip(".")
-            found = _first_difference(ours[key], schema[key], f"{path}.{key}")
+            found = first_difference(ours[key], schema[key], f"{path}.{key}")
             if found:
                 return found
         return ""
     if isinstance(ours, list) and isinstance(schema, list):
         for i, (a, b) in enumerate(zip(ours, schema, strict=False)):
-            found = _first_difference(a, b, f"{path}[{i}]")
+            found = first_difference(a, b, f"{path}[{i}]")
             if found:
                 return found
         return ""

@@ -24,6 +24,7 @@ from typing import Any
 import yaml
 
 from tasks.errors import UserError
+from tasks.launch.kubernetes import first_difference
 from tasks.serve.config import ServeConfig
 from tasks.serve.server import (  # noqa: F401 - REQUEST_LATENCY_BUCKETS_S: the monitoring tests read it here
     ALL_INTERFACES,
@@ -205,7 +206,7 @@ def validate_kubernetes(objects: list[dict[str, Any]]) -> None:
         back = client.sanitize_for_serialization(model)
         if back != obj:
             raise UserError(
-                f"{obj['kind']} manifest has fields the API does not know: {_difference(obj, back)}",
+                f"{obj['kind']} manifest has fields the API does not know: {first_difference(obj, back)}",
                 "this is a rendering bug; report it",
             )
 
@@ -215,22 +216,6 @@ class _Response:
 
     def __init__(self, obj: dict[str, Any]) -> None:
         self.data = json.dumps(obj)
-
-
-def _difference(ours: Any, api: Any, path: str = "") -> str:
-    if isinstance(ours, dict) and isinstance(api, dict):
-        for key in ours:
-            found = f"{path}.{key}".lstrip(".") if key not in api else _difference(ours[key], api[key], f"{path}.{key}")
-            if found:
-                return found
-        return ""
-    if isinstance(ours, list) and isinstance(api, list):
-        for i, (a, b) in enumerate(zip(ours, api, strict=False)):
-            found = _difference(a, b, f"{path}[{i}]")
-            if found:
-                return found
-        return ""
-    return "" if ours == api else f"{path} ({ours!r} != {api!r})"
 
 
 def _health_probe(failure_threshold: int) -> dict[str, Any]:
