@@ -89,13 +89,14 @@ def _served(runs: Path) -> None:
     assert server["kv_cache_usage_max"] is not None and server["mean_batch_tokens"] > 0, server
     with pytest.raises(ProcessLookupError):  # the server and every process of its group are gone
         os.killpg(report["server_pid"], 0)
-    model = Path(report["model_dir"])
+    model = runs.parent.parent / report["model_dir"]  # relative to where tdeploy ran, like every report path
     config = json.loads((model / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"] and config["head_dim"] == 32, config
     suite = ET.parse(runs / "serving" / "junit.xml").getroot()
     assert suite.get("failures") == "0" and int(suite.get("tests")) == len(report["checks"])
     assert (runs / "serving" / "latency_histogram.png").read_bytes()[:4] == b"\x89PNG"
     assert {"serving-k8s.yaml", "serving.sbatch"} <= {Path(f).name for f in report["files"].values()}
+    assert report["model_dir"] == "runs/local/export/step-200"  # the accepted checkpoint, where tdeploy export puts it
 
 
 def _quality(root: Path) -> dict:
