@@ -25,6 +25,15 @@ _RESERVED_ENV = ("PATH", "HOME", "PYTHONPATH")
 IMAGE_SHAPING_FIELDS = ("base_image", "install_payload_dependencies", "extra_requirements", "env", "user", "uid")
 
 
+def image_reference(value: str, example: str) -> str:
+    """`value` if it is an image reference ([registry[:port]/]name[:tag][@sha256:digest]); else ValueError."""
+    if not IMAGE_REF.fullmatch(value):
+        raise ValueError(
+            f"{value!r} is not an image reference; write [registry[:port]/]name[:tag][@sha256:digest], e.g. {example}"
+        )
+    return value
+
+
 class ImageConfig(StrictModel):
     """The training image: what it is built from, by which builder, and where it is pushed."""
 
@@ -94,12 +103,7 @@ class ImageConfig(StrictModel):
     @field_validator("base_image")
     @classmethod
     def _image_reference(cls, value: str) -> str:
-        if not IMAGE_REF.fullmatch(value):
-            raise ValueError(
-                f"{value!r} is not an image reference; write [registry[:port]/]name[:tag][@sha256:digest], "
-                "e.g. nvcr.io/nvidia/pytorch:25.01-py3"
-            )
-        return value
+        return image_reference(value, "nvcr.io/nvidia/pytorch:25.01-py3")
 
     @field_validator("storage_dir")
     @classmethod

@@ -113,15 +113,21 @@ def validate_pytorchjob(manifest: dict[str, Any]) -> None:
     """Raise UserError unless the manifest is a valid kubeflow.org/v1 PyTorchJob."""
     from kubeflow.training.api_client import ApiClient
 
-    client = ApiClient()
+    fix = "fix the cluster.kubernetes settings"
+    check_round_trip(ApiClient(), manifest, "KubeflowOrgV1PyTorchJob", "PyTorchJob", fix)
+
+
+def check_round_trip(client: Any, manifest: dict[str, Any], model_name: str, what: str, fix: str) -> None:
+    """Raise UserError unless `manifest` deserialises into the API client's model `model_name` (required fields,
+    types) and serialises back unchanged (no unknown or misplaced fields); `fix` is said for an invalid one."""
     try:
-        model = client.deserialize(_Payload(manifest), "KubeflowOrgV1PyTorchJob")
+        model = client.deserialize(_Payload(manifest), model_name)
     except (ValueError, TypeError) as err:
-        raise UserError(f"PyTorchJob manifest is invalid: {err}", "fix the cluster.kubernetes settings") from err
+        raise UserError(f"{what} manifest is invalid: {err}", fix) from err
     back = client.sanitize_for_serialization(model)
     if back != manifest:
         raise UserError(
-            f"PyTorchJob manifest has fields the schema does not know: {first_difference(manifest, back)}",
+            f"{what} manifest has fields the schema does not know: {first_difference(manifest, back)}",
             "this is a rendering bug; report it",
         )
 

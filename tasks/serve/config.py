@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from tasks.image.config import IMAGE_REF
+from tasks.image.config import image_reference
 from tasks.serve.check import ServingCheckConfig
 from training.config import ModelConfig, StrictModel
 
@@ -59,12 +59,7 @@ class ServeConfig(StrictModel):
     @field_validator("image")
     @classmethod
     def _image_reference(cls, value: str) -> str:
-        if not IMAGE_REF.fullmatch(value):
-            raise ValueError(
-                f"{value!r} is not an image reference; write [registry[:port]/]name[:tag][@sha256:digest], "
-                "e.g. docker.io/vllm/vllm-openai:v0.32.0"
-            )
-        return value
+        return image_reference(value, "docker.io/vllm/vllm-openai:v0.32.0")
 
 
 def unservable(model: ModelConfig, serve: ServeConfig, accelerator: str) -> list[str]:

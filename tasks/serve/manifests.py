@@ -14,7 +14,6 @@ quoted for the shell where it is used.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 import shlex
@@ -24,7 +23,7 @@ from typing import Any
 import yaml
 
 from tasks.errors import UserError
-from tasks.launch.kubernetes import first_difference
+from tasks.launch.kubernetes import check_round_trip
 from tasks.serve.config import ServeConfig
 from tasks.serve.server import (  # noqa: F401 - REQUEST_LATENCY_BUCKETS_S: the monitoring tests read it here
     ALL_INTERFACES,
@@ -199,23 +198,7 @@ def validate_kubernetes(objects: list[dict[str, Any]]) -> None:
         kind = {"Deployment": "V1Deployment", "Service": "V1Service"}.get(obj.get("kind", ""))
         if kind is None:
             raise UserError(f"{obj.get('kind')!r} is not a kind this module renders", "this is a rendering bug")
-        try:
-            model = client.deserialize(_Response(obj), kind)
-        except (ValueError, TypeError) as err:
-            raise UserError(f"{obj['kind']} manifest is invalid: {err}", "this is a rendering bug; report it") from err
-        back = client.sanitize_for_serialization(model)
-        if back != obj:
-            raise UserError(
-                f"{obj['kind']} manifest has fields the API does not know: {first_difference(obj, back)}",
-                "this is a rendering bug; report it",
-            )
-
-
-class _Response:
-    """What the client's deserialiser expects of an HTTP response."""
-
-    def __init__(self, obj: dict[str, Any]) -> None:
-        self.data = json.dumps(obj)
+        check_round_trip(client, obj, kind, obj["kind"], "this is a rendering bug; report it")
 
 
 def _health_probe(failure_threshold: int) -> dict[str, Any]:
