@@ -95,6 +95,12 @@ class ServerFigures:
     mean_batch_tokens: float | None
     """Mean tokens per engine step (vLLM's iteration_tokens histogram): the batch the engine really ran."""
     preemptions: float | None
+    engine_steps: float | None = None
+    """Engine steps the load test took (the iteration_tokens histogram's count, after minus before): the
+    gauges above are sampled and can miss a short load, this counter cannot."""
+    output_tokens_per_step: float | None = None
+    """The load's output tokens over its engine steps: above 1 only when the engine decoded several requests
+    in one step (continuous batching); a server running one request at a time needs a step per token."""
 
 
 @dataclass(frozen=True)

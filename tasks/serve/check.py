@@ -181,6 +181,7 @@ class MetricsSampler:
         self.maxima: dict[str, float] = {}
         self.samples = 0
         self.last: dict[str, float] = {}
+        self.first: dict[str, float] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="metrics-sampler", daemon=True)
 
@@ -211,6 +212,10 @@ class MetricsSampler:
             self._stop.wait(self.interval_s)
 
     def __enter__(self) -> MetricsSampler:
+        try:  # the counters' values before the load, read before the load starts
+            self.first = self.read()
+        except OSError as err:
+            log.warning("first metrics scrape failed: %s", err)
         self._thread.start()
         return self
 
@@ -223,11 +228,12 @@ class MetricsSampler:
         except OSError as err:
             log.warning("final metrics scrape failed: %s", err)
 
-    def figures(self) -> ServerFigures:
-        """The maxima, the engine's mean tokens per step and its preemptions, from the last scrape."""
+    def figures(self, output_tokens: int | None = None) -> ServerFigures:
+        """The maxima, the engine's mean tokens per step and its preemptions over the load (the last scrape less
+        the one before it), and how many of the load's `output_tokens` it decoded per step."""
         last = self.last
-        steps = last.get("vllm:iteration_tokens_total_count")
-        tokens = last.get("vllm:iteration_tokens_total_sum")
+        steps = self._delta("vllm:iteration_tokens_total_count")
+        tokens = self._delta("vllm:iteration_tokens_total_sum")
         return ServerFigures(
             samples=self.samples,
             kv_cache_usage_max=self.maxima.get("kv_cache_usage_max"),
@@ -235,7 +241,15 @@ class MetricsSampler:
             waiting_max=self.maxima.get("waiting_max"),
             mean_batch_tokens=(tokens / steps) if steps and tokens is not None else None,
             preemptions=last.get("vllm:num_preemptions_total"),
+            engine_steps=steps,
+            output_tokens_per_step=(output_tokens / steps) if steps and output_tokens is not None else None,
         )
+
+    def _delta(self, name: str) -> float | None:
+        """A counter's growth from the first scrape to the last (None when the last lacks it)."""
+        if name not in self.last:
+            return None
+        return self.last[name] - self.first.get(name, 0.0)
 
 
 @dataclass(frozen=True)
@@ -322,7 +336,7 @@ def run_serving_check(
         prompts_text = decode(model_dir, data.prompts[: check.num_prompts])
         with MetricsSampler(server.url, check.metrics_interval_s) as sampler:
             load, per_request = run_load_test(server, model_dir, prompts_text, check, out_dir)
-        figures = sampler.figures()
+        figures = sampler.figures(load.output_tokens)
     finally:
         server.stop()
     devices = serve.tensor_parallel if accelerator != "cpu" else 1

@@ -85,7 +85,8 @@ def _served(runs: Path) -> None:
     quality = report["quality"]
     assert quality["prompts"] == 16 and 0 <= quality["rouge_l"] <= 1 and 0 <= quality["bleu4"] <= 100, quality
     server = report["server"]
-    assert server["samples"] > 0 and server["running_max"] >= 1, server  # the engine batched the load's requests
+    # the engine decoded several of the load's requests per step (the sampled running gauge can miss a short load)
+    assert server["samples"] > 0 and server["output_tokens_per_step"] > 1, server
     assert server["kv_cache_usage_max"] is not None and server["mean_batch_tokens"] > 0, server
     with pytest.raises(ProcessLookupError):  # the server and every process of its group are gone
         os.killpg(report["server_pid"], 0)

@@ -153,3 +153,43 @@ def test_the_junit_file_has_one_case_per_judged_figure(tmp_path: Path) -> None:
     assert failure is not None and "400" in failure.get("message")
     assert not report.passed and report.failed == ["p99_e2e_latency_ms"]
     assert json.loads(json.dumps(report.to_json(), default=str))["verdict"] == "failed"
+
+
+def test_the_sampler_counts_the_loads_engine_steps_from_counter_deltas_not_from_sampled_gauges() -> None:
+    """A load shorter than the sampling interval leaves the gauges at 0; the iteration counter's growth between
+    the scrape before the load and the one after still shows how many tokens the engine decoded per step."""
+    import http.server
+    import threading
+
+    from tasks.serve.check import MetricsSampler
+
+    state = {"count": 300.0, "sum": 900.0}
+
+    class Metrics(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
+            body = (
+                "# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running 0.0\n"
+                "# TYPE vllm:iteration_tokens_total histogram\n"
+                f'vllm:iteration_tokens_total_bucket{{le="+Inf"}} {state["count"]}\n'
+                f"vllm:iteration_tokens_total_count {state['count']}\nvllm:iteration_tokens_total_sum {state['sum']}\n"
+            ).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    httpd = http.server.HTTPServer(("127.0.0.1", 0), Metrics)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        with MetricsSampler(f"http://127.0.0.1:{httpd.server_port}", interval_s=60) as sampler:
+            state.update(count=300.0 + 128, sum=900.0 + 640)  # the load: 512 output tokens in 128 steps
+        figures = sampler.figures(output_tokens=512)
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    assert figures.running_max == 0.0 and figures.engine_steps == 128
+    assert figures.output_tokens_per_step == 4.0 and figures.mean_batch_tokens == 5.0
