@@ -51,8 +51,10 @@ def env_problems(env: dict[str, str], field: str = "env") -> list[Problem]:
 class ClusterConfig(StrictModel):
     """The cluster a deployment runs on."""
 
-    scheduler: Literal["local", "slurm", "kubernetes"] = Field(
-        default="local", description="local: torchrun on this machine; slurm: sbatch; kubernetes: PyTorchJob."
+    scheduler: Literal["local", "ssh", "slurm", "kubernetes"] = Field(
+        default="local",
+        description="local: torchrun on this machine; ssh: one torchrun agent per host of nodes.hosts, started "
+        "over SSH; slurm: sbatch; kubernetes: PyTorchJob.",
     )
     nodes: int = Field(default=1, ge=1, le=100_000, description="Nodes (local: torchrun agents on this machine).")
     procs_per_node: int = Field(
