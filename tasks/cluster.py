@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from tasks.launch.config import KubernetesConfig, SlurmConfig
+from tasks.launch.config import KubernetesConfig, SlurmConfig, SshLaunchConfig
 from training.config import Problem, StrictModel, raise_problems
 
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -73,6 +73,10 @@ class ClusterConfig(StrictModel):
     slurm: SlurmConfig = Field(default_factory=SlurmConfig, description="scheduler=slurm: sbatch settings.")
     kubernetes: KubernetesConfig = Field(
         default_factory=KubernetesConfig, description="scheduler=kubernetes: PyTorchJob settings."
+    )
+    ssh: SshLaunchConfig | None = Field(
+        default=None,
+        description="scheduler=ssh: the hosts and SSH settings of the agents; None = the spec's nodes section.",
     )
 
     @model_validator(mode="after")

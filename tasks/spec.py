@@ -83,7 +83,24 @@ def derived_paths(data: dict[str, Any]) -> dict[str, Any]:
         prepare = data_section["prepare"]
         if prepare.get("output_url") is None:
             out["data"] = {**data_section, "prepare": {**prepare, "output_url": f"{base}/datasets"}}
-    return out
+    return _ssh_from_nodes(out)
+
+
+_NODES_TO_SSH = {"ssh_user": "user", "ssh_key_path": "key_path", "known_hosts_path": "known_hosts_path",
+                 "python": "python", "connect_timeout_s": "connect_timeout_s"}  # fmt: skip
+
+
+def _ssh_from_nodes(data: dict[str, Any]) -> dict[str, Any]:
+    """scheduler=ssh without a cluster.ssh section: the agents' hosts and SSH settings are the nodes section's, so
+    the node checks and the job see one inventory."""
+    cluster, nodes = data.get("cluster"), data.get("nodes")
+    if not (isinstance(cluster, dict) and cluster.get("scheduler") == "ssh" and cluster.get("ssh") is None):
+        return data
+    if not isinstance(nodes, dict) or not nodes.get("hosts"):
+        return data  # _cluster_problems names what is missing
+    ssh = {"hosts": nodes["hosts"]}
+    ssh |= {ours: nodes[theirs] for theirs, ours in _NODES_TO_SSH.items() if nodes.get(theirs) is not None}
+    return {**data, "cluster": {**cluster, "ssh": ssh}}
 
 
 class SpecError(ValueError):
@@ -172,7 +189,25 @@ class DeploymentSpec(StrictModel):
         problems: list[Problem] = []
         world, par = self.cluster.world_size, self.parallel
         scheduler = self.cluster.scheduler
-        if scheduler in ("local", "slurm") and not is_local(self.run.output_url):
+        if scheduler == "ssh" and self.cluster.ssh is None:
+            problems.append(
+                (
+                    ("cluster", "ssh"),
+                    None,
+                    "cluster.scheduler=ssh starts one torchrun agent per host: list the hosts under nodes.hosts "
+                    "(name, address, port) or give cluster.ssh.hosts",
+                )
+            )
+        elif scheduler == "ssh" and len(self.cluster.ssh.hosts) < self.cluster.nodes:
+            problems.append(
+                (
+                    ("cluster", "nodes"),
+                    self.cluster.nodes,
+                    f"cluster.scheduler=ssh has {len(self.cluster.ssh.hosts)} host(s) to start agents on; list "
+                    f"{self.cluster.nodes} under nodes.hosts or lower cluster.nodes",
+                )
+            )
+        if scheduler in ("local", "ssh", "slurm") and not is_local(self.run.output_url):
             where = "this machine" if scheduler == "local" else "a filesystem every node shares"
             problems.append(
                 (

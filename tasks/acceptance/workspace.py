@@ -337,9 +337,13 @@ class Job:
             time.sleep(poll_s)
 
     def kill_rank(self, rank: int, sig: int = signal.SIGKILL) -> dict[str, Any]:
-        """Send `sig` to one rank's process (directly on this host, through srun on another)."""
+        """Send `sig` to one rank's process (directly on this host, over SSH or through srun on another)."""
         record = next(r for r in self.ranks_record().ranks if r["rank"] == rank)
-        if record["host"] == socket.gethostname() or self.cluster.scheduler == "local":
+        if self.cluster.scheduler == "ssh":
+            from tasks.launch.ssh import signal_remote
+
+            signal_remote(self.handle, self.handle.details["hosts"].index(record["host"]), record["pid"], sig)
+        elif record["host"] == socket.gethostname() or self.cluster.scheduler == "local":
             os.kill(record["pid"], sig)
         else:
             subprocess.run(

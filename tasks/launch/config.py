@@ -1,4 +1,4 @@
-"""Scheduler settings of the `cluster` section: Slurm and Kubernetes.
+"""Scheduler settings of the `cluster` section: SSH, Slurm and Kubernetes.
 
 Every string here ends up in a shell script (job.sbatch) or a manifest, and the spec may come from
 people who are not the operator (the Prefect UI). So each field is checked against a full-string
@@ -12,6 +12,7 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, Field, field_validator
 
+from tasks.nodes.config import NodeHost
 from training.config import StrictModel
 
 SLURM_TIME = re.compile(
@@ -22,6 +23,7 @@ _SLURM_NAMES = re.compile(r"[A-Za-z0-9_.+-]+(,[A-Za-z0-9_.+-]+)*")
 # A long or short option; its value printable ASCII without spaces, quotes, backslash or # (sbatch syntax).
 _SBATCH_OPTION = re.compile(r"--?[A-Za-z][A-Za-z0-9-]*(=[!$-&(-\[\]-~]+)?")
 _PROGRAM = re.compile(r"[A-Za-z0-9_./+@-]+")
+_SSH_USER = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.@-]{0,63}")
 _MOUNT_PATH = r"/[A-Za-z0-9_./+@=-]*"
 _MOUNT = re.compile(rf"{_MOUNT_PATH}:{_MOUNT_PATH}(:[A-Za-z+]+)?")
 _DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
@@ -129,3 +131,42 @@ class KubernetesConfig(StrictModel):
     gpu_resource: Annotated[
         str, _matching(_RESOURCE_NAME, "a Kubernetes resource name such as nvidia.com/gpu or amd.com/gpu")
     ] = Field(default="nvidia.com/gpu", description="Extended resource name of the GPUs.")
+
+
+_ABSOLUTE_PATH = re.compile(r"/[A-Za-z0-9_./+@=-]*")
+AbsolutePath = Annotated[
+    str,
+    _matching(
+        _ABSOLUTE_PATH, "an absolute path of letters, digits and _ . / + @ = - (e.g. /shared/transformer-deploy)"
+    ),
+]
+
+
+class SshLaunchConfig(StrictModel):
+    """scheduler=ssh: the hosts that get one torchrun agent each (first = rendezvous host) and how to reach them.
+
+    Taken from the spec's `nodes` section (hosts, ssh_user, ssh_key_path, known_hosts_path, python) when the spec
+    does not give it, so the node checks and the job see the same inventory.
+    """
+
+    hosts: list[NodeHost] = Field(min_length=1, description="Hosts in node-rank order; the first holds the rendezvous.")
+    user: Annotated[str, _matching(_SSH_USER, "a user name; use letters, digits and _ . @ - (e.g. trainer)")] | None = (
+        Field(default=None, description="SSH user; None = the SSH default.")
+    )
+    key_path: AbsolutePath | None = Field(default=None, description="Private key on the controller; None = defaults.")
+    known_hosts_path: AbsolutePath | None = Field(
+        default=None, description="known_hosts with the hosts' keys (host keys are always checked); None = default."
+    )
+    python: ProgramPath = Field(default="python3", description="Python the agents and workers run with on the hosts.")
+    workdir: AbsolutePath | None = Field(
+        default=None,
+        description="Folder on every host holding this project (training/, tasks/); None = the controller's own "
+        "checkout, which a shared filesystem shows at the same path.",
+    )
+    connect_timeout_s: int = Field(default=10, ge=1, le=600, description="SSH connection timeout per host.")
+    alive_interval_s: int = Field(
+        default=5,
+        ge=1,
+        le=600,
+        description="SSH keep-alive probe interval: a host whose link is gone is noticed after 3 missed probes.",
+    )

@@ -30,6 +30,7 @@ from pathlib import Path
 
 from tasks.cluster import ClusterConfig
 from tasks.errors import UserError
+from tasks.launch.agent import AGENT_RECORD_ENV
 from tasks.launch.base import (
     JobHandle,
     JobState,
@@ -49,6 +50,7 @@ from training.storage import is_local, local_path
 log = logging.getLogger(__name__)
 
 CANCELLED_MARKER = "cancelled"  # holds why the job was stopped
+AGENTS_DIR = "agents"  # node<N>.json: where agent N runs (host, pid, start time), written by the agent itself
 SUPERVISOR_ENV = ("TDEPLOY_SUPERVISOR_PID", "TDEPLOY_SUPERVISOR_START")
 # Records torchrun's exit code; on SIGTERM it passes the signal on and stays until torchrun has stopped its workers.
 # Supervised, a watchdog stops torchrun once the supervisor (pid + start time) is gone, or the wrapper itself.
@@ -99,13 +101,21 @@ def stop_supervised_jobs(grace_s: float = 10.0) -> list[JobHandle]:
     pid); the jobs that were still running."""
     _stopping.set()
     running = supervised_jobs()
-    launcher = LocalLauncher()
     for handle in running:
         log.warning(
             "stopping job %s (agent pid %s)", handle.ref, ", ".join(str(a["pid"]) for a in handle.details["agents"])
         )
-        launcher.cancel(handle, grace_s=grace_s, reason="its `tdeploy run` was interrupted")
+        _launcher_of(handle).cancel(handle, grace_s=grace_s, reason="its `tdeploy run` was interrupted")
     return running
+
+
+def _launcher_of(handle: JobHandle) -> LocalLauncher:
+    """The launcher that started a supervised job: local, or SSH (its agents on other hosts)."""
+    if handle.scheduler == "ssh":
+        from tasks.launch.ssh import SshLauncher
+
+        return SshLauncher()
+    return LocalLauncher()
 
 
 def kill_supervised_jobs() -> None:
@@ -141,7 +151,7 @@ def _refuse_if_running(out: Path) -> None:
         previous = JobHandle.from_json(json.loads(record.read_text()))
     except (OSError, ValueError, TypeError):
         return  # no job there, or not one this launcher can check
-    if previous.scheduler != "local" or not (agents := running_agents(previous)):
+    if previous.scheduler not in ("local", "ssh") or not (agents := running_agents(previous)):
         return
     pids = ", ".join(str(a["pid"]) for a in agents)
     since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(previous.submitted_unix_s))
@@ -194,15 +204,18 @@ class LocalLauncher(Launcher):
             stale.unlink(missing_ok=True)
         config_path = out / "run.json"
         train.to_json_file(config_path)
-        endpoint = f"127.0.0.1:{cluster.rdzv_port or free_port()}"
+        endpoint = self._endpoint(cluster)
         job_id = f"{name}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
         log_path = RunOutput(out).train_log
         offset = log_path.stat().st_size if log_path.exists() else 0
         agents = []
+        (out / AGENTS_DIR).mkdir(exist_ok=True)
+        for stale in (out / AGENTS_DIR).glob("node*.json"):
+            stale.unlink()
         with open(log_path, "ab") as log_file:
             for node in range(cluster.nodes):
                 args = torchrun_args(cluster, endpoint, job_id, str(config_path), str(out / "logs" / f"node{node}"))
-                env = job_env(cluster, faults, inherited=self.env)
+                argv, env = self._agent_command(cluster, node, args, faults, out)
                 env["TDEPLOY_EXIT_FILE"] = str(out / f"exit-{node}.txt")
                 env["TDEPLOY_STOP_FILE"] = str(out / CANCELLED_MARKER)
                 for key in SUPERVISOR_ENV:
@@ -211,7 +224,7 @@ class LocalLauncher(Launcher):
                     env.update(TDEPLOY_SUPERVISOR_PID=str(supervisor["pid"]),
                                TDEPLOY_SUPERVISOR_START=str(supervisor["start_time"]))  # fmt: skip
                 proc = subprocess.Popen(
-                    ["/bin/sh", "-c", _WRAPPER, "sh", sys.executable, "-m", "tasks.launch.agent", *args],
+                    ["/bin/sh", "-c", _WRAPPER, "sh", *argv],
                     env=env,
                     stdout=log_file,
                     stderr=subprocess.STDOUT,
@@ -224,7 +237,13 @@ class LocalLauncher(Launcher):
             name=name,
             output_dir=str(out),
             log_path=str(log_path),
-            details={"agents": agents, "log_offset": offset, "endpoint": endpoint, "supervisor": supervisor},
+            details={
+                "agents": agents,
+                "log_offset": offset,
+                "endpoint": endpoint,
+                "supervisor": supervisor,
+                **self._details(cluster),
+            },
             env=dict(cluster.env),
             faults=faults,
         )
@@ -233,6 +252,22 @@ class LocalLauncher(Launcher):
             _supervised[job_id] = handle
         log.info("started %d torchrun agent(s) at %s; job %s; log %s", len(agents), endpoint, handle.ref, log_path)
         return handle
+
+    def _endpoint(self, cluster: ClusterConfig) -> str:
+        """The c10d rendezvous endpoint: this machine's loopback (the agents all run here)."""
+        return f"127.0.0.1:{cluster.rdzv_port or free_port()}"
+
+    def _agent_command(
+        self, cluster: ClusterConfig, node: int, args: list[str], faults: Mapping[str, str], out: Path
+    ) -> tuple[list[str], dict[str, str]]:
+        """The command the wrapper runs for agent `node` (torchrun `args`) and the environment it starts with."""
+        env = job_env(cluster, faults, inherited=self.env)
+        env[AGENT_RECORD_ENV] = str(out / AGENTS_DIR / f"node{node}.json")
+        return [sys.executable, "-m", "tasks.launch.agent", *args], env
+
+    def _details(self, cluster: ClusterConfig) -> dict[str, object]:
+        """What job.json keeps beyond the agents, for status and cancel from another process."""
+        return {}
 
     @staticmethod
     def _supervisor() -> dict[str, str | int] | None:

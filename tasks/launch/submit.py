@@ -25,13 +25,17 @@ def launcher_for(scheduler: str, env: Mapping[str, str] | None = None) -> Launch
     from (a Kubernetes pod does not start from it)."""
     if scheduler == "local":
         return LocalLauncher(env)
+    if scheduler == "ssh":
+        from tasks.launch.ssh import SshLauncher
+
+        return SshLauncher(env)
     if scheduler == "slurm":
         return SlurmLauncher(env)
     if scheduler == "kubernetes":
         from tasks.launch.kubernetes import KubernetesLauncher
 
         return KubernetesLauncher()
-    raise UserError(f"cluster.scheduler={scheduler}: unknown", "use local, slurm or kubernetes")
+    raise UserError(f"cluster.scheduler={scheduler}: unknown", "use local, ssh, slurm or kubernetes")
 
 
 def submit(

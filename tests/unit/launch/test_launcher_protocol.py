@@ -45,10 +45,12 @@ def test_every_launcher_implements_every_method_of_the_protocol_with_its_signatu
 
 
 def test_launcher_for_picks_a_launcher_of_the_protocol_for_each_scheduler_and_names_the_valid_ones() -> None:
-    for scheduler, kind in (("local", LocalLauncher), ("slurm", SlurmLauncher)):
+    from tasks.launch.ssh import SshLauncher
+
+    for scheduler, kind in (("local", LocalLauncher), ("ssh", SshLauncher), ("slurm", SlurmLauncher)):
         launcher = launcher_for(scheduler)
         assert type(launcher) is kind and launcher.scheduler == scheduler and Launcher in kind.__mro__
-    with pytest.raises(UserError, match=r"cluster\.scheduler=pbs: unknown; use local, slurm or kubernetes"):
+    with pytest.raises(UserError, match=r"cluster\.scheduler=pbs: unknown; use local, ssh, slurm or kubernetes"):
         launcher_for("pbs")
 
 

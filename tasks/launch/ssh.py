@@ -1,0 +1,167 @@
+"""SSH launcher: one torchrun agent per host of the inventory, started over SSH (as DeepSpeed's pdsh runner does).
+
+It is the local launcher with the agents elsewhere: each agent runs under the same `sh` wrapper on this
+machine, whose child is `ssh HOST 'cd WORKDIR && exec env ... PYTHON -m tasks.launch.agent ...'`. ssh exits
+with the remote agent's status, so the wrapper's exit file, the supervision (the job dies with its submitter)
+and `cancel` work as they do locally: when the ssh client goes, sshd's session ends and the remote agent, whose
+parent it was, gets its parent-death signal and stops its workers. The rendezvous is c10d on the first host's
+address; the other hosts must resolve the first host's name (torchrun hands its host name to the workers as
+MASTER_ADDR), which the node checks test before any job starts.
+
+The run folder (run.json, logs, exit files, ranks.json) must be on a filesystem every host shows at the same
+path, as Slurm jobs need. Credentials are not sent: storage keys live on the hosts (their environment, ~/.aws,
+instance roles), never on a command line other users of a host could read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shlex
+import subprocess
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from tasks.cluster import ClusterConfig
+from tasks.errors import UserError
+from tasks.launch.agent import AGENT_RECORD_ENV
+from tasks.launch.base import JobHandle
+from tasks.launch.config import SshLaunchConfig
+from tasks.launch.local import AGENTS_DIR, CANCELLED_MARKER, LocalLauncher
+from tasks.launch.torchrun import job_env
+from tasks.nodes.config import NodeHost
+
+log = logging.getLogger(__name__)
+
+TORCHRUN_DEFAULT_PORT = 29500
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+# Controller variables that describe the job's communication, passed on to every host (never credentials).
+FORWARDED_PREFIXES = ("NCCL_", "GLOO_", "TORCH_NCCL_", "TORCH_DISTRIBUTED_", "TORCHELASTIC_")
+
+
+def ssh_command(ssh: SshLaunchConfig, host: NodeHost, remote: str) -> list[str]:
+    """`ssh` to `host` running the shell command `remote`: key-only, host keys checked, keep-alive probes on."""
+    argv = [
+        "ssh", "-T",
+        "-o", "BatchMode=yes",
+        "-o", "StrictHostKeyChecking=yes",
+        "-o", f"ConnectTimeout={ssh.connect_timeout_s}",
+        "-o", f"ServerAliveInterval={ssh.alive_interval_s}",
+        "-o", "ServerAliveCountMax=3",
+        "-p", str(host.port),
+    ]  # fmt: skip
+    if ssh.key_path:
+        argv += ["-i", ssh.key_path, "-o", "IdentitiesOnly=yes"]
+    if ssh.known_hosts_path:
+        argv += ["-o", f"UserKnownHostsFile={ssh.known_hosts_path}"]
+    target = host.address or host.name
+    return [*argv, "--", f"{ssh.user}@{target}" if ssh.user else target, remote]
+
+
+def remote_command(workdir: str, env: Mapping[str, str], argv: list[str]) -> str:
+    """The shell command line a host runs: enter `workdir`, then exec `argv` with `env` added; every word quoted."""
+    assignments = [f"{name}={value}" for name, value in env.items()]
+    return f"cd {shlex.quote(workdir)} && exec {shlex.join(['env', *assignments, *argv])}"
+
+
+def launch_config(cluster: ClusterConfig) -> SshLaunchConfig:
+    """cluster.ssh, refused (with the fix) when missing or shorter than cluster.nodes."""
+    ssh = cluster.ssh
+    if ssh is None:
+        raise UserError(
+            "cluster.scheduler=ssh without hosts: cluster.ssh is not set",
+            "list the hosts under nodes.hosts (the spec copies them into cluster.ssh) or give cluster.ssh.hosts",
+        )
+    if len(ssh.hosts) < cluster.nodes:
+        raise UserError(
+            f"cluster.nodes={cluster.nodes}: cluster.ssh lists {len(ssh.hosts)} host(s)",
+            f"list {cluster.nodes} hosts or lower cluster.nodes",
+        )
+    return ssh
+
+
+class SshLauncher(LocalLauncher):
+    """Runs, watches and cancels torchrun jobs whose agents run on other hosts, one per host, over SSH."""
+
+    scheduler = "ssh"
+
+    def _endpoint(self, cluster: ClusterConfig) -> str:
+        """c10d on the first host's address."""
+        first = launch_config(cluster).hosts[0]
+        return f"{first.address or first.name}:{cluster.rdzv_port or TORCHRUN_DEFAULT_PORT}"
+
+    def _agent_command(
+        self, cluster: ClusterConfig, node: int, args: list[str], faults: Mapping[str, str], out: Path
+    ) -> tuple[list[str], dict[str, str]]:
+        """`ssh HOST` running the agent there with the job's environment (not this machine's)."""
+        ssh = launch_config(cluster)
+        forwarded = {k: v for k, v in self.env.items() if k.startswith(FORWARDED_PREFIXES)}
+        remote_env = job_env(cluster, faults, inherited=forwarded)
+        remote_env[AGENT_RECORD_ENV] = str(out / AGENTS_DIR / f"node{node}.json")
+        agent = [ssh.python, "-m", "tasks.launch.agent", *args]
+        remote = remote_command(ssh.workdir or str(PROJECT_ROOT), remote_env, agent)
+        return ssh_command(ssh, ssh.hosts[node], remote), dict(self.env)
+
+    def _details(self, cluster: ClusterConfig) -> dict[str, object]:
+        """The hosts and SSH settings, so that another process can reach the job's processes."""
+        ssh = launch_config(cluster)
+        return {"ssh": ssh.model_dump(mode="json"), "hosts": [h.name for h in ssh.hosts[: cluster.nodes]]}
+
+    def cancel(self, handle: JobHandle, grace_s: float = 30.0, reason: str = "cancelled by the user") -> None:
+        """On every host at once: SIGTERM its agent (torchrun stops its workers), wait up to `grace_s` for it to
+        exit, SIGKILL it if it has not; then stop the local side (the wrappers and their ssh clients)."""
+        (Path(handle.output_dir) / CANCELLED_MARKER).write_text(f"{reason} at {time.strftime('%Y-%m-%dT%H:%M:%S')}")
+        stops = []
+        for record in remote_agents(handle):
+            with contextlib.suppress(OSError):
+                stops.append(stop_remote(handle, record["node"], record["pid"], grace_s))
+        for host, proc in stops:
+            try:
+                proc.wait(timeout=grace_s + 30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                log.warning("host %s did not answer the stop of job %s: its processes may still run", host, handle.ref)
+        super().cancel(handle, grace_s, reason)
+
+
+def remote_agents(handle: JobHandle) -> list[dict[str, Any]]:
+    """The agents' own records (node index, host, pid, start time) of an SSH job, for those that wrote one."""
+    found = []
+    for node in range(len(handle.details.get("agents", []))):
+        path = Path(handle.output_dir) / AGENTS_DIR / f"node{node}.json"
+        with contextlib.suppress(OSError, ValueError):
+            found.append({"node": node, **json.loads(path.read_text())})
+    return found
+
+
+# $1 pid, $2 grace in tenths of a second: SIGTERM, wait for the process to exit, SIGKILL it if it has not.
+_STOP = (
+    'kill -TERM "$1" 2>/dev/null || exit 0; i=0; while kill -0 "$1" 2>/dev/null; do [ "$i" -ge "$2" ] && '
+    '{ kill -KILL "$1" 2>/dev/null; exit 0; }; i=$((i+1)); sleep 0.1; done'
+)
+
+
+def stop_remote(handle: JobHandle, node: int, pid: int, grace_s: float) -> tuple[str, subprocess.Popen[bytes]]:
+    """Start stopping process `pid` on the job's host `node` over SSH (TERM, wait, KILL); the host and ssh."""
+    ssh = SshLaunchConfig.model_validate(handle.details["ssh"])
+    host = ssh.hosts[node]
+    remote = shlex.join(["sh", "-c", _STOP, "stop", str(int(pid)), str(int(grace_s * 10))])
+    proc = subprocess.Popen(ssh_command(ssh, host, remote), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return host.name, proc
+
+
+def signal_remote(handle: JobHandle, node: int, pid: int, sig: int, timeout_s: float = 30.0) -> None:
+    """Send `sig` to process `pid` on the job's host `node` over SSH (UserError when that fails)."""
+    ssh = SshLaunchConfig.model_validate(handle.details["ssh"])
+    host = ssh.hosts[node]
+    command = ssh_command(ssh, host, shlex.join(["kill", f"-{int(sig)}", str(int(pid))]))
+    try:
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, env=dict(os.environ))
+    except subprocess.TimeoutExpired as err:
+        raise UserError(f"host {host.name}: `kill` over SSH timed out", "check the host and its link") from err
+    if proc.returncode != 0:
+        raise UserError(f"host {host.name}: kill -{int(sig)} {pid} failed: {proc.stderr.strip()}", "see the message")
