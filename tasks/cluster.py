@@ -62,6 +62,13 @@ class ClusterConfig(StrictModel):
     )
     accelerator: str = Field(default="cpu", min_length=1, description="Accelerator type, e.g. cpu, h100-sxm.")
     max_restarts: int = Field(default=0, ge=0, le=100, description="torchrun elastic restarts after a worker failure.")
+    min_nodes: int | None = Field(
+        default=None,
+        ge=1,
+        le=100_000,
+        description="Elastic: the job goes on with as few as this many nodes when others are lost (torchrun "
+        "--nnodes=min_nodes:nodes; each loss costs a restart of max_restarts); None = exactly `nodes`.",
+    )
     rdzv_port: int | None = Field(
         default=None, ge=1, le=65535, description="local: rendezvous port on 127.0.0.1; None = a free one."
     )
@@ -81,7 +88,19 @@ class ClusterConfig(StrictModel):
 
     @model_validator(mode="after")
     def _env_names(self) -> ClusterConfig:
-        raise_problems("ClusterConfig", env_problems(self.env))
+        problems = env_problems(self.env)
+        if self.min_nodes is not None and self.min_nodes > self.nodes:
+            problems.append((("min_nodes",), self.min_nodes, f"must be <= nodes={self.nodes}; lower it or remove it"))
+        if self.min_nodes is not None and self.min_nodes < self.nodes and self.max_restarts == 0:
+            problems.append(
+                (
+                    ("max_restarts",),
+                    0,
+                    f"min_nodes={self.min_nodes} lets the job go on after losing a node, which takes a restart; "
+                    "set max_restarts >= 1",
+                )
+            )
+        raise_problems("ClusterConfig", problems)
         return self
 
     @property

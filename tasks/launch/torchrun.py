@@ -25,7 +25,7 @@ LOG_ARGS = ["--redirects=3", "--tee=3"]
 def agent_args(cluster: ClusterConfig) -> list[str]:
     """The size and restart arguments of one torchrun agent (not the rendezvous endpoint and id)."""
     return [
-        f"--nnodes={cluster.nodes}",
+        f"--nnodes={cluster.nodes}" if cluster.min_nodes is None else f"--nnodes={cluster.min_nodes}:{cluster.nodes}",
         f"--nproc-per-node={cluster.procs_per_node}",
         "--rdzv-backend=c10d",
         f"--max-restarts={cluster.max_restarts}",
