@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field, model_validator
+from pydantic import AfterValidator, Field, model_validator
 
 from tasks.launch.config import KubernetesConfig, SlurmConfig, SshLaunchConfig
 from training.config import Problem, StrictModel, raise_problems
+from training.network import COLLECTIVE_TIMEOUT_ENV
 
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 # Variables that decide how the job script's shell, the dynamic loader, Python, Slurm or torchrun start the
@@ -48,6 +49,157 @@ def env_problems(env: dict[str, str], field: str = "env") -> list[Problem]:
     return problems
 
 
+_IFNAME = r"[A-Za-z0-9_.:-]{1,15}"
+# NCCL_SOCKET_IFNAME: interface names or prefixes, comma-separated; ^ excludes them, = asks for exact names.
+_NCCL_IFNAMES = re.compile(rf"[\^=]?{_IFNAME}(,{_IFNAME})*")
+_GLOO_IFNAMES = re.compile(rf"{_IFNAME}(,{_IFNAME})*")
+# NCCL_IB_HCA: HCA names with an optional :port, comma-separated; ^ excludes them, = asks for exact names.
+_HCA = r"[A-Za-z0-9_.-]{1,64}(:[0-9]{1,3})?"
+_NCCL_IB_HCA = re.compile(rf"[\^=]?{_HCA}(,{_HCA})*")
+
+
+def _matching(pattern: re.Pattern[str], what: str) -> AfterValidator:
+    """A validator that refuses any value `pattern` does not match in full; the message says what fits."""
+
+    def check(value: str) -> str:
+        if len(value) > 255 or not pattern.fullmatch(value):
+            raise ValueError(f"{value!r} is not {what}")
+        return value
+
+    return AfterValidator(check)
+
+
+InterfaceName = Annotated[
+    str,
+    _matching(
+        re.compile(_IFNAME), "a network interface name; use 1 to 15 letters, digits and _ . : - (e.g. eth0, ib0)"
+    ),
+]
+NcclInterfaces = Annotated[
+    str,
+    _matching(
+        _NCCL_IFNAMES,
+        "an NCCL_SOCKET_IFNAME list; use interface names (1 to 15 letters, digits and _ . : -) separated by commas, "
+        "optionally after ^ (exclude) or = (exact), e.g. eth0, ib0,ib1 or ^docker,lo",
+    ),
+]
+GlooInterfaces = Annotated[
+    str,
+    _matching(
+        _GLOO_IFNAMES,
+        "a GLOO_SOCKET_IFNAME list; use interface names (1 to 15 letters, digits and _ . : -) separated by commas, "
+        "e.g. eth0 or eth0,eth1",
+    ),
+]
+NcclHcas = Annotated[
+    str,
+    _matching(
+        _NCCL_IB_HCA,
+        "an NCCL_IB_HCA list; use HCA names (letters, digits and _ . -) with an optional :port, separated by "
+        "commas, optionally after ^ (exclude) or = (exact), e.g. mlx5_0:1,mlx5_1:1",
+    ),
+]
+
+
+class NcclConfig(StrictModel):
+    """NCCL's network settings (GPU jobs); each one set becomes its NCCL_* variable, None leaves NCCL's default."""
+
+    socket_ifname: NcclInterfaces | None = Field(
+        default=None,
+        description="NCCL_SOCKET_IFNAME: the interfaces NCCL's sockets use (bootstrap, and traffic without "
+        "InfiniBand); None = network.interface when set.",
+    )
+    ib_disable: bool | None = Field(
+        default=None, description="NCCL_IB_DISABLE: true = no InfiniBand/RoCE, sockets instead; None = NCCL's default."
+    )
+    ib_hca: NcclHcas | None = Field(default=None, description="NCCL_IB_HCA: the InfiniBand HCAs (and ports) to use.")
+    debug: Literal["VERSION", "WARN", "INFO", "TRACE"] | None = Field(
+        default=None, description="NCCL_DEBUG: how much NCCL logs (INFO shows the interfaces and transports chosen)."
+    )
+    proto: list[Literal["LL", "LL128", "Simple"]] | None = Field(
+        default=None, min_length=1, description="NCCL_PROTO: the protocols NCCL may use; None = all it supports."
+    )
+
+
+class GlooConfig(StrictModel):
+    """gloo's network settings (CPU jobs)."""
+
+    socket_ifname: GlooInterfaces | None = Field(
+        default=None, description="GLOO_SOCKET_IFNAME: the interfaces gloo uses; None = network.interface when set."
+    )
+
+
+class NetworkConfig(StrictModel):
+    """The job's network: its interface, rendezvous and collective timeouts, NCCL and gloo settings.
+
+    The rendezvous port stays `cluster.rdzv_port` (`cluster.slurm.rdzv_port` under Slurm). Every field set here
+    reaches the training processes as an environment variable (see `network_env`); None leaves the default.
+    """
+
+    interface: InterfaceName | None = Field(
+        default=None,
+        description="The network interface the job's traffic uses on every node, e.g. eth0 or ib0: the default of "
+        "nccl.socket_ifname and gloo.socket_ifname, and checked on every node by the node checks; None = "
+        "whatever NCCL and gloo pick.",
+    )
+    rdzv_timeout_s: int | None = Field(
+        default=None,
+        ge=1,
+        le=86_400,
+        description="Seconds the torchrun agents wait for every node to join the rendezvous (torchrun "
+        "--rdzv-conf join_timeout, or timeout for the static rendezvous); None = torchrun's 600.",
+    )
+    collective_timeout_s: int | None = Field(
+        default=None,
+        ge=1,
+        le=7 * 86_400,
+        description="Seconds a collective may wait before the process group gives up (init_process_group "
+        "timeout); None = torch's default (10 minutes for NCCL, 30 for gloo).",
+    )
+    nccl: NcclConfig = Field(default_factory=NcclConfig, description="NCCL settings (GPU jobs).")
+    gloo: GlooConfig = Field(default_factory=GlooConfig, description="gloo settings (CPU jobs).")
+
+
+def network_variables(network: NetworkConfig) -> dict[str, tuple[str, str]]:
+    """Each variable the network section sets: name -> (the field it comes from, its value)."""
+    nccl, gloo, interface = network.nccl, network.gloo, network.interface
+    found: dict[str, tuple[str, str | None]] = {
+        "NCCL_SOCKET_IFNAME": ("network.nccl.socket_ifname", nccl.socket_ifname)
+        if nccl.socket_ifname is not None
+        else ("network.interface", interface),
+        "GLOO_SOCKET_IFNAME": ("network.gloo.socket_ifname", gloo.socket_ifname)
+        if gloo.socket_ifname is not None
+        else ("network.interface", interface),
+        "NCCL_IB_DISABLE": ("network.nccl.ib_disable", None if nccl.ib_disable is None else str(int(nccl.ib_disable))),
+        "NCCL_IB_HCA": ("network.nccl.ib_hca", nccl.ib_hca),
+        "NCCL_DEBUG": ("network.nccl.debug", nccl.debug),
+        "NCCL_PROTO": ("network.nccl.proto", ",".join(nccl.proto) if nccl.proto else None),
+        COLLECTIVE_TIMEOUT_ENV: (
+            "network.collective_timeout_s",
+            None if network.collective_timeout_s is None else str(network.collective_timeout_s),
+        ),
+    }
+    return {name: (field, value) for name, (field, value) in found.items() if value is not None}
+
+
+def network_env(network: NetworkConfig) -> dict[str, str]:
+    """The environment variables the network section gives every training process (empty when nothing is set)."""
+    return {name: value for name, (_, value) in network_variables(network).items()}
+
+
+def network_problems(network: NetworkConfig, env: dict[str, str]) -> list[Problem]:
+    """Variables that both cluster.env and the network section set: one place has to go."""
+    return [
+        (
+            ("env", name),
+            name,
+            f"is set by cluster.{field} as well; set it in one place: remove cluster.env.{name} or cluster.{field}",
+        )
+        for name, (field, _) in network_variables(network).items()
+        if name in env
+    ]
+
+
 class ClusterConfig(StrictModel):
     """The cluster a deployment runs on."""
 
@@ -85,10 +237,14 @@ class ClusterConfig(StrictModel):
         default=None,
         description="scheduler=ssh: the hosts and SSH settings of the agents; None = the spec's nodes section.",
     )
+    network: NetworkConfig = Field(
+        default_factory=NetworkConfig,
+        description="The job's network: interface, rendezvous and collective timeouts, NCCL and gloo settings.",
+    )
 
     @model_validator(mode="after")
     def _env_names(self) -> ClusterConfig:
-        problems = env_problems(self.env)
+        problems = env_problems(self.env) + network_problems(self.network, self.env)
         if self.min_nodes is not None and self.min_nodes > self.nodes:
             problems.append((("min_nodes",), self.min_nodes, f"must be <= nodes={self.nodes}; lower it or remove it"))
         if self.min_nodes is not None and self.min_nodes < self.nodes and self.max_restarts == 0:

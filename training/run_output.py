@@ -3,6 +3,8 @@
 A run's output folder (`run.output_url`) holds, format version 1:
 
     ranks.json                    written at start-up by rank 0: format_version, world_size, one entry per rank
+                                  (its host, pid, device, ..., and `network`: the NCCL_*/GLOO_*/TORCH_* variables
+                                  it ran with and its collective timeout; runs from before it have none)
     metrics/rank-NNNNN.jsonl      one line per optimizer step and rank (step, loss, lr, tokens/s, memory, ...)
     samples/rank-NNNNN.jsonl      the sample indices each rank consumed per step (run.record_samples)
     epochs.jsonl                  one line per epoch that ended: its last step, the remainder it dropped or the
@@ -67,7 +69,7 @@ class RunOutputFormatError(Exception):
 
 @dataclass(frozen=True)
 class Ranks:
-    """ranks.json: who took part in the job (one dict per rank: rank, host, pid, device, resumed_from_step, ...)."""
+    """ranks.json: who took part in the job (one dict per rank: rank, host, pid, device, network, ...)."""
 
     world_size: int
     ranks: list[dict[str, Any]]

@@ -41,6 +41,7 @@ from training.lease import Lease
 from training.mesh import Meshes, ParallelDims
 from training.metrics import CommTimer, peak_memory_bytes
 from training.model import Transformer
+from training.network import collective_timeout, network_record
 from training.parallel import comm_timed, gradient_sync, parallelize
 from training.reference import run_reference
 from training.run_output import CheckpointEvent, EpochEnd, Ranks, RunOutputWriter, RunResult
@@ -77,17 +78,18 @@ class DistEnv:
 
 
 def init_distributed(env: DistEnv) -> tuple[torch.device, str]:
-    """Start the process group: NCCL on GPUs, gloo on CPU."""
+    """Start the process group: NCCL on GPUs, gloo on CPU; its timeout from cluster.network.collective_timeout_s."""
     if torch.cuda.is_available():
         device, backend = torch.device("cuda", env.local_rank), "nccl"
         torch.cuda.set_device(device)
     else:
         device, backend = torch.device("cpu"), "gloo"
     if not dist.is_initialized():
+        timeout = collective_timeout()
         if "MASTER_ADDR" in os.environ:
-            dist.init_process_group(backend, device_id=device if backend == "nccl" else None)
+            dist.init_process_group(backend, device_id=device if backend == "nccl" else None, timeout=timeout)
         else:  # a lone process outside torchrun (benchmarks, notebooks)
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     return device, backend
 
 
@@ -371,6 +373,7 @@ class Trainer:
             "resumed_from_step": self.resumed_from,
             "collective": self._collective_check(),
             "mesh": self._mesh_record(),
+            "network": network_record(self.backend),
         }
         everyone: list[Any] = [None] * self.world
         dist.all_gather_object(everyone, me)

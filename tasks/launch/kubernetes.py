@@ -20,7 +20,7 @@ from typing import Any
 from tasks.cluster import ClusterConfig
 from tasks.errors import TransientError, UserError
 from tasks.launch.base import JobHandle, JobState, JobStatus, Launcher, checked_faults
-from tasks.launch.torchrun import job_env
+from tasks.launch.torchrun import job_env, rdzv_conf_args
 from training.checkpoint_trust import KEY_ENV as CHECKPOINT_KEY_ENV
 from training.config import TrainConfig
 
@@ -34,7 +34,8 @@ def render_manifests(
 ) -> list[dict[str, Any]]:
     """[ConfigMap with run.json, PyTorchJob] for `cluster.nodes` pods of `procs_per_node` ranks each.
 
-    The pods get cluster.env, and the test fault variables only where `faults` gives them.
+    The pods get cluster.env and cluster.network's variables, and the test fault variables only where `faults`
+    gives them.
     """
     k8s = cluster.kubernetes
     resources: dict[str, str] = {}
@@ -54,6 +55,7 @@ def render_manifests(
             "-m",
             "torch.distributed.run",
             f"--max-restarts={cluster.max_restarts}",
+            *rdzv_conf_args(cluster, backend="static"),  # torchrun's default backend, which the operator leaves
             "-m",
             "training.train",
             "--config",

@@ -120,7 +120,8 @@ class SlurmLauncher(Launcher):
     ) -> str:
         """The sbatch script: every value from the spec is quoted for sbatch (directives) or the shell (commands).
 
-        It exports cluster.env, and the test fault variables only where `faults` gives them.
+        It exports cluster.env and cluster.network's variables, and the test fault variables only where `faults`
+        gives them.
         """
         slurm = cluster.slurm
         directives = [

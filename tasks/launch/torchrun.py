@@ -5,7 +5,7 @@ from __future__ import annotations
 import socket
 from collections.abc import Mapping
 
-from tasks.cluster import ClusterConfig
+from tasks.cluster import ClusterConfig, network_env
 
 # Restarted gloo workers cannot reconnect to an agent-shared TCP store.
 WORKER_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1"}
@@ -22,12 +22,22 @@ def free_port() -> int:
 LOG_ARGS = ["--redirects=3", "--tee=3"]
 
 
+def rdzv_conf_args(cluster: ClusterConfig, backend: str = "c10d") -> list[str]:
+    """`--rdzv-conf` with cluster.network.rdzv_timeout_s, by the name the backend reads: c10d's join_timeout, the
+    static rendezvous' timeout (the Kubeflow training operator's default); nothing when it is not set."""
+    timeout = cluster.network.rdzv_timeout_s
+    if timeout is None:
+        return []
+    return [f"--rdzv-conf={'timeout' if backend == 'static' else 'join_timeout'}={timeout:d}"]
+
+
 def agent_args(cluster: ClusterConfig) -> list[str]:
-    """The size and restart arguments of one torchrun agent (not the rendezvous endpoint and id)."""
+    """The size, restart and rendezvous-timeout arguments of one torchrun agent (not the endpoint and id)."""
     return [
         f"--nnodes={cluster.nodes}" if cluster.min_nodes is None else f"--nnodes={cluster.min_nodes}:{cluster.nodes}",
         f"--nproc-per-node={cluster.procs_per_node}",
         "--rdzv-backend=c10d",
+        *rdzv_conf_args(cluster),
         f"--max-restarts={cluster.max_restarts}",
     ]
 
@@ -51,8 +61,9 @@ def job_env(
     cluster: ClusterConfig, faults: Mapping[str, str] | None = None, inherited: Mapping[str, str] | None = None
 ) -> dict[str, str]:
     """The job's environment: `inherited` (where its processes start from), the workers' defaults where unset
-    there, then the spec's cluster.env, then the test-only fault variables."""
+    there, then the spec's cluster.env and cluster.network (which never set the same name), then the test-only
+    fault variables."""
     env = dict(inherited or {})
     for key, value in WORKER_ENV.items():
         env.setdefault(key, value)
-    return {**env, **cluster.env, **(faults or {})}
+    return {**env, **cluster.env, **network_env(cluster.network), **(faults or {})}

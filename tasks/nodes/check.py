@@ -17,6 +17,7 @@ from tasks.nodes.runner import PlaybookRun, run_playbook
 from tasks.nodes.status import (
     clock,
     gpu_health,
+    interface,
     name_resolution,
     node_count,
     reachability,
@@ -33,6 +34,7 @@ SECTIONS: list[Callable[[Observed], list[Row]]] = [
     gpu_health,
     storage,
     name_resolution,
+    interface,
     rendezvous,
     clock,
     ssh_login,

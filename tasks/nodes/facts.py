@@ -115,7 +115,7 @@ class Connect(_Reported):
 
 
 class NetworkFacts(_Reported):
-    """Role node_network: name resolution of the other nodes and the rendezvous port test."""
+    """Role node_network: name resolution of the other nodes, the rendezvous port test and the job's interface."""
 
     resolved: dict[str, list[str]] = Field(default_factory=dict, description="name -> addresses it resolves to")
     resolve_errors: dict[str, str] = Field(default_factory=dict, description="name -> why it did not resolve")
@@ -126,6 +126,9 @@ class NetworkFacts(_Reported):
     listener_stop: ListenerStop = Field(default_factory=ListenerStop, description="its stop (rendezvous host only)")
     connect: Connect = Field(default_factory=Connect, description="the connection test (other nodes only)")
     rdzv_error: str | None = Field(None, description="the failed task of the port test, if one failed")
+    interface: str | None = Field(None, description="the interface the job needs (cluster.network.interface)")
+    interfaces: list[str] | None = Field(None, description="the node's interfaces; None when not listed")
+    interface_error: str | None = Field(None, description="why the interfaces could not be listed")
 
 
 class SecurityFacts(_Reported):

@@ -31,6 +31,7 @@ class CheckPlan:
     max_clock_skew_s: float
     job_python: str
     min_hosts: int | None = None
+    interface: str | None = None
 
 
 def default_hosts(nodes: NodesConfig, cluster: ClusterConfig) -> list[NodeHost] | None:
@@ -120,6 +121,7 @@ def plan_checks(nodes: NodesConfig, cluster: ClusterConfig) -> CheckPlan:
         "node_network_rdzv_address": nodes.rdzv_address,
         "node_network_rdzv_port": port,
         "node_network_connect_timeout_s": nodes.rdzv_connect_timeout_s,
+        "node_network_interface": cluster.network.interface,
         "node_security_check_password_auth": nodes.check_password_auth,
         "node_security_connect_timeout_s": nodes.connect_timeout_s,
     }
@@ -139,4 +141,5 @@ def plan_checks(nodes: NodesConfig, cluster: ClusterConfig) -> CheckPlan:
         max_clock_skew_s=nodes.max_clock_skew_s,
         job_python=nodes.python or "python3",
         min_hosts=cluster.nodes if cluster.scheduler != "local" else None,
+        interface=cluster.network.interface,
     )

@@ -234,6 +234,38 @@ def rendezvous(seen: Observed) -> list[Row]:
     return [row]
 
 
+def interface(seen: Observed) -> list[Row]:
+    """Every node has the interface the job's traffic uses (cluster.network.interface), when one is set."""
+    wanted = seen.plan.interface
+    if wanted is None:
+        return []
+    values, missing, unknown = {}, [], []
+    for host, net in _networks(seen).items():
+        if net.interfaces is None:
+            values[host] = f"could not list the interfaces: {net.interface_error or 'not checked'}"
+            unknown.append(host)
+        elif wanted in net.interfaces:
+            values[host] = "ok"
+        else:
+            values[host] = f"missing (has {', '.join(net.interfaces) or 'none'})"
+            missing.append(host)
+    row = Row(f"network interface {wanted}", values)
+    if missing:
+        finding = f"{host_list(missing)} ha{'s' if len(missing) == 1 else 've'} no interface {wanted}: " + "; ".join(
+            f"{h} {values[h]}" for h in missing[:10]
+        )
+        fix = (
+            f"bring up {wanted} on {host_list(missing)}, or set cluster.network.interface to the interface every "
+            "node has (`ip -br link` lists them)"
+        )
+        return [flag(row, Finding("blocking", missing, finding, fix))]
+    if unknown:
+        finding = f"could not list the network interfaces of {host_list(unknown)}, so {wanted} was not checked"
+        fix = f"check that /sys/class/net is readable on {host_list(unknown)}"
+        return [flag(row, Finding("warning", unknown, finding, fix))]
+    return [row]
+
+
 def clock(seen: Observed) -> list[Row]:
     """Clock skew between the nodes, bounded by when the controller saw each reading taken."""
     bounds: dict[str, tuple[float, float]] = {}
