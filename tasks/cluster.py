@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, Field, model_validator
+from pydantic import AfterValidator, Field, field_validator, model_validator
 
 from tasks.launch.config import KubernetesConfig, SlurmConfig, SshLaunchConfig
 from training.config import Problem, StrictModel, raise_problems
@@ -119,6 +119,13 @@ class NcclConfig(StrictModel):
     proto: list[Literal["LL", "LL128", "Simple"]] | None = Field(
         default=None, min_length=1, description="NCCL_PROTO: the protocols NCCL may use; None = all it supports."
     )
+
+    @field_validator("ib_disable", mode="before")
+    @classmethod
+    def _true_or_false(cls, value: object) -> object:
+        if value is not None and not isinstance(value, bool):
+            raise ValueError(f"{value!r} is not true or false; write true (sockets only) or false (use InfiniBand)")
+        return value
 
 
 class GlooConfig(StrictModel):
