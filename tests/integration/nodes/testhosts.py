@@ -5,12 +5,22 @@ its own /etc/hosts and its own folder bound over a shared path (`view`): the sam
 different job Python or no scratch folder on different nodes. The network is either
 
 - `loopback`: sshd listens on 127.0.0.2, 127.0.0.3, ... (one port for all), or
-- `netns`: every node lives in its own network namespace on a bridge (10.x.y.2, 10.x.y.3, ... port 22),
-  so one node can firewall a port with its own iptables rules.
+- `netns`: every node lives in its own network namespace on a bridge (10.x.y.2, 10.x.y.3, ... port 22;
+  the bridge itself is 10.x.y.1), so one node can firewall a port with its own iptables rules, lose its
+  link (`cut_link`) or get a slow one (`delay_link`).
+
+Every node's /etc/hosts names every other node (except those its spec lists as `unresolvable`), and every
+node sees the cluster's `shared` folder bind-mounted at the same path, the way NFS appears on a real cluster:
+job output and checkpoints go there. (A mount namespace starts as a copy of this machine's mounts, so the
+folder would be visible anyway; the explicit bind mount makes it a mount point of its own on every node.)
+`SshdHost.enter(argv)` runs a command inside a node's namespaces (network, host name, mounts) as its sshd
+sees them, for daemons that a real node would run (slurmd). `SshdCluster.start_s3()` starts an
+S3-compatible endpoint on the bridge address, reachable from every node.
 
 Only the processes started here are stopped, by process group (tests/processes, which also stops them at the
 end of the test session), plus what is left inside the namespaces created here.
-Needs root, openssh-server, iproute2 and util-linux (iptables for `block_port`).
+Needs root, openssh-server, iproute2 and util-linux (iptables for `block_port`, the kernel's sch_netem for
+`delay_link(delay_ms=...)`).
 """
 
 from __future__ import annotations
@@ -37,7 +47,8 @@ _CLUSTERS = itertools.count()
 def missing_prerequisites(network: str = "loopback") -> list[str]:
     """What this machine lacks to start test nodes (empty when all is there)."""
     missing = [] if os.geteuid() == 0 else ["root (for mount and network namespaces)"]
-    tools = [SSHD, "ssh", "ssh-keygen", "unshare", "mount"] + (["ip", "iptables"] if network == "netns" else [])
+    tools = [SSHD, "ssh", "ssh-keygen", "unshare", "nsenter", "mount"]
+    tools += ["ip", "iptables", "tc"] if network == "netns" else []
     missing += [t for t in tools if shutil.which(t) is None]
     return missing
 
@@ -77,14 +88,69 @@ class SshdHost:
         """Stop sshd's process group (SIGCONT first, in case it was frozen) and wait for it."""
         stop_group(self.process)
 
+    @property
+    def sshd_pid(self) -> int:
+        """The PID of sshd, which holds the node's namespaces (`nsenter`, `unshare` and `sh` all exec)."""
+        return self.process.pid
+
+    def enter(self, argv: list[str], cwd: str | Path | None = None) -> list[str]:
+        """`argv` run inside this node's network, UTS and mount namespaces (needs sshd running), in `cwd`
+        (default: this process's working directory; entering a mount namespace would otherwise go to /)."""
+        wd = f"--wd={cwd if cwd is not None else os.getcwd()}"
+        return ["nsenter", "-t", str(self.sshd_pid), "-n", "-u", "-m", wd, "--", *argv]
+
+    def _in_netns(self, *argv: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        assert self.netns is not None, "link and firewall faults need network='netns'"
+        return subprocess.run(["ip", "netns", "exec", self.netns, *argv], check=check, capture_output=True, text=True)
+
+    def _drop_rule(self, port: int) -> list[str]:
+        return ["INPUT", "-p", "tcp", "--dport", str(port), "!", "-i", "lo", "-j", "DROP"]
+
     def block_port(self, port: int) -> None:
         """Drop TCP packets to `port` arriving from other machines (this node's own firewall; netns only)."""
-        assert self.netns is not None, "block_port needs network='netns'"
-        subprocess.run(
-            ["ip", "netns", "exec", self.netns, "iptables", "-A", "INPUT", "-p", "tcp", "--dport", str(port)]
-            + ["!", "-i", "lo", "-j", "DROP"],
-            check=True,
-        )
+        self._in_netns("iptables", "-A", *self._drop_rule(port))
+
+    def unblock_port(self, port: int) -> None:
+        """Undo `block_port(port)`."""
+        self._in_netns("iptables", "-D", *self._drop_rule(port))
+
+    def cut_link(self) -> None:
+        """Take the node's network link down: every other node and the bridge lose it (a pulled cable)."""
+        self._in_netns("ip", "link", "set", "eth0", "down")
+
+    def restore_link(self) -> None:
+        """Bring the link back up after `cut_link`."""
+        self._in_netns("ip", "link", "set", "eth0", "up")
+
+    def delay_link(self, delay_ms: float | None = None, rate_mbit: float | None = None) -> None:
+        """Make the node's outgoing traffic slow: `delay_ms` added to every packet (netem), or the bandwidth
+        capped at `rate_mbit` (tbf, or netem's rate together with a delay)."""
+        if delay_ms is None and rate_mbit is None:
+            raise ValueError("delay_link needs delay_ms, rate_mbit or both")
+        if delay_ms is None:
+            burst_kbit = max(32, int(rate_mbit * 1000 / 250))  # at least one timer tick's worth of bytes
+            qdisc = ["tbf", "rate", f"{rate_mbit}mbit", "burst", f"{burst_kbit}kbit", "latency", "1s"]
+        else:
+            qdisc = ["netem", "delay", f"{delay_ms}ms"] + ([] if rate_mbit is None else ["rate", f"{rate_mbit}mbit"])
+        proc = self._in_netns("tc", "qdisc", "replace", "dev", "eth0", "root", *qdisc, check=False)
+        if proc.returncode != 0:
+            raise LinkFaultUnsupported(qdisc[0], proc.stderr.strip())
+
+    def clear_link(self) -> None:
+        """Remove what `delay_link` set (the link's default queue comes back)."""
+        self._in_netns("tc", "qdisc", "del", "dev", "eth0", "root", check=False)
+
+    def link_qdisc(self) -> str:
+        """What `tc qdisc show dev eth0` says inside the node (to check a fault is in place)."""
+        return self._in_netns("tc", "qdisc", "show", "dev", "eth0").stdout
+
+
+class LinkFaultUnsupported(RuntimeError):
+    """The kernel lacks the queueing discipline a link fault needs (e.g. sch_netem for a delay)."""
+
+    def __init__(self, qdisc: str, message: str) -> None:
+        super().__init__(f"tc qdisc {qdisc}: {message}; load the kernel's sch_{qdisc} module or use another fault")
+        self.qdisc = qdisc
 
 
 @dataclass
@@ -95,6 +161,8 @@ class SshdCluster:
     network: Literal["loopback", "netns"]
     hosts: list[SshdHost] = field(default_factory=list)
     bridge: str | None = None
+    bridge_address: str | None = None
+    _s3: Any = field(default=None, repr=False)
 
     @property
     def key_path(self) -> Path:
@@ -108,6 +176,11 @@ class SshdCluster:
     def view(self) -> Path:
         """The shared path each node sees its own folder at."""
         return self.workdir / "view"
+
+    @property
+    def shared(self) -> Path:
+        """The folder every node sees at this same path (its own bind mount on every node, like NFS)."""
+        return self.workdir / "shared"
 
     @property
     def job_python(self) -> str:
@@ -137,23 +210,54 @@ class SshdCluster:
         section.update(overrides)
         return section
 
+    def start_s3(self) -> str:
+        """Start an S3-compatible endpoint (moto) that every node reaches; its URL. close() stops it."""
+        from moto.server import ThreadedMotoServer
+
+        if self._s3 is None:
+            self._s3 = ThreadedMotoServer(ip_address=self.bridge_address or "127.0.0.1", port=0, verbose=False)
+            self._s3.start()
+        host, port = self._s3.get_host_and_port()
+        return f"http://{host}:{port}"
+
     def close(self) -> None:
-        """Stop every sshd started here, kill what is left inside our namespaces, remove the namespaces."""
+        """Stop every sshd started here and the S3 endpoint, kill what is left inside our namespaces, remove
+        the namespaces, veths and bridge."""
         for host in self.hosts:
             host.stop()
-        for host in self.hosts:
-            if host.netns is None:
-                continue
-            pids = subprocess.run(["ip", "netns", "pids", host.netns], capture_output=True, text=True).stdout.split()
-            for pid in pids:
-                try:
-                    os.kill(int(pid), signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            subprocess.run(["ip", "netns", "del", host.netns], capture_output=True)
-            subprocess.run(["ip", "link", "del", host.veth], capture_output=True)
-        if self.bridge:
-            subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
+        if self._s3 is not None:
+            self._s3.stop()
+            self._s3 = None
+        netns = [h.netns for h in self.hosts if h.netns is not None]
+        remove_network(netns, [h.veth for h in self.hosts if h.veth is not None], self.bridge)
+
+
+def remove_network(netns: list[str], veths: list[str], bridge: str | None) -> None:
+    """Kill what is left inside these network namespaces (created here), delete them, their veths and the bridge."""
+    for name in netns:
+        pids = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True).stdout.split()
+        for pid in pids:
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
+    for veth in veths:
+        subprocess.run(["ip", "link", "del", veth], capture_output=True)
+    if bridge:
+        subprocess.run(["ip", "link", "del", bridge], capture_output=True)
+
+
+def _free_subnet() -> str:
+    """A 10.x.y.0/24 that no interface on this machine routes yet (another test cluster may be up)."""
+    routes = subprocess.run(["ip", "-4", "route", "show"], capture_output=True, text=True, check=True).stdout
+    base = os.getpid() + 7 * next(_CLUSTERS)
+    for offset in range(250):
+        n = base + offset
+        subnet = f"10.{200 + n // 250 % 50}.{n % 250}"
+        if f"{subnet}.0/24" not in routes:
+            return subnet
+    raise RuntimeError("no free 10.x.y.0/24 subnet for a test cluster")
 
 
 def _run(*argv: str) -> None:
@@ -214,10 +318,12 @@ def start_cluster(
     authorized_keys = workdir / "authorized_keys"
     shutil.copy(f"{cluster.key_path}.pub", authorized_keys)
     cluster.view.mkdir()
+    cluster.shared.mkdir()
     tag = f"{os.getpid() % 100000}{next(_CLUSTERS) % 10}"
     if network == "netns":
-        subnet = f"10.{200 + os.getpid() % 50}.{os.getpid() % 250}"
+        subnet = _free_subnet()
         cluster.bridge = f"tdb{tag}"
+        cluster.bridge_address = f"{subnet}.1"
         _run("ip", "link", "add", cluster.bridge, "type", "bridge")
         _run("ip", "addr", "add", f"{subnet}.1/24", "dev", cluster.bridge)
         _run("ip", "link", "set", cluster.bridge, "up")
@@ -254,12 +360,16 @@ def start_cluster(
                 _run("ip", "-n", netns, "addr", "add", f"{address}/24", "dev", "eth0")
                 _run("ip", "-n", netns, "link", "set", "eth0", "up")
                 _run("ip", "-n", netns, "link", "set", "lo", "up")
-                prefix = ["ip", "netns", "exec", netns]
+                # nsenter, not `ip netns exec`: that would mount a fresh /sys and hide the cgroup mounts that
+                # daemons such as slurmd need; both exec, so sshd keeps the PID that Popen returns
+                prefix = ["nsenter", f"--net=/run/netns/{netns}", "--"]
             script = (
-                'hostname "$0" && mount --bind "$1" /etc/hosts && mount --bind "$2" "$3" && exec "$4" -D -e -f "$5"'
+                'hostname "$0" && mount --bind "$1" /etc/hosts && mount --bind "$2" "$3" && mount --bind "$6" "$6"'
+                ' && exec "$4" -D -e -f "$5"'
             )
             argv = prefix + ["unshare", "--mount", "--uts", "--propagation", "private", "sh", "-c", script]
             argv += [spec.name, str(folder / "hosts"), str(folder / "view"), str(cluster.view), SSHD, str(config)]
+            argv += [str(cluster.shared)]
             log = folder / "sshd.log"
             with log.open("w") as log_file:
                 process = start_group(argv, stdout=log_file, stderr=subprocess.STDOUT)
