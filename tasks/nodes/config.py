@@ -143,8 +143,9 @@ class NodesConfig(StrictModel):
         default=None,
         ge=1,
         le=65535,
-        description="Rendezvous port to test from every node to the first; None = cluster.rdzv_port, "
-        "else 29500 (torchrun's default) with several hosts, else no port check.",
+        description="Rendezvous port to test from every node to the first; None = the job's port "
+        "(cluster.slurm.rdzv_port under Slurm, else cluster.rdzv_port), else 29500 (torchrun's default) with "
+        "several hosts, else no port check.",
     )
     rdzv_address: str | None = Field(
         default=None,

@@ -47,9 +47,12 @@ def default_hosts(nodes: NodesConfig, cluster: ClusterConfig) -> list[NodeHost] 
 
 
 def rendezvous_port(nodes: NodesConfig, cluster: ClusterConfig, n_hosts: int | None) -> int | None:
-    """The port to test: nodes.rdzv_port, else cluster.rdzv_port, else torchrun's default when several nodes meet."""
+    """The port to test: nodes.rdzv_port, else the job's (cluster.slurm.rdzv_port under Slurm, else
+    cluster.rdzv_port), else torchrun's default when several nodes meet."""
     if nodes.rdzv_port is not None:
         return nodes.rdzv_port
+    if cluster.scheduler == "slurm":
+        return cluster.slurm.rdzv_port
     if cluster.rdzv_port is not None:
         return cluster.rdzv_port
     return TORCHRUN_DEFAULT_PORT if n_hosts is None or n_hosts > 1 else None

@@ -261,7 +261,7 @@ def interface(seen: Observed) -> list[Row]:
         return [flag(row, Finding("blocking", missing, finding, fix))]
     if unknown:
         finding = f"could not list the network interfaces of {host_list(unknown)}, so {wanted} was not checked"
-        fix = f"check that /sys/class/net is readable on {host_list(unknown)}"
+        fix = f"check that the Python Ansible runs on {host_list(unknown)} can list them (socket.if_nameindex)"
         return [flag(row, Finding("warning", unknown, finding, fix))]
     return [row]
 

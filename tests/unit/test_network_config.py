@@ -224,6 +224,16 @@ def test_the_node_check_plan_passes_the_interface_to_the_role_only_when_set() ->
     assert plan.extravars["node_network_interface"] is None and plan.interface is None
 
 
+def test_the_rendezvous_port_check_tests_the_port_the_job_uses_on_each_scheduler() -> None:
+    hosts = NodesConfig(hosts=[{"name": "node-a"}, {"name": "node-b"}])
+    slurm = ClusterConfig(scheduler="slurm", nodes=2, procs_per_node=1, slurm={"rdzv_port": 29611})
+    assert plan_checks(hosts, slurm).extravars["node_network_rdzv_port"] == 29611
+    ssh = ClusterConfig(scheduler="ssh", nodes=2, procs_per_node=1, rdzv_port=29612)
+    assert plan_checks(hosts, ssh).extravars["node_network_rdzv_port"] == 29612
+    override = NodesConfig(hosts=[{"name": "node-a"}, {"name": "node-b"}], rdzv_port=29613)
+    assert plan_checks(override, slurm).rdzv_port == 29613, "nodes.rdzv_port still wins"
+
+
 def test_a_node_without_the_interface_blocks_naming_the_host_and_the_interfaces_it_has() -> None:
     names = ["node-a", "node-b", "node-c"]
     report = build_report(
