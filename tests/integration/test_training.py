@@ -36,13 +36,22 @@ def _small_dataset(url: str) -> None:
 
 
 def test_two_process_run_learns(make_spec) -> None:
-    spec = make_spec({"run": {"steps": 40}, "checkpoint": {"save_every_steps": 20}})
+    # gloo on the loopback interface: the rendezvous is on 127.0.0.1, so the network section stays harmless
+    network = {"interface": "lo", "collective_timeout_s": 900, "rdzv_timeout_s": 120, "nccl": {"debug": "WARN"}}
+    spec = make_spec({"run": {"steps": 40}, "checkpoint": {"save_every_steps": 20}, "cluster": {"network": network}})
     job = run_local(spec.cluster, spec.training_config())
     out = job.output_dir
 
     ranks = RunOutput(out).ranks()
     assert ranks.world_size == 2 and sorted(r["rank"] for r in ranks.ranks) == [0, 1]
     assert {r["backend"] for r in ranks.ranks} == {"gloo"}
+    for rank in ranks.ranks:  # each rank records the network it ran with, from the spec's cluster.network
+        ran_with = rank["network"]
+        assert ran_with["collective_timeout_s"] == 900.0, ran_with
+        assert ran_with["collective_timeout_from"] == "cluster.network.collective_timeout_s"
+        assert {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo", "NCCL_DEBUG": "WARN"}.items() <= ran_with[
+            "env"
+        ].items(), ran_with
 
     metrics = metrics_by_step(out)
     assert sorted(metrics) == list(range(1, 41))
