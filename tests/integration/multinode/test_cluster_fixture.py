@@ -50,6 +50,8 @@ def test_every_host_has_its_own_name_and_address_and_resolves_the_others(hosts3:
     for host in hosts3.hosts:
         assert run_on(host, "hostname").stdout.strip() == host.name
         assert f"inet {host.address}/24" in run_on(host, "ip", "-4", "addr", "show", "eth0").stdout
+        assert run_on(host, "ls", "/sys/class/net").stdout.split() == ["eth0", "lo"], "its own sysfs"
+        assert run_on(host, "test", "-d", "/sys/fs/cgroup/pids").returncode == 0, "the cgroup mounts stay"
         for other in hosts3.hosts:
             assert run_on(host, "getent", "hosts", other.name).stdout.split()[0] == other.address
 

@@ -7,7 +7,8 @@ different job Python or no scratch folder on different nodes. The network is eit
 - `loopback`: sshd listens on 127.0.0.2, 127.0.0.3, ... (one port for all), or
 - `netns`: every node lives in its own network namespace on a bridge (10.x.y.2, 10.x.y.3, ... port 22;
   the bridge itself is 10.x.y.1), so one node can firewall a port with its own iptables rules, lose its
-  link (`cut_link`) or get a slow one (`delay_link`).
+  link (`cut_link`) or get a slow one (`delay_link`). Its /sys is its own (/sys/class/net lists its eth0)
+  with this machine's cgroup mounts moved onto it, as daemons such as slurmd need them.
 
 Every node's /etc/hosts names every other node (except those its spec lists as `unresolvable`), and every
 node sees the cluster's `shared` folder bind-mounted at the same path, the way NFS appears on a real cluster:
@@ -360,16 +361,19 @@ def start_cluster(
                 _run("ip", "-n", netns, "addr", "add", f"{address}/24", "dev", "eth0")
                 _run("ip", "-n", netns, "link", "set", "eth0", "up")
                 _run("ip", "-n", netns, "link", "set", "lo", "up")
-                # nsenter, not `ip netns exec`: that would mount a fresh /sys and hide the cgroup mounts that
-                # daemons such as slurmd need; both exec, so sshd keeps the PID that Popen returns
+                # nsenter, not `ip netns exec` (which mounts a fresh /sys that hides the cgroup mounts daemons
+                # such as slurmd need); the script below mounts the namespace's own sysfs and moves the cgroup
+                # mounts onto it. nsenter, unshare and sh all exec: sshd keeps the PID that Popen returns.
                 prefix = ["nsenter", f"--net=/run/netns/{netns}", "--"]
-            script = (
-                'hostname "$0" && mount --bind "$1" /etc/hosts && mount --bind "$2" "$3" && mount --bind "$6" "$6"'
-                ' && exec "$4" -D -e -f "$5"'
-            )
+            script = 'hostname "$0" && mount --bind "$1" /etc/hosts && mount --bind "$2" "$3" && mount --bind "$6" "$6"'
+            if network == "netns":  # /sys/class/net then lists this node's interfaces, as on a real machine
+                (folder / "cgroup").mkdir()
+                script += ' && mount --rbind /sys/fs/cgroup "$7" && mount -t sysfs sysfs /sys'
+                script += ' && mount --move "$7" /sys/fs/cgroup'
+            script += ' && exec "$4" -D -e -f "$5"'
             argv = prefix + ["unshare", "--mount", "--uts", "--propagation", "private", "sh", "-c", script]
             argv += [spec.name, str(folder / "hosts"), str(folder / "view"), str(cluster.view), SSHD, str(config)]
-            argv += [str(cluster.shared)]
+            argv += [str(cluster.shared), str(folder / "cgroup")]
             log = folder / "sshd.log"
             with log.open("w") as log_file:
                 process = start_group(argv, stdout=log_file, stderr=subprocess.STDOUT)
