@@ -97,12 +97,15 @@ def hosts3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshdCluster]:
         cluster.close()
 
 
-def _pid(path: Path, what: str, log: Path, timeout_s: float = 20.0) -> int:
+def _tail(log: Path) -> str:
+    return log.read_text(errors="replace")[-2000:] if log.exists() else "(no log)"
+
+
+def _pid(path: Path, log: Path, timeout_s: float = 20.0) -> int:
     deadline = time.monotonic() + timeout_s
     while not path.exists() or not path.read_text().strip():
         if time.monotonic() > deadline:
-            tail = log.read_text(errors="replace")[-2000:] if log.exists() else "(no log)"
-            raise TimeoutError(f"{what} wrote no pid file {path}: {tail}")
+            raise TimeoutError(f"no pid file {path} within {timeout_s} s: {_tail(log)}")
         time.sleep(0.1)
     return int(path.read_text().split()[0])
 
@@ -112,10 +115,6 @@ def slurm_multinode(hosts3: SshdCluster) -> Iterator[SlurmMultinode]:
     """munged, slurmctld on node-1 and a slurmd on every host, all nodes idle; stopped by PID afterwards."""
     # munged runs as user munge, which cannot enter pytest's private (0700) temporary folders
     munge = Path(tempfile.mkdtemp(prefix="tdeploy-munge-"))
-    os.chmod(munge, 0o755)
-    subprocess.run(["mungekey", "--create", f"--keyfile={munge}/munge.key", "--force"], check=True)
-    shutil.chown(munge, "munge", "munge")
-    shutil.chown(munge / "munge.key", "munge", "munge")
     root = hosts3.workdir / "slurm"
     (root / "state").mkdir(parents=True)
     for host in hosts3.hosts:
@@ -140,12 +139,18 @@ def slurm_multinode(hosts3: SshdCluster) -> Iterator[SlurmMultinode]:
 
     def start(argv: list[str], pid_file: Path, log: Path) -> None:
         pending.append(pid_file)
-        subprocess.run(argv, check=True, env=full_env, timeout=60)  # the daemon forks and this returns
-        pids.append(_pid(pid_file, argv[-1], log))
+        proc = subprocess.run(argv, env=full_env, capture_output=True, text=True, timeout=60)  # it forks, returns
+        if proc.returncode != 0:
+            raise RuntimeError(f"{argv} exited {proc.returncode}: {proc.stderr.strip()}\n{_tail(log)}")
+        pids.append(_pid(pid_file, log))
         track_daemon(pids[-1], pid_file.name)
         pending.remove(pid_file)
 
     try:
+        os.chmod(munge, 0o755)
+        subprocess.run(["mungekey", "--create", f"--keyfile={munge}/munge.key", "--force"], check=True)
+        shutil.chown(munge, "munge", "munge")
+        shutil.chown(munge / "munge.key", "munge", "munge")
         start(
             ["runuser", "-u", "munge", "--", "/usr/sbin/munged", f"--socket={munge}/munge.sock",
              f"--key-file={munge}/munge.key", f"--pid-file={munge}/munged.pid", f"--log-file={munge}/munged.log",
