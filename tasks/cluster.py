@@ -139,8 +139,9 @@ class GlooConfig(StrictModel):
 class NetworkConfig(StrictModel):
     """The job's network: its interface, rendezvous and collective timeouts, NCCL and gloo settings.
 
-    The rendezvous port stays `cluster.rdzv_port` (`cluster.slurm.rdzv_port` under Slurm). Every field set here
-    reaches the training processes as an environment variable (see `network_env`); None leaves the default.
+    The rendezvous port stays `cluster.rdzv_port` (`cluster.slurm.rdzv_port` under Slurm). rdzv_timeout_s is a
+    torchrun argument; every other field set here reaches the training processes as an environment variable
+    (`network_env`). None leaves the default.
     """
 
     interface: InterfaceName | None = Field(
