@@ -11,7 +11,7 @@ import json
 import math
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic_core import PydanticCustomError
@@ -30,6 +30,7 @@ MAX_RANKS = 1 << 20  # processes of one job
 MAX_BATCH = 1 << 16  # micro-batch, accumulation steps, evaluation batches
 MAX_STEPS = 10**9
 MAX_SEED = 2**32 - 1  # numpy's legacy seeding takes 32 bits
+MAX_COMM_PROBE_MB = 1024.0  # one start-up probe message
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
@@ -414,6 +415,14 @@ class RunConfig(StrictModel):
         le=1e15,
         description="Accepted tokens/s of this job (the acceptance run's figure), exported as "
         "tdeploy_train_baseline_tokens_per_second for the throughput-drop alert; None = no baseline, no alert.",
+    )
+    comm_probe_mb: list[Annotated[float, Field(gt=0, le=MAX_COMM_PROBE_MB)]] | None = Field(
+        default=None,
+        min_length=1,
+        max_length=8,
+        description="At start-up, measure all-reduce bus bandwidth (nccl-tests' busbw) for these message sizes in "
+        "MiB, and each host pair's bandwidth with the largest (training/comm_probe.py), into ranks.json; for example "
+        "[1, 8, 32]. None = off.",
     )
 
 

@@ -34,6 +34,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from training import faults, process
 from training.checkpoint import CheckpointManager, CheckpointSaveError, ModelCard
+from training.comm_probe import probe_record
 from training.config import OptimConfig, TrainConfig
 from training.dataset import DatasetError, TokenDataset
 from training.grad_clip import clip_grad_norm
@@ -374,6 +375,7 @@ class Trainer:
             "collective": self._collective_check(),
             "mesh": self._mesh_record(),
             "network": network_record(self.backend),
+            "comm_probe": probe_record(self.cfg.run.comm_probe_mb, self.device, self.env.host, self.env.local_rank),
         }
         everyone: list[Any] = [None] * self.world
         dist.all_gather_object(everyone, me)

@@ -61,6 +61,20 @@ class AcceptanceThresholds(StrictModel):
         description="Quality gate before a baseline exists: the final validation loss must be at most "
         "(1 - this) x the first step's training loss.",
     )
+    bus_bandwidth_gbps_min: float | None = Field(
+        default=None,
+        gt=0,
+        description="Connectivity: smallest all-reduce bus bandwidth in GB/s (nccl-tests' busbw of the largest "
+        "run.comm_probe_mb message, training/comm_probe.py), to compare with the links' speed; None = report only.",
+    )
+    host_pair_bandwidth_ratio_min: float | None = Field(
+        default=None,
+        gt=0,
+        le=1,
+        description="Connectivity: smallest ratio of the slowest host pair's ping-pong bandwidth to the median "
+        "pair's (one slow link or NIC among equal ones; needs 3 or more hosts to tell anything, since with 2 the "
+        "one pair is its own median); None = report only.",
+    )
 
 
 DIMENSIONS = ("connectivity", "correctness", "performance", "stability", "data_consistency", "recovery")
@@ -102,8 +116,11 @@ def rank_metrics(output_dir: Path) -> dict[int, dict[int, dict[str, Any]]]:
 # ---- connectivity ---------------------------------------------------------------------------
 
 
-def check_connectivity(output_dir: Path, expected_world: int) -> DimensionResult:
-    """World size, ranks 0..N-1 once each, local ranks consistent per host, collectives right."""
+def check_connectivity(
+    output_dir: Path, expected_world: int, limits: AcceptanceThresholds | None = None
+) -> DimensionResult:
+    """World size, ranks 0..N-1 once each, local ranks consistent per host, collectives right; with the start-up
+    communication probe (run.comm_probe_mb) its bus bandwidth and host pairs, judged by `limits` where set."""
     path, record = output_dir / RANKS, RunOutput(output_dir).ranks()
     if record is None:
         return DimensionResult(
@@ -134,7 +151,11 @@ def check_connectivity(output_dir: Path, expected_world: int) -> DimensionResult
         problems.append(f"collective sanity check wrong on ranks {bad_collectives}")
     mesh = mesh_problems(ranks, expected_world)
     problems += mesh.problems
+    bandwidth = bandwidth_findings(ranks, limits or AcceptanceThresholds())
+    problems += bandwidth.problems
     measured: dict[str, Any] = {"world_size": record.world_size, "hosts": {h: len(v) for h, v in by_host.items()}}
+    if bandwidth.measured is not None:
+        measured["comm_probe"] = bandwidth.measured
     evidence: dict[str, Any] = {"file": str(path), "backend": sorted({r["backend"] for r in ranks})}
     if mesh.dims is not None:
         measured["mesh"] = {"dims": mesh.dims, "groups_checked": mesh.groups_checked}
@@ -142,15 +163,77 @@ def check_connectivity(output_dir: Path, expected_world: int) -> DimensionResult
     look = "the rendezvous and the network: node-check findings on ports and hostname resolution"
     if mesh.problems:
         look = "the device mesh (training/mesh.py) and the sub-group named first, then " + look.removeprefix("the ")
+    elif bandwidth.problems and len(bandwidth.problems) == len(problems):
+        look = "the interconnect: the slowest host pair's NICs, cabling and switch ports, then the NCCL/gloo " + (
+            "network interface chosen (cluster.network)"
+        )
+    threshold: dict[str, Any] = {"world_size": expected_world}
+    if limits is not None:
+        threshold |= {
+            "bus_bandwidth_gbps_min": limits.bus_bandwidth_gbps_min,
+            "host_pair_bandwidth_ratio_min": limits.host_pair_bandwidth_ratio_min,
+        }
     return DimensionResult(
         "connectivity",
         not problems,
         measured,
-        {"world_size": expected_world},
+        threshold,
         evidence,
         "; ".join(problems),
         look if problems else "",
     )
+
+
+@dataclass
+class BandwidthCheck:
+    """What rank 0's comm_probe record showed (measured None: the probe was off)."""
+
+    measured: dict[str, Any] | None = None
+    problems: list[str] = field(default_factory=list)
+
+
+def _pair_name(pair: dict[str, Any]) -> str:
+    a, b = pair["hosts"]
+    return f"{a}<->{b} at {pair['bandwidth_gbps']:.3g} GB/s"
+
+
+def bandwidth_findings(ranks: list[dict[str, Any]], limits: AcceptanceThresholds) -> BandwidthCheck:
+    """Rank 0's start-up communication probe (training/comm_probe.py): the all-reduce bus bandwidth per size and
+    of the largest, each host pair's bandwidth, the slowest pair and its ratio to the median pair, against
+    bus_bandwidth_gbps_min and host_pair_bandwidth_ratio_min (None: reported only)."""
+    probe = next((r.get("comm_probe") for r in ranks if r["rank"] == 0), None)
+    check = BandwidthCheck()
+    wanted = limits.bus_bandwidth_gbps_min is not None or limits.host_pair_bandwidth_ratio_min is not None
+    if probe is None:
+        if wanted:
+            check.problems.append("no comm_probe record in ranks.json to judge bandwidth by: set run.comm_probe_mb")
+        return check
+    pairs = probe["pairs"]
+    slowest = min(pairs, key=lambda p: p["bandwidth_gbps"], default=None)
+    median = statistics.median(p["bandwidth_gbps"] for p in pairs) if pairs else None
+    ratio = slowest["bandwidth_gbps"] / median if slowest is not None and median else None
+    check.measured = {
+        "busbw_gbps": probe["busbw_gbps"],
+        "sizes": [{k: s[k] for k in ("bytes", "time_s", "algbw_gbps", "busbw_gbps")} for s in probe["sizes"]],
+        "pairs": {"<->".join(p["hosts"]): p["bandwidth_gbps"] for p in pairs},
+        "slowest_pair": None if slowest is None else list(slowest["hosts"]),
+        "slowest_pair_ratio_to_median": ratio,
+    }
+    where = f"; slowest host pair {_pair_name(slowest)}" if slowest is not None else " (one host, no host pairs)"
+    low = limits.bus_bandwidth_gbps_min
+    if low is not None and probe["busbw_gbps"] < low:
+        largest = max(probe["sizes"], key=lambda s: s["bytes"])["bytes"]
+        check.problems.append(
+            f"all-reduce bus bandwidth {probe['busbw_gbps']:.3g} GB/s ({largest} bytes) below "
+            f"bus_bandwidth_gbps_min={low:g}{where}"
+        )
+    least = limits.host_pair_bandwidth_ratio_min
+    if least is not None and slowest is not None and ratio is not None and ratio < least:
+        check.problems.append(
+            f"slowest host pair {_pair_name(slowest)} is {ratio:.2f} x the median pair ({median:.3g} GB/s), "
+            f"below host_pair_bandwidth_ratio_min={least:g}"
+        )
+    return check
 
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
