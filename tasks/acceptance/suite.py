@@ -40,6 +40,10 @@ from validation.quality import with_quality
 
 log = logging.getLogger(__name__)
 
+ACCEPTANCE_COMM_PROBE_MB = [1.0, 4.0]
+"""The distributed run's start-up communication probe sizes (MiB) where the spec sets none: about 0.3 s with
+4 gloo ranks on 2 CPU cores (1, 8 and 32 MiB take about 1.7 s)."""
+
 
 @dataclass
 class AcceptanceReport:
@@ -173,8 +177,13 @@ def run_acceptance(
     """
     limits = acceptance.thresholds
     steps = acceptance.soak_steps if soak and acceptance.soak_steps else acceptance.steps
+    probe_mb = train.run.comm_probe_mb or ACCEPTANCE_COMM_PROBE_MB
     dist_train = variant(
-        train, root, "distributed", run={"steps": steps}, checkpoint={"save_every_steps": acceptance.save_every_steps}
+        train,
+        root,
+        "distributed",
+        run={"steps": steps, "comm_probe_mb": probe_mb},
+        checkpoint={"save_every_steps": acceptance.save_every_steps},
     )
     phase = f"{'stability soak' if soak and acceptance.soak_steps else 'distributed run'} ({cluster.world_size} ranks)"
     report("acceptance", phase, 0, steps)
@@ -284,7 +293,7 @@ def judge(
     k = acceptance.reference_steps
     dist_metrics = dist.metrics()
     dimensions = [
-        check_connectivity(dist.output_dir, world),
+        check_connectivity(dist.output_dir, world, limits),
         check_correctness(
             {s: m for s, m in (pair or dist).metrics().items() if s <= k},
             reference.metrics(),
