@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -104,14 +103,6 @@ def host_pairs(leaders: dict[str, int]) -> list[tuple[str, str]]:
 def slowest(pairs: list[PairResult]) -> PairResult | None:
     """The pair of the lowest bandwidth (None without pairs)."""
     return min(pairs, key=lambda p: p.bandwidth_gbps, default=None)
-
-
-def pair_ratio(pairs: list[PairResult]) -> float | None:
-    """The slowest pair's bandwidth over the median pair's (None without pairs)."""
-    if not pairs:
-        return None
-    median = statistics.median(p.bandwidth_gbps for p in pairs)
-    return slowest(pairs).bandwidth_gbps / median if median > 0 else 0.0  # type: ignore[union-attr]
 
 
 def _sync(device: torch.device) -> None:
