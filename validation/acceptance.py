@@ -586,13 +586,17 @@ def check_stability(
     exit_ok: bool,
     exit_reason: str = "",
     stalled_after_step: int | None = None,
+    unreachable_hosts: list[str] | None = None,
 ) -> DimensionResult:
     """No abnormal exit, NaN/Inf loss, loss spike or stall."""
     problems, first_bad = [], None
     if not exit_ok:
         problems.append(f"abnormal exit: {exit_reason}")
     if stalled_after_step is not None:
-        problems.append(f"no progress for {limits.stall_timeout_s:.0f}s after step {stalled_after_step} (a hang)")
+        silent = f"; not answering: {', '.join(unreachable_hosts)}" if unreachable_hosts else ""
+        problems.append(
+            f"no progress for {limits.stall_timeout_s:.0f}s after step {stalled_after_step} (a hang){silent}"
+        )
         first_bad = stalled_after_step
     recent: list[float] = []
     for step in sorted(metrics):

@@ -11,8 +11,10 @@ from training.faults import SAVE_PHASES, SavePhase
 from training.storage import LocalPath
 from validation.acceptance import AcceptanceThresholds
 
-DrillName = Literal["rank_kill", "kill_during_save", "corrupt_checkpoint", "reshard", "storage_outage"]
-DRILLS: tuple[DrillName, ...] = ("rank_kill", "kill_during_save", "corrupt_checkpoint", "reshard", "storage_outage")
+DrillName = Literal["rank_kill", "kill_during_save", "corrupt_checkpoint", "reshard", "storage_outage", "node_loss"]
+DRILLS: tuple[DrillName, ...] = (
+    "rank_kill", "kill_during_save", "corrupt_checkpoint", "reshard", "storage_outage", "node_loss",
+)  # fmt: skip
 
 
 class AcceptanceConfig(StrictModel):

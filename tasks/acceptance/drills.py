@@ -49,6 +49,8 @@ class DrillResult:
     name: str
     passed: bool | None
     recovery_s: float | None = None
+    detection_s: float | None = None
+    """From the fault to the job noticing it (node_loss: a new rendezvous, or the job's end)."""
     steps_lost: int | None = None
     state_matched: bool | None = None
     message: str = ""
@@ -567,6 +569,74 @@ def drill_storage_outage(ctx: DrillContext) -> DrillResult:
         server.stop()
 
 
+def drill_node_loss(ctx: DrillContext) -> DrillResult:
+    """SIGKILL every process of the last node mid-training (its agent and its workers at once, as when a host
+    dies). An elastic job (cluster.min_nodes) goes on by itself on the remaining nodes from the last complete
+    checkpoint; otherwise the job fails and is relaunched, on a spare host in place of the lost one where the
+    SSH inventory lists more hosts than cluster.nodes, which gives the same world and so the same losses."""
+    cluster = ctx.cluster
+    if cluster.nodes < 2 or cluster.scheduler not in ("local", "ssh"):
+        why = "needs cluster.nodes >= 2" if cluster.nodes < 2 else f"not drilled on scheduler {cluster.scheduler}"
+        return DrillResult("node_loss", None, message=f"skipped: {why} (local or ssh)")
+    train = ctx.train("drill-node-loss")
+    job = ctx.job(train, "drill-node-loss")
+    first_save = ctx.acceptance.save_every_steps
+    job.wait_until(
+        lambda: job.fresh_ranks() and last_step(job.output_dir) > first_save and first_save in committed_steps(train),
+        "the first checkpoint", ctx.acceptance.job_timeout_s,
+    )  # fmt: skip
+    lost = job.kill_node(cluster.nodes - 1)
+    t_fail = time.time()
+    killed_at = last_step(job.output_dir)
+    checkpoint = max((s for s in committed_steps(train) if s <= killed_at), default=None)
+    outcome = job.wait(ctx.acceptance.job_timeout_s)
+    elastic = cluster.min_nodes is not None and cluster.min_nodes < cluster.nodes and outcome.ok
+    if elastic:
+        written = outcome.run.ranks_written_at()
+        detection = None if written is None or written < t_fail else written - t_fail
+        relaunch_cluster = None
+    else:
+        detection = time.time() - t_fail  # the job ended: every survivor noticed
+        relaunch_cluster = _without_host(cluster, lost["host"])
+        outcome = ctx.job(train, "drill-node-loss", cluster=relaunch_cluster).wait(ctx.acceptance.job_timeout_s)
+    world = outcome.ranks().world_size
+    same_world = world == cluster.world_size
+    # A smaller world is another global batch: the losses cannot match the uninterrupted run, the resume point can.
+    if same_world:
+        recovery = ctx.recovery(outcome, checkpoint)
+    else:
+        resumed_from = outcome.ranks().ranks[0]["resumed_from_step"]
+        recovery = check_recovery({}, outcome.metrics(), checkpoint, resumed_from)
+    hosts = sorted({r["host"] for r in outcome.ranks().ranks})
+    result = _finish(
+        "node_loss", recovery, t_fail, outcome, killed_at - (checkpoint or 0),
+        {"lost": lost, "killed_at_step": killed_at, "checkpoint_step": checkpoint, "elastic": elastic,
+         "relaunched_on": None if relaunch_cluster is None else _host_names(relaunch_cluster),
+         "world_after": world, "hosts_after": hosts, "losses_compared": same_world},
+    )  # fmt: skip
+    result.detection_s = detection
+    if result.passed and lost["host"] in hosts and cluster.scheduler == "ssh":
+        result.passed, result.message = False, f"the lost host {lost['host']} is still in the job's ranks"
+    return result
+
+
+def _host_names(cluster: ClusterConfig) -> list[str] | None:
+    return None if cluster.ssh is None else [h.name for h in cluster.ssh.hosts[: cluster.nodes]]
+
+
+def _without_host(cluster: ClusterConfig, host: str) -> ClusterConfig:
+    """The cluster for a relaunch after losing `host`: over SSH a spare host takes its place where the inventory
+    has one; otherwise the same hosts (the host came back, or a scheduler replaced it)."""
+    ssh = cluster.ssh
+    if cluster.scheduler != "ssh" or ssh is None:
+        return cluster
+    others = [h for h in ssh.hosts if h.name != host]
+    if len(others) < cluster.nodes:
+        log.warning("node_loss: no spare host for %s in cluster.ssh.hosts: relaunching on the same hosts", host)
+        return cluster
+    return cluster.model_copy(update={"ssh": ssh.model_copy(update={"hosts": others})})
+
+
 def run_drills(ctx: DrillContext, only: list[str] | None = None,
                on_result: Callable[[DrillResult], None] | None = None) -> list[DrillResult]:  # fmt: skip
     """Run the chosen drills (all by default) and return their results."""
@@ -583,6 +653,7 @@ def run_drills(ctx: DrillContext, only: list[str] | None = None,
                 "corrupt_checkpoint": drill_corrupt_checkpoint,
                 "reshard": drill_reshard,
                 "storage_outage": drill_storage_outage,
+                "node_loss": drill_node_loss,
             }[name](ctx)
         results.append(result)
         if on_result:

@@ -307,7 +307,9 @@ def judge(
             sharding=train.parallel.sharding,
             mesh=mesh_of(dist.output_dir, world),
         ),
-        check_stability(dist_metrics, limits, dist.ok, dist.status.describe(), dist.stalled_after_step),
+        check_stability(
+            dist_metrics, limits, dist.ok, dist.status.describe(), dist.stalled_after_step, dist.unreachable_hosts
+        ),  # fmt: skip
     ]
     dimensions.append(check_data_consistency(dist.output_dir, Sampling.of(train, world)))
     return dimensions

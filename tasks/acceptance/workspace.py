@@ -8,6 +8,7 @@ symlink) name the last run whose reports were written; older workspaces beyond `
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -21,7 +22,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, Literal
@@ -242,6 +243,8 @@ class RunOutcome:
     status: JobStatus
     output_dir: Path
     stalled_after_step: int | None = None
+    unreachable_hosts: list[str] = field(default_factory=list)
+    """Hosts that did not answer when the job stalled (SSH jobs): where a hang started."""
 
     @property
     def ok(self) -> bool:
@@ -315,10 +318,13 @@ class Job:
                 progress_at, seen = time.monotonic(), step
                 report(self.progress_step, self.phase, step, total, quiet=True)
             elif stall_timeout_s and seen > 0 and time.monotonic() - progress_at > stall_timeout_s:
-                log.warning("job %s made no progress for %.0fs after step %d: cancelling it", self.handle.ref,
-                            stall_timeout_s, seen)  # fmt: skip
+                silent = self.unreachable_hosts()
+                where = f"; not answering: {', '.join(silent)}" if silent else ""
+                log.warning("job %s made no progress for %.0fs after step %d%s: cancelling it", self.handle.ref,
+                            stall_timeout_s, seen, where)  # fmt: skip
                 self.launcher.cancel(self.handle)
-                return RunOutcome(self.handle, self.status(), self.output_dir, stalled_after_step=seen)
+                return RunOutcome(self.handle, self.status(), self.output_dir, stalled_after_step=seen,
+                                  unreachable_hosts=silent)  # fmt: skip
             if time.monotonic() > deadline:
                 self.launcher.cancel(self.handle)
                 raise UserError(f"job {self.handle.ref} did not finish in {timeout_s:.0f}s", "raise job_timeout_s")
@@ -353,6 +359,40 @@ class Job:
             )  # fmt: skip
         return record
 
+    def unreachable_hosts(self) -> list[str]:
+        """The job's hosts that do not answer now (SSH jobs; none known for the other schedulers)."""
+        if self.cluster.scheduler != "ssh":
+            return []
+        from tasks.launch.ssh import unreachable_hosts
+
+        return unreachable_hosts(self.handle)
+
+    def kill_node(self, node: int, sig: int = signal.SIGKILL) -> dict[str, Any]:
+        """Send `sig` to every process of agent `node` (the torchrun agent and its workers) at once: a lost node.
+        Local and SSH jobs, whose agents record where they run."""
+        from tasks.launch.local import AGENTS_DIR
+
+        record_path = self.output_dir / AGENTS_DIR / f"node{node}.json"
+        try:
+            agent = json.loads(record_path.read_text())
+        except (OSError, ValueError) as err:
+            raise UserError(f"job {self.handle.ref}: agent {node} left no record ({record_path})",
+                            "node loss is drilled on the local and ssh schedulers") from err  # fmt: skip
+        ranks = self.ranks_record().ranks
+        if self.cluster.scheduler == "ssh":
+            from tasks.launch.ssh import signal_remote
+
+            host = self.handle.details["hosts"][node]
+            victims = [r for r in ranks if r["host"] == host]
+            signal_remote(self.handle, node, [agent["pid"], *(r["pid"] for r in victims)], sig)
+        else:
+            host = agent["host"]
+            victims = [r for r in ranks if _parent_pid(r["pid"]) == agent["pid"]]
+            for pid in [agent["pid"], *(r["pid"] for r in victims)]:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, sig)
+        return {"node": node, "host": host, "agent_pid": agent["pid"], "ranks": sorted(r["rank"] for r in victims)}
+
     def ranks_record(self) -> Ranks:
         """The ranks of the current attempt."""
         return _ranks_of(self.run, self.handle.ref)
@@ -365,6 +405,15 @@ class Job:
     def cancel(self) -> None:
         """Stop the job."""
         self.launcher.cancel(self.handle)
+
+
+def _parent_pid(pid: int) -> int | None:
+    """A process's parent on this machine (None when it is gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat[stat.rindex(")") + 2 :].split()[1])
 
 
 def first_step_time_after(output_dir: Path, step: int, since_unix_s: float) -> float | None:

@@ -242,6 +242,7 @@ class LocalLauncher(Launcher):
                 "log_offset": offset,
                 "endpoint": endpoint,
                 "supervisor": supervisor,
+                "min_nodes": cluster.min_nodes,
                 **self._details(cluster),
             },
             env=dict(cluster.env),
@@ -292,10 +293,27 @@ class LocalLauncher(Launcher):
             codes.append(int(exit_file.read_text().strip()) if exit_file.exists() else None)
         if all(code == 0 for code in codes):
             return JobStatus(JobState.SUCCEEDED, "exited", exit_code=0)
+        finished = [node for node, code in enumerate(codes) if code == 0]
+        min_nodes = handle.details.get("min_nodes")
+        if min_nodes is not None and len(finished) >= min_nodes:  # elastic: it finished without the lost nodes
+            lost = ", ".join(f"node {n} ({self._node_name(handle, n)}, exit {c})" for n, c in enumerate(codes) if c)
+            return JobStatus(JobState.SUCCEEDED, "exited", f"finished on {len(finished)} of {len(codes)} nodes; "
+                             f"lost {lost}", exit_code=0)  # fmt: skip
         code = next((c for c in codes if c), None)
         reason = "an agent exited without an exit status" if code is None else f"torchrun exited with {code}"
         text = self._log_text(handle)
         return JobStatus(JobState.FAILED, "exited", reason, exit_code=code, failure=parse_root_cause(text))
+
+    @staticmethod
+    def _node_name(handle: JobHandle, node: int) -> str:
+        """Agent `node`'s host: the inventory's name over SSH, else where its own record says it ran."""
+        hosts = handle.details.get("hosts")
+        if hosts and node < len(hosts):
+            return str(hosts[node])
+        try:
+            return str(json.loads((Path(handle.output_dir) / AGENTS_DIR / f"node{node}.json").read_text())["host"])
+        except (OSError, ValueError, KeyError):
+            return "host unknown"
 
     def _log_text(self, handle: JobHandle) -> str:
         with open(handle.log_path, "rb") as log_file:

@@ -154,14 +154,40 @@ def stop_remote(handle: JobHandle, node: int, pid: int, grace_s: float) -> tuple
     return host.name, proc
 
 
-def signal_remote(handle: JobHandle, node: int, pid: int, sig: int, timeout_s: float = 30.0) -> None:
-    """Send `sig` to process `pid` on the job's host `node` over SSH (UserError when that fails)."""
+def signal_remote(handle: JobHandle, node: int, pid: int | list[int], sig: int, timeout_s: float = 30.0) -> None:
+    """Send `sig` to process `pid` (or each of a list, at once) on the job's host `node` over SSH (UserError when
+    that fails)."""
     ssh = SshLaunchConfig.model_validate(handle.details["ssh"])
     host = ssh.hosts[node]
-    command = ssh_command(ssh, host, shlex.join(["kill", f"-{int(sig)}", str(int(pid))]))
+    pids = [str(int(p)) for p in (pid if isinstance(pid, list) else [pid])]
+    command = ssh_command(ssh, host, shlex.join(["kill", f"-{int(sig)}", *pids]))
     try:
         proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, env=dict(os.environ))
     except subprocess.TimeoutExpired as err:
         raise UserError(f"host {host.name}: `kill` over SSH timed out", "check the host and its link") from err
     if proc.returncode != 0:
-        raise UserError(f"host {host.name}: kill -{int(sig)} {pid} failed: {proc.stderr.strip()}", "see the message")
+        raise UserError(f"host {host.name}: kill -{int(sig)} {' '.join(pids)} failed: {proc.stderr.strip()}",
+                        "see the message")  # fmt: skip
+
+
+def unreachable_hosts(handle: JobHandle) -> list[str]:
+    """The job's hosts that do not answer over SSH within the connection timeout (probed at once)."""
+    ssh = SshLaunchConfig.model_validate(handle.details["ssh"])
+    probes = [
+        (
+            host.name,
+            subprocess.Popen(ssh_command(ssh, host, "true"), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL),
+        )  # fmt: skip
+        for host in ssh.hosts[: len(handle.details.get("agents", []))]
+    ]
+    silent = []
+    for name, proc in probes:
+        try:
+            code = proc.wait(timeout=ssh.connect_timeout_s + 10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            code = None
+        if code != 0:
+            silent.append(name)
+    return silent

@@ -50,7 +50,10 @@ BAD_SPECS = [
         {"parallel": {"ddp_grad_compression": "bf16", "sharding": "fsdp"}},
         "parallel.ddp_grad_compression=bf16: only applies to sharding=ddp (got fsdp); remove it",
     ),
-    ({"cluster": {"scheduler": "pbs"}}, "cluster.scheduler=pbs: must be one of 'local', 'ssh', 'slurm' or 'kubernetes'"),
+    (
+        {"cluster": {"scheduler": "pbs"}},
+        "cluster.scheduler=pbs: must be one of 'local', 'ssh', 'slurm' or 'kubernetes'",
+    ),
     ({"cluster": {"procs_per_node": 0}}, "cluster.procs_per_node=0: must be >= 1"),
     ({"checkpoint": {"keep_last": 0}}, "checkpoint.keep_last=0: must be >= 1"),
     ({"checkpoint": {"save_every": 10}}, "checkpoint.save_every=10: is not a known field; remove it"),
