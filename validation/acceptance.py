@@ -473,9 +473,11 @@ def check_performance(
     gpu: dict[str, float] | None = None,
     sharding: str = "ddp",
     mesh: MeshCheck | None = None,
+    hosts: dict[int, str] | None = None,
 ) -> DimensionResult:
     """Scaling efficiency, communication share (and GPU utilisation/memory), gradient synchronisation that
-    happened; names a rank that lags (compute time above straggler_ratio_max x the median of the others).
+    happened; names a rank that lags (compute time above straggler_ratio_max x the median of the others), and
+    its host where `hosts` (rank -> host name, from ranks.json) tells it.
 
     With a model-parallel `mesh` (connectivity's reading of ranks.json): gradient synchronisation is judged
     over the data-parallel degree, stragglers against the ranks of the same pipeline stage, comm_s is the
@@ -528,8 +530,9 @@ def check_performance(
         role = (peers or {}).get(rank)
         others = _median([v for r, v in compute.items() if r != rank and (peers or {}).get(r) == role])
         whose = "the other ranks'" if peers is None else f"the other pipeline stage {role} ranks'"
+        on = f" on {hosts[rank]}" if hosts and rank in hosts else ""
         failures.append(
-            f"rank {rank} computes {compute[rank]:.3f} s/step, {ratios[rank]:.2f}x {whose} median "
+            f"rank {rank}{on} computes {compute[rank]:.3f} s/step, {ratios[rank]:.2f}x {whose} median "
             f"({others:.3f} s; straggler_ratio_max {limits.straggler_ratio_max}); they wait for it in the "
             "gradient synchronisation"
         )
@@ -543,7 +546,10 @@ def check_performance(
         look.append(
             "the communication share, then data-loader wait"
             if slow_rank is None
-            else "; ".join(f"rank {r}'s host" for r in stragglers) + " (its CPU/GPU, clocks, neighbours)"
+            else "; ".join(
+                f"host {hosts[r]} (rank {r})" if hosts and r in hosts else f"rank {r}'s host" for r in stragglers
+            )
+            + " (its CPU/GPU, clocks, neighbours)"  # fmt: skip
         )
         if max(data_wait.values(), default=0) > 0.2:
             look.append("data-loader wait is high: more workers, prefetch, larger record files")
@@ -561,6 +567,7 @@ def check_performance(
             "straggler_ratio_per_rank": ratios,
             "data_wait_share_per_rank": data_wait,
             "slow_rank": slow_rank,
+            "slow_host": (hosts or {}).get(slow_rank) if slow_rank is not None else None,
             "layout": layout_text(_mesh_sizes(dims, world), sharding),
             **({"comm_bytes_per_dim": _per_dimension(rank0, steps, "comm_bytes")} if dims else {}),
             **({"comm_s_per_dim": _per_dimension(rank0, steps, "comm_s_per_dim")} if dims else {}),

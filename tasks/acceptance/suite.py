@@ -276,6 +276,12 @@ def check_start(dist: RunOutcome) -> DimensionResult | None:
     )
 
 
+def _hosts_of(outcome: RunOutcome) -> dict[int, str] | None:
+    """Rank -> host name from the run's ranks.json (None before it was written)."""
+    ranks = outcome.run.ranks()
+    return None if ranks is None else {r["rank"]: r["host"] for r in ranks.ranks}
+
+
 def judge(
     cluster: ClusterConfig,
     train: TrainConfig,
@@ -306,6 +312,7 @@ def judge(
             limits,
             sharding=train.parallel.sharding,
             mesh=mesh_of(dist.output_dir, world),
+            hosts=_hosts_of(dist),
         ),
         check_stability(
             dist_metrics, limits, dist.ok, dist.status.describe(), dist.stalled_after_step, dist.unreachable_hosts
