@@ -16,6 +16,7 @@ from tests.conftest import REPO
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
 # Inputs a spec reads: preflight requires them to exist, so the test creates them where it maps them.
 INPUTS = (("data", "dataset_url"),)
+INPUT_FILES = (("nodes", "ssh_key_path"), ("nodes", "known_hosts_path"))
 
 
 def _remap(value: Any, root: Path) -> Any:
@@ -37,6 +38,10 @@ def _mapped(example: Path, tmp_path: Path) -> tuple[Path, dict[str, Any]]:
     for section, field in INPUTS:
         if data.get(section, {}).get(field):
             Path(data[section][field]).mkdir(parents=True)
+    for section, field in INPUT_FILES:
+        if data.get(section, {}).get(field):
+            Path(data[section][field]).parent.mkdir(parents=True, exist_ok=True)
+            Path(data[section][field]).touch()
     path = tmp_path / example.name
     path.write_text(yaml.safe_dump(data))
     return path, data
@@ -44,9 +49,10 @@ def _mapped(example: Path, tmp_path: Path) -> tuple[Path, dict[str, Any]]:
 
 def test_there_is_an_example_for_every_scheduler_and_a_large_model_plan() -> None:
     names = {path.name for path in EXAMPLES}
-    assert {"local.yaml", "local-multinode.yaml", "slurm.yaml", "kubernetes.yaml", "plan-70b.yaml"} <= names
+    assert {"local.yaml", "local-multinode.yaml", "multihost.yaml", "slurm.yaml", "kubernetes.yaml",
+            "plan-70b.yaml"} <= names  # fmt: skip
     schedulers = {yaml.safe_load(path.read_text())["cluster"]["scheduler"] for path in EXAMPLES}
-    assert schedulers == {"local", "slurm", "kubernetes"}
+    assert schedulers == {"local", "ssh", "slurm", "kubernetes"}
 
 
 @pytest.mark.parametrize("example", EXAMPLES, ids=[path.stem for path in EXAMPLES])
