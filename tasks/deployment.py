@@ -347,7 +347,7 @@ def image_inputs(spec: DeploymentSpec, record_dir: str | None = None) -> ImageIn
         spec.image,
         record_dir or f"{spec.reports_dir}/{IMAGE_DIR}",
         uses_s3(spec),
-        spec.cluster.scheduler == "local",
+        spec.cluster.scheduler in ("local", "ssh"),  # their agents run the hosts' Python, not an image
         spec.digest(),
     )
 
