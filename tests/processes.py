@@ -15,6 +15,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 _lock = threading.Lock()
@@ -154,3 +155,14 @@ def install_safety_net() -> None:
     atexit.register(stop_all)
     if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
         signal.signal(signal.SIGTERM, _stop_all_then_terminate)
+
+
+def daemon_pid(pid_file: Path, timeout_s: float = 20.0, log: Path | None = None) -> int:
+    """The pid a daemon wrote to `pid_file` (waiting for it); TimeoutError with the daemon's log tail if never."""
+    deadline = time.monotonic() + timeout_s
+    while not pid_file.exists() or not pid_file.read_text().strip():
+        if time.monotonic() > deadline:
+            tail = log.read_text(errors="replace")[-2000:] if log is not None and log.exists() else "(no log)"
+            raise TimeoutError(f"no pid file {pid_file} within {timeout_s} s: {tail}")
+        time.sleep(0.1)
+    return int(pid_file.read_text().split()[0])

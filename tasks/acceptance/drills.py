@@ -194,15 +194,21 @@ def kill_victim(ranks: list[dict[str, Any]]) -> tuple[int, dict[str, int] | None
     return victim, meshed.get(victim)
 
 
-def drill_rank_kill(ctx: DrillContext) -> tuple[DrillResult, DimensionResult]:
-    """SIGKILL one rank mid-training; torchrun's restart or a relaunch resumes from the last complete checkpoint."""
-    train = ctx.train("drill-rank-kill")
-    job = ctx.job(train, "drill-rank-kill")
+def _past_first_checkpoint(ctx: DrillContext, name: str) -> tuple[TrainConfig, Job]:
+    """Start drill job `name` and wait until it has trained past its first committed checkpoint."""
+    train = ctx.train(name)
+    job = ctx.job(train, name)
     first_save = ctx.acceptance.save_every_steps
     job.wait_until(
         lambda: job.fresh_ranks() and last_step(job.output_dir) > first_save and first_save in committed_steps(train),
         "the first checkpoint", ctx.acceptance.job_timeout_s,
     )  # fmt: skip
+    return train, job
+
+
+def drill_rank_kill(ctx: DrillContext) -> tuple[DrillResult, DimensionResult]:
+    """SIGKILL one rank mid-training; torchrun's restart or a relaunch resumes from the last complete checkpoint."""
+    train, job = _past_first_checkpoint(ctx, "drill-rank-kill")
     victim, coords = kill_victim(job.ranks_record().ranks)
     job.kill_rank(victim)
     t_fail = time.time()
@@ -578,13 +584,7 @@ def drill_node_loss(ctx: DrillContext) -> DrillResult:
     if cluster.nodes < 2 or cluster.scheduler not in ("local", "ssh"):
         why = "needs cluster.nodes >= 2" if cluster.nodes < 2 else f"not drilled on scheduler {cluster.scheduler}"
         return DrillResult("node_loss", None, message=f"skipped: {why} (local or ssh)")
-    train = ctx.train("drill-node-loss")
-    job = ctx.job(train, "drill-node-loss")
-    first_save = ctx.acceptance.save_every_steps
-    job.wait_until(
-        lambda: job.fresh_ranks() and last_step(job.output_dir) > first_save and first_save in committed_steps(train),
-        "the first checkpoint", ctx.acceptance.job_timeout_s,
-    )  # fmt: skip
+    train, job = _past_first_checkpoint(ctx, "drill-node-loss")
     lost = job.kill_node(cluster.nodes - 1)
     t_fail = time.time()
     killed_at = last_step(job.output_dir)

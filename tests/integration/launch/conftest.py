@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.processes import forget_daemon, track_daemon
+from tests.processes import daemon_pid, forget_daemon, track_daemon
 
 SLURM_CONF = """\
 ClusterName=tdeploy-test
@@ -45,15 +45,6 @@ PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP
 """
 
 
-def _pid(path: Path, timeout_s: float = 15.0) -> int:
-    deadline = time.monotonic() + timeout_s
-    while not path.exists() or not path.read_text().strip():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{path} never appeared")
-        time.sleep(0.1)
-    return int(path.read_text().split()[0])
-
-
 @pytest.fixture(scope="session")
 def slurm_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
     """Start munged, slurmctld and slurmd on private sockets, ports and state; yields the client environment."""
@@ -82,7 +73,7 @@ def slurm_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str
     pids: list[int] = []
 
     def started(pid_file: Path) -> None:
-        pids.append(_pid(pid_file))
+        pids.append(daemon_pid(pid_file, 15.0))
         track_daemon(pids[-1], pid_file.name)
         pid_files.remove(pid_file)
 

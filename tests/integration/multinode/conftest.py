@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from tests.integration.nodes.testhosts import HostSpec, SshdCluster, missing_prerequisites, start_cluster
-from tests.processes import forget_daemon, track_daemon
+from tests.processes import daemon_pid, forget_daemon, track_daemon
 
 HOST_NAMES = ("node-1", "node-2", "node-3")
 CTLD_PORT = 6817  # every host has its own network namespace: the standard ports are free there
@@ -101,15 +101,6 @@ def _tail(log: Path) -> str:
     return log.read_text(errors="replace")[-2000:] if log.exists() else "(no log)"
 
 
-def _pid(path: Path, log: Path, timeout_s: float = 20.0) -> int:
-    deadline = time.monotonic() + timeout_s
-    while not path.exists() or not path.read_text().strip():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"no pid file {path} within {timeout_s} s: {_tail(log)}")
-        time.sleep(0.1)
-    return int(path.read_text().split()[0])
-
-
 @pytest.fixture(scope="module")
 def slurm_multinode(hosts3: SshdCluster) -> Iterator[SlurmMultinode]:
     """munged, slurmctld on node-1 and a slurmd on every host, all nodes idle; stopped by PID afterwards."""
@@ -142,7 +133,7 @@ def slurm_multinode(hosts3: SshdCluster) -> Iterator[SlurmMultinode]:
         proc = subprocess.run(argv, env=full_env, capture_output=True, text=True, timeout=60)  # it forks, returns
         if proc.returncode != 0:
             raise RuntimeError(f"{argv} exited {proc.returncode}: {proc.stderr.strip()}\n{_tail(log)}")
-        pids.append(_pid(pid_file, log))
+        pids.append(daemon_pid(pid_file, log=log))
         track_daemon(pids[-1], pid_file.name)
         pending.remove(pid_file)
 
