@@ -38,6 +38,7 @@ from training.faults import SAVE_PHASES, SavePhase, paused_ranks, with_faults
 from training.layout import data_parallel_degree
 from training.run_output import CheckpointEvent, RunOutput
 from validation.acceptance import DimensionResult, check_recovery, layout_text
+from validation.data_consistency import Sampling, check_data_consistency
 
 log = logging.getLogger(__name__)
 
@@ -607,14 +608,20 @@ def drill_node_loss(ctx: DrillContext) -> DrillResult:
     else:
         resumed_from = outcome.ranks().ranks[0]["resumed_from_step"]
         recovery = check_recovery({}, outcome.metrics(), checkpoint, resumed_from)
+    # Same world: every rank must go on with exactly the samples it would have had (no step skipped or repeated
+    # across the lost host and its replacement); a smaller world draws another order, so only the resume counts.
+    data = check_data_consistency(outcome.output_dir, Sampling.of(train, world)) if same_world else None
     hosts = sorted({r["host"] for r in outcome.ranks().ranks})
     result = _finish(
         "node_loss", recovery, t_fail, outcome, killed_at - (checkpoint or 0),
         {"lost": lost, "killed_at_step": killed_at, "checkpoint_step": checkpoint, "elastic": elastic,
          "relaunched_on": None if relaunch_cluster is None else _host_names(relaunch_cluster),
-         "world_after": world, "hosts_after": hosts, "losses_compared": same_world},
+         "world_after": world, "hosts_after": hosts, "losses_compared": same_world,
+         "data_consistency": None if data is None else {"passed": data.passed, "message": data.message}},
     )  # fmt: skip
     result.detection_s = detection
+    if result.passed and data is not None and not data.passed:
+        result.passed, result.message = False, f"data consistency across the lost host's resume: {data.message}"
     if result.passed and lost["host"] in hosts and cluster.scheduler == "ssh":
         result.passed, result.message = False, f"the lost host {lost['host']} is still in the job's ranks"
     return result

@@ -49,6 +49,7 @@ def test_an_elastic_job_that_loses_a_host_goes_on_by_itself_on_the_other_from_th
     evidence = result.evidence
     assert evidence["lost"]["host"] == "host-b" and evidence["lost"]["ranks"] == [1]
     assert evidence["elastic"] and evidence["world_after"] == 1 and evidence["hosts_after"] == ["host-a"]
+    assert evidence["data_consistency"] is None  # one rank left draws another order: the resume point is checked
     assert evidence["resumed_from_step"] == evidence["checkpoint_step"] <= evidence["killed_at_step"]
     assert result.steps_lost == evidence["killed_at_step"] - evidence["checkpoint_step"]
     assert result.detection_s is not None and result.recovery_s is not None
@@ -65,6 +66,7 @@ def test_a_job_that_loses_a_host_is_relaunched_on_the_spare_and_continues_bit_id
     assert not evidence["elastic"] and evidence["relaunched_on"] == ["host-a", "host-c"]
     assert evidence["hosts_after"] == ["host-a", "host-c"] and evidence["losses_compared"]
     assert result.state_matched and result.detection_s is not None and result.steps_lost is not None
+    assert evidence["data_consistency"] == {"passed": True, "message": ""}  # across the lost host and its spare
 
 
 def test_a_host_whose_link_is_cut_mid_training_is_caught_by_the_stall_watchdog_and_named(
