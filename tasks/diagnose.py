@@ -21,8 +21,16 @@ from training.run_output import RunOutput
 _RENDEZVOUS = re.compile(
     r"RendezvousTimeoutError|RendezvousConnectionError|DistNetworkError|TCPStore|Address already in use|"
     r"failed to listen on any local network address|Connection refused|NCCL.*[Tt]imeout|"
-    r"Watchdog caught collective operation timeout|rendezvous.*timed out|Name or service not known",
+    r"Watchdog caught collective operation timeout|rendezvous.*timed out|Name or service not known|gai error",
 )
+# Where a rendezvous/store connection went: "connect to (10.0.0.2, 29500)", "to host 10.0.0.2:29500",
+# "addresses of (host-a, 29500) cannot be retrieved (gai error: ...)".
+_UNREACHED = re.compile(r"(?:connect to \(|connect/validate to host )(?P<host>[\w.:-]+?)(?:, |:)(?P<port>\d+)\)?")
+_UNRESOLVED = re.compile(
+    r"addresses of \((?P<host>[\w.-]+), (?P<port>\d+)\) cannot be retrieved.*(?:gai error|Name or service not known)"
+)
+# The launcher's reason: "torchrun exited with 1 on host-b (node 1); node 0 (host-a): exit 1".
+_FAILED_NODE = re.compile(r"on (?P<host>\S+) \(node (?P<node>\d+)\)|node (?P<node2>\d+) \((?P<host2>[^)]+)\): exit")
 _OOM = re.compile(r"CUDA out of memory|OutOfMemoryError|out of memory|Cannot allocate memory|exitcode\s*:\s*-9")
 _SPEC = re.compile(r"invalid deployment spec")
 _CHECKPOINT = re.compile(
@@ -103,11 +111,13 @@ def diagnose(
     rendezvous = _matching_lines(text, _RENDEZVOUS)
     node_findings = _node_findings(node_report)
     if rendezvous or node_findings:
+        named = _rendezvous_fix(error, log_text)
         diagnosis.findings.append(
             Finding(
                 "rendezvous / communication timeout at start",
                 rendezvous + node_findings,
-                "open the rendezvous port between the nodes (firewall, security group), make every node resolve "
+                named
+                or "open the rendezvous port between the nodes (firewall, security group), make every node resolve "
                 "every other node's hostname, and check the node-check findings"
                 + (f": {node_findings[0]}" if node_findings else "; a port already in use means another job holds it"),
             )
@@ -158,6 +168,41 @@ def diagnose(
     if output_dir is not None:
         diagnosis.findings += _metric_findings(_metrics(RunOutput(output_dir)))
     return diagnosis
+
+
+def _failed_hosts(error: str) -> dict[int, str]:
+    """The failed agents' hosts by node, from the launcher's reason."""
+    found = {}
+    for match in _FAILED_NODE.finditer(error):
+        node, host = (match["node"], match["host"]) if match["node"] else (match["node2"], match["host2"])
+        found[int(node)] = host
+    return dict(sorted(found.items()))
+
+
+def _rendezvous_fix(error: str, log_text: str) -> str:
+    """The fix naming hosts and port, where torchrun's lines say where a connection went ("" when they do not)."""
+    text = f"{error}\n{log_text}"
+    unresolved = _UNRESOLVED.search(text)
+    unreached = _UNREACHED.search(text)
+    if not (unresolved or unreached):
+        return ""
+    failed = _failed_hosts(error)
+    target = (unresolved or unreached)["host"]
+    port = (unresolved or unreached)["port"]
+    # Node 0 hosts the rendezvous store: the agents that could not reach it run on the other failed nodes.
+    owner = failed.get(0)
+    reaching = [host for node, host in failed.items() if node != 0] or ["a node other than the rendezvous host"]
+    who = ", ".join(reaching)
+    if unresolved:
+        return (
+            f"{who} cannot resolve {target!r} (port {port}; torchrun hands the rank-0 host's name to the workers as "
+            f"MASTER_ADDR): make {who} resolve {target}'s name (/etc/hosts or DNS), then run again"
+        )
+    named = f"{target}" + (f" ({owner})" if owner and owner != target else "")
+    return (
+        f"{who} could not connect to the rendezvous at {target}:{port}: open port {port} on {named} to {who} "
+        f"(firewall, security group) or set cluster.rdzv_port to a port that is open, then run again"
+    )
 
 
 def _node_findings(report: dict[str, Any] | None) -> list[str]:

@@ -299,10 +299,28 @@ class LocalLauncher(Launcher):
             lost = ", ".join(f"node {n} ({self._node_name(handle, n)}, exit {c})" for n, c in enumerate(codes) if c)
             return JobStatus(JobState.SUCCEEDED, "exited", f"finished on {len(finished)} of {len(codes)} nodes; "
                              f"lost {lost}", exit_code=0)  # fmt: skip
-        code = next((c for c in codes if c), None)
-        reason = "an agent exited without an exit status" if code is None else f"torchrun exited with {code}"
+        failed = [node for node, c in enumerate(codes) if c != 0]
+        first = min(failed, key=lambda node: self._exit_time(out, node))  # the first to exit, by its exit file
+        code = codes[first]
+        name = self._node_name(handle, first)
+        reason = (
+            f"an agent exited without an exit status on {name} (node {first})"
+            if code is None
+            else f"torchrun exited with {code} on {name} (node {first})"
+        )
+        ends = {n: "no exit status" if codes[n] is None else f"exit {codes[n]}" for n in failed}
+        others = [f"node {n} ({self._node_name(handle, n)}): {ends[n]}" for n in failed if n != first]
+        reason += "".join(f"; {other}" for other in others)
         text = self._log_text(handle)
         return JobStatus(JobState.FAILED, "exited", reason, exit_code=code, failure=parse_root_cause(text))
+
+    @staticmethod
+    def _exit_time(out: Path, node: int) -> float:
+        """When agent `node`'s exit file was written (never written: last)."""
+        try:
+            return (out / f"exit-{node}.txt").stat().st_mtime
+        except OSError:
+            return float("inf")
 
     @staticmethod
     def _node_name(handle: JobHandle, node: int) -> str:
