@@ -7,7 +7,7 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, Field, field_validator, model_validator
 
-from tasks.launch.config import KubernetesConfig, SlurmConfig, SshLaunchConfig
+from tasks.launch.config import KubernetesConfig, SlurmConfig, SshLaunchConfig, matching
 from training.config import Problem, StrictModel, raise_problems
 from training.network import COLLECTIVE_TIMEOUT_ENV
 
@@ -58,26 +58,20 @@ _HCA = r"[A-Za-z0-9_.-]{1,64}(:[0-9]{1,3})?"
 _NCCL_IB_HCA = re.compile(rf"[\^=]?{_HCA}(,{_HCA})*")
 
 
-def _matching(pattern: re.Pattern[str], what: str) -> AfterValidator:
-    """A validator that refuses any value `pattern` does not match in full; the message says what fits."""
-
-    def check(value: str) -> str:
-        if len(value) > 255 or not pattern.fullmatch(value):
-            raise ValueError(f"{value!r} is not {what}")
-        return value
-
-    return AfterValidator(check)
+def _network_value(pattern: re.Pattern[str], what: str) -> AfterValidator:
+    """A network setting: matches `pattern` in full and has at most 255 characters."""
+    return matching(pattern, what, max_length=255)
 
 
 InterfaceName = Annotated[
     str,
-    _matching(
+    _network_value(
         re.compile(_IFNAME), "a network interface name; use 1 to 15 letters, digits and _ . : - (e.g. eth0, ib0)"
     ),
 ]
 NcclInterfaces = Annotated[
     str,
-    _matching(
+    _network_value(
         _NCCL_IFNAMES,
         "an NCCL_SOCKET_IFNAME list; use interface names (1 to 15 letters, digits and _ . : -) separated by commas, "
         "optionally after ^ (exclude) or = (exact), e.g. eth0, ib0,ib1 or ^docker,lo",
@@ -85,7 +79,7 @@ NcclInterfaces = Annotated[
 ]
 GlooInterfaces = Annotated[
     str,
-    _matching(
+    _network_value(
         _GLOO_IFNAMES,
         "a GLOO_SOCKET_IFNAME list; use interface names (1 to 15 letters, digits and _ . : -) separated by commas, "
         "e.g. eth0 or eth0,eth1",
@@ -93,7 +87,7 @@ GlooInterfaces = Annotated[
 ]
 NcclHcas = Annotated[
     str,
-    _matching(
+    _network_value(
         _NCCL_IB_HCA,
         "an NCCL_IB_HCA list; use HCA names (letters, digits and _ . -) with an optional :port, separated by "
         "commas, optionally after ^ (exclude) or = (exact), e.g. mlx5_0:1,mlx5_1:1",

@@ -12,7 +12,7 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, Field, field_validator
 
-from tasks.nodes.config import NodeHost
+from tasks.nodes.config import NodeHost, UserName
 from training.config import StrictModel
 
 SLURM_TIME = re.compile(
@@ -23,7 +23,6 @@ _SLURM_NAMES = re.compile(r"[A-Za-z0-9_.+-]+(,[A-Za-z0-9_.+-]+)*")
 # A long or short option; its value printable ASCII without spaces, quotes, backslash or # (sbatch syntax).
 _SBATCH_OPTION = re.compile(r"--?[A-Za-z][A-Za-z0-9-]*(=[!$-&(-\[\]-~]+)?")
 _PROGRAM = re.compile(r"[A-Za-z0-9_./+@-]+")
-_SSH_USER = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.@-]{0,63}")
 _MOUNT_PATH = r"/[A-Za-z0-9_./+@=-]*"
 _MOUNT = re.compile(rf"{_MOUNT_PATH}:{_MOUNT_PATH}(:[A-Za-z+]+)?")
 _DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
@@ -31,24 +30,25 @@ _DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?")
 _RESOURCE_NAME = re.compile(r"([a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?")
 
 
-def _matching(pattern: re.Pattern[str], what: str) -> AfterValidator:
-    """A validator that refuses any value `pattern` does not match in full (a trailing newline included)."""
+def matching(pattern: re.Pattern[str], what: str, max_length: int | None = None) -> AfterValidator:
+    """A validator that refuses any value `pattern` does not match in full (a trailing newline included), or
+    longer than `max_length`; the message says what fits."""
 
     def check(value: str) -> str:
-        if not pattern.fullmatch(value):
+        if (max_length is not None and len(value) > max_length) or not pattern.fullmatch(value):
             raise ValueError(f"{value!r} is not {what}")
         return value
 
     return AfterValidator(check)
 
 
-SlurmName = Annotated[str, _matching(_SLURM_NAME, "a Slurm name; use letters, digits and _ . + - (e.g. gpu)")]
+SlurmName = Annotated[str, matching(_SLURM_NAME, "a Slurm name; use letters, digits and _ . + - (e.g. gpu)")]
 SlurmNames = Annotated[
-    str, _matching(_SLURM_NAMES, "a Slurm name or comma-separated names; use letters, digits and _ . + - (gpu,cpu)")
+    str, matching(_SLURM_NAMES, "a Slurm name or comma-separated names; use letters, digits and _ . + - (gpu,cpu)")
 ]
 SbatchOption = Annotated[
     str,
-    _matching(
+    matching(
         _SBATCH_OPTION,
         "an sbatch option; write --option or --option=value, the value without spaces, quotes, \\, # or "
         "control characters (e.g. --exclusive, --constraint=a100&ib)",
@@ -56,11 +56,11 @@ SbatchOption = Annotated[
 ]
 ProgramPath = Annotated[
     str,
-    _matching(_PROGRAM, "a plain program path; use letters, digits and _ . / + @ - only (e.g. /opt/venv/bin/python)"),
+    matching(_PROGRAM, "a plain program path; use letters, digits and _ . / + @ - only (e.g. /opt/venv/bin/python)"),
 ]
 ContainerMount = Annotated[
     str,
-    _matching(
+    matching(
         _MOUNT,
         "a SRC:DST[:FLAGS] mount of absolute paths; paths of letters, digits and _ . / + @ = - "
         "(no spaces, commas or colons), flags of letters and + (e.g. /data:/data:ro)",
@@ -112,7 +112,7 @@ class KubernetesConfig(StrictModel):
     """Kubeflow PyTorchJob settings."""
 
     namespace: Annotated[
-        str, _matching(_DNS_LABEL, "a Kubernetes namespace; use up to 63 lowercase letters, digits and - (e.g. train)")
+        str, matching(_DNS_LABEL, "a Kubernetes namespace; use up to 63 lowercase letters, digits and - (e.g. train)")
     ] = Field(default="default", description="Namespace of the job.")
     cpu_per_node: float | None = Field(
         default=None, gt=0, le=65_536, allow_inf_nan=False, description="CPU request and limit per pod."
@@ -124,21 +124,19 @@ class KubernetesConfig(StrictModel):
     service_account: (
         Annotated[
             str,
-            _matching(_DNS_SUBDOMAIN, "a service account name; use lowercase letters, digits, - and . (e.g. trainer)"),
+            matching(_DNS_SUBDOMAIN, "a service account name; use lowercase letters, digits, - and . (e.g. trainer)"),
         ]
         | None
     ) = Field(default=None, description="Service account of the pods.")
     gpu_resource: Annotated[
-        str, _matching(_RESOURCE_NAME, "a Kubernetes resource name such as nvidia.com/gpu or amd.com/gpu")
+        str, matching(_RESOURCE_NAME, "a Kubernetes resource name such as nvidia.com/gpu or amd.com/gpu")
     ] = Field(default="nvidia.com/gpu", description="Extended resource name of the GPUs.")
 
 
 _ABSOLUTE_PATH = re.compile(r"/[A-Za-z0-9_./+@=-]*")
 AbsolutePath = Annotated[
     str,
-    _matching(
-        _ABSOLUTE_PATH, "an absolute path of letters, digits and _ . / + @ = - (e.g. /shared/transformer-deploy)"
-    ),
+    matching(_ABSOLUTE_PATH, "an absolute path of letters, digits and _ . / + @ = - (e.g. /shared/transformer-deploy)"),
 ]
 
 
@@ -150,9 +148,7 @@ class SshLaunchConfig(StrictModel):
     """
 
     hosts: list[NodeHost] = Field(min_length=1, description="Hosts in node-rank order; the first holds the rendezvous.")
-    user: Annotated[str, _matching(_SSH_USER, "a user name; use letters, digits and _ . @ - (e.g. trainer)")] | None = (
-        Field(default=None, description="SSH user; None = the SSH default.")
-    )
+    user: UserName | None = Field(default=None, description="SSH user; None = the SSH default.")
     key_path: AbsolutePath | None = Field(default=None, description="Private key on the controller; None = defaults.")
     known_hosts_path: AbsolutePath | None = Field(
         default=None, description="known_hosts with the hosts' keys (host keys are always checked); None = default."

@@ -47,6 +47,8 @@ def _user(value: str) -> str:
     return value
 
 
+UserName = Annotated[str, AfterValidator(_user)]
+"""A user name that reaches SSH and Ansible."""
 PlainText = Annotated[str, AfterValidator(_plain_text)]
 """Text that reaches Ansible as a value: one line, no template syntax."""
 Program = Annotated[str, AfterValidator(_program)]
@@ -114,7 +116,7 @@ class NodesConfig(StrictModel):
     inventory_pattern: PlainText = Field(
         default="all", min_length=1, description="Ansible host pattern selecting the nodes in `inventory_path`."
     )
-    ssh_user: Annotated[str, AfterValidator(_user)] | None = Field(
+    ssh_user: UserName | None = Field(
         default=None, min_length=1, description="SSH user (the user the job runs as); None = the SSH default."
     )
     ssh_key_path: PlainText | None = Field(
