@@ -26,18 +26,24 @@ log = logging.getLogger(__name__)
 
 
 class JobState(StrEnum):
-    """Every scheduler's states mapped to five."""
+    """Every scheduler's states mapped to six.
+
+    PREEMPTED: the job stopped because its scheduler took its resources back (or its time ran out) after the
+    trainer checkpointed on the warning signal; resubmitting it resumes from that checkpoint. A job that its
+    scheduler requeues by itself is PENDING or RUNNING again, with the preemption in its history.
+    """
 
     PENDING = "pending"
     RUNNING = "running"
     SUCCEEDED = "succeeded"
     FAILED = "failed"
     CANCELLED = "cancelled"
+    PREEMPTED = "preempted"
 
     @property
     def terminal(self) -> bool:
         """The job will not change state any more."""
-        return self in (JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED)
+        return self in (JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED, JobState.PREEMPTED)
 
 
 TERMINAL = frozenset(s for s in JobState if s.terminal)
