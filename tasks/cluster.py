@@ -7,7 +7,7 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, Field, field_validator, model_validator
 
-from tasks.launch.config import KubernetesConfig, SlurmConfig, SshLaunchConfig, matching
+from tasks.launch.config import KubernetesConfig, PreemptionConfig, SlurmConfig, SshLaunchConfig, matching
 from training.config import Problem, StrictModel, raise_problems
 from training.network import COLLECTIVE_TIMEOUT_ENV
 
@@ -242,6 +242,11 @@ class ClusterConfig(StrictModel):
     network: NetworkConfig = Field(
         default_factory=NetworkConfig,
         description="The job's network: interface, rendezvous and collective timeouts, NCCL and gloo settings.",
+    )
+    preemption: PreemptionConfig = Field(
+        default_factory=PreemptionConfig,
+        description="Preemption: the grace period between the scheduler's signal (SIGTERM, or SIGUSR1 from Slurm) "
+        "and its kill, in which the trainer finishes its step, checkpoints and exits 75 (state preempted).",
     )
 
     @model_validator(mode="after")

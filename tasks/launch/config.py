@@ -133,6 +133,40 @@ class KubernetesConfig(StrictModel):
     ] = Field(default="nvidia.com/gpu", description="Extended resource name of the GPUs.")
 
 
+PREEMPTION_SIGNALS = ("SIGTERM", "SIGUSR1")
+"""The signals the trainer treats as "checkpoint and stop": schedulers' termination and Slurm's warning."""
+
+
+class PreemptionConfig(StrictModel):
+    """What a job does when its scheduler takes the resources back (preemption, eviction, time limit).
+
+    The trainer always checkpoints at the next step boundary on SIGTERM or SIGUSR1 and exits 75 ("requeue me");
+    this section says how long the scheduler waits between its signal and the kill, which Slurm turns into
+    `--signal=USR1@grace_period_s` and Kubernetes into the pods' `terminationGracePeriodSeconds`.
+    """
+
+    enabled: bool = Field(
+        default=True,
+        description="true: ask the scheduler for the warning signal and a grace period long enough for a save "
+        "(Slurm --signal and --requeue, Kubernetes terminationGracePeriodSeconds); false: the schedulers' defaults.",
+    )
+    grace_period_s: int = Field(
+        default=120,
+        ge=10,
+        le=3600,
+        description="Seconds between the scheduler's signal and its kill: time to finish the step and write a "
+        "checkpoint (Slurm sends SIGUSR1 this long before the time limit; Kubernetes waits this long after SIGTERM). "
+        "Make it at least the step time plus one checkpoint save; 10 to 3600.",
+    )
+
+    @field_validator("enabled", mode="before")
+    @classmethod
+    def _true_or_false(cls, value: object) -> object:
+        if not isinstance(value, bool):
+            raise ValueError(f"{value!r} is not true or false; write true (checkpoint on the signal) or false")
+        return value
+
+
 _ABSOLUTE_PATH = re.compile(r"/[A-Za-z0-9_./+@=-]*")
 AbsolutePath = Annotated[
     str,
