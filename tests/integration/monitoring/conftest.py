@@ -6,7 +6,7 @@ import shutil
 import socket
 import time
 import urllib.error
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -74,3 +74,58 @@ def port_is_closed(port: int) -> bool:
 def monitoring_file(name: str) -> Path:
     """A file under deployments/monitoring."""
     return MONITORING / name
+
+
+class WebhookReceiver:
+    """An HTTP server on 127.0.0.1 that records every JSON body POSTed to it, by path."""
+
+    def __init__(self) -> None:
+        import http.server
+        import json
+        import threading
+
+        received: list[tuple[str, dict]] = []
+        self.received, self._cond = received, threading.Condition()
+        cond = self._cond
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 - http.server's name
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                with cond:
+                    received.append((self.path, json.loads(body or b"null")))
+                    cond.notify_all()
+                self.send_response(200)
+                self.end_headers()
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
+        self._thread = threading.Thread(target=self._server.serve_forever, name="webhook-receiver", daemon=True)
+        self._thread.start()
+
+    def wait_for(self, done: Callable[[list[tuple[str, dict]]], bool], what: str, timeout_s: float = 60.0) -> list:
+        """Wait until `done(received)`; the bodies received so far (TimeoutError naming `what` and them)."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while not done(self.received):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"no {what} within {timeout_s} s; received: {self.received}")
+                self._cond.wait(left)
+            return list(self.received)
+
+    def close(self) -> None:
+        """Stop serving and close the socket."""
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=10)
+
+
+@pytest.fixture
+def webhook_receiver() -> Iterator[WebhookReceiver]:
+    """A webhook receiver on a free loopback port, stopped after the test."""
+    receiver = WebhookReceiver()
+    yield receiver
+    receiver.close()
