@@ -28,6 +28,7 @@ from tasks.deployment import (
 )
 from tasks.image.task import build_image
 from tasks.launch.task import submit_job
+from tasks.ledger.registry import Provenance
 from tasks.logs import install_user_error_filter
 from tasks.nodes.task import check_nodes
 from tasks.pipeline import (
@@ -92,7 +93,9 @@ def deploy_training(spec: SpecSource = "examples/local.yaml") -> Results:
         results["job"] = submit_job(spec.cluster, train, spec.name, image)
         root = workspace_root(spec.acceptance, train)  # this run's own acceptance workspace: nothing resumes
         step = begin("acceptance")
-        results["acceptance"] = run_acceptance(spec.cluster, train, spec.acceptance, root, image, drills=spec.drills)
+        results["acceptance"] = run_acceptance(
+            spec.cluster, train, spec.acceptance, root, image, drills=spec.drills, provenance=Provenance.of(spec, built)
+        )
         step = begin("drills")
         results["drills"] = run_drills(spec.cluster, train, spec.acceptance, spec.drills, root, image=image)
         step = begin("serving")

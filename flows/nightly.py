@@ -1,4 +1,9 @@
-"""Flow `nightly-validation`: on an existing deployment, a longer acceptance soak and every drill."""
+"""Flow `nightly-validation`: on an existing deployment, a longer acceptance soak and every drill.
+
+The acceptance step holds the soak to the ledger's current baseline of the spec and cluster (the regression
+gate: tokens/s, step time, checkpoint save time, the loss curve at the same seed); the soak's own curve identity
+differs from the deployment's when acceptance.soak_steps is set, so its loss curve is compared with earlier
+nights' only."""
 
 from __future__ import annotations
 
@@ -8,6 +13,7 @@ from flows.deploy import load_or_diagnose
 from tasks.acceptance.suite import workspace_root
 from tasks.acceptance.task import run_acceptance, run_drills
 from tasks.deployment import dataset_check_inputs, training_config
+from tasks.ledger.registry import Provenance
 from tasks.logs import install_user_error_filter
 from tasks.pipeline import STEP_TITLES, Results, SpecSource, diagnose_failure, publish_summary
 from tasks.prepare.task import check_dataset, prepare_data
@@ -37,7 +43,7 @@ def nightly_validation(spec: SpecSource = "examples/local.yaml") -> Results:
         root = workspace_root(spec.acceptance, train, nightly=True)  # a fresh workspace per night
         step = begin("acceptance")
         results["acceptance"] = run_acceptance(
-            spec.cluster, train, spec.acceptance, root, soak=True, drills=spec.drills
+            spec.cluster, train, spec.acceptance, root, soak=True, drills=spec.drills, provenance=Provenance.of(spec)
         )
         step = begin("drills")
         results["drills"] = run_drills(spec.cluster, train, spec.acceptance, spec.drills, root)

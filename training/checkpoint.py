@@ -96,6 +96,10 @@ CARD_VERSION = 1
 MODEL_PREFIX = "model."  # DCP's flattened key of a model tensor: "model." + the module's parameter name
 DCP_METADATA = ".metadata"  # DCP's own name (torch.distributed.checkpoint.filesystem)
 _STEP_DIR = re.compile(r"step-(\d{8})$")
+PINS_DIR = "pins"
+"""Beside the step folders: `pins/step-<N>.<holder>`, one file per holder (a ledger entry) that needs checkpoint N
+kept. Retention (keep_last, and making room on a full disk) never deletes a pinned step."""
+_PIN = re.compile(r"^step-(\d{8})\.([A-Za-z0-9][A-Za-z0-9._-]{0,127})$")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 # Bytes a checkpoint needs beyond its tensor data: DCP's per-entry zip framing (~1.4 kB seen), the
 # metadata, RNG files (~20 kB per rank) and train_state.json. Only for the pre-save space check.
@@ -536,6 +540,23 @@ class CheckpointManager:
             return False
         return self.key is None or untrusted_reason(commit, self.key, self._url(self._dir(step))) is None
 
+    def pin(self, step: int, holder: str) -> str:
+        """Keep checkpoint `step` from retention while `holder` (a ledger entry id) needs it; the pin's URL."""
+        name = f"{step_dir_name(step)}.{holder}"
+        if not _PIN.match(name):
+            raise ValueError(f"pin holder {holder!r}: use letters, digits, '.', '_' or '-' (at most 128)")
+        path = join(self.root, PINS_DIR, name)
+        write_bytes_atomic(self.fs, path, json.dumps({"step": step, "holder": holder}).encode())
+        return self._url(path)
+
+    def pinned_steps(self) -> set[int]:
+        """The steps some holder pinned (see PINS_DIR)."""
+        folder = join(self.root, PINS_DIR)
+        if not self.fs.exists(folder):
+            return set()
+        names = (entry.rstrip("/").rsplit("/", 1)[-1] for entry in self.fs.ls(folder, detail=False))
+        return {int(m.group(1)) for m in map(_PIN.match, names) if m}
+
     # ---- save -------------------------------------------------------------------------------
 
     def save(
@@ -685,7 +706,8 @@ class CheckpointManager:
         free = self._free_bytes()
         if free is None or free >= space.needed_bytes:
             return free
-        steps = [s for s in self.steps_on_storage() if s != step]
+        pinned = self.pinned_steps()  # a ledger entry's checkpoint stays, even on a full disk
+        steps = [s for s in self.steps_on_storage() if s != step and s not in pinned]
         partial = [s for s in steps if self._commit_or_none(s) is None]
         older = [s for s in steps if s < step and s not in partial and self._believed(s)]
         for victim in partial + older[:-1]:
@@ -727,7 +749,7 @@ class CheckpointManager:
         steps = self.steps_on_storage()
         partial = [s for s in steps if self._commit_or_none(s) is None]
         committed = [s for s in steps if s not in partial and self._believed(s)]
-        keep = set(committed[-self.cfg.keep_last :])
+        keep = set(committed[-self.cfg.keep_last :]) | self.pinned_steps()  # pinned: a ledger entry points at it
         newest = committed[-1] if committed else -1
         for step in steps:
             # Old committed ones beyond keep_last go; so do unfinished ones older than the newest commit.

@@ -8,6 +8,10 @@ optimizer and precision sections, the batch (micro-batch, accumulation, world si
 and the evaluation batches. Paths, names, thresholds and timing settings are left out, so moving a deployment
 keeps its baseline and changing its mathematics starts a new one.
 
+The deployment ledger (tasks/ledger) takes precedence: where its current baseline (the newest accepted entry
+of the spec and cluster not rolled back) has the run's key, its curve is the baseline (`judge_quality`'s
+`current`); the file here stays the first accepted run's, used only while the ledger has no entry of the key.
+
 A baseline is written once, atomically (a hard link that fails when the file exists), and only when the whole
 acceptance passed; it is never overwritten: a later accepted run is compared with the first. Baselines may sit
 on shared storage and are read as untrusted files: a malformed one is refused with its name and the fix
@@ -230,10 +234,19 @@ class QualityGate:
 
 
 def judge_quality(
-    acceptance: AcceptanceConfig, train: TrainConfig, run_train: TrainConfig, world_size: int, output_dir: Path
+    acceptance: AcceptanceConfig,
+    train: TrainConfig,
+    run_train: TrainConfig,
+    world_size: int,
+    output_dir: Path,
+    current: tuple[str, str, LossCurve] | None = None,
 ) -> QualityGate:
     """The quality gate over the distributed run in `output_dir` (config `run_train`, a variant of the spec's
-    `train`), against the spec's baseline for its key, else the sanity rule."""
+    `train`), against the current baseline, else the sanity rule.
+
+    `current` is the ledger's current baseline (tasks/ledger: its curve key, entry id and curve): when its key is
+    the run's, it is the baseline, so that a rollback moves the quality gate's baseline too; otherwise the first
+    accepted run's file in this registry is."""
     registry = registry_for(acceptance, train)
     curve = loss_curve(output_dir)
     if curve is None:
@@ -246,8 +259,12 @@ def judge_quality(
     except BaselineError as err:
         result = QualityResult(False, {"rule": "baseline"}, {}, str(err), err.fix or "", evidence)
         return QualityGate(result, registry, None, identity, curve)
-    result = check_quality(curve, baseline.loss_curve() if baseline else None, acceptance.thresholds)
-    if baseline is not None:
+    golden = baseline.loss_curve() if baseline else None
+    if current is not None and current[0] == key:
+        golden = current[2]
+        evidence |= {"baseline_entry": current[1]}
+    elif baseline is not None:
         evidence |= {"baseline_run_id": baseline.run_id, "baseline_created_at": baseline.created_at}
+    result = check_quality(curve, golden, acceptance.thresholds)
     result.evidence = evidence
     return QualityGate(result, registry, key, identity, curve, baseline)

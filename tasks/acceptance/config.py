@@ -8,13 +8,49 @@ from pydantic import Field
 
 from training.config import MAX_STEPS, StrictModel
 from training.faults import SAVE_PHASES, SavePhase
-from training.storage import LocalPath
+from training.storage import LocalPath, StorageUrl
 from validation.acceptance import AcceptanceThresholds
 
 DrillName = Literal["rank_kill", "kill_during_save", "corrupt_checkpoint", "reshard", "storage_outage", "node_loss"]
 DRILLS: tuple[DrillName, ...] = (
     "rank_kill", "kill_during_save", "corrupt_checkpoint", "reshard", "storage_outage", "node_loss",
 )  # fmt: skip
+
+
+class RegressionConfig(StrictModel):
+    """The regression gate: an acceptance run against the current baseline (the newest accepted, not rolled back,
+    ledger entry of the same spec and cluster). A limit of None leaves that figure unjudged (still shown)."""
+
+    enabled: bool = Field(default=True, description="Compare with the current baseline at all.")
+    tokens_per_s_drop_max: float | None = Field(
+        default=0.10, ge=0, le=1, description="Largest relative drop of tokens/s below the baseline's (0.10 = 10%)."
+    )
+    step_time_rise_max: float | None = Field(
+        default=0.15, ge=0, le=100, description="Largest relative rise of the median step time over the baseline's."
+    )
+    comm_share_rise_max: float | None = Field(
+        default=None, ge=0, le=1, description="Largest rise of the communication share (absolute, 0.1 = 10 points)."
+    )
+    checkpoint_save_rise_max: float | None = Field(
+        default=1.0, ge=0, le=100, description="Largest relative rise of the median checkpoint save time."
+    )
+    busbw_drop_max: float | None = Field(
+        default=0.2, ge=0, le=1, description="Largest relative drop of the all-reduce bus bandwidth (when measured)."
+    )
+    loss_max_rel_worse: float | None = Field(
+        default=None,
+        ge=0,
+        le=10,
+        description="Loss curve at the same seed (the quality gate's comparison: final validation loss and the "
+        "tail's mean training loss); None = thresholds.quality_max_rel_worse.",
+    )
+    noise_floor_s: float = Field(
+        default=0.05,
+        ge=0,
+        le=3600,
+        description="Timing figures (tokens/s, step time, save time) of a baseline whose median step (or save) "
+        "took less than this are shown but not judged: on shared CPU hosts such short times are mostly noise.",
+    )
 
 
 class AcceptanceConfig(StrictModel):
@@ -54,6 +90,14 @@ class AcceptanceConfig(StrictModel):
     )
     job_timeout_s: float = Field(
         default=3600.0, gt=0, le=30 * 86400, description="Longest any one acceptance job may take."
+    )
+    regression: RegressionConfig = Field(
+        default_factory=RegressionConfig, description="The regression gate against the current ledger baseline."
+    )
+    ledger_url: StorageUrl | None = Field(
+        default=None,
+        description="The deployment ledger (fsspec URL: a folder or s3://bucket/prefix; see tasks/ledger.py); "
+        "None = <work_url>/ledger, beside the run workspaces and baselines/ (workspace pruning never touches it).",
     )
 
 

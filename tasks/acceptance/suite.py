@@ -23,6 +23,18 @@ from tasks.acceptance.workspace import (
 )
 from tasks.cluster import ClusterConfig
 from tasks.launch.base import parse_root_cause
+from tasks.ledger.gate import check_regression
+from tasks.ledger.registry import (
+    GoldenFigures,
+    Ledger,
+    LedgerEntry,
+    LedgerError,
+    Provenance,
+    golden_figures,
+    ledger_url,
+    record_entry,
+    run_identity,
+)
 from tasks.progress import report
 from training.config import TrainConfig
 from validation.acceptance import (
@@ -52,6 +64,8 @@ class AcceptanceReport:
     dimensions: list[DimensionResult]
     drills: list[DrillResult] = field(default_factory=list)
     runs: dict[str, str] = field(default_factory=dict)
+    ledger_entry: str | None = None
+    """The ledger entry this accepted run recorded (None: not accepted, or the ledger could not be written)."""
 
     @property
     def passed(self) -> bool:
@@ -78,6 +92,7 @@ class AcceptanceReport:
             "dimensions": [d.to_json() for d in self.dimensions],
             "drills": [d.to_json() for d in self.drills],
             "runs": self.runs,
+            "ledger_entry": self.ledger_entry,
         }
 
 
@@ -170,11 +185,14 @@ def run_acceptance(
     soak: bool = False,
     drills: DrillConfig | None = None,
     with_drills: bool = False,
+    provenance: Provenance | None = None,
 ) -> AcceptanceReport:
-    """Run the distributed job and the reference through the spec's scheduler and judge them.
+    """Run the distributed job and the reference through the spec's scheduler and judge them, against the
+    ledger's current baseline; an accepted run is recorded in the ledger (with `provenance`: spec and image).
 
     The jobs get cluster.env from the launcher; `faults` are test-only fault variables (training/faults.py).
     """
+    provenance = provenance or Provenance()
     limits = acceptance.thresholds
     steps = acceptance.soak_steps if soak and acceptance.soak_steps else acceptance.steps
     probe_mb = train.run.comm_probe_mb or ACCEPTANCE_COMM_PROBE_MB
@@ -198,7 +216,15 @@ def run_acceptance(
     pair, reference = run_correctness_pair(cluster, train, acceptance, root, steps, faults, image)
     report("acceptance", "judging connectivity, correctness, performance, stability, data consistency")
     dimensions = judge(cluster, dist_train, acceptance, dist, reference, pair)
-    gate = judge_quality(acceptance, train, dist_train, data_parallel_ranks(cluster, train), dist.output_dir)
+    world = data_parallel_ranks(cluster, train)
+    ledger = Ledger(ledger_url(acceptance, train), train.storage)
+    curve_key, cluster_key, _ = run_identity(cluster, dist_train, world)
+    try:
+        current, ledger_problem = ledger.current(provenance.spec_name, cluster_key, curve_key), None
+    except LedgerError as err:
+        current, ledger_problem = None, err
+    golden = (current.curve_key, current.entry_id, current.figures.curve()) if current else None
+    gate = judge_quality(acceptance, train, dist_train, world, dist.output_dir, golden)
     dimensions = [with_quality(d, gate.result) if d.name == "correctness" else d for d in dimensions]
     ctx = DrillContext(
         cluster,
@@ -230,6 +256,8 @@ def run_acceptance(
             "the stability dimension",
         )
     dimensions.append(recovery)
+    figures = golden_figures(dimensions, dist.output_dir)
+    dimensions.append(regression_of(ledger, current, ledger_problem, figures, curve_key, acceptance))
     if with_drills and dist.ok:
         wanted = ctx.drills.only if ctx.drills.only is not None else list(DRILLS)
         drill_results += run_drills(ctx, [n for n in wanted if n != "rank_kill"])  # rank_kill ran above
@@ -237,9 +265,46 @@ def run_acceptance(
     if pair is not None:  # the distributed side of correctness, when the main run could not serve
         runs["correctness"] = str(pair.output_dir)
     accepted = AcceptanceReport(dimensions, drill_results, runs)
-    if accepted.passed:  # every dimension and drill: the first accepted run of its key becomes the baseline
+    if accepted.passed:  # every dimension and drill: the run becomes the current baseline
         gate.record(root, dist.output_dir)
+        assert figures is not None  # a run without a result fails stability
+        accepted.ledger_entry = _record(ledger, cluster, train, dist_train, world, figures, provenance, root)
     return accepted
+
+
+def regression_of(
+    ledger: Ledger,
+    current: LedgerEntry | None,
+    problem: LedgerError | None,
+    figures: GoldenFigures | None,
+    curve_key: str,
+    acceptance: AcceptanceConfig,
+) -> DimensionResult:
+    """The regression dimension; a ledger that cannot be read fails it with the file and the fix."""
+    if problem is not None:
+        return DimensionResult("regression", False, {}, {}, {"ledger": ledger.url}, str(problem), problem.fix or "")
+    return check_regression(ledger, current, figures, curve_key, acceptance.regression, acceptance.thresholds)
+
+
+def _record(
+    ledger: Ledger,
+    cluster: ClusterConfig,
+    train: TrainConfig,
+    dist_train: TrainConfig,
+    world: int,
+    figures: GoldenFigures,
+    provenance: Provenance,
+    root: Path,
+) -> str | None:
+    """Append the accepted run's ledger entry; its id (None, with a warning, when the ledger cannot be written:
+    the acceptance itself passed)."""
+    try:
+        entry = record_entry(ledger, cluster, train, dist_train, world, figures, provenance, root)
+    except OSError as err:
+        log.warning("could not record the ledger entry in %s: %s", ledger.url, err)
+        return None
+    report("acceptance", f"recorded ledger entry {entry.entry_id}")
+    return entry.entry_id
 
 
 def job_error(outcome: RunOutcome) -> str:

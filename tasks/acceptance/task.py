@@ -17,6 +17,7 @@ from tasks.acceptance.workspace import Workspace, mark_latest, open_workspace
 from tasks.cluster import ClusterConfig
 from tasks.deployment import AcceptanceResult
 from tasks.errors import UserError, retry_on_transient
+from tasks.ledger.registry import Provenance
 from training.config import TrainConfig
 
 
@@ -49,13 +50,19 @@ def run_acceptance(
     drills: DrillConfig | None = None,
     with_drills: bool = False,
     faults: dict[str, str] | None = None,
+    provenance: Provenance | None = None,
 ) -> AcceptanceResult:
     """Run the acceptance suite (optionally with the drills) in the fresh run workspace `root`
-    (see `workspace_root`); fails when any dimension fails."""
+    (see `workspace_root`), against the ledger's current baseline; fails when any dimension fails (the
+    regression gate included). An accepted run is recorded in the ledger with `provenance`."""
     logger = get_run_logger()
     workspace = open_workspace(root, acceptance.keep_runs)
     logger.info("acceptance workspace %s", workspace.root)
-    report = run_acceptance_suite(cluster, train, acceptance, workspace.root, faults, image, soak, drills, with_drills)
+    report = run_acceptance_suite(
+        cluster, train, acceptance, workspace.root, faults, image, soak, drills, with_drills, provenance
+    )
+    if report.ledger_entry:
+        logger.info("recorded ledger entry %s: the current baseline now", report.ledger_entry)
     summary = publish(report, workspace.root, "acceptance", workspace)
     for row in table_rows(report):
         logger.info("%s: %s %s", row["check"], row["verdict"], row["look first"])

@@ -1,0 +1,457 @@
+"""The deployment ledger: one entry per accepted deployment, the current baseline, rollback marks.
+
+Where: `acceptance.ledger_url` (any fsspec URL, e.g. s3://bucket/prefix to share it between machines), else
+`<acceptance work folder>/ledger` (runs/<name>/acceptance/ledger): beside the run workspaces and `baselines/`,
+shared by the nightly runs, and outside every run-id folder, so workspace pruning never reaches it.
+
+    <ledger>/entries/<entry-id>.json      one accepted deployment (written once, never rewritten)
+    <ledger>/rollbacks/<entry-id>.json    that entry was rolled back (a separate file: entries stay as written)
+    <ledger>/checkpoints/<entry-id>/      a copy of the entry's accepted checkpoint (pinned against retention)
+
+Entry ids are run ids (`tasks.acceptance.workspace.new_run_id`): they sort by time. An entry is created
+exclusively and atomically: on local disks a temporary file hard-linked to its name (fails when it exists), on
+object stores one PUT of a new key. The checkpoint copy writes COMMIT.json last, so an interrupted copy is a
+partial checkpoint, never a finished one. The "current baseline" of a spec and cluster is the newest entry of
+that spec name and cluster identity that is not rolled back; the quality gate (baselines.py) and the regression
+gate (`check_regression`) both compare with it. Entries sit on shared storage and are read as untrusted: a
+malformed one is refused with its name and the fix.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import re
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from importlib import metadata
+from pathlib import Path
+from statistics import median
+from typing import TYPE_CHECKING, Any
+
+from fsspec.implementations.local import LocalFileSystem
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from tasks.acceptance.baselines import baseline_key, curve_identity
+from tasks.acceptance.config import AcceptanceConfig
+from tasks.acceptance.workspace import RUN_ID, new_run_id, workspace_base
+from tasks.cluster import ClusterConfig
+from tasks.errors import UserError
+from training.checkpoint import COMMIT, CheckpointManager, step_dir_name
+from training.config import TrainConfig
+from training.dataset import DatasetManifest, read_manifest
+from training.run_output import RunOutput
+from training.storage import StorageConfig, filesystem, join, write_bytes_atomic
+from validation.acceptance import DimensionResult
+from validation.quality import LossCurve, loss_curve
+
+if TYPE_CHECKING:
+    from tasks.deployment import ImageStepResult
+    from tasks.spec import DeploymentSpec
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+LEDGER_DIR = "ledger"
+ENTRIES, ROLLBACKS, CHECKPOINTS = "entries", "rollbacks", "checkpoints"
+_ENTRY_FILE = re.compile(r"^(" + RUN_ID.pattern.strip("^$") + r")\.json$")
+_SHA256 = r"^[0-9a-f]{64}$"
+
+
+class LedgerError(UserError):
+    """A ledger file that cannot be used (unreadable, not JSON, wrong fields, another entry's)."""
+
+    def __init__(self, path: str, problem: str, fix: str | None = None) -> None:
+        fix = fix or (
+            f"move {path} out of the ledger (entries are written once by an accepted acceptance run and never "
+            "edited; restore it from a backup, or accept the deployment again to record a new one)"
+        )
+        super().__init__(f"ledger file {path}: {problem}", fix)
+        self.path, self.problem = path, problem
+
+
+class _Record(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, frozen=True)
+
+
+class CheckpointRef(_Record):
+    """The accepted checkpoint: its folder (what a trainer's checkpoint.url names), step and COMMIT.json's digest."""
+
+    url: str = Field(min_length=1, description="The checkpoint folder (step-<N>/ inside it).")
+    step: int = Field(ge=0, description="The accepted step.")
+    commit_sha256: str = Field(pattern=_SHA256, description="sha256 of that step's COMMIT.json.")
+
+
+class GoldenFigures(_Record):
+    """The figures of the entry's acceptance run (None: not measured)."""
+
+    loss_curve: dict[int, float] = Field(description="Training loss per step (rank 0) at the fixed seed.")
+    first_loss: float = Field(description="Training loss of the first step.")
+    final_loss: float = Field(description="Training loss of the last step.")
+    val_loss: float = Field(description="Final validation loss.")
+    tokens_per_s: float | None = Field(default=None, gt=0, description="Steady-state tokens/s (all ranks).")
+    step_time_s: float | None = Field(default=None, gt=0, description="Median step time of rank 0.")
+    comm_share: float | None = Field(default=None, ge=0, description="Largest per-rank communication share.")
+    checkpoint_save_s: float | None = Field(default=None, ge=0, description="Median checkpoint save time.")
+    busbw_gbps: float | None = Field(default=None, ge=0, description="All-reduce bus bandwidth (comm probe).")
+    serving_p99_ms: float | None = Field(default=None, ge=0, description="Serving P99 end-to-end latency.")
+
+    def curve(self) -> LossCurve:
+        """The figures the quality gate compares with."""
+        return LossCurve(dict(self.loss_curve), self.val_loss, self.first_loss)
+
+
+class LedgerEntry(_Record):
+    """One accepted deployment."""
+
+    format_version: int = Field(default=FORMAT_VERSION, description="Format of this file.")
+    entry_id: str = Field(pattern=RUN_ID.pattern, description="Sorts by time; the file's name.")
+    created_at: str = Field(description="When it was recorded (UTC, ISO 8601).")
+    spec_name: str = Field(description="The spec's name ('' when acceptance ran without one).")
+    spec_digest: str | None = Field(default=None, pattern=_SHA256, description="sha256 of the canonical spec.")
+    cluster_key: str = Field(pattern=_SHA256, description="sha256 of `cluster`.")
+    cluster: dict[str, Any] = Field(description="What the cluster identity covers.")
+    curve_key: str = Field(pattern=_SHA256, description="The quality baseline key (baselines.curve_identity).")
+    image_ref: str | None = Field(default=None, description="The image the jobs ran in (None: the nodes' own).")
+    image_digest: str | None = Field(default=None, description="Its digest, when known.")
+    code_version: str = Field(description="The package version, plus '+g<commit>' when the git commit is known.")
+    dataset_key: str = Field(pattern=_SHA256, description="sha256 of the dataset manifest's checksums.")
+    train: dict[str, Any] = Field(description="The spec's training config (what a rollback resubmits).")
+    checkpoint: CheckpointRef | None = Field(description="The accepted checkpoint (None: the run saved none).")
+    figures: GoldenFigures
+    acceptance_run: str = Field(description="The acceptance run workspace it came from.")
+
+    def line(self) -> str:
+        """One line for `tdeploy history`."""
+        f = self.figures
+        step = self.checkpoint.step if self.checkpoint else "-"
+        tps = f"{f.tokens_per_s:.0f}" if f.tokens_per_s else "-"
+        return (
+            f"{self.entry_id}  {self.created_at}  image {self.image_ref or '-'}  code {self.code_version}  "
+            f"step {step}  tokens/s {tps}  final loss {f.final_loss:.4f}"
+        )
+
+
+class RollbackMark(_Record):
+    """An entry that was rolled back: when, to which entry, and why."""
+
+    entry_id: str = Field(pattern=RUN_ID.pattern)
+    rolled_back_at: str
+    restored_entry: str = Field(pattern=RUN_ID.pattern)
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class Provenance:
+    """What acceptance cannot see by itself: the spec's name and digest and the image it ran."""
+
+    spec_name: str = ""
+    spec_digest: str | None = None
+    image_ref: str | None = None
+    image_digest: str | None = None
+
+    @classmethod
+    def of(cls, spec: DeploymentSpec, image: ImageStepResult | None = None, image_ref: str | None = None) -> Provenance:
+        """The spec's name and digest, and the image the jobs run in (`image`'s record, else `image_ref`)."""
+        record = (image.record if image is not None else None) or {}
+        ref = image.job_image if image is not None else image_ref
+        digest = record.get("digest") if ref else None
+        return cls(spec.name, spec.digest(), ref, digest if isinstance(digest, str) else None)
+
+
+def _canonical(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"))
+
+
+def _sha256(value: Any) -> str:
+    return hashlib.sha256(_canonical(value).encode()).hexdigest()
+
+
+def cluster_identity(cluster: ClusterConfig) -> dict[str, Any]:
+    """What makes two runs' timings comparable: the scheduler, the node count and shape, the accelerator."""
+    return {
+        "scheduler": cluster.scheduler,
+        "nodes": cluster.nodes,
+        "procs_per_node": cluster.procs_per_node,
+        "accelerator": cluster.accelerator,
+    }
+
+
+def dataset_key(manifest: DatasetManifest) -> str:
+    """sha256 over the manifest's checksums (every split's shards and the tokenizer)."""
+    splits = {
+        name: [[s.tokens_sha256, s.index_sha256] for s in info.shards] for name, info in sorted(manifest.splits.items())
+    }
+    return _sha256({"tokenizer": manifest.tokenizer.sha256, "splits": splits})
+
+
+def code_version() -> str:
+    """The installed package's version, plus the git commit of this checkout when there is one."""
+    try:
+        version = metadata.version("transformer-deploy")
+    except metadata.PackageNotFoundError:
+        version = "unknown"
+    try:
+        commit = subprocess.run(
+            ["git", "-C", str(Path(__file__).resolve().parent), "rev-parse", "--short=12", "HEAD"],
+            capture_output=True, text=True, timeout=5, check=True,
+        ).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return version
+    return f"{version}+g{commit}" if re.fullmatch(r"[0-9a-f]{7,40}", commit) else version
+
+
+def ledger_url(acceptance: AcceptanceConfig, train: TrainConfig) -> str:
+    """The spec's ledger: acceptance.ledger_url, else `ledger/` beside its (non-nightly) run workspaces."""
+    return acceptance.ledger_url or str(workspace_base(acceptance.work_url, train.run.output_url) / LEDGER_DIR)
+
+
+def _finite(value: Any) -> float | None:
+    return float(value) if isinstance(value, int | float) and math.isfinite(value) and value > 0 else None
+
+
+def golden_figures(dimensions: list[DimensionResult], output_dir: Path) -> GoldenFigures | None:
+    """The figures of a finished acceptance run from its dimensions and its output (None: it wrote no result)."""
+    curve = loss_curve(output_dir)
+    if curve is None:
+        return None
+    by_name = {d.name: d.measured or {} for d in dimensions}
+    perf, conn = by_name.get("performance", {}), by_name.get("connectivity", {})
+    run = RunOutput(output_dir)
+    times = [m["step_time_s"] for s, m in run.metrics().items() if s > min(curve.losses) and m.get("step_time_s")]
+    saves = [c.seconds for c in run.checkpoints() if c.error is None and c.seconds is not None]
+    losses = {s: v for s, v in curve.losses.items() if math.isfinite(v)}  # fp16 skipped steps: inf
+    comm_share = perf.get("comm_share")
+    return GoldenFigures(
+        loss_curve=losses,
+        first_loss=curve.first_loss,
+        final_loss=losses[max(losses)],
+        val_loss=curve.val_loss,
+        tokens_per_s=_finite(perf.get("tokens_per_s")),
+        step_time_s=_finite(median(times)) if times else None,
+        comm_share=float(comm_share) if isinstance(comm_share, float) and math.isfinite(comm_share) else None,
+        checkpoint_save_s=float(median(saves)) if saves else None,
+        busbw_gbps=_finite((conn.get("comm_probe") or {}).get("busbw_gbps")),
+    )
+
+
+class Ledger:
+    """The ledger folder at `url` (see the module docstring)."""
+
+    def __init__(self, url: str, storage: StorageConfig | None = None) -> None:
+        self.url, self.storage = url, storage or StorageConfig()
+        self.fs, self.root = filesystem(url, self.storage)
+
+    def _path(self, kind: str, entry_id: str) -> str:
+        assert RUN_ID.match(entry_id), entry_id  # ids are validated (spec boundary, CLI) or our own
+        return join(self.root, kind, f"{entry_id}.json")
+
+    def checkpoint_url(self, entry_id: str) -> str:
+        """Where the accepted checkpoint of `entry_id` is kept."""
+        assert RUN_ID.match(entry_id), entry_id
+        return join(self.url, CHECKPOINTS, entry_id)
+
+    def _create(self, path: str, data: bytes) -> bool:
+        """Create `path` exclusively and atomically; False when it exists."""
+        if isinstance(self.fs, LocalFileSystem):
+            folder = os.path.dirname(path)
+            os.makedirs(folder, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=folder, prefix=".ledger-", suffix=".tmp")
+            try:
+                with os.fdopen(fd, "wb") as handle:
+                    handle.write(data)
+                    handle.flush()
+                    os.fsync(handle.fileno())
+                try:
+                    os.link(tmp, path)  # atomic and exclusive
+                except FileExistsError:
+                    return False
+            finally:
+                os.unlink(tmp)
+            return True
+        if self.fs.exists(path):
+            return False
+        self.fs.pipe_file(path, data)  # one PUT of a new key: visible whole or not at all
+        return True
+
+    def _read(self, path: str, model: type[BaseModel]) -> Any:
+        try:
+            raw = self.fs.cat_file(path)
+        except OSError as err:
+            raise LedgerError(path, f"cannot be read ({getattr(err, 'strerror', None) or err})") from err
+        try:
+            record = model.model_validate_json(raw)
+        except ValidationError as err:
+            first = err.errors()[0]
+            where = ".".join(str(part) for part in first["loc"]) or "<file>"
+            raise LedgerError(
+                path, f"not a valid {model.__name__} ({err.error_count()} problem(s), first: {where}: {first['msg']})"
+            ) from err
+        name_id = path.rstrip("/").rsplit("/", 1)[-1].removesuffix(".json")
+        if getattr(record, "format_version", FORMAT_VERSION) != FORMAT_VERSION:
+            raise LedgerError(path, f"format_version={record.format_version}, this reader knows {FORMAT_VERSION}")
+        if record.entry_id != name_id:
+            raise LedgerError(path, f"records entry {record.entry_id}, not its file name's {name_id}")
+        return record
+
+    def _ids(self, kind: str) -> list[str]:
+        folder = join(self.root, kind)
+        if not self.fs.exists(folder):
+            return []
+        names = (p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(folder, detail=False))
+        return sorted(m.group(1) for m in map(_ENTRY_FILE.match, names) if m)  # temporary files start with '.'
+
+    def append(self, entry: LedgerEntry) -> str:
+        """Write a new entry (never overwrites one); its path."""
+        path = self._path(ENTRIES, entry.entry_id)
+        if not self._create(path, entry.model_dump_json(indent=2).encode()):
+            raise LedgerError(path, "exists already", "entry ids are unique: record the entry under a new id")
+        log.info("ledger: recorded entry %s", path)
+        return path
+
+    def entries(self) -> list[LedgerEntry]:
+        """Every entry, oldest first; a malformed one raises LedgerError."""
+        return [self._read(self._path(ENTRIES, i), LedgerEntry) for i in self._ids(ENTRIES)]
+
+    def entry(self, entry_id: str) -> LedgerEntry:
+        """The entry `entry_id` (LedgerError when there is none)."""
+        if not RUN_ID.match(entry_id) or entry_id not in self._ids(ENTRIES):
+            known = ", ".join(self._ids(ENTRIES)[-5:]) or "none yet"
+            raise LedgerError(join(self.url, ENTRIES), f"has no entry {entry_id!r}", f"use one of: {known}")
+        return self._read(self._path(ENTRIES, entry_id), LedgerEntry)
+
+    def rolled_back(self) -> dict[str, RollbackMark]:
+        """The rollback marks, by the entry they mark."""
+        return {i: self._read(self._path(ROLLBACKS, i), RollbackMark) for i in self._ids(ROLLBACKS)}
+
+    def mark_rolled_back(self, entry_ids: list[str], restored: str, reason: str = "") -> list[str]:
+        """Mark `entry_ids` rolled back in favour of `restored` (a mark that exists stays as it is)."""
+        now = datetime.now(UTC).isoformat(timespec="seconds")
+        marked = []
+        for entry_id in entry_ids:
+            mark = RollbackMark(entry_id=entry_id, rolled_back_at=now, restored_entry=restored, reason=reason)
+            if self._create(self._path(ROLLBACKS, entry_id), mark.model_dump_json(indent=2).encode()):
+                marked.append(entry_id)
+        return marked
+
+    def lineage(self, spec_name: str, cluster_key: str) -> list[LedgerEntry]:
+        """The entries of one spec and cluster that are not rolled back, oldest first."""
+        gone = self.rolled_back()
+        return [
+            e
+            for e in self.entries()
+            if e.entry_id not in gone and e.cluster_key == cluster_key and (not spec_name or e.spec_name == spec_name)
+        ]
+
+    def current(self, spec_name: str, cluster_key: str, curve_key: str | None = None) -> LedgerEntry | None:
+        """The current baseline: the newest entry of the spec and cluster that is not rolled back; with
+        `curve_key`, the newest of those with that curve identity where there is one (a nightly soak and the
+        deployment's acceptance each keep theirs)."""
+        lineage = self.lineage(spec_name, cluster_key)
+        same = [e for e in lineage if e.curve_key == curve_key]
+        return (same or lineage or [None])[-1]
+
+    def keep_checkpoint(self, entry_id: str, deployment: TrainConfig, accepted: TrainConfig) -> CheckpointRef | None:
+        """Pin the accepted checkpoint against retention; None when there is none.
+
+        The deployment's own newest sound checkpoint (deployment.checkpoint: what its training job saved) is
+        pinned where it is; without one, the acceptance run's (`accepted`, in a workspace that pruning deletes)
+        is copied into the ledger's checkpoints/<entry-id>/ first.
+        """
+        own = CheckpointManager(deployment.checkpoint, deployment.storage)
+        found = own.latest_sound()
+        if found is not None:
+            url, step, manager = deployment.checkpoint.url, found[0], own
+        else:
+            source = CheckpointManager(accepted.checkpoint, accepted.storage)
+            found = source.latest_sound()
+            if found is None:
+                return None
+            step, url = found[0], self.checkpoint_url(entry_id)
+            copy_checkpoint(source, step, url, accepted.storage)
+            manager = CheckpointManager(accepted.checkpoint.model_copy(update={"url": url}), accepted.storage)
+        manager.pin(step, entry_id)
+        commit = manager.fs.cat_file(join(manager.root, step_dir_name(step), COMMIT))
+        return CheckpointRef(url=url, step=step, commit_sha256=hashlib.sha256(commit).hexdigest())
+
+
+def copy_checkpoint(source: CheckpointManager, step: int, dest_url: str, storage: StorageConfig) -> str:
+    """Copy checkpoint `step` of `source` into the checkpoint folder `dest_url`, COMMIT.json last (a copy cut
+    short is a partial checkpoint, which loading skips and retention removes); the step folder's URL."""
+    fs, root = filesystem(dest_url, storage)
+    dest = join(root, step_dir_name(step))
+    src = join(source.root, step_dir_name(step)).rstrip("/") + "/"
+    rels = sorted(p[len(src) :] for p in source.fs.find(src) if p.startswith(src))
+    for rel in [r for r in rels if r != COMMIT] + [COMMIT]:
+        write_bytes_atomic(fs, join(dest, rel), source.fs.cat_file(src + rel))
+    return join(dest_url, step_dir_name(step))
+
+
+def figures_of_workspace(root: Path) -> GoldenFigures:
+    """The figures of a finished acceptance run workspace (its acceptance.json and distributed run)."""
+    path = root / "acceptance.json"
+    try:
+        report = json.loads(path.read_text())
+        dimensions = [
+            DimensionResult(d["name"], d["passed"], d.get("measured"), None, {}, "", "") for d in report["dimensions"]
+        ]
+        output_dir = Path(report["runs"]["distributed"])
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise UserError(
+            f"{path}: not an acceptance report ({type(err).__name__}: {err})",
+            "pass an acceptance run workspace (runs/<name>/acceptance/<run-id>) or a ledger entry id",
+        ) from err
+    figures = golden_figures(dimensions, output_dir)
+    if figures is None:
+        raise UserError(f"{output_dir}: the distributed run wrote no result", "pass a finished acceptance run")
+    return figures
+
+
+def run_identity(cluster: ClusterConfig, run_train: TrainConfig, world_size: int) -> tuple[str, str, str]:
+    """The curve key, cluster key and dataset key of an acceptance run's config (`run_train`)."""
+    manifest = read_manifest(run_train.data.dataset_url, run_train.storage)
+    return (
+        baseline_key(curve_identity(run_train, world_size, manifest)),
+        _sha256(cluster_identity(cluster)),
+        dataset_key(manifest),
+    )
+
+
+def record_entry(
+    ledger: Ledger,
+    cluster: ClusterConfig,
+    train: TrainConfig,
+    run_train: TrainConfig,
+    world_size: int,
+    figures: GoldenFigures,
+    provenance: Provenance,
+    workspace: Path,
+) -> LedgerEntry:
+    """Append the entry of an accepted run: keep its checkpoint (pinned), then write the entry itself."""
+    entry_id = new_run_id()
+    curve_key, cluster_key, data_key = run_identity(cluster, run_train, world_size)
+    checkpoint = ledger.keep_checkpoint(entry_id, train, run_train)
+    entry = LedgerEntry(
+        entry_id=entry_id,
+        created_at=datetime.now(UTC).isoformat(timespec="seconds"),
+        spec_name=provenance.spec_name,
+        spec_digest=provenance.spec_digest,
+        cluster_key=cluster_key,
+        cluster=cluster_identity(cluster),
+        curve_key=curve_key,
+        image_ref=provenance.image_ref,
+        image_digest=provenance.image_digest,
+        code_version=code_version(),
+        dataset_key=data_key,
+        train=train.model_dump(mode="json"),
+        checkpoint=checkpoint,
+        figures=figures,
+        acceptance_run=str(workspace),
+    )
+    ledger.append(entry)
+    return entry
