@@ -31,6 +31,7 @@ from tasks.launch.base import (
 )
 from tasks.launch.torchrun import LOG_ARGS, agent_args, job_env, payload_args
 from training.config import TrainConfig
+from training.preemption import PREEMPTED_EXIT_CODE, PREEMPTIONS_FILE
 from training.storage import is_local, local_path
 
 _STATES = {
@@ -39,9 +40,12 @@ _STATES = {
     JobState.SUCCEEDED: {"COMPLETED"},
     JobState.CANCELLED: {"CANCELLED"},
     JobState.FAILED: {
-        "FAILED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL", "DEADLINE", "REVOKED",
-        "SPECIAL_EXIT",
+        "FAILED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE", "REVOKED", "SPECIAL_EXIT",
     },
+    # Slurm shows PREEMPTED only for a job it did not requeue (PreemptMode=CANCEL, or --no-requeue): it stays
+    # stopped, and resubmitting resumes from the checkpoint the trainer wrote on the SIGTERM. A requeued job is
+    # REQUEUED, then PENDING (reason BeginTime while the old credential expires, then Priority or Resources).
+    JobState.PREEMPTED: {"PREEMPTED"},
 }  # fmt: skip
 # Pending reasons that no amount of waiting fixes: the request exceeds what the partition or account allows.
 HOPELESS_REASONS = {
@@ -58,9 +62,15 @@ _TRANSIENT = re.compile(
 )
 
 
-def slurm_state(raw: str) -> JobState:
-    """Map a Slurm state (e.g. 'CANCELLED by 0') to the launcher's states."""
+def slurm_state(raw: str, exit_code: int | None = None) -> JobState:
+    """Map a Slurm state (e.g. 'CANCELLED by 0') to the launcher's states.
+
+    A job that ended FAILED or TIMEOUT with PREEMPTED_EXIT_CODE checkpointed on the signal and was not requeued
+    (the script's `scontrol requeue` was refused): preempted, resumable, not failed.
+    """
     word = raw.split()[0].rstrip("+") if raw.strip() else "PENDING"
+    if word in ("FAILED", "TIMEOUT") and exit_code == PREEMPTED_EXIT_CODE:
+        return JobState.PREEMPTED
     for state, names in _STATES.items():
         if word in names:
             return state
@@ -102,10 +112,18 @@ class SlurmLauncher(Launcher):
         if partition:
             proc = self._run("scontrol", "show", "partition", partition, check=False)
             if proc.returncode != 0:
-                names = self._run("sinfo", "-h", "-o", "%R").stdout.split()
                 raise UserError(
-                    f"cluster.slurm.partition={partition}: no such partition", f"use one of {sorted(set(names))}"
+                    f"cluster.slurm.partition={partition}: no such partition", f"use one of {self._partitions()}"
                 )
+
+    def _partitions(self) -> list[str]:
+        """The partitions offered to users: Hidden=YES ones (a priority pool's, say) are left out, as sinfo does."""
+        listing = self._run("scontrol", "show", "partition", "--oneliner").stdout
+        return sorted(
+            found.group(1)
+            for line in listing.splitlines()
+            if (found := re.match(r"PartitionName=(\S+)", line)) and "Hidden=YES" not in line.split()
+        )
 
     # ---- script -------------------------------------------------------------------------
 
@@ -143,6 +161,11 @@ class SlurmLauncher(Launcher):
             "--nice": slurm.nice,
         }
         directives += [f"{flag}={value}" for flag, value in optional.items() if value is not None]
+        preemption = cluster.preemption
+        if preemption.enabled:
+            # B: the warning goes to the batch shell only, which forwards it to the job's steps (every process
+            # of them: agents and workers) and so knows that the exit that follows asks for a requeue.
+            directives += [f"--signal=B:USR1@{preemption.grace_period_s:d}", "--requeue"]
         directives += slurm.extra_args
         env = job_env(cluster, faults)
         bad_names = [key for key in env if not ENV_NAME.fullmatch(key)]
@@ -176,9 +199,10 @@ class SlurmLauncher(Launcher):
         lines += [
             'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
             'echo "tdeploy: job $SLURM_JOB_ID on $SLURM_JOB_NODELIST, rendezvous $head_node"',
-            " ".join(agent),
         ]
-        return "\n".join(lines) + "\n"
+        if not cluster.preemption.enabled:
+            return "\n".join([*lines, " ".join(agent)]) + "\n"
+        return "\n".join([*lines, *_preemptible(" ".join(agent), f"{output_dir}/{PREEMPTIONS_FILE}")]) + "\n"
 
     # ---- launcher interface -------------------------------------------------------------
 
@@ -237,7 +261,7 @@ class SlurmLauncher(Launcher):
         raise TransientError(f"Slurm knows nothing of job {handle.job_id} yet", "retried")
 
     def _status(self, raw: str, reason: str, exit_code: int | None, handle: JobHandle) -> JobStatus:
-        state = slurm_state(raw)
+        state = slurm_state(raw, exit_code)
         failure = None
         if state is JobState.FAILED:
             failure = (
@@ -285,6 +309,45 @@ class SlurmLauncher(Launcher):
     def hopeless(status: JobStatus) -> bool:
         """A pending job whose reason means it can never start."""
         return status.state is JobState.PENDING and status.reason in HOPELESS_REASONS
+
+
+def _preemptible(step: str, preemptions: str) -> list[str]:
+    """The job step run in the background so that the batch shell can take Slurm's signals while it waits.
+
+    USR1 (the time-limit warning, `--signal=B:USR1@N`) is forwarded to the steps (every process of them, agents
+    and workers); on TERM (scancel and the time limit signal the steps too; a preemption signals the tasks only,
+    and the batch shell at the end of the partition's GraceTime) the shell keeps waiting for the checkpoint.
+    When the trainer recorded a preemption during this run, the job exits PREEMPTED_EXIT_CODE, and first requeues
+    itself when the signal was the time-limit warning or a preemption (`PreemptTime` set): Slurm 22.05 requeues a
+    preempted job only when it kills it at the end of GraceTime, and completes one that stopped by itself within
+    it. After a plain scancel (no PreemptTime, not warned) it stays cancelled.
+    """
+    return [
+        f"preemptions={shlex.quote(preemptions)}",
+        'recorded() { if [ -f "$preemptions" ]; then wc -l < "$preemptions"; else echo 0; fi; }',
+        "before=$(recorded)",
+        "warned=0",
+        'trap \'warned=1; echo "tdeploy: time-limit warning (SIGUSR1): the trainer checkpoints and stops"; '
+        'scancel --signal=USR1 "$SLURM_JOB_ID"\' USR1',
+        # Slurm has sent TERM to the steps already (scancel, time limit, end of GraceTime): passing it on
+        # again would make torchrun's agent abandon its wait for the workers' checkpoint.
+        "trap 'echo \"tdeploy: SIGTERM: waiting for the job step to checkpoint and stop\"' TERM",
+        "job_step() {",
+        step,
+        "}",
+        "job_step &",
+        "step=$!",
+        'while kill -0 "$step" 2>/dev/null; do wait "$step" || true; done',
+        'rc=0; wait "$step" || rc=$?',
+        'if [ "$(recorded)" -gt "$before" ]; then',
+        '  if [ "$warned" = 1 ] || scontrol show job "$SLURM_JOB_ID" | grep -Eq "PreemptTime=[0-9]"; then',
+        '    echo "tdeploy: checkpointed on the signal; requeueing job $SLURM_JOB_ID to resume from it"',
+        '    scontrol requeue "$SLURM_JOB_ID" || echo "tdeploy: requeue refused: resubmit the job to resume"',
+        "  fi",
+        f"  exit {PREEMPTED_EXIT_CODE:d}",
+        "fi",
+        'exit "$rc"',
+    ]
 
 
 def _shell(words: list[str]) -> str:

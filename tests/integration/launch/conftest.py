@@ -1,4 +1,10 @@
-"""A real single-node Slurm cluster (munged, slurmctld, slurmd) started without systemd for the session."""
+"""A real single-node Slurm cluster (munged, slurmctld, slurmd) started without systemd for the session.
+
+Besides the default partition `debug` it has a priority pool over the same node: a job in `high` preempts one
+in `low` (partition_prio, PreemptMode=REQUEUE): Slurm sends the low job's tasks SIGCONT and SIGTERM, kills what
+is left after `low`'s GraceTime and requeues it; it starts again by itself when the node is free, after
+cred_expire seconds. Both are Hidden so that `sinfo` and the launcher's partition hints still offer `debug`.
+"""
 
 from __future__ import annotations
 
@@ -23,7 +29,7 @@ SlurmdPort={slurmd_port}
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
-AuthInfo=socket={munge}/munge.sock
+AuthInfo=socket={munge}/munge.sock,cred_expire={cred_expire_s}
 StateSaveLocation={root}/state
 SlurmdSpoolDir={root}/spool
 SlurmctldPidFile={root}/slurmctld.pid
@@ -40,9 +46,20 @@ EnforcePartLimits=ALL
 MailProg=/bin/true
 MinJobAge=600
 ReturnToService=2
+PreemptType=preempt/partition_prio
+PreemptMode=REQUEUE
+JobRequeue=1
+SchedulerParameters=bf_interval=2
 NodeName=localhost NodeAddr=127.0.0.1 CPUs={cpus} RealMemory=4000 State=UNKNOWN
 PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP
+PartitionName=low Nodes=localhost MaxTime=INFINITE State=UP PriorityTier=1 GraceTime={grace_time_s} Hidden=YES
+PartitionName=high Nodes=localhost MaxTime=INFINITE State=UP PriorityTier=10 Hidden=YES
 """
+PREEMPTION_GRACE_TIME_S = 60
+"""`low`'s GraceTime: the trainer's step, checkpoint save and exit must fit; a tiny model needs a few seconds."""
+REQUEUE_DELAY_S = 10
+"""cred_expire: how long a requeued job waits before it may start again (Slurm's default 120 s is too slow); the
+backfill scheduler, run every 2 s (bf_interval) instead of 30, starts it soon after."""
 
 
 @pytest.fixture(scope="session")
@@ -64,7 +81,13 @@ def slurm_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str
     conf = root / "slurm.conf"
     conf.write_text(
         SLURM_CONF.format(
-            root=root, munge=munge, ctld_port=free_port(), slurmd_port=free_port(), cpus=os.cpu_count() or 2
+            root=root,
+            munge=munge,
+            ctld_port=free_port(),
+            slurmd_port=free_port(),
+            cpus=os.cpu_count() or 2,
+            cred_expire_s=REQUEUE_DELAY_S,
+            grace_time_s=PREEMPTION_GRACE_TIME_S,
         )
     )
     env = {"SLURM_CONF": str(conf)}
