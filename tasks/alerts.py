@@ -14,6 +14,7 @@ name a URL only by its scheme and host (`redacted`): the path of a chat webhook 
 from __future__ import annotations
 
 import logging
+import re
 from pathlib import Path
 from typing import Annotated, Any
 from urllib.parse import urlsplit
@@ -264,16 +265,18 @@ def install_failure_notification(webhook_url: str, name: str = "tdeploy") -> Fai
     The Prefect server's own event services run it: the trigger matches the flow-run state events, and the
     action renders the flow run's name and state message into a Custom Webhook block's JSON body.
     """
-    import re
-
+    try:
+        url = _check_webhook_url(webhook_url)
+    except ValueError as err:
+        raise UserError(f"invalid webhook_url: {err}") from err
+    if not re.fullmatch(NOTIFICATION_NAME_PATTERN, name):
+        raise UserError(f"name={name!r} is not a notification name", "use lowercase letters, digits and - (tdeploy)")
+    # Prefect takes about 2 s to import: only once the input is known to be good.
     from prefect.automations import Automation
     from prefect.blocks.notifications import CustomWebhookNotificationBlock
     from prefect.events.actions import SendNotification
     from prefect.events.schemas.automations import EventTrigger, Posture
 
-    url = routing(critical_webhook_url=webhook_url, warning_webhook_url=webhook_url).critical_webhook_url
-    if not re.fullmatch(NOTIFICATION_NAME_PATTERN, name):
-        raise UserError(f"name={name!r} is not a notification name", "use lowercase letters, digits and - (tdeploy)")
     block_name = f"{name}-flow-run-failed"
     block = CustomWebhookNotificationBlock(
         name=block_name,
