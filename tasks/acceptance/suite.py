@@ -217,7 +217,7 @@ def run_acceptance(
     report("acceptance", "judging connectivity, correctness, performance, stability, data consistency")
     dimensions = judge(cluster, dist_train, acceptance, dist, reference, pair)
     world = data_parallel_ranks(cluster, train)
-    ledger = Ledger(ledger_url(acceptance, train), train.storage)
+    ledger = Ledger(ledger_url(acceptance, train.run.output_url), train.storage)
     curve_key, cluster_key, _ = run_identity(cluster, dist_train, world)
     try:
         current, ledger_problem = ledger.current(provenance.spec_name, cluster_key, curve_key), None

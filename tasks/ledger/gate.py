@@ -105,7 +105,7 @@ def check_regression(
     thresholds: AcceptanceThresholds,
 ) -> DimensionResult:
     """The regression dimension: the run against the current baseline (see `compare`)."""
-    evidence: dict[str, Any] = {"ledger": ledger.url}
+    evidence: dict[str, Any] = {"ledger": ledger.url, "curve_key": curve_key}
     if not config.enabled:
         return DimensionResult("regression", True, {}, {}, evidence, "off (acceptance.regression.enabled=false)")
     if current is None:

@@ -182,6 +182,11 @@ def cluster_identity(cluster: ClusterConfig) -> dict[str, Any]:
     }
 
 
+def cluster_key_of(cluster: ClusterConfig) -> str:
+    """sha256 of `cluster_identity`."""
+    return _sha256(cluster_identity(cluster))
+
+
 def dataset_key(manifest: DatasetManifest) -> str:
     """sha256 over the manifest's checksums (every split's shards and the tokenizer)."""
     splits = {
@@ -206,9 +211,10 @@ def code_version() -> str:
     return f"{version}+g{commit}" if re.fullmatch(r"[0-9a-f]{7,40}", commit) else version
 
 
-def ledger_url(acceptance: AcceptanceConfig, train: TrainConfig) -> str:
-    """The spec's ledger: acceptance.ledger_url, else `ledger/` beside its (non-nightly) run workspaces."""
-    return acceptance.ledger_url or str(workspace_base(acceptance.work_url, train.run.output_url) / LEDGER_DIR)
+def ledger_url(acceptance: AcceptanceConfig, output_url: str) -> str:
+    """The spec's ledger (`output_url`: its run.output_url): acceptance.ledger_url, else `ledger/` beside its
+    (non-nightly) run workspaces."""
+    return acceptance.ledger_url or str(workspace_base(acceptance.work_url, output_url) / LEDGER_DIR)
 
 
 def _finite(value: Any) -> float | None:
@@ -392,8 +398,9 @@ def copy_checkpoint(source: CheckpointManager, step: int, dest_url: str, storage
     return join(dest_url, step_dir_name(step))
 
 
-def figures_of_workspace(root: Path) -> GoldenFigures:
-    """The figures of a finished acceptance run workspace (its acceptance.json and distributed run)."""
+def figures_of_workspace(root: Path) -> tuple[GoldenFigures, str | None]:
+    """The figures of a finished acceptance run workspace (its acceptance.json and distributed run), and its
+    curve key (None when its report does not say)."""
     path = root / "acceptance.json"
     try:
         report = json.loads(path.read_text())
@@ -401,6 +408,8 @@ def figures_of_workspace(root: Path) -> GoldenFigures:
             DimensionResult(d["name"], d["passed"], d.get("measured"), None, {}, "", "") for d in report["dimensions"]
         ]
         output_dir = Path(report["runs"]["distributed"])
+        regression = next((d for d in report["dimensions"] if d["name"] == "regression"), {})
+        curve_key = (regression.get("evidence") or {}).get("curve_key")
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise UserError(
             f"{path}: not an acceptance report ({type(err).__name__}: {err})",
@@ -409,7 +418,7 @@ def figures_of_workspace(root: Path) -> GoldenFigures:
     figures = golden_figures(dimensions, output_dir)
     if figures is None:
         raise UserError(f"{output_dir}: the distributed run wrote no result", "pass a finished acceptance run")
-    return figures
+    return figures, curve_key if isinstance(curve_key, str) else None
 
 
 def run_identity(cluster: ClusterConfig, run_train: TrainConfig, world_size: int) -> tuple[str, str, str]:
@@ -417,7 +426,7 @@ def run_identity(cluster: ClusterConfig, run_train: TrainConfig, world_size: int
     manifest = read_manifest(run_train.data.dataset_url, run_train.storage)
     return (
         baseline_key(curve_identity(run_train, world_size, manifest)),
-        _sha256(cluster_identity(cluster)),
+        cluster_key_of(cluster),
         dataset_key(manifest),
     )
 

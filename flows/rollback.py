@@ -1,0 +1,36 @@
+"""Flow `rollback-deployment`: resubmit an earlier ledger entry's image, resumed from its accepted checkpoint."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from prefect import flow
+
+from flows.deploy import load_or_diagnose
+from tasks.deployment import dataset_check_inputs, training_config
+from tasks.ledger.rollback import RollbackOutcome
+from tasks.ledger.task import rollback_deployment
+from tasks.logs import install_user_error_filter
+from tasks.pipeline import SpecSource, diagnose_failure
+from tasks.prepare.task import check_dataset, prepare_data
+
+
+@flow(name="rollback-deployment", description="Roll a deployment back to an earlier accepted ledger entry.")
+def rollback(
+    spec: SpecSource = "examples/local.yaml",
+    to: str | None = None,
+    wait_until: Literal["submitted", "running", "finished"] = "running",
+) -> RollbackOutcome:
+    """Roll the spec's deployment back to entry `to` (None: the one before the current baseline)."""
+    install_user_error_filter()
+    parsed = load_or_diagnose(spec)
+    step = "data"
+    try:
+        prepare = parsed.data.prepare
+        data = prepare_data(prepare, parsed.storage) if prepare else check_dataset(*dataset_check_inputs(parsed))
+        train = training_config(parsed, data)
+        step = "job"
+        return rollback_deployment(parsed.name, parsed.cluster, train, parsed.acceptance, to, wait_until)
+    except Exception as err:
+        diagnose_failure(step, str(err), None, None, None)
+        raise

@@ -1,0 +1,43 @@
+"""Prefect task `rollback_deployment` (the rollback flow's one step; `tdeploy rollback` calls the same function)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from prefect import get_run_logger, task
+from prefect.artifacts import create_markdown_artifact
+
+from tasks.acceptance.config import AcceptanceConfig
+from tasks.cluster import ClusterConfig
+from tasks.ledger.registry import Ledger, ledger_url
+from tasks.ledger.rollback import RollbackOutcome, roll_back
+from training.config import TrainConfig
+
+
+@task(name="rollback_deployment")
+def rollback_deployment(
+    name: str,
+    cluster: ClusterConfig,
+    train: TrainConfig,
+    acceptance: AcceptanceConfig,
+    to: str | None = None,
+    wait_until: Literal["submitted", "running", "finished"] = "running",
+    timeout_s: float | None = None,
+) -> RollbackOutcome:
+    """Resubmit ledger entry `to`'s image (None: the entry before the current baseline), resumed from its
+    accepted checkpoint; mark the entries after it rolled back; publish what was restored. Never retried: a
+    second attempt would submit a second job."""
+    logger = get_run_logger()
+    ledger = Ledger(ledger_url(acceptance, train.run.output_url), train.storage)
+    outcome = roll_back(ledger, name, cluster, train, to, wait_until, timeout_s, lambda line: logger.info("%s", line))
+    plan = outcome.plan
+    logger.info("%s: job %s %s", plan.describe(), outcome.job, outcome.state)
+    create_markdown_artifact(
+        key="rollback",
+        markdown=f"# Rollback of `{name}`\n\n- restored entry: `{plan.target.entry_id}` (image "
+        f"`{plan.image or '-'}`, code `{plan.target.code_version}`)\n- resumed from: `{outcome.checkpoint_dir}`\n"
+        f"- job: `{outcome.job}` ({outcome.state}), output `{outcome.output_dir}`\n"
+        f"- rolled back: {', '.join(f'`{e}`' for e in outcome.marked) or '-'}\n",
+        description=f"rollback to {plan.target.entry_id}",
+    )
+    return outcome
