@@ -1,0 +1,85 @@
+"""The ledger's files: round trip, exclusive atomic creation, malformed entries refused, stable digests, and the
+current baseline moving with rollback marks."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from tasks.ledger.registry import Ledger, LedgerError, cluster_key_of, dataset_key
+from tests.unit.ledger.conftest import CLUSTER
+from training.dataset import read_manifest
+
+
+def test_an_entry_reads_back_equal_and_the_file_is_named_by_its_id(ledger: Ledger, make_entry) -> None:
+    entry = make_entry()
+    path = ledger.append(entry)
+    assert Path(path).name == f"{entry.entry_id}.json"
+    assert ledger.entries() == [entry]
+    assert ledger.entry(entry.entry_id) == entry
+
+
+def test_an_entry_is_never_rewritten_and_no_temporary_file_is_left(ledger: Ledger, make_entry) -> None:
+    entry = make_entry()
+    ledger.append(entry)
+    with pytest.raises(LedgerError, match="exists already"):
+        ledger.append(make_entry(entry_id=entry.entry_id, spec_name="other"))
+    folder = Path(ledger.root) / "entries"
+    assert os.listdir(folder) == [f"{entry.entry_id}.json"]
+    assert ledger.entry(entry.entry_id).spec_name == "tiny"
+
+
+@pytest.mark.parametrize(
+    ("content", "problem"),
+    [
+        (b"{not json", "not a valid LedgerEntry"),
+        (b'{"entry_id": "x"}', "not a valid LedgerEntry"),
+        (None, "records entry"),  # another entry's content under this name
+    ],
+)
+def test_a_malformed_entry_is_refused_with_its_path_and_the_fix(
+    ledger: Ledger, make_entry, content: bytes | None, problem: str
+) -> None:
+    good = make_entry()
+    ledger.append(good)
+    other = make_entry()
+    path = Path(ledger.root) / "entries" / f"{other.entry_id}.json"
+    path.write_bytes(content if content is not None else good.model_dump_json().encode())
+    with pytest.raises(LedgerError, match=problem) as caught:
+        ledger.entries()
+    assert str(path) in str(caught.value)
+    assert "move" in (caught.value.fix or "") and str(path) in (caught.value.fix or "")
+
+
+def test_the_current_baseline_is_the_newest_entry_not_rolled_back_of_the_spec_and_cluster(
+    ledger: Ledger, make_entry
+) -> None:
+    first, second = make_entry(), make_entry()
+    other_cluster = make_entry(cluster_key="e" * 64)
+    for entry in (first, second, other_cluster):
+        ledger.append(entry)
+    key = cluster_key_of(CLUSTER)
+    assert ledger.current("tiny", key) == second
+    assert ledger.mark_rolled_back([second.entry_id], first.entry_id, "test") == [second.entry_id]
+    assert ledger.current("tiny", key) == first
+    assert ledger.rolled_back()[second.entry_id].restored_entry == first.entry_id
+    assert ledger.current("another-spec", key) is None
+
+
+def test_the_current_baseline_prefers_an_entry_of_the_same_curve_identity(ledger: Ledger, make_entry) -> None:
+    deploy, soak = make_entry(), make_entry(curve_key="f" * 64)
+    ledger.append(deploy)
+    ledger.append(soak)
+    key = cluster_key_of(CLUSTER)
+    assert ledger.current("tiny", key, deploy.curve_key) == deploy
+    assert ledger.current("tiny", key, "0" * 64) == soak  # none of that identity: the newest
+
+
+def test_digests_are_stable_and_follow_what_they_cover(tiny_dataset: str) -> None:
+    manifest = read_manifest(tiny_dataset)
+    assert dataset_key(manifest) == dataset_key(read_manifest(tiny_dataset))
+    assert cluster_key_of(CLUSTER) == cluster_key_of(CLUSTER.model_copy())
+    assert cluster_key_of(CLUSTER) != cluster_key_of(CLUSTER.model_copy(update={"procs_per_node": 4}))
+    assert cluster_key_of(CLUSTER) == cluster_key_of(CLUSTER.model_copy(update={"env": {"X": "1"}}))
