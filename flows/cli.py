@@ -793,6 +793,11 @@ def rollback(
         raise typer.Exit(EXIT_FAILED_CHECK)
 
 
+from flows.alerts_cli import alerts as _alerts  # noqa: E402 - a command group in its own module, added last
+
+app.add_typer(_alerts, name="alerts")
+
+
 def main() -> None:
     """Console-script entry point."""
     app()

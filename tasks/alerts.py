@@ -22,7 +22,7 @@ from urllib.parse import urlsplit
 import yaml
 from pydantic import AfterValidator, Field, ValidationError
 
-from tasks.errors import UserError
+from tasks.errors import TransientError, UserError
 from training.config import StrictModel
 
 logger = logging.getLogger(__name__)
@@ -272,6 +272,20 @@ def install_failure_notification(webhook_url: str, name: str = "tdeploy") -> Fai
     if not re.fullmatch(NOTIFICATION_NAME_PATTERN, name):
         raise UserError(f"name={name!r} is not a notification name", "use lowercase letters, digits and - (tdeploy)")
     # Prefect takes about 2 s to import: only once the input is known to be good.
+    import httpx
+    from prefect.settings import PREFECT_API_URL
+
+    try:
+        return _install(url, name)
+    except httpx.TransportError as err:
+        raise TransientError(
+            f"the Prefect API at {PREFECT_API_URL.value() or '(ephemeral)'} did not answer ({type(err).__name__})",
+            "start the server (prefect server start) or point PREFECT_API_URL at it, then run again",
+        ) from err
+
+
+def _install(url: str, name: str) -> FailureNotification:
+    """Save the webhook block and create or update the automation (Prefect is imported by the caller)."""
     from prefect.automations import Automation
     from prefect.blocks.notifications import CustomWebhookNotificationBlock
     from prefect.events.actions import SendNotification
