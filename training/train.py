@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from training import faults, process
+from training import faults, preemption, process
 from training.checkpoint import CheckpointManager, CheckpointSaveError, ModelCard
 from training.comm_probe import probe_record
 from training.config import OptimConfig, TrainConfig
@@ -260,6 +260,9 @@ class Trainer:
 
         self.step, self.tokens_seen, self.skipped_steps = 0, 0, 0
         self.resumed_from: int | None = None
+        self.saved_step: int | None = None  # the step of the last checkpoint this run committed
+        self.preempt_signal: str | None = None  # set when the ranks agreed that one of them was signalled
+        self.preempted: preemption.PreemptionRecord | None = None
         # Per-rank streams from here on (dropout, sampling, ...). Tensor-parallel peers hold the same activations
         # outside the sharded matmuls, so they must draw the same dropout masks: one stream per (dp, pp) place.
         stream = self.rank if self.meshes is None else self.dp_rank * self.meshes.dims.pp + self.meshes.coords["pp"]
@@ -478,12 +481,17 @@ class Trainer:
         self.scheduler.step()
 
         local_loss = loss_sum / accum
-        global_loss = local_loss.clone()
+        # The preemption flags ride on the loss all-reduce: every rank learns at this step boundary whether any
+        # rank got SIGTERM or SIGUSR1 (signals reach the ranks at slightly different times).
+        flags = torch.tensor(preemption.WATCH.flags(), dtype=local_loss.dtype, device=self.device)
+        reduced = torch.cat([local_loss.detach().reshape(1), flags])
         synced = time.perf_counter()  # waiting here for a slower rank is not this rank's compute
-        dist.all_reduce(global_loss, op=dist.ReduceOp.AVG if self.backend == "nccl" else dist.ReduceOp.SUM)
+        dist.all_reduce(reduced, op=dist.ReduceOp.AVG if self.backend == "nccl" else dist.ReduceOp.SUM)
         loss_sync_s = time.perf_counter() - synced
         if self.backend != "nccl":
-            global_loss /= self.world
+            reduced /= self.world
+        global_loss, *summed_flags = reduced.tolist()
+        self.preempt_signal = self.preempt_signal or preemption.agreed_signal(summed_flags)
         self.step += 1
         tokens_step = self.sampler.global_batch * cfg.model.seq_len
         self.tokens_seen += tokens_step
@@ -492,7 +500,7 @@ class Trainer:
         record = {
             "step": self.step,
             "epoch": epoch,
-            "loss": global_loss.item(),
+            "loss": global_loss,
             "rank_loss": local_loss.item(),
             "aux_loss": (aux_sum / accum).item() if cfg.model.moe else None,
             "lr": lr,
@@ -575,10 +583,38 @@ class Trainer:
                 self.out.append_checkpoint(CheckpointEvent(self.step, error=str(err)))
                 self.out.sync()
             return
+        self.saved_step = self.step
         if self.rank == 0:
             seconds = time.perf_counter() - started
             log.info("checkpoint step %d: %.1f MB in %.2fs", self.step, nbytes / 1e6, seconds)
             self.out.append_checkpoint(CheckpointEvent(self.step, nbytes, seconds))
+
+    def _preempt(self, signal_name: str) -> None:
+        """Checkpoint this step (unless it was just saved), record the preemption (rank 0), and wait for every
+        rank, so that the record exists before any worker exits with PREEMPTED_EXIT_CODE."""
+        if self.rank == 0:
+            log.warning("step %d: %s received, checkpointing before exiting", self.step, signal_name)
+        if self.saved_step != self.step:
+            self._save()
+        if self.saved_step != self.step:  # the save failed and continue_on_save_failure let training go on
+            raise CheckpointSaveError(
+                self.checkpoints.step_url(self.step), 0, RuntimeError(f"preempted by {signal_name}: save failed")
+            )
+        request = preemption.WATCH.request
+        self.out.sync()
+        if self.rank == 0:
+            since = request.monotonic_s if request else time.monotonic()  # rank 0 learnt it from a peer
+            record = preemption.PreemptionRecord(
+                step=self.step, signal=signal_name, signal_to_exit_s=round(time.monotonic() - since, 4),
+                checkpoint=self.checkpoints.step_url(self.step), time=time.time(),
+                run_id=os.environ.get("TORCHELASTIC_RUN_ID"), world_size=self.world,
+            )  # fmt: skip
+            preemption.append_record(self.cfg.run.output_url, record, self.cfg.storage)
+            self.preempted = record
+            log.warning("%s (%.2fs after the signal)", record.describe(), record.signal_to_exit_s)
+        else:
+            self.preempted = preemption.PreemptionRecord(self.step, signal_name, 0.0, "", time.time())
+        dist.barrier()
 
     def fit(self) -> dict[str, Any]:
         """Train until run.steps; returns the result the run output records."""
@@ -612,8 +648,15 @@ class Trainer:
             every = cfg.checkpoint.save_every_steps
             if every and self.step % every == 0 and self.step < last_step:
                 self._save()
+            if self.preempt_signal is not None and self.step < last_step:
+                self._preempt(self.preempt_signal)
+                break
             faults.maybe_crash(self.step)
             faults.maybe_pause(self.step)
+        if self.preempted is not None:  # stopped early: no final evaluation, save or result
+            self.out.close()
+            self.telemetry.close()
+            return {"steps": self.step, "preempted": True, "signal": self.preempted.signal}
         if last_eval is None or last_eval["step"] != self.step:
             last_eval = self.evaluate()
         if cfg.checkpoint.save_at_end and self.checkpoints.read_commit(self.step) is None:
@@ -639,8 +682,9 @@ class Trainer:
 
 
 @record
-def main(argv: list[str] | None = None) -> None:
-    """Entry point under torchrun."""
+def main(argv: list[str] | None = None) -> int:
+    """Entry point under torchrun; the exit code (0, or PREEMPTED_EXIT_CODE after a checkpoint on a signal)."""
+    preemption.WATCH.install()  # first: a signal during start-up stops the job after its first step
     parser = argparse.ArgumentParser(description="transformer-deploy training payload")
     parser.add_argument("--config", required=True, help="run.json written from the deployment spec")
     args = parser.parse_args(argv)
@@ -651,6 +695,7 @@ def main(argv: list[str] | None = None) -> None:
         process.die_with_parent()
     cfg = TrainConfig.from_json_file(args.config)
     trainer: Trainer | None = None
+    code = 0
     try:
         init_distributed(DistEnv.from_environ())
         with exclusive_roots(cfg) as leases:
@@ -659,6 +704,7 @@ def main(argv: list[str] | None = None) -> None:
             else:
                 trainer = Trainer(cfg, leases)
                 trainer.fit()
+                code = 0 if trainer.preempted is None else preemption.PREEMPTED_EXIT_CODE
     finally:
         # Free the model (DDP's reducer holds the process group and its last work) while the interpreter is
         # fully alive: left to interpreter shutdown, gloo's teardown can abort a job that finished its work.
@@ -666,8 +712,9 @@ def main(argv: list[str] | None = None) -> None:
         gc.collect()
         if dist.is_initialized():
             dist.destroy_process_group()
+    return code
 
 
 if __name__ == "__main__":
-    main()  # a failure raises (torchrun's error file, exit 1); success skips the interpreter's teardown:
-    process.exit_now(0)
+    # A failure raises (torchrun's error file, exit 1); success and preemption skip the interpreter's teardown.
+    process.exit_now(main())

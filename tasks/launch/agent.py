@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import json
 import os
-import runpy
 import socket
+import sys
 from pathlib import Path
 
+from training.preemption import run_torchrun
 from training.process import die_with_parent, exit_now, start_time
 
 AGENT_RECORD_ENV = "TDEPLOY_AGENT_RECORD"
@@ -26,15 +27,11 @@ def _record() -> None:
 
 
 def main() -> int:
-    """Run torchrun with this process's arguments once the parent-death signal is in place; its exit code."""
+    """Run torchrun with this process's arguments once the parent-death signal is in place; its exit code
+    (PREEMPTED_EXIT_CODE when the workers checkpointed and stopped on a preemption signal)."""
     die_with_parent()  # the wrapper (or, over SSH, sshd's session) is its parent: its exit fires this
     _record()
-    try:
-        runpy.run_module("torch.distributed.run", run_name="__main__", alter_sys=True)
-    except SystemExit as done:  # torchrun's own exit (a failed job: its code)
-        code = done.code
-        return code if isinstance(code, int) else (0 if code is None else 1)
-    return 0
+    return run_torchrun(sys.argv[1:])
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@ from tasks.launch.base import (
 )
 from tasks.launch.torchrun import free_port, job_env, torchrun_args
 from training.config import TrainConfig
+from training.preemption import PREEMPTED_EXIT_CODE, PreemptionFileError, PreemptionRecord, records_since
 from training.process import alive, start_time
 from training.run_output import RunOutput
 from training.storage import is_local, local_path
@@ -52,12 +53,14 @@ log = logging.getLogger(__name__)
 CANCELLED_MARKER = "cancelled"  # holds why the job was stopped
 AGENTS_DIR = "agents"  # node<N>.json: where agent N runs (host, pid, start time), written by the agent itself
 SUPERVISOR_ENV = ("TDEPLOY_SUPERVISOR_PID", "TDEPLOY_SUPERVISOR_START")
-# Records torchrun's exit code; on SIGTERM it passes the signal on and stays until torchrun has stopped its workers.
+# Records torchrun's exit code; on SIGTERM (SIGUSR1) it passes SIGTERM (SIGUSR1) on and stays until torchrun has
+# stopped its workers.
 # Supervised, a watchdog stops torchrun once the supervisor (pid + start time) is gone, or the wrapper itself.
 _WRAPPER = r"""
 "$@" &
 child=$!
 trap 'kill -TERM "$child" 2>/dev/null' TERM INT
+trap 'kill -USR1 "$child" 2>/dev/null' USR1
 started() {
   stat=$(cat "/proc/$1/stat" 2>/dev/null) || return 0
   set -- ${stat##*") "}
@@ -293,6 +296,15 @@ class LocalLauncher(Launcher):
             codes.append(int(exit_file.read_text().strip()) if exit_file.exists() else None)
         if all(code == 0 for code in codes):
             return JobStatus(JobState.SUCCEEDED, "exited", exit_code=0)
+        try:
+            preempted = self._preemption(handle)
+        except PreemptionFileError as err:
+            return JobStatus(JobState.FAILED, "exited", str(err), exit_code=next(c for c in codes if c))
+        if preempted is not None:
+            others = [f"node {n} ({self._node_name(handle, n)}): exit {c}" for n, c in enumerate(codes)
+                      if c != PREEMPTED_EXIT_CODE]  # fmt: skip
+            reason = preempted.describe() + "".join(f"; {other}" for other in others)
+            return JobStatus(JobState.PREEMPTED, "exited", reason, exit_code=PREEMPTED_EXIT_CODE)
         finished = [node for node, code in enumerate(codes) if code == 0]
         min_nodes = handle.details.get("min_nodes")
         if min_nodes is not None and len(finished) >= min_nodes:  # elastic: it finished without the lost nodes
@@ -313,6 +325,24 @@ class LocalLauncher(Launcher):
         reason += "".join(f"; {other}" for other in others)
         text = self._log_text(handle)
         return JobStatus(JobState.FAILED, "exited", reason, exit_code=code, failure=parse_root_cause(text))
+
+    @staticmethod
+    def _preemption(handle: JobHandle) -> PreemptionRecord | None:
+        """The trainer's record of this job's preemption (after its checkpoint), or None: the last one written
+        since the job was submitted under its run id."""
+        found = records_since(handle.output_dir, handle.submitted_unix_s, run_id=handle.job_id)
+        return found[-1] if found else None
+
+    def signal(self, handle: JobHandle, sig: int = signal.SIGTERM) -> None:
+        """Deliver SIGTERM or SIGUSR1 to the job as a scheduler does: to each agent, which passes it to its workers
+        (they checkpoint at the step boundary and exit 75: the job ends preempted). Only the agents' wrappers get
+        it (they forward it to torchrun): a second copy to torchrun would cut its wait for the workers short."""
+        sig = signal.Signals(sig)
+        if sig not in (signal.SIGTERM, signal.SIGUSR1):
+            raise UserError(f"signal {sig.name}: not a preemption signal", "send SIGTERM or SIGUSR1, or cancel the job")
+        for agent in running_agents(handle):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(agent["pid"]), sig)
 
     @staticmethod
     def _exit_time(out: Path, node: int) -> float:

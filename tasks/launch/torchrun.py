@@ -31,14 +31,30 @@ def rdzv_conf_args(cluster: ClusterConfig, backend: str = "c10d") -> list[str]:
     return [f"--rdzv-conf={'timeout' if backend == 'static' else 'join_timeout'}={timeout:d}"]
 
 
+# torchrun's own signals plus Slurm's warning signal: without it in the list, SIGUSR1 kills the agent.
+PREEMPTION_SIGNALS_TO_HANDLE = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
+
+
+def preemption_args(cluster: ClusterConfig) -> list[str]:
+    """torchrun passes SIGTERM and SIGUSR1 on to its workers and waits up to cluster.preemption.grace_period_s
+    for them (its default is 30 s, then SIGKILL) before it exits; nothing when preemption is off."""
+    if not cluster.preemption.enabled:
+        return []
+    return [
+        f"--signals-to-handle={PREEMPTION_SIGNALS_TO_HANDLE}",
+        f"--shutdown-timeout={cluster.preemption.grace_period_s:d}",
+    ]
+
+
 def agent_args(cluster: ClusterConfig) -> list[str]:
-    """The size, restart and rendezvous-timeout arguments of one torchrun agent (not the endpoint and id)."""
+    """The size, restart, rendezvous-timeout and signal arguments of one torchrun agent (not the endpoint and id)."""
     return [
         f"--nnodes={cluster.nodes}" if cluster.min_nodes is None else f"--nnodes={cluster.min_nodes}:{cluster.nodes}",
         f"--nproc-per-node={cluster.procs_per_node}",
         "--rdzv-backend=c10d",
         *rdzv_conf_args(cluster),
         f"--max-restarts={cluster.max_restarts}",
+        *preemption_args(cluster),
     ]
 
 
