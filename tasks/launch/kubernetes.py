@@ -20,9 +20,10 @@ from typing import Any
 from tasks.cluster import ClusterConfig
 from tasks.errors import TransientError, UserError
 from tasks.launch.base import JobHandle, JobState, JobStatus, Launcher, checked_faults
-from tasks.launch.torchrun import job_env, rdzv_conf_args
+from tasks.launch.torchrun import job_env, preemption_args, rdzv_conf_args
 from training.checkpoint_trust import KEY_ENV as CHECKPOINT_KEY_ENV
 from training.config import TrainConfig
+from training.preemption import PREEMPTED_EXIT_CODE
 
 CONFIG_DIR = "/etc/tdeploy"
 # The Kubernetes Secret (key `key`) whose value reaches every pod as TDEPLOY_CHECKPOINT_KEY, when it exists.
@@ -49,13 +50,15 @@ def render_manifests(
         "name": "pytorch",
         "image": image,
         "imagePullPolicy": k8s.image_pull_policy,
-        # The training operator sets PET_NNODES, PET_NODE_RANK, PET_MASTER_ADDR/PORT for torchrun.
+        # The training operator sets PET_NNODES, PET_NODE_RANK, PET_MASTER_ADDR/PORT for torchrun, which
+        # training.preemption runs in-process so that a preempted pod exits 75 (torchrun alone would exit 1).
         "command": [
             "python",
             "-m",
-            "torch.distributed.run",
+            "training.preemption",
             f"--max-restarts={cluster.max_restarts}",
             *rdzv_conf_args(cluster, backend="static"),  # torchrun's default backend, which the operator leaves
+            *preemption_args(cluster),  # SIGTERM reaches the workers; torchrun waits the grace period for them
             "-m",
             "training.train",
             "--config",
@@ -80,6 +83,8 @@ def render_manifests(
     }
     if k8s.service_account:
         pod_spec["serviceAccountName"] = k8s.service_account
+    if cluster.preemption.enabled:  # between the kubelet's SIGTERM and its SIGKILL: the step and a checkpoint
+        pod_spec["terminationGracePeriodSeconds"] = cluster.preemption.grace_period_s
     replicas = {"Master": 1, "Worker": cluster.nodes - 1}
     job = {
         "apiVersion": "kubeflow.org/v1",
@@ -102,6 +107,47 @@ def render_manifests(
         "data": {"run.json": train.model_dump_json(indent=2)},
     }
     return [config_map, job]
+
+
+def pod_exit_codes(pods: list[dict[str, Any]]) -> dict[str, int]:
+    """The exit code of each pod's `pytorch` container that terminated (its last run, if it restarted since)."""
+    codes = {}
+    for pod in pods:
+        for container in pod.get("status", {}).get("containerStatuses") or []:
+            if container.get("name") != "pytorch":
+                continue
+            for key in ("state", "lastState"):
+                terminated = (container.get(key) or {}).get("terminated")
+                if terminated and isinstance(terminated.get("exitCode"), int):
+                    codes[pod.get("metadata", {}).get("name", "?")] = terminated["exitCode"]
+                    break
+    return codes
+
+
+def job_status(job: dict[str, Any], pods: list[dict[str, Any]]) -> JobStatus:
+    """A PyTorchJob's state from its last condition; a failed job whose pods' trainer exited with
+    PREEMPTED_EXIT_CODE (evicted or drained, checkpointed within terminationGracePeriodSeconds) is PREEMPTED."""
+    conditions = job.get("status", {}).get("conditions") or [{"type": "Created", "reason": ""}]
+    last = conditions[-1]
+    state = {
+        "Created": JobState.PENDING,
+        "Running": JobState.RUNNING,
+        "Restarting": JobState.RUNNING,
+        "Succeeded": JobState.SUCCEEDED,
+        "Failed": JobState.FAILED,
+    }.get(last["type"], JobState.PENDING)
+    codes = pod_exit_codes(pods)
+    preempted = sorted(pod for pod, code in codes.items() if code == PREEMPTED_EXIT_CODE)
+    if state is JobState.FAILED and preempted:
+        others = [f"{pod}: exit {code}" for pod, code in sorted(codes.items()) if code != PREEMPTED_EXIT_CODE]
+        reason = (
+            f"preempted: pod {', '.join(preempted)} checkpointed and exited {PREEMPTED_EXIT_CODE}; resubmit to resume "
+            "from its checkpoint (preemptions.jsonl in the run's output names the step)"
+        )
+        return JobStatus(
+            JobState.PREEMPTED, last["type"], reason + "".join(f"; {o}" for o in others), PREEMPTED_EXIT_CODE
+        )
+    return JobStatus(state, last["type"], last.get("reason", ""))
 
 
 class _Payload:
@@ -213,16 +259,16 @@ class KubernetesLauncher(Launcher):
             job = self.custom.get_namespaced_custom_object("kubeflow.org", "v1", namespace, "pytorchjobs", name)
         except Exception as err:  # noqa: BLE001
             raise TransientError(f"cannot read PyTorchJob {handle.job_id}: {err}", "retried") from err
-        conditions = job.get("status", {}).get("conditions") or [{"type": "Created", "reason": ""}]
-        last = conditions[-1]
-        state = {
-            "Created": JobState.PENDING,
-            "Running": JobState.RUNNING,
-            "Restarting": JobState.RUNNING,
-            "Succeeded": JobState.SUCCEEDED,
-            "Failed": JobState.FAILED,
-        }.get(last["type"], JobState.PENDING)
-        return JobStatus(state, last["type"], last.get("reason", ""))
+        pods: list[dict[str, Any]] = []
+        if (job.get("status", {}).get("conditions") or [{}])[-1].get("type") == "Failed":
+            try:
+                listed = self.core.list_namespaced_pod(
+                    namespace, label_selector=f"training.kubeflow.org/job-name={name}"
+                )
+                pods = [self.core.api_client.sanitize_for_serialization(pod) for pod in listed.items]
+            except Exception as err:  # noqa: BLE001
+                raise TransientError(f"cannot list the pods of PyTorchJob {handle.job_id}: {err}", "retried") from err
+        return job_status(job, pods)
 
     def logs(self, handle: JobHandle, offset: int = 0) -> tuple[list[str], int]:
         """Log lines of the master pod (offset counts lines here)."""

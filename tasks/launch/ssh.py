@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import shlex
+import signal
 import subprocess
 import time
 from collections.abc import Mapping
@@ -126,6 +127,16 @@ class SshLauncher(LocalLauncher):
                 proc.kill()
                 log.warning("host %s did not answer the stop of job %s: its processes may still run", host, handle.ref)
         super().cancel(handle, grace_s, reason)
+
+    def signal(self, handle: JobHandle, sig: int = signal.SIGTERM) -> None:
+        """SIGTERM or SIGUSR1 to every host's agent over SSH, as a scheduler would deliver it (the agent passes it
+        to its workers, which checkpoint and exit 75; ssh then exits with the agent's 75). Not to the local ssh
+        clients: ending one would end its remote agent before the workers' checkpoint is written."""
+        sig = signal.Signals(sig)
+        if sig not in (signal.SIGTERM, signal.SIGUSR1):
+            raise UserError(f"signal {sig.name}: not a preemption signal", "send SIGTERM or SIGUSR1, or cancel the job")
+        for record in remote_agents(handle):
+            signal_remote(handle, record["node"], record["pid"], sig)
 
 
 def remote_agents(handle: JobHandle) -> list[dict[str, Any]]:

@@ -9,10 +9,23 @@ from prefect.artifacts import create_markdown_artifact
 
 from tasks.cluster import ClusterConfig
 from tasks.deployment import JobResult
-from tasks.errors import retry_on_transient
-from tasks.launch.base import TERMINAL, JobState
+from tasks.errors import UserError, retry_on_transient
+from tasks.launch.base import TERMINAL, JobHandle, JobState, JobStatus
 from tasks.launch.submit import JobFailed, submit
 from training.config import TrainConfig
+
+
+class JobPreempted(UserError):
+    """The job stopped on its scheduler's preemption signal after checkpointing: neither a crash nor a finished
+    run. What follows a finished run (acceptance, export) must not run; resubmitting resumes from the checkpoint."""
+
+    def __init__(self, handle: JobHandle, status: JobStatus) -> None:
+        super().__init__(
+            f"job {handle.ref} {status.describe()}",
+            "submit the deployment again: it resumes from the checkpoint the job wrote when it was preempted",
+        )
+        self.handle, self.status = handle, status
+
 
 _UNTIL = {
     "submitted": frozenset(JobState),
@@ -31,7 +44,8 @@ def submit_job(
     timeout_s: float = 6 * 3600,
     faults: dict[str, str] | None = None,
 ) -> JobResult:
-    """Submit the training job and wait until it is submitted, running or finished; a failed job raises JobFailed."""
+    """Submit the training job and wait until it is submitted, running or finished; a failed or cancelled job
+    raises JobFailed, a preempted one JobPreempted (after a warning: its checkpoint is there to resume from)."""
     logger = get_run_logger()
     # A job this task waits for dies with this process; one it only starts must outlive the flow run.
     launcher, handle = submit(cluster, train, name, image, faults=faults, supervised=wait_until == "finished")
@@ -45,4 +59,7 @@ def submit_job(
     )
     if status.state in (JobState.FAILED, JobState.CANCELLED):
         raise JobFailed(handle, status)
+    if status.state is JobState.PREEMPTED:
+        logger.warning("job %s was preempted: %s", handle.ref, status.reason)
+        raise JobPreempted(handle, status)
     return JobResult(job=handle.ref, state=status.state.value, output_dir=handle.output_dir, handle=handle.to_json())
