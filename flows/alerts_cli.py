@@ -11,9 +11,24 @@ from pathlib import Path
 
 import typer
 
-alerts = typer.Typer(no_args_is_help=True, help="Alert routing (Alertmanager) and failed-flow-run notifications.")
-
 EXIT_USER_ERROR = 2  # as flows/cli.py: fix the input
+RENDER_EXAMPLE = (
+    "tdeploy alerts render --critical-url https://hooks.example.com/page --warning-url "
+    "https://hooks.example.com/chat --alertmanager 127.0.0.1:9093 --training-target node1:9400 --out monitoring"
+)
+NOTIFY_EXAMPLE = "tdeploy alerts notify-failures --webhook-url https://hooks.example.com/prefect"
+
+
+def _example(*lines: str) -> str:
+    """A help epilog with example invocations (the format of flows/cli.py's)."""
+    return ("Example:" if len(lines) == 1 else "Examples:") + "\n\n" + "\n\n".join(f"  {line}" for line in lines)
+
+
+alerts = typer.Typer(
+    no_args_is_help=True,
+    help="Alert routing (Alertmanager) and failed-flow-run notifications.",
+    epilog=_example(RENDER_EXAMPLE, NOTIFY_EXAMPLE),
+)
 
 
 def _fail(err: Exception) -> typer.Exit:
@@ -21,11 +36,7 @@ def _fail(err: Exception) -> typer.Exit:
     return typer.Exit(EXIT_USER_ERROR)
 
 
-@alerts.command(
-    "render",
-    epilog="tdeploy alerts render --critical-url https://hooks.example.com/page --warning-url "
-    "https://hooks.example.com/chat --alertmanager 127.0.0.1:9093 --training-target node1:9400 --out monitoring",
-)
+@alerts.command("render", epilog=_example(RENDER_EXAMPLE))
 def render(
     critical_url: str = typer.Option(
         ..., "--critical-url", envvar="TDEPLOY_CRITICAL_WEBHOOK_URL", help="Webhook for critical alerts."
@@ -65,11 +76,7 @@ def render(
     )
 
 
-@alerts.command(
-    "notify-failures",
-    epilog="PREFECT_API_URL=http://127.0.0.1:4200/api tdeploy alerts notify-failures --webhook-url "
-    "https://hooks.example.com/prefect",
-)
+@alerts.command("notify-failures", epilog=_example(NOTIFY_EXAMPLE))
 def notify_failures(
     webhook_url: str = typer.Option(
         ..., "--webhook-url", envvar="TDEPLOY_FAILURE_WEBHOOK_URL", help="Webhook that receives failed flow runs."

@@ -106,3 +106,27 @@ def test_write_configs_writes_the_three_files_loadable(tmp_path) -> None:
     assert yaml.safe_load(paths["alertmanager.yml"].read_text()) == alertmanager_config(routing(**GOOD))
     assert paths["alerts.yml"].read_text() == (MONITORING / "alerts.yml").read_text()
     assert not list((tmp_path / "out").glob(".*tmp"))
+
+
+def test_tdeploy_alerts_render_writes_the_configs_and_shows_no_webhook_path(tmp_path) -> None:
+    from typer.testing import CliRunner
+
+    from flows.cli import app
+
+    args = ["--warning-url", GOOD["warning_webhook_url"], "--training-target", "node1:9400"]
+    result = CliRunner().invoke(
+        app,
+        ["alerts", "render", *args, "--out", str(tmp_path)],
+        env={"TDEPLOY_CRITICAL_WEBHOOK_URL": GOOD["critical_webhook_url"]},
+    )
+    assert result.exit_code == 0, result.output
+    assert "critical -> https://hooks.example.com/..." in result.output and "secret" not in result.output
+    rendered = yaml.safe_load((tmp_path / "alertmanager.yml").read_text())
+    assert rendered["receivers"][0]["webhook_configs"][0]["url"] == GOOD["critical_webhook_url"]
+    assert yaml.safe_load((tmp_path / "prometheus.yml").read_text())["scrape_configs"][0]["static_configs"] == [
+        {"targets": ["node1:9400"]}
+    ]
+
+    bad = CliRunner().invoke(app, ["alerts", "render", "--critical-url", "ftp://h/T0", *args, "--out", str(tmp_path)])
+    assert bad.exit_code == 2
+    assert "critical_webhook_url: scheme 'ftp' is not http or https" in bad.output and "T0" not in bad.output
