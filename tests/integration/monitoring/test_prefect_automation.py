@@ -3,9 +3,13 @@ server (its trigger and action services) POSTs the flow run's name and failure t
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import pytest
 from prefect import flow
 from prefect.automations import Automation
+from prefect.blocks.notifications import CustomWebhookNotificationBlock
 from prefect.client.orchestration import get_client
 
 from tasks.alerts import install_failure_notification
@@ -24,9 +28,23 @@ def _passing_flow() -> int:
     return 1
 
 
-def test_a_failed_flow_run_notifies_the_webhook_with_its_name(webhook_receiver: WebhookReceiver) -> None:
-    installed = install_failure_notification(f"{webhook_receiver.url}/prefect", name="tdeploy-drill")
-    again = install_failure_notification(f"{webhook_receiver.url}/prefect", name="tdeploy-drill")
+@pytest.fixture
+def drill_notification() -> Iterator[str]:
+    """The name prefix of this test's automation and block, both deleted afterwards: the session's server is
+    shared, and later tests' failing flows must not notify a receiver that is gone."""
+    yield "tdeploy-drill"
+    name = "tdeploy-drill-flow-run-failed"
+    with contextlib.suppress(ValueError):  # not found: the test failed before installing it
+        Automation.read(name=name).delete()
+    with contextlib.suppress(ValueError):
+        CustomWebhookNotificationBlock.delete(name)
+
+
+def test_a_failed_flow_run_notifies_the_webhook_with_its_name(
+    webhook_receiver: WebhookReceiver, drill_notification: str
+) -> None:
+    installed = install_failure_notification(f"{webhook_receiver.url}/prefect", name=drill_notification)
+    again = install_failure_notification(f"{webhook_receiver.url}/prefect", name=drill_notification)
     assert installed.created and not again.created and again.automation_id == installed.automation_id
     automation = Automation.read(name=installed.automation_name)
     assert automation.enabled and len(automation.actions) == 1  # updated in place, not doubled
