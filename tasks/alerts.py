@@ -292,9 +292,12 @@ def _install(url: str, name: str) -> FailureNotification:
     from prefect.events.schemas.automations import EventTrigger, Posture
 
     block_name = f"{name}-flow-run-failed"
+    # The URL (often a token itself) sits in the block's secrets, which the Prefect API and UI mask; the block
+    # substitutes it into `url` when it sends.
     block = CustomWebhookNotificationBlock(
         name=block_name,
-        url=url,
+        url="{{webhook_url}}",
+        secrets={"webhook_url": url},
         json_data={"source": "prefect", "subject": "{{subject}}", "body": "{{body}}"},
     )
     block_id = block.save(block_name, overwrite=True)

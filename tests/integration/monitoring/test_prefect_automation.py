@@ -48,6 +48,11 @@ def test_a_failed_flow_run_notifies_the_webhook_with_its_name(
     assert installed.created and not again.created and again.automation_id == installed.automation_id
     automation = Automation.read(name=installed.automation_name)
     assert automation.enabled and len(automation.actions) == 1  # updated in place, not doubled
+    with get_client(sync_client=True) as client:  # the URL is kept as a secret: the API masks it
+        document = client.read_block_document_by_name(
+            installed.block_name, CustomWebhookNotificationBlock.get_block_type_slug(), include_secrets=False
+        )
+    assert webhook_receiver.url not in str(document.data), document.data
 
     assert _passing_flow() == 1
     state = _failing_flow(return_state=True)

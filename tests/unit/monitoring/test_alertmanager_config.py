@@ -130,3 +130,14 @@ def test_tdeploy_alerts_render_writes_the_configs_and_shows_no_webhook_path(tmp_
     bad = CliRunner().invoke(app, ["alerts", "render", "--critical-url", "ftp://h/T0", *args, "--out", str(tmp_path)])
     assert bad.exit_code == 2
     assert "critical_webhook_url: scheme 'ftp' is not http or https" in bad.output and "T0" not in bad.output
+
+
+def test_the_scrape_job_names_are_the_ones_the_rules_select_by() -> None:
+    import re
+
+    from tasks.alerts import SERVING_JOB, TRAINING_JOB
+
+    selected = set(re.findall(r'job="([^"]+)"', (MONITORING / "alerts.yml").read_text()))
+    assert selected == {TRAINING_JOB, SERVING_JOB}
+    jobs = [c["job_name"] for c in prometheus_config(["am:9093"], ["n:1"], ["s:2"])["scrape_configs"]]
+    assert jobs == [TRAINING_JOB, SERVING_JOB]
