@@ -298,13 +298,18 @@ def submit(
 
 @app.command(epilog=_example("tdeploy status slurm:1234", "tdeploy status runs/local/output"))
 def status(job: str = typer.Argument(..., help="Job reference (scheduler:id) or the run's output folder.")) -> None:
-    """Show a submitted job's state, with the scheduler's own state and reason."""
+    """Show a submitted job's state, with the scheduler's own state and reason, and its history: when it ran,
+    where it was preempted (step, signal), what it waits for, from which step it ran again."""
     from tasks.launch.base import find_job
+    from tasks.launch.history import job_history
     from tasks.launch.submit import launcher_for
 
     handle = find_job(job)
-    current = launcher_for(handle.scheduler).status(handle)
-    console.print(f"{handle.ref}: {current.describe()}", markup=False, highlight=False)
+    history = job_history(handle, launcher_for(handle.scheduler))
+    assert history.status is not None  # job_history always asks the scheduler
+    console.print(f"{handle.ref}: {history.status.describe()}", markup=False, highlight=False)
+    for line in history.lines():
+        console.print(line, markup=False, highlight=False)
 
 
 @app.command(epilog=_example("tdeploy cancel slurm:1234"))

@@ -297,6 +297,12 @@ class SlurmLauncher(Launcher):
                 return self._status(state, "", None, handle)
         return None
 
+    def restarts(self, handle: JobHandle) -> int | None:
+        """How often Slurm requeued the job (`scontrol show job`'s Restarts=; None once the controller forgot it)."""
+        proc = self._run("scontrol", "show", "job", handle.job_id, check=False)
+        found = re.search(r"\bRestarts=(\d+)", proc.stdout)
+        return int(found.group(1)) if proc.returncode == 0 and found else None
+
     def logs(self, handle: JobHandle, offset: int = 0) -> tuple[list[str], int]:
         """Lines of the job's output file."""
         return read_log(handle.log_path, offset)
