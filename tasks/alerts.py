@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any
 from urllib.parse import urlsplit
@@ -151,9 +152,9 @@ def alertmanager_config(route: AlertRouting) -> dict[str, Any]:
 
 
 def prometheus_config(
-    alertmanagers: list[str],
-    training_targets: list[str] = (),  # type: ignore[assignment]
-    serving_targets: list[str] = (),  # type: ignore[assignment]
+    alertmanagers: Sequence[str],
+    training_targets: Sequence[str] = (),
+    serving_targets: Sequence[str] = (),
     rules_file: Path | str = RULES_FILE,
     interval_s: int = 15,
 ) -> dict[str, Any]:
@@ -213,9 +214,9 @@ def dump(config: dict[str, Any]) -> str:
 def write_configs(
     route: AlertRouting,
     out_dir: Path,
-    alertmanagers: list[str],
-    training_targets: list[str] = (),  # type: ignore[assignment]
-    serving_targets: list[str] = (),  # type: ignore[assignment]
+    alertmanagers: Sequence[str],
+    training_targets: Sequence[str] = (),
+    serving_targets: Sequence[str] = (),
 ) -> dict[str, Path]:
     """Write alertmanager.yml, prometheus.yml and a copy of alerts.yml into `out_dir`; their paths by name."""
     out_dir.mkdir(parents=True, exist_ok=True)
