@@ -83,7 +83,6 @@ def _check_webhook_url(url: str) -> str:
 
 
 WebhookUrl = Annotated[str, AfterValidator(_check_webhook_url)]
-HostPort = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9.-]{0,252}:[0-9]{1,5}$")]
 
 
 class AlertRouting(StrictModel):
