@@ -57,7 +57,7 @@ PartitionName=high Nodes=localhost MaxTime=INFINITE State=UP PriorityTier=10 Hid
 """
 PREEMPTION_GRACE_TIME_S = 60
 """`low`'s GraceTime: the trainer's step, checkpoint save and exit must fit; a tiny model needs a few seconds."""
-REQUEUE_DELAY_S = 10
+REQUEUE_DELAY_S = 5
 """cred_expire: how long a requeued job waits before it may start again (Slurm's default 120 s is too slow); the
 backfill scheduler, run every 2 s (bf_interval) instead of 30, starts it soon after."""
 
