@@ -1,0 +1,125 @@
+"""The ledger and the regression gate on real acceptance runs (CPU, gloo, 2 ranks of the tiny model, the local
+launcher), and a rollback that resumes from the previous entry's checkpoint.
+
+One module-scoped pair of accepted runs serves every test: the first records the ledger's first entry (no
+baseline yet), the second is compared with it, passes, and becomes the current baseline. Thresholds are loose on
+purpose (no timing thresholds in tests): the injected slow rank sleeps 0.3 s in each of its steps, which costs the
+tiny model's steps (a few ms) far more than the 80% drop of tokens/s the test allows. The slowed run is one
+distributed job judged as acceptance judges it (a third whole acceptance would add its reference and drill).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tasks.acceptance.config import AcceptanceConfig
+from tasks.acceptance.suite import AcceptanceReport, run_acceptance
+from tasks.acceptance.workspace import Job, variant
+from tasks.ledger.gate import check_regression
+from tasks.ledger.registry import Ledger, Provenance, cluster_key_of, golden_figures, ledger_url, run_identity
+from tasks.ledger.rollback import roll_back
+from tasks.spec import DeploymentSpec, parse_spec
+from tests.conftest import TINY_SPEC, deep_merge
+from training.faults import ENV_VAR
+from training.run_output import RunOutput
+from validation.acceptance import check_performance, rank_metrics
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
+
+ACCEPT = AcceptanceConfig.model_validate(
+    {
+        "thresholds": {"scaling_efficiency_min": 0.001, "comm_share_max": 1.0, "straggler_ratio_max": 100.0},
+        "steps": 20,
+        "save_every_steps": 10,
+        "reference_steps": 5,
+        "regression": {"tokens_per_s_drop_max": 0.8, "step_time_rise_max": 4.0, "checkpoint_save_rise_max": None,
+                       "busbw_drop_max": None, "noise_floor_s": 0.0},
+    }
+)  # fmt: skip
+SLOW = {ENV_VAR: json.dumps({"slow_rank": 1, "slow_step_s": 0.3})}
+
+
+def _dims(report: AcceptanceReport) -> dict:
+    return {d.name: d for d in report.dimensions}
+
+
+@pytest.fixture(scope="module")
+def accepted(tmp_path_factory: pytest.TempPathFactory, tiny_dataset: str) -> tuple[DeploymentSpec, list]:
+    """The spec and two accepted acceptance runs in a row (their reports)."""
+    root = tmp_path_factory.mktemp("ledger")
+    overrides = {
+        "data": {"dataset_url": tiny_dataset},
+        "checkpoint": {"url": str(root / "checkpoints")},
+        "run": {"output_url": str(root / "output")},
+    }
+    spec = parse_spec(deep_merge(TINY_SPEC, overrides), "tiny:ledger")
+    train, provenance = spec.training_config(), Provenance.of(spec, image_ref=None)
+    reports = [run_acceptance(spec.cluster, train, ACCEPT, root / f"ws{i}", provenance=provenance) for i in range(2)]
+    return spec, reports
+
+
+def _ledger(spec: DeploymentSpec) -> Ledger:
+    return Ledger(ledger_url(ACCEPT, spec.run.output_url))
+
+
+def test_the_first_accepted_run_records_an_entry_and_the_second_is_compared_with_it(accepted) -> None:
+    spec, (first, second) = accepted
+    for report in (first, second):
+        assert report.passed, {d.name: d.message for d in report.dimensions if d.passed is not True}
+    assert _dims(first)["regression"].message == "no baseline; this run becomes it when accepted"
+    regression = _dims(second)["regression"]
+    assert regression.evidence["baseline_entry"] == first.ledger_entry
+    assert regression.measured["loss_curve"]["verdict"] == "pass"  # same seed, deterministic CPU: the same curve
+    assert regression.measured["tokens_per_s"]["verdict"] == "pass"
+    entries = _ledger(spec).entries()
+    assert [e.entry_id for e in entries] == [first.ledger_entry, second.ledger_entry]
+    entry = entries[0]
+    assert entry.spec_name == spec.name and entry.spec_digest == spec.digest()
+    assert entry.checkpoint is not None and entry.checkpoint.step == ACCEPT.steps
+    assert entry.figures.tokens_per_s and entry.figures.step_time_s and entry.figures.checkpoint_save_s
+    assert entry.figures.loss_curve[ACCEPT.steps] == entry.figures.final_loss
+    assert _ledger(spec).current(spec.name, cluster_key_of(spec.cluster)) == entries[1]
+
+
+def test_a_throughput_regression_fails_the_gate_naming_tokens_per_s_and_both_values(accepted, tmp_path: Path) -> None:
+    """The gate on a real slowed run: the acceptance's distributed run with a slow rank, judged as acceptance
+    judges it (performance against the accepted run's reference, then the regression dimension)."""
+    spec, (_, second) = accepted
+    train = spec.training_config()
+    slow_train = variant(train, tmp_path, "slow", run={"steps": ACCEPT.steps})
+    slow = Job(spec.cluster, slow_train, "slow", SLOW, None).wait(600)
+    assert slow.ok, slow.status.describe()
+    world = spec.cluster.world_size
+    reference = RunOutput(second.runs["reference"]).metrics()
+    performance = check_performance(rank_metrics(slow.output_dir), reference, world, ACCEPT.thresholds)
+    ledger = _ledger(spec)
+    curve_key, cluster_key, _ = run_identity(spec.cluster, slow_train, world)
+    current = ledger.current(spec.name, cluster_key, curve_key)
+    figures = golden_figures([performance], slow.output_dir)
+    regression = check_regression(ledger, current, figures, curve_key, ACCEPT.regression, ACCEPT.thresholds)
+    assert regression.passed is False
+    measured = regression.measured["tokens_per_s"]
+    assert measured["verdict"] == "FAIL"
+    assert f"tokens/s {measured['run']:.0f} is" in regression.message
+    assert f"below the baseline's {measured['baseline']:.0f} (entry {second.ledger_entry}; allowed 80%)" in (
+        regression.message
+    )
+    assert regression.measured["loss_curve"]["verdict"] == "pass"  # a slow rank computes the same mathematics
+
+
+def test_rollback_resumes_from_the_previous_entrys_checkpoint_and_makes_it_the_baseline(accepted) -> None:
+    spec, (first, second) = accepted
+    ledger = _ledger(spec)
+    train = spec.training_config().model_copy(deep=True)
+    train = train.model_validate(train.model_dump() | {"run": {**train.run.model_dump(), "steps": ACCEPT.steps + 3}})
+    outcome = roll_back(ledger, spec.name, spec.cluster, train, None, "finished", 600)
+    assert outcome.state == "succeeded", outcome
+    assert outcome.plan.target.entry_id == first.ledger_entry
+    resume = RunOutput(outcome.output_dir).resume()
+    assert resume is not None and resume.loaded_step == ACCEPT.steps
+    assert RunOutput(outcome.output_dir).last_step() == ACCEPT.steps + 3
+    assert outcome.marked == [second.ledger_entry]
+    assert ledger.current(spec.name, cluster_key_of(spec.cluster)).entry_id == first.ledger_entry
