@@ -4,6 +4,18 @@ The rendezvous is c10d on the first node of the allocation (`scontrol show
 hostnames`). Status comes from `squeue` while the job is queued or running,
 then `sacct`, falling back to `scontrol show job` and the job-completion log
 (`sacct -c`) on clusters without accounting storage.
+
+Preemption (cluster.preemption, on by default): the script asks for `--signal=B:USR1@grace_period_s` and
+`--requeue`. The batch shell forwards the time-limit warning to the job's steps; Slurm's preemption SIGTERM goes
+to the tasks directly; torchrun's agent passes either to the workers and waits for them. The trainer checkpoints
+at the next step boundary, records the preemption and exits 75; the script then requeues the job (`scontrol
+requeue`), which waits PENDING (BeginTime, then Priority or Resources) and resumes from that checkpoint.
+
+A priority pool: the spec picks the job's priority with cluster.slurm.partition (with partition_prio
+preemption, a partition of a higher PriorityTier preempts the lower ones over the same nodes; the partitions'
+GraceTime should be at least grace_period_s), cluster.slurm.qos (with preempt/qos and accounting) and
+cluster.slurm.nice (lower priority within a partition). All three are validated by the spec (Slurm names, an
+integer) and written as quoted `#SBATCH` directives.
 """
 
 from __future__ import annotations
@@ -110,7 +122,8 @@ class SlurmLauncher(Launcher):
                 self._run(tool)  # raises the UserError naming the tool
         partition = cluster.slurm.partition
         if partition:
-            proc = self._run("scontrol", "show", "partition", partition, check=False)
+            # --all: a Hidden partition (a priority pool's) exists for those who name it
+            proc = self._run("scontrol", "--all", "show", "partition", partition, check=False)
             if proc.returncode != 0:
                 raise UserError(
                     f"cluster.slurm.partition={partition}: no such partition", f"use one of {self._partitions()}"

@@ -38,7 +38,8 @@ SCONTROL = """#!/bin/sh
 case "$1 $2" in
   "show hostnames") echo node-1 ;;
   "show job") echo "JobId=$SLURM_JOB_ID JobState=RUNNING Restarts=0 PreemptTime=$PREEMPT_TIME" ;;
-  "show partition") [ "$3" = --oneliner ] || exit 1; printf '%s\\n' "PartitionName=debug Hidden=NO State=UP" \\
+  "--all show") exit 1 ;;
+  "show partition") printf '%s\\n' "PartitionName=debug Hidden=NO State=UP" \\
       "PartitionName=low Hidden=YES State=UP" "PartitionName=high Hidden=YES State=UP" ;;
   *) echo "$@" >> "$RECORDS/scontrol" ;;
 esac
