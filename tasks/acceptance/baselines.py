@@ -239,14 +239,14 @@ def judge_quality(
     run_train: TrainConfig,
     world_size: int,
     output_dir: Path,
-    current: tuple[str, str, LossCurve] | None = None,
+    current: tuple[str, str, str, LossCurve] | None = None,
 ) -> QualityGate:
     """The quality gate over the distributed run in `output_dir` (config `run_train`, a variant of the spec's
     `train`), against the current baseline, else the sanity rule.
 
-    `current` is the ledger's current baseline (tasks/ledger: its curve key, entry id and curve): when its key is
-    the run's, it is the baseline, so that a rollback moves the quality gate's baseline too; otherwise the first
-    accepted run's file in this registry is."""
+    `current` is the ledger's current baseline (tasks/ledger: its curve key, entry id, run id and curve): when
+    its key is the run's, it is the baseline, so that a rollback moves the quality gate's baseline too; otherwise
+    the first accepted run's file in this registry is."""
     registry = registry_for(acceptance, train)
     curve = loss_curve(output_dir)
     if curve is None:
@@ -261,8 +261,8 @@ def judge_quality(
         return QualityGate(result, registry, None, identity, curve)
     golden = baseline.loss_curve() if baseline else None
     if current is not None and current[0] == key:
-        golden = current[2]
-        evidence |= {"baseline_entry": current[1]}
+        golden = current[3]
+        evidence |= {"baseline_entry": current[1], "baseline_run_id": current[2]}
     elif baseline is not None:
         evidence |= {"baseline_run_id": baseline.run_id, "baseline_created_at": baseline.created_at}
     result = check_quality(curve, golden, acceptance.thresholds)

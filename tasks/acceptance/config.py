@@ -45,11 +45,18 @@ class RegressionConfig(StrictModel):
         "tail's mean training loss); None = thresholds.quality_max_rel_worse.",
     )
     noise_floor_s: float = Field(
-        default=0.05,
+        default=0.2,
         ge=0,
         le=3600,
-        description="Timing figures (tokens/s, step time, save time) of a baseline whose median step (or save) "
-        "took less than this are shown but not judged: on shared CPU hosts such short times are mostly noise.",
+        description="tokens/s and step time of a baseline whose median step took less than this are shown but not "
+        "judged: a few milliseconds of scheduler noise on a shared host are a large share of such steps.",
+    )
+    save_noise_floor_s: float = Field(
+        default=1.0,
+        ge=0,
+        le=3600,
+        description="The checkpoint save time of a baseline whose median save took less than this is shown but "
+        "not judged (a small save is dominated by fsync and the page cache).",
     )
 
 

@@ -223,7 +223,11 @@ def run_acceptance(
         current, ledger_problem = ledger.current(provenance.spec_name, cluster_key, curve_key), None
     except LedgerError as err:
         current, ledger_problem = None, err
-    golden = (current.curve_key, current.entry_id, current.figures.curve()) if current else None
+    golden = (
+        (current.curve_key, current.entry_id, Path(current.acceptance_run).name, current.figures.curve())
+        if current
+        else None
+    )
     gate = judge_quality(acceptance, train, dist_train, world, dist.output_dir, golden)
     dimensions = [with_quality(d, gate.result) if d.name == "correctness" else d for d in dimensions]
     ctx = DrillContext(

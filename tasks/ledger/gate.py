@@ -66,7 +66,8 @@ def compare(
         change = (r - b) if absolute else (r / b - 1 if b else math.inf)
         bad = worse * change
         floor = getattr(base, floor_figure) if floor_figure else None
-        if limit is None or (floor is not None and floor < config.noise_floor_s):
+        least = config.save_noise_floor_s if floor_figure == "checkpoint_save_s" else config.noise_floor_s
+        if limit is None or (floor is not None and floor < least):
             diffs.append(FigureDiff(name, b, r, change, limit, "not judged"))
             continue
         if bad <= limit:

@@ -16,7 +16,7 @@ CURVE_KEY = "c" * 64
 
 
 def figures(**overrides: float | None) -> GoldenFigures:
-    """Golden figures of a 20-step run: a falling curve, 1000 tokens/s, 0.1 s steps, 0.2 s saves."""
+    """Golden figures of a 20-step run: a falling curve, 1000 tokens/s, 0.5 s steps, 2 s saves."""
     curve = {s: 5.0 - 0.1 * s for s in range(1, 21)}
     base = {
         "loss_curve": curve,
@@ -24,9 +24,9 @@ def figures(**overrides: float | None) -> GoldenFigures:
         "final_loss": curve[20],
         "val_loss": 3.0,
         "tokens_per_s": 1000.0,
-        "step_time_s": 0.1,
+        "step_time_s": 0.5,
         "comm_share": 0.2,
-        "checkpoint_save_s": 0.2,
+        "checkpoint_save_s": 2.0,
         "busbw_gbps": None,
     }
     return GoldenFigures.model_validate({**base, **overrides})
