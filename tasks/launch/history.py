@@ -96,7 +96,7 @@ def build_history(output_dir: str | Path, status: JobStatus | None = None, resta
     events += [_preempted_event(p) for p in pending]
     last_step = previous["step"] if previous else None
     if status is not None:
-        events += _now(status, events, last_step)
+        events += _now(status, events, last_step, _unix_s(previous.get("time_unix_s")) if previous else None)
     return JobHistory(events, status, restarts, preemptions)
 
 
@@ -112,8 +112,10 @@ def _preempted_event(p: PreemptionRecord) -> HistoryEvent:
     return HistoryEvent("preempted", text, p.step, p.time)
 
 
-def _now(status: JobStatus, events: list[HistoryEvent], last_step: int | None) -> list[HistoryEvent]:
-    """The closing event from the scheduler's current state."""
+def _now(
+    status: JobStatus, events: list[HistoryEvent], last_step: int | None, last_unix_s: float | None
+) -> list[HistoryEvent]:
+    """The closing event from the scheduler's current state (`last_*`: the last step recorded and its time)."""
     reason = f" ({status.reason})" if status.reason and status.reason != "None" else ""
     stopped_at = events[-1].step if events and events[-1].kind == "preempted" else None
     if status.state is JobState.PENDING:
@@ -125,7 +127,7 @@ def _now(status: JobStatus, events: list[HistoryEvent], last_step: int | None) -
         text = f"running again from step {stopped_at} (no new step recorded yet)"
         return [HistoryEvent("resumed", text, stopped_at)]
     if status.state is JobState.SUCCEEDED:
-        return [HistoryEvent("finished", f"finished at step {last_step}", last_step)]
+        return [HistoryEvent("finished", f"finished at step {last_step}", last_step, last_unix_s)]
     if status.state is JobState.PREEMPTED:
         resume = f"; resubmit to resume from step {stopped_at}" if stopped_at is not None else ""
         return [HistoryEvent("stopped", f"stopped: preempted{reason}{resume}", stopped_at)]
