@@ -803,6 +803,29 @@ from flows.alerts_cli import alerts as _alerts  # noqa: E402 - a command group i
 app.add_typer(_alerts, name="alerts")
 
 
+@app.command(epilog=_example("tdeploy rollout examples/local.yaml --image registry.local/tdeploy:2026-02"))
+def rollout(
+    spec: str = typer.Argument(..., help=SPEC_HELP),
+    image: str = typer.Option(..., "--image", help="The new version's image reference."),
+    wait: bool = typer.Option(False, "--wait", help="Wait until the whole deployment's job ends."),
+) -> None:
+    """Roll a new image out: a short canary on acceptance.canary.nodes held to the baseline, then acceptance on
+    the whole deployment, then its job; a failing step stops the rollout, leaving the current version in place."""
+    from tasks.ledger.rollout import roll_out
+
+    parsed = _load(spec)
+    cfg = _training_config_prepared(parsed)
+    outcome = roll_out(parsed, cfg, image, "finished" if wait else "running")
+    console.print(
+        f"canary passed against entry {outcome.canary.baseline_entry or '-'} ({outcome.canary.root}); whole "
+        f"deployment accepted as entry {outcome.acceptance.ledger_entry or '-'}; job {outcome.job} {outcome.state}",
+        markup=False,
+        highlight=False,
+    )
+    if wait and outcome.state != "succeeded":
+        raise typer.Exit(EXIT_FAILED_CHECK)
+
+
 def main() -> None:
     """Console-script entry point."""
     app()

@@ -60,6 +60,14 @@ class RegressionConfig(StrictModel):
     )
 
 
+class CanaryConfig(StrictModel):
+    """`tdeploy rollout`: the canary a new version runs on first (a short acceptance on a few nodes, held to the
+    baseline by the regression gate) before it runs on the whole deployment."""
+
+    nodes: int = Field(default=1, ge=1, le=100_000, description="Nodes of the canary (at most cluster.nodes).")
+    steps: int = Field(default=20, ge=10, le=MAX_STEPS, description="Steps of the canary's acceptance run.")
+
+
 class AcceptanceConfig(StrictModel):
     """How the deployment is accepted."""
 
@@ -101,6 +109,7 @@ class AcceptanceConfig(StrictModel):
     regression: RegressionConfig = Field(
         default_factory=RegressionConfig, description="The regression gate against the current ledger baseline."
     )
+    canary: CanaryConfig = Field(default_factory=CanaryConfig, description="The canary of `tdeploy rollout`.")
     ledger_url: StorageUrl | None = Field(
         default=None,
         description="The deployment ledger (fsspec URL: a folder or s3://bucket/prefix; see tasks/ledger.py); "

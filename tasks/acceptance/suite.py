@@ -186,11 +186,16 @@ def run_acceptance(
     drills: DrillConfig | None = None,
     with_drills: bool = False,
     provenance: Provenance | None = None,
+    canary: bool = False,
+    record: bool = True,
 ) -> AcceptanceReport:
     """Run the distributed job and the reference through the spec's scheduler and judge them, against the
     ledger's current baseline; an accepted run is recorded in the ledger (with `provenance`: spec and image).
 
     The jobs get cluster.env from the launcher; `faults` are test-only fault variables (training/faults.py).
+    A `canary` (tdeploy rollout) is judged without the recovery drill: it asks whether a new version computes
+    and performs like the baseline, not whether checkpoints restore (the full acceptance after it does).
+    `record` False: an accepted run is not recorded (a new version's canary, before its full rollout).
     """
     provenance = provenance or Provenance()
     limits = acceptance.thresholds
@@ -242,7 +247,10 @@ def run_acceptance(
         progress_step="acceptance",
     )
     drill_results: list[DrillResult] = []
-    if dist.ok:
+    recovery: DimensionResult | None = None
+    if canary:
+        pass  # no recovery drill: see the docstring
+    elif dist.ok:
         report("acceptance", "recovery: rank_kill drill")
         kill, recovery = drill_rank_kill(ctx)
         drill_results.append(kill)
@@ -259,17 +267,18 @@ def run_acceptance(
             "not drilled: the distributed run itself failed",
             "the stability dimension",
         )
-    dimensions.append(recovery)
+    if recovery is not None:
+        dimensions.append(recovery)
     figures = golden_figures(dimensions, dist.output_dir)
     dimensions.append(regression_of(ledger, current, ledger_problem, figures, curve_key, acceptance))
-    if with_drills and dist.ok:
+    if with_drills and dist.ok and not canary:
         wanted = ctx.drills.only if ctx.drills.only is not None else list(DRILLS)
         drill_results += run_drills(ctx, [n for n in wanted if n != "rank_kill"])  # rank_kill ran above
     runs = {"distributed": str(dist.output_dir), "reference": str(reference.output_dir)}
     if pair is not None:  # the distributed side of correctness, when the main run could not serve
         runs["correctness"] = str(pair.output_dir)
     accepted = AcceptanceReport(dimensions, drill_results, runs)
-    if accepted.passed:  # every dimension and drill: the run becomes the current baseline
+    if accepted.passed and record:  # every dimension and drill: the run becomes the current baseline
         gate.record(root, dist.output_dir)
         assert figures is not None  # a run without a result fails stability
         accepted.ledger_entry = _record(ledger, cluster, train, dist_train, world, figures, provenance, root)
