@@ -53,6 +53,12 @@ class PreemptionWatch:
             signal.signal(sig, self._handle)
         return True
 
+    def uninstall(self) -> None:
+        """SIGTERM and SIGUSR1 terminate the process again (their default action)."""
+        if threading.current_thread() is threading.main_thread():
+            for sig in SIGNALS:
+                signal.signal(sig, signal.SIG_DFL)
+
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.request is None:
             self.request = Request(signal.Signals(signum).name, time.monotonic(), time.time())

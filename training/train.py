@@ -19,6 +19,7 @@ import logging
 import math
 import os
 import random
+import signal
 import socket
 import time
 from collections.abc import Iterator
@@ -652,6 +653,8 @@ class Trainer:
                 self._preempt(self.preempt_signal)
                 break
             faults.maybe_crash(self.step)
+            if faults.active().pause_after_step is not None and self.step >= faults.active().pause_after_step:
+                preemption.WATCH.uninstall()  # a test's hang to kill: SIGTERM ends it at once, as before
             faults.maybe_pause(self.step)
         if self.preempted is not None:  # stopped early: no final evaluation, save or result
             self.out.close()
@@ -692,7 +695,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s")
     if "TORCHELASTIC_RUN_ID" in os.environ:
         # Workers run in sessions of their own: without this, a SIGKILLed agent leaves them training unsupervised.
-        process.die_with_parent()
+        # SIGKILL, as SIGTERM now asks for a checkpoint at the next step boundary, which a worker whose agent is
+        # gone (or that hangs) must not wait for; a graceful stop goes through the agent, which waits for it.
+        process.die_with_parent(signal.SIGKILL)
     cfg = TrainConfig.from_json_file(args.config)
     trainer: Trainer | None = None
     code = 0

@@ -53,9 +53,11 @@ log = logging.getLogger(__name__)
 CANCELLED_MARKER = "cancelled"  # holds why the job was stopped
 AGENTS_DIR = "agents"  # node<N>.json: where agent N runs (host, pid, start time), written by the agent itself
 SUPERVISOR_ENV = ("TDEPLOY_SUPERVISOR_PID", "TDEPLOY_SUPERVISOR_START")
+STOP_GRACE_S = 30  # what `cancel` gives a job too
 # Records torchrun's exit code; on SIGTERM (SIGUSR1) it passes SIGTERM (SIGUSR1) on and stays until torchrun has
 # stopped its workers.
-# Supervised, a watchdog stops torchrun once the supervisor (pid + start time) is gone, or the wrapper itself.
+# Supervised, a watchdog stops torchrun once the supervisor (pid + start time) is gone, or the wrapper itself:
+# SIGTERM (the workers checkpoint at their step boundary), then SIGKILL after STOP_GRACE_S (a hung job).
 _WRAPPER = r"""
 "$@" &
 child=$!
@@ -73,6 +75,9 @@ if [ -n "${TDEPLOY_SUPERVISOR_PID:-}" ]; then
     done
     echo "stopped: its supervising process (pid $TDEPLOY_SUPERVISOR_PID) exited" > "$TDEPLOY_STOP_FILE"
     kill -TERM "$child" 2>/dev/null
+    i=0
+    while kill -0 "$child" 2>/dev/null && [ "$i" -lt "$TDEPLOY_STOP_GRACE_S" ]; do sleep 1; i=$((i+1)); done
+    kill -KILL "$child" 2>/dev/null
   ) &
   watchdog=$!
 fi
@@ -221,6 +226,7 @@ class LocalLauncher(Launcher):
                 argv, env = self._agent_command(cluster, node, args, faults, out)
                 env["TDEPLOY_EXIT_FILE"] = str(out / f"exit-{node}.txt")
                 env["TDEPLOY_STOP_FILE"] = str(out / CANCELLED_MARKER)
+                env["TDEPLOY_STOP_GRACE_S"] = str(STOP_GRACE_S)
                 for key in SUPERVISOR_ENV:
                     env.pop(key, None)  # a detached job must not inherit its submitter's supervisor
                 if supervisor:
@@ -373,7 +379,7 @@ class LocalLauncher(Launcher):
         start = max(offset, handle.details.get("log_offset", 0))
         return read_log(handle.log_path, start)
 
-    def cancel(self, handle: JobHandle, grace_s: float = 30.0, reason: str = "cancelled by the user") -> None:
+    def cancel(self, handle: JobHandle, grace_s: float = STOP_GRACE_S, reason: str = "cancelled by the user") -> None:
         """SIGTERM the agents' process groups (torchrun stops its workers), then SIGKILL whatever is left."""
         out = Path(handle.output_dir)
         (out / CANCELLED_MARKER).write_text(f"{reason} at {time.strftime('%Y-%m-%dT%H:%M:%S')}")
