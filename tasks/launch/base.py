@@ -148,6 +148,14 @@ class Launcher(Protocol):
         """Stop the job and every process it started."""
         ...
 
+    def signal(self, handle: JobHandle, sig: int) -> None:
+        """Deliver a preemption signal (SIGTERM or SIGUSR1) to the job as its scheduler would: the trainer
+        checkpoints at its step boundary and the job ends PREEMPTED. Launchers that can do so override this."""
+        raise UserError(
+            f"job {handle.ref}: the {self.scheduler} launcher cannot deliver signals",
+            "preempt it through its scheduler (scancel --signal=USR1 JOBID, kubectl delete pod)",
+        )
+
     def hopeless(self, status: JobStatus) -> bool:
         """A pending job that can never start (none, unless the scheduler says so)."""
         return False
