@@ -199,6 +199,31 @@ def job_was_preempted(argv: list[str], since_unix_s: float) -> bool:
         return False
 
 
+def _one_preemption_signal() -> None:
+    """Make torchrun's signal handler raise on the first SIGTERM or SIGUSR1 only. Its handler raises
+    SignalException on every signal, and one raised while the agent waits for its workers to checkpoint (Slurm's
+    warning followed by its SIGTERM; a signal sent to the agent and again to its whole step) ends that wait and
+    the agent, and the workers with it, before their checkpoint is written. Other signals (SIGINT) still raise."""
+    from torch.distributed.elastic.multiprocessing import api  # noqa: PLC0415
+
+    original = getattr(api, "_terminate_process_handler", None)
+    if original is None or getattr(original, "tdeploy_once", False):
+        return
+    raised: list[int] = []
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        if signum in SIGNALS and raised:
+            first = signal.Signals(raised[0]).name
+            print(f"{signal.Signals(signum).name} ignored: the workers are stopping on {first}", flush=True)  # noqa: T201
+            return
+        if signum in SIGNALS:
+            raised.append(signum)
+        original(signum, frame)
+
+    handler.tdeploy_once = True  # type: ignore[attr-defined]
+    api._terminate_process_handler = handler  # PContext.start() registers it by this name
+
+
 def run_torchrun(argv: list[str]) -> int:
     """Run torchrun (`python -m torch.distributed.run argv`) in this process; its exit code, and
     PREEMPTED_EXIT_CODE where the job stopped by preemption.
@@ -215,6 +240,7 @@ def run_torchrun(argv: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException  # noqa: PLC0415
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError  # noqa: PLC0415
 
+    _one_preemption_signal()
     started = time.time()
     sys.argv = ["torch.distributed.run", *argv]
     try:
