@@ -65,7 +65,13 @@ class CanaryConfig(StrictModel):
     baseline by the regression gate) before it runs on the whole deployment."""
 
     nodes: int = Field(default=1, ge=1, le=100_000, description="Nodes of the canary (at most cluster.nodes).")
-    steps: int = Field(default=20, ge=10, le=MAX_STEPS, description="Steps of the canary's acceptance run.")
+    steps: int | None = Field(
+        default=None,
+        ge=10,
+        le=MAX_STEPS,
+        description="Steps of the canary's acceptance run; None = acceptance.steps, which keeps the run's curve "
+        "identity, so its loss curve is compared with the baseline's at the same seed (fewer steps: it is not).",
+    )
 
 
 class AcceptanceConfig(StrictModel):

@@ -68,11 +68,12 @@ def canary_cluster(cluster: ClusterConfig, acceptance: AcceptanceConfig) -> Clus
 
 def _canary_acceptance(acceptance: AcceptanceConfig, train: TrainConfig) -> AcceptanceConfig:
     base = workspace_base(acceptance.work_url, train.run.output_url)
+    steps = acceptance.canary.steps or acceptance.steps
     return acceptance.model_copy(
         update={
-            "steps": acceptance.canary.steps,
-            "save_every_steps": min(acceptance.save_every_steps, acceptance.canary.steps),
-            "reference_steps": min(acceptance.reference_steps, acceptance.canary.steps),
+            "steps": steps,
+            "save_every_steps": min(acceptance.save_every_steps, steps),
+            "reference_steps": min(acceptance.reference_steps, steps),
             "soak_steps": None,
             "work_url": str(base / CANARY_DIR),
             "ledger_url": ledger_url(acceptance, train.run.output_url),
