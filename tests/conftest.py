@@ -72,10 +72,14 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """Stop every process group the session started that a fixture or test did not stop itself."""
     left = processes.stop_all()
-    if left:
-        writer = session.config.get_terminal_writer()
-        writer.line()
-        writer.line(f"tests/processes: stopped {len(left)} process(es) that no fixture or test stopped: {left}")
+    if left:  # an xdist worker has no terminal of its own: its stderr reaches the controller's output
+        message = f"tests/processes: stopped {len(left)} process(es) that no fixture or test stopped: {left}"
+        if session.config.pluginmanager.get_plugin("terminalreporter") is None:
+            print(message, file=sys.stderr)
+        else:
+            writer = session.config.get_terminal_writer()
+            writer.line()
+            writer.line(message)
 
 
 @pytest.fixture(autouse=True, scope="session")
