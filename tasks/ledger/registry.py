@@ -346,12 +346,14 @@ class Ledger:
         return marked
 
     def lineage(self, spec_name: str, cluster_key: str) -> list[LedgerEntry]:
-        """The entries of one spec and cluster that are not rolled back, oldest first."""
+        """The entries of one spec and cluster that are not rolled back, oldest first (an entry recorded without a
+        spec name, by `tdeploy accept`, belongs to whichever spec uses this ledger; a query without one matches
+        only those)."""
         gone = self.rolled_back()
         return [
             e
             for e in self.entries()
-            if e.entry_id not in gone and e.cluster_key == cluster_key and (not spec_name or e.spec_name == spec_name)
+            if e.entry_id not in gone and e.cluster_key == cluster_key and e.spec_name in (spec_name, "")
         ]
 
     def current(self, spec_name: str, cluster_key: str, curve_key: str | None = None) -> LedgerEntry | None:
