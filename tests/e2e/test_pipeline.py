@@ -48,7 +48,7 @@ def _latest_acceptance(runs: Path, quality_rule: str, drills: bool) -> Path:
     """The latest run workspace's reports: acceptance passed every dimension, every drill recovered."""
     root = Path(json.loads((runs / "acceptance" / "latest.json").read_text())["root"])
     acceptance = json.loads((root / "acceptance.json").read_text())
-    assert acceptance["verdict"] == "passed" and len(acceptance["dimensions"]) == 6, acceptance
+    assert acceptance["verdict"] == "passed" and len(acceptance["dimensions"]) == 7, acceptance  # six and regression
     dimensions = {d["name"]: d for d in acceptance["dimensions"]}
     assert all(d["passed"] for d in dimensions.values()), dimensions
     correctness = dimensions["correctness"]["measured"]
@@ -61,7 +61,7 @@ def _latest_acceptance(runs: Path, quality_rule: str, drills: bool) -> Path:
     (kill,) = acceptance["drills"]
     assert kill["name"] == "rank_kill" and kill["passed"] and kill["state_matched"] and kill["recovery_s"] > 0
     suite = ET.parse(root / "junit.xml").getroot()
-    assert suite.get("tests") == "7" and suite.get("failures") == "0"
+    assert suite.get("tests") == "8" and suite.get("failures") == "0"  # 7 dimensions and rank_kill
     assert (root / "loss_curve.png").read_bytes()[:4] == b"\x89PNG"
     if drills:
         _every_drill_recovered(json.loads((root / "drills" / "acceptance.json").read_text())["drills"])
@@ -184,3 +184,9 @@ def test_the_main_job_passes_twice_in_a_row_resuming_training_and_accepting_afre
     assert quality["measured"]["val_loss"] == quality["measured"]["baseline_val_loss"], quality
     assert quality["evidence"]["baseline_run_id"] == first.name and not quality["evidence"]["recorded"], quality
     assert json.loads(Path(quality["evidence"]["baseline_file"]).read_text())["run_id"] == first.name
+    # the first run's acceptance entered the deployment ledger; the second was held to that entry and passed
+    dimensions = json.loads((second / "acceptance.json").read_text())["dimensions"]
+    regression = next(d for d in dimensions if d["name"] == "regression")
+    entries = sorted(p.stem for p in (runs / "acceptance" / "ledger" / "entries").glob("*.json"))
+    assert len(entries) == 2 and regression["passed"], (entries, regression)  # ids sort by time
+    assert regression["evidence"]["baseline_entry"] == entries[0], regression

@@ -60,7 +60,7 @@ def test_a_fixture_that_times_out_in_setup_stops_its_server_before_the_next_test
     record = tmp_path / "record.json"
     env = dict(os.environ, INNER_RECORD=str(record), PYTHONPATH=str(REPO))
     proc = run_group(
-        [sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", "-p", "tests.conftest", str(test_file)],
+        [sys.executable, "-m", "pytest", "-q", "-n0", "-p", "no:cacheprovider", "-p", "tests.conftest", str(test_file)],
         timeout=240,
         cwd=REPO,
         env=env,

@@ -75,7 +75,8 @@ def _dims(report: AcceptanceReport) -> dict[str, Any]:
 
 def _assert_accepted(report: AcceptanceReport, groups: set[str], layout: str) -> dict[str, Any]:
     dims = _dims(report)
-    assert set(dims) == {"connectivity", "correctness", "performance", "stability", "data_consistency", "recovery"}
+    assert set(dims) == {"connectivity", "correctness", "performance", "stability", "data_consistency", "recovery",
+                         "regression"}  # fmt: skip
     assert all(d.passed for d in dims.values()), {n: (d.passed, d.message) for n, d in dims.items()}
     connectivity = dims["connectivity"]
     assert connectivity.measured["mesh"]["groups_checked"] == dict.fromkeys(groups, 4)
