@@ -79,7 +79,7 @@ from training.checkpoint_trust import (
     sign_commit,
     untrusted_reason,
 )
-from training.config import CheckpointConfig, ModelConfig, StrictModel
+from training.config import CheckpointConfig, ModelConfig, StrictModel, first_problem
 from training.run_output import ResumeRecord, RunOutputWriter, SkippedCheckpoint
 from training.storage import StorageConfig, filesystem, is_local, join, local_path, sha256_file, write_bytes_atomic
 
@@ -517,10 +517,8 @@ class CheckpointManager:
         try:
             return ModelCard.model_validate(value)
         except ValidationError as err:
-            first = err.errors()[0]
-            where = ".".join(str(part) for part in first["loc"]) or "<card>"
-            problem = f"is not a model card this trainer writes ({err.error_count()} problem(s), first: {where}: "
-            raise CheckpointFormatError(self._url(full), problem + f"{first['msg']})") from err
+            problem = f"is not a model card this trainer writes ({first_problem(err, '<card>')})"
+            raise CheckpointFormatError(self._url(full), problem) from err
 
     def committed_steps(self) -> list[int]:
         """Steps whose checkpoint has a COMMIT.json (well-formed or not; not verified), ascending."""

@@ -109,6 +109,14 @@ def format_validation_error(error: ValidationError) -> list[str]:
     return lines
 
 
+def first_problem(error: ValidationError, root: str = "<file>") -> str:
+    """`N problem(s), first: field.path: message`: how a refused untrusted file (manifest, model card, ledger
+    entry, baseline) says what is wrong with it without echoing its content."""
+    first = error.errors()[0]
+    where = ".".join(str(part) for part in first["loc"]) or root
+    return f"{error.error_count()} problem(s), first: {where}: {first['msg']}"
+
+
 def divisors(n: int) -> list[int]:
     """Every divisor of n >= 1, ascending, in O(sqrt n) steps."""
     small, large = [], []

@@ -45,6 +45,7 @@ import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from training.config import first_problem
 from training.storage import (
     StorageConfig,
     filesystem,
@@ -262,11 +263,9 @@ def read_manifest(url: str, storage: StorageConfig | None = None) -> DatasetMani
     try:
         manifest = DatasetManifest.model_validate_json(raw)
     except ValidationError as err:
-        first = err.errors()[0]
-        where = ".".join(str(part) for part in first["loc"]) or "<root>"
         raise DatasetError(
             url,
-            f"{MANIFEST} is not a valid manifest ({err.error_count()} problem(s), first: {where}: {first['msg']})",
+            f"{MANIFEST} is not a valid manifest ({first_problem(err, '<root>')})",
             "rebuild the dataset (tdeploy prepare-data)",
             file=MANIFEST,
         ) from err

@@ -37,7 +37,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from tasks.acceptance.config import AcceptanceConfig
 from tasks.acceptance.workspace import workspace_base
 from tasks.errors import UserError
-from training.config import TrainConfig
+from training.config import TrainConfig, first_problem
 from training.dataset import DatasetManifest, read_manifest
 from validation.quality import LossCurve, QualityResult, check_quality, loss_curve, not_measured
 
@@ -153,11 +153,7 @@ class BaselineRegistry:
         try:
             baseline = Baseline.model_validate_json(raw)
         except ValidationError as err:
-            first = err.errors()[0]
-            where = ".".join(str(part) for part in first["loc"]) or "<file>"
-            raise BaselineError(
-                path, f"not a valid baseline ({err.error_count()} problem(s), first: {where}: {first['msg']})"
-            ) from err
+            raise BaselineError(path, f"not a valid baseline ({first_problem(err)})") from err
         if baseline.format_version != FORMAT_VERSION:
             raise BaselineError(path, f"format_version={baseline.format_version}, this reader knows {FORMAT_VERSION}")
         if baseline.key != key:

@@ -43,7 +43,7 @@ from tasks.acceptance.workspace import RUN_ID, new_run_id, workspace_base
 from tasks.cluster import ClusterConfig
 from tasks.errors import UserError
 from training.checkpoint import COMMIT, CheckpointManager, step_dir_name
-from training.config import TrainConfig
+from training.config import TrainConfig, first_problem
 from training.dataset import DatasetManifest, read_manifest
 from training.run_output import RunOutput
 from training.storage import StorageConfig, filesystem, join, write_bytes_atomic
@@ -293,11 +293,7 @@ class Ledger:
         try:
             record = model.model_validate_json(raw)
         except ValidationError as err:
-            first = err.errors()[0]
-            where = ".".join(str(part) for part in first["loc"]) or "<file>"
-            raise LedgerError(
-                path, f"not a valid {model.__name__} ({err.error_count()} problem(s), first: {where}: {first['msg']})"
-            ) from err
+            raise LedgerError(path, f"not a valid {model.__name__} ({first_problem(err)})") from err
         name_id = path.rstrip("/").rsplit("/", 1)[-1].removesuffix(".json")
         if getattr(record, "format_version", FORMAT_VERSION) != FORMAT_VERSION:
             raise LedgerError(path, f"format_version={record.format_version}, this reader knows {FORMAT_VERSION}")
