@@ -17,6 +17,7 @@ from tasks.acceptance.suite import workspace_root
 from tasks.acceptance.task import run_acceptance, run_drills
 from tasks.capacity.task import estimate_capacity
 from tasks.deployment import (
+    ServingResult,
     SkippedResult,
     dataset_check_inputs,
     image_inputs,
@@ -29,6 +30,7 @@ from tasks.deployment import (
 from tasks.image.task import build_image
 from tasks.launch.task import submit_job
 from tasks.ledger.registry import Provenance
+from tasks.ledger.task import record_serving_figures
 from tasks.logs import install_user_error_filter
 from tasks.nodes.task import check_nodes
 from tasks.pipeline import (
@@ -99,11 +101,14 @@ def deploy_training(spec: SpecSource = "examples/local.yaml") -> Results:
         step = begin("drills")
         results["drills"] = run_drills(spec.cluster, train, spec.acceptance, spec.drills, root, image=image)
         step = begin("serving")
-        results["serving"] = (
+        results["serving"] = served = (
             serving_check(*serving_inputs(spec, train))
             if spec.serve is not None
             else SkippedResult(reason="serve: null")
         )
+        entry = results["acceptance"].report.get("ledger_entry")
+        if isinstance(served, ServingResult) and entry:  # the accepted entry's golden serving figures
+            record_serving_figures(spec.acceptance, train, entry, served)
     except Exception as err:
         job = results.get("job")
         run_dir = job.output_dir if job else getattr(getattr(err, "handle", None), "output_dir", None)

@@ -6,6 +6,8 @@ shared by the nightly runs, and outside every run-id folder, so workspace prunin
 
     <ledger>/entries/<entry-id>.json      one accepted deployment (written once, never rewritten)
     <ledger>/rollbacks/<entry-id>.json    that entry was rolled back (a separate file: entries stay as written)
+    <ledger>/serving/<entry-id>.json      the serving check of that entry's accepted checkpoint (its P99; the
+                                          pipeline's serving step runs after acceptance wrote the entry)
     <ledger>/checkpoints/<entry-id>/      a copy of the entry's accepted checkpoint (pinned against retention)
 
 Entry ids are run ids (`tasks.acceptance.workspace.new_run_id`): they sort by time. An entry is created
@@ -58,7 +60,7 @@ log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 LEDGER_DIR = "ledger"
-ENTRIES, ROLLBACKS, CHECKPOINTS = "entries", "rollbacks", "checkpoints"
+ENTRIES, ROLLBACKS, CHECKPOINTS, SERVING = "entries", "rollbacks", "checkpoints", "serving"
 _ENTRY_FILE = re.compile(r"^(" + RUN_ID.pattern.strip("^$") + r")\.json$")
 _SHA256 = r"^[0-9a-f]{64}$"
 
@@ -144,6 +146,18 @@ class RollbackMark(_Record):
     rolled_back_at: str
     restored_entry: str = Field(pattern=RUN_ID.pattern)
     reason: str = ""
+
+
+class ServingRecord(_Record):
+    """The serving check of an entry's accepted checkpoint: the first one is the entry's golden serving figure."""
+
+    format_version: int = Field(default=FORMAT_VERSION, description="Format of this file.")
+    entry_id: str = Field(pattern=RUN_ID.pattern, description="The entry whose checkpoint was served.")
+    recorded_at: str = Field(description="When (UTC, ISO 8601).")
+    step: int = Field(ge=0, description="The served checkpoint's step (the entry's accepted step).")
+    p99_e2e_ms: float = Field(ge=0, description="P99 end-to-end request latency of the load test.")
+    p99_ttft_ms: float | None = Field(default=None, ge=0, description="P99 time to first token.")
+    output_tokens_per_s: float | None = Field(default=None, ge=0, description="Output tokens/s of the load test.")
 
 
 @dataclass(frozen=True)
@@ -317,15 +331,39 @@ class Ledger:
         return path
 
     def entries(self) -> list[LedgerEntry]:
-        """Every entry, oldest first; a malformed one raises LedgerError."""
-        return [self._read(self._path(ENTRIES, i), LedgerEntry) for i in self._ids(ENTRIES)]
+        """Every entry, oldest first, with its serving figure where its checkpoint was served; a malformed file
+        raises LedgerError."""
+        served = self._ids(SERVING)
+        return [self._with_serving(self._read(self._path(ENTRIES, i), LedgerEntry), served) for i in self._ids(ENTRIES)]
 
     def entry(self, entry_id: str) -> LedgerEntry:
         """The entry `entry_id` (LedgerError when there is none)."""
         if not RUN_ID.match(entry_id) or entry_id not in self._ids(ENTRIES):
             known = ", ".join(self._ids(ENTRIES)[-5:]) or "none yet"
             raise LedgerError(join(self.url, ENTRIES), f"has no entry {entry_id!r}", f"use one of: {known}")
-        return self._read(self._path(ENTRIES, entry_id), LedgerEntry)
+        return self._with_serving(self._read(self._path(ENTRIES, entry_id), LedgerEntry), self._ids(SERVING))
+
+    def _with_serving(self, entry: LedgerEntry, served: list[str]) -> LedgerEntry:
+        """`entry` with its serving record's P99 among its figures (the entry file itself is never rewritten)."""
+        if entry.entry_id not in served or entry.figures.serving_p99_ms is not None:
+            return entry
+        record = self._read(self._path(SERVING, entry.entry_id), ServingRecord)
+        figures = entry.figures.model_copy(update={"serving_p99_ms": record.p99_e2e_ms})
+        return entry.model_copy(update={"figures": figures})
+
+    def record_serving(self, record: ServingRecord) -> bool:
+        """Record the serving check of an entry's accepted checkpoint; False (kept as it was) when one is recorded
+        already: the first is the entry's golden figure. LedgerError when the entry does not exist or its
+        accepted checkpoint is not the served step."""
+        entry = self.entry(record.entry_id)
+        if entry.checkpoint is None or entry.checkpoint.step != record.step:
+            accepted = entry.checkpoint.step if entry.checkpoint else None
+            raise LedgerError(
+                self._path(ENTRIES, record.entry_id),
+                f"accepted step {accepted}, but the serving check served step {record.step}",
+                "serve the accepted checkpoint (tdeploy check-serving SPEC --step N) to record its figures",
+            )
+        return self._create(self._path(SERVING, record.entry_id), record.model_dump_json(indent=2).encode())
 
     def rolled_back(self) -> dict[str, RollbackMark]:
         """The rollback marks, by the entry they mark."""

@@ -1,8 +1,10 @@
 """Prefect tasks `rollback_deployment` and `canary_rollout` (the rollback and rollout flows' own steps; the CLI's
-`tdeploy rollback` and `tdeploy rollout` call the same functions)."""
+`tdeploy rollback` and `tdeploy rollout` call the same functions), and `record_serving_figures` (the pipeline's
+serving step adds its P99 to the accepted entry)."""
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
 from typing import Literal
 
 from prefect import get_run_logger, task
@@ -10,7 +12,9 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from tasks.acceptance.config import AcceptanceConfig
 from tasks.cluster import ClusterConfig
-from tasks.ledger.registry import Ledger, ledger_url
+from tasks.deployment import ServingResult
+from tasks.errors import retry_on_transient
+from tasks.ledger.registry import Ledger, LedgerError, ServingRecord, ledger_url
 from tasks.ledger.rollback import RollbackOutcome, roll_back
 from tasks.ledger.rollout import run_canary
 from training.config import TrainConfig
@@ -57,3 +61,32 @@ def canary_rollout(
     create_table_artifact(key="canary", table=rows, description=f"canary of {image}: passed")
     logger.info("canary of %s passed against entry %s (%s)", image, outcome.baseline_entry, outcome.root)
     return {"report": outcome.report.to_json(), "root": str(outcome.root), "baseline_entry": outcome.baseline_entry}
+
+
+@task(name="record_serving_figures", retries=2, retry_delay_seconds=5, retry_condition_fn=retry_on_transient)
+def record_serving_figures(
+    acceptance: AcceptanceConfig, train: TrainConfig, entry_id: str, served: ServingResult
+) -> bool:
+    """Add the serving check's P99 (and tokens/s) of the accepted checkpoint to ledger entry `entry_id`; False
+    when that entry has its serving figures already (the first serving check of an entry is its golden one), or
+    when they cannot be recorded (another step was served, an unreadable ledger: a warning; the serving check
+    itself passed and stands)."""
+    logger = get_run_logger()
+    ledger = Ledger(ledger_url(acceptance, train.run.output_url), train.storage)
+    record = ServingRecord(
+        entry_id=entry_id,
+        recorded_at=datetime.now(UTC).isoformat(timespec="seconds"),
+        step=served.step,
+        p99_e2e_ms=served.p99_e2e_ms,
+        p99_ttft_ms=served.p99_ttft_ms,
+        output_tokens_per_s=served.output_tokens_per_s,
+    )
+    try:
+        recorded = ledger.record_serving(record)
+    except LedgerError as err:
+        logger.warning("serving figures not recorded in the ledger: %s", err)
+        return False
+    logger.info(
+        "ledger entry %s: serving P99 %.1f ms %s", entry_id, served.p99_e2e_ms, "recorded" if recorded else "kept"
+    )
+    return recorded

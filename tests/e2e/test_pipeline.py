@@ -163,6 +163,7 @@ def test_the_main_job_passes_twice_in_a_row_resuming_training_and_accepting_afre
     assert first_result["steps"] == 200 and first_result["resumed_from_step"] is None
     first = _latest_acceptance(runs, "sanity", drills=True)
     _served(runs)
+    first_p99 = json.loads((runs / "serving" / "serving.json").read_text())["load"]["e2e_ms"]["p99"]
 
     # The second run is the same spec without the drills and the serving check the first one ran (`drills.only:
     # []`, `serve: null`): they do not depend on what is already in the folder, the resume and the baseline do.
@@ -190,3 +191,7 @@ def test_the_main_job_passes_twice_in_a_row_resuming_training_and_accepting_afre
     entries = sorted(p.stem for p in (runs / "acceptance" / "ledger" / "entries").glob("*.json"))
     assert len(entries) == 2 and regression["passed"], (entries, regression)  # ids sort by time
     assert regression["evidence"]["baseline_entry"] == entries[0], regression
+    # the serving step added the first entry's golden serving P99 beside it; the second served nothing
+    served = json.loads((runs / "acceptance" / "ledger" / "serving" / f"{entries[0]}.json").read_text())
+    assert served["p99_e2e_ms"] == first_p99 and served["step"] == 200, served
+    assert not (runs / "acceptance" / "ledger" / "serving" / f"{entries[1]}.json").exists()

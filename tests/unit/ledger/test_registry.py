@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tasks.ledger.registry import Ledger, LedgerError, cluster_key_of, dataset_key
+from tasks.ledger.registry import CheckpointRef, Ledger, LedgerError, ServingRecord, cluster_key_of, dataset_key
 from tests.unit.ledger.conftest import CLUSTER
 from training.dataset import read_manifest
 
@@ -83,3 +83,34 @@ def test_digests_are_stable_and_follow_what_they_cover(tiny_dataset: str) -> Non
     assert cluster_key_of(CLUSTER) == cluster_key_of(CLUSTER.model_copy())
     assert cluster_key_of(CLUSTER) != cluster_key_of(CLUSTER.model_copy(update={"procs_per_node": 4}))
     assert cluster_key_of(CLUSTER) == cluster_key_of(CLUSTER.model_copy(update={"env": {"X": "1"}}))
+
+
+def _served(entry_id: str, step: int, p99: float) -> ServingRecord:
+    return ServingRecord(entry_id=entry_id, recorded_at="2026-01-02T03:05:00+00:00", step=step, p99_e2e_ms=p99)
+
+
+def test_the_serving_check_of_the_accepted_checkpoint_adds_its_p99_to_the_entry_once(ledger: Ledger, make_entry):
+    checkpoint = CheckpointRef(url="/ckpt", step=20, commit_sha256="c" * 64)
+    entry = make_entry(checkpoint=checkpoint)
+    ledger.append(entry)
+    written = (Path(ledger.root) / "entries" / f"{entry.entry_id}.json").read_bytes()
+    assert ledger.entry(entry.entry_id).figures.serving_p99_ms is None
+    assert ledger.record_serving(_served(entry.entry_id, 20, 41.5))
+    assert ledger.entry(entry.entry_id).figures.serving_p99_ms == 41.5
+    assert [e.figures.serving_p99_ms for e in ledger.entries()] == [41.5]
+    assert not ledger.record_serving(_served(entry.entry_id, 20, 99.0))  # the first is the golden figure
+    assert ledger.entry(entry.entry_id).figures.serving_p99_ms == 41.5
+    assert (Path(ledger.root) / "entries" / f"{entry.entry_id}.json").read_bytes() == written  # never rewritten
+    with pytest.raises(LedgerError, match="accepted step 20, but the serving check served step 30"):
+        ledger.record_serving(_served(entry.entry_id, 30, 41.5))
+
+
+def test_a_malformed_serving_record_is_refused_with_its_path(ledger: Ledger, make_entry) -> None:
+    entry = make_entry(checkpoint=CheckpointRef(url="/ckpt", step=20, commit_sha256="c" * 64))
+    ledger.append(entry)
+    path = Path(ledger.root) / "serving" / f"{entry.entry_id}.json"
+    path.parent.mkdir(parents=True)
+    path.write_text('{"entry_id": "' + entry.entry_id + '", "p99_e2e_ms": -1}')
+    with pytest.raises(LedgerError, match="not a valid ServingRecord") as caught:
+        ledger.entries()
+    assert str(path) in str(caught.value)
