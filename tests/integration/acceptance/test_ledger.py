@@ -11,6 +11,7 @@ canary: acceptance without the recovery drill (a third whole acceptance would ad
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -18,7 +19,7 @@ from tasks.acceptance.config import AcceptanceConfig
 from tasks.acceptance.suite import AcceptanceReport, run_acceptance
 from tasks.ledger.registry import Ledger, Provenance, cluster_key_of, ledger_url
 from tasks.ledger.rollback import roll_back
-from tasks.ledger.rollout import RolloutStopped, run_canary
+from tasks.ledger.rollout import RolloutStopped, roll_out, run_canary
 from tasks.spec import DeploymentSpec, parse_spec
 from tests.conftest import TINY_SPEC, deep_merge
 from training.faults import ENV_VAR
@@ -87,12 +88,15 @@ def test_a_canary_passes_against_the_baseline_and_one_with_a_slow_rank_stops_the
     passed = run_canary(spec.name, spec.cluster, train, ACCEPT, "registry.local/tdeploy:new")
     assert passed.baseline_entry == second.ledger_entry
     assert "recovery" not in {d.name for d in passed.report.dimensions}  # a canary runs no drill
+    # the whole rollout of a slower version stops at its canary: no acceptance of the whole deployment, no job
+    deployment = spec.model_copy(update={"acceptance": ACCEPT})
     with pytest.raises(RolloutStopped) as stopped:
-        run_canary(spec.name, spec.cluster, train, ACCEPT, "registry.local/tdeploy:slow", SLOW)
+        roll_out(deployment, train, "registry.local/tdeploy:slow", faults=SLOW)
     message = str(stopped.value)
     assert "rollout of registry.local/tdeploy:slow stopped at the canary" in message
     assert "regression: tokens/s" in message and f"(entry {second.ledger_entry}; allowed 80%)" in message
     assert _ledger(spec).entries() == before  # neither canary is recorded: the current version stays
+    assert not (Path(spec.run.output_url) / "job.json").exists()  # the new version's job was never submitted
 
 
 def test_rollback_resumes_from_the_previous_entrys_checkpoint_and_makes_it_the_baseline(accepted) -> None:
