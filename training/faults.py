@@ -23,6 +23,8 @@ import torch
 import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict, Field
 
+from training import preemption
+
 ENV_VAR = "TDEPLOY_TEST_FAULTS"
 log = logging.getLogger(__name__)
 
@@ -246,9 +248,10 @@ def maybe_crash(step: int) -> None:
 
 
 def maybe_pause(step: int) -> None:
-    """Hang forever after `step` when asked to."""
+    """Hang forever after `step` when asked to (a hang to kill: SIGTERM ends it at once, with no checkpoint)."""
     if active().pause_after_step is not None and step >= active().pause_after_step:
         log.warning("test fault: pausing after step %d", step)
+        preemption.WATCH.uninstall()
         while True:
             time.sleep(60)
 

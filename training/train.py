@@ -653,8 +653,6 @@ class Trainer:
                 self._preempt(self.preempt_signal)
                 break
             faults.maybe_crash(self.step)
-            if faults.active().pause_after_step is not None and self.step >= faults.active().pause_after_step:
-                preemption.WATCH.uninstall()  # a test's hang to kill: SIGTERM ends it at once, as before
             faults.maybe_pause(self.step)
         if self.preempted is not None:  # stopped early: no final evaluation, save or result
             self.out.close()
