@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from tasks.launch.torchrun import free_port
 from tasks.prepare.config import PrepareConfig
 from tasks.prepare.pipeline import prepare_dataset
 from tasks.spec import DeploymentSpec, parse_spec
@@ -112,7 +113,14 @@ def make_spec(tmp_path: Path, tiny_dataset: str) -> Callable[..., DeploymentSpec
             "checkpoint": {"url": str(tmp_path / name / "checkpoints")},
             "run": {"output_url": str(tmp_path / name / "output")},
         }
-        return parse_spec(deep_merge(deep_merge(TINY_SPEC, paths), overrides or {}), f"tiny:{name}")
+        raw = deep_merge(deep_merge(TINY_SPEC, paths), overrides or {})
+        if raw["cluster"].get("scheduler") == "slurm":
+            # The single-node Slurm test cluster runs its jobs in this machine's network namespace, beside the
+            # other pytest worker's jobs: each spec gets a free rendezvous port, not the shared default 29500.
+            slurm = dict(raw["cluster"].get("slurm") or {})
+            slurm.setdefault("rdzv_port", free_port())
+            raw["cluster"]["slurm"] = slurm
+        return parse_spec(raw, f"tiny:{name}")
 
     return factory
 

@@ -26,6 +26,7 @@ Needs root, openssh-server, iproute2 and util-linux (iptables for `block_port`, 
 
 from __future__ import annotations
 
+import fcntl
 import itertools
 import os
 import shutil
@@ -249,16 +250,33 @@ def remove_network(netns: list[str], veths: list[str], bridge: str | None) -> No
         subprocess.run(["ip", "link", "del", bridge], capture_output=True)
 
 
-def _free_subnet() -> str:
-    """A 10.x.y.0/24 that no interface on this machine routes yet (another test cluster may be up)."""
-    routes = subprocess.run(["ip", "-4", "route", "show"], capture_output=True, text=True, check=True).stdout
-    base = os.getpid() + 7 * next(_CLUSTERS)
-    for offset in range(250):
-        n = base + offset
-        subnet = f"10.{200 + n // 250 % 50}.{n % 250}"
-        if f"{subnet}.0/24" not in routes:
-            return subnet
-    raise RuntimeError("no free 10.x.y.0/24 subnet for a test cluster")
+# Two pytest workers (or a dev cluster beside a test run) may set up bridges at the same moment: the route
+# check and the address assignment happen under one machine-wide lock, or both can pick the same subnet and
+# the root namespace then routes one cluster's replies onto the other's bridge.
+SUBNET_LOCK = Path("/run/tdeploy-test-subnets.lock")
+
+
+def _add_bridge(bridge: str) -> str:
+    """Create `bridge` with the .1 address of a 10.x.y.0/24 that no interface routes yet; the subnet's prefix."""
+    with open(SUBNET_LOCK, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        routes = subprocess.run(["ip", "-4", "route", "show"], capture_output=True, text=True, check=True).stdout
+        base = os.getpid() + 7 * next(_CLUSTERS)
+        for offset in range(250):
+            n = base + offset
+            subnet = f"10.{200 + n // 250 % 50}.{n % 250}"
+            if f"{subnet}.0/24" not in routes:
+                break
+        else:
+            raise RuntimeError("no free 10.x.y.0/24 subnet for a test cluster")
+        _run("ip", "link", "add", bridge, "type", "bridge")
+        try:
+            _run("ip", "addr", "add", f"{subnet}.1/24", "dev", bridge)
+            _run("ip", "link", "set", bridge, "up")
+        except subprocess.CalledProcessError:
+            subprocess.run(["ip", "link", "del", bridge], capture_output=True)
+            raise
+        return subnet
 
 
 def _run(*argv: str) -> None:
@@ -322,12 +340,9 @@ def start_cluster(
     cluster.shared.mkdir()
     tag = f"{os.getpid() % 100000}{next(_CLUSTERS) % 10}"
     if network == "netns":
-        subnet = _free_subnet()
         cluster.bridge = f"tdb{tag}"
+        subnet = _add_bridge(cluster.bridge)
         cluster.bridge_address = f"{subnet}.1"
-        _run("ip", "link", "add", cluster.bridge, "type", "bridge")
-        _run("ip", "addr", "add", f"{subnet}.1/24", "dev", cluster.bridge)
-        _run("ip", "link", "set", cluster.bridge, "up")
         addresses = [f"{subnet}.{i + 2}" for i in range(len(specs))]
         port = 22
     else:
