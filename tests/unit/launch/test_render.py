@@ -54,7 +54,7 @@ def test_sbatch_script_carries_resources_rendezvous_restarts_env_and_image(make_
     assert 'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)' in script
     srun = next(line for line in script.splitlines() if line.startswith("srun "))
     assert "--container-image=registry/img@sha256:ab" in srun
-    assert "--rdzv-endpoint=$head_node:29500" in srun and "--rdzv-id=$SLURM_JOB_ID" in srun
+    assert f"--rdzv-endpoint=$head_node:{spec.cluster.slurm.rdzv_port}" in srun and "--rdzv-id=$SLURM_JOB_ID" in srun
     assert "--nnodes=4" in srun and "--nproc-per-node=8" in srun and "--max-restarts=3" in srun
     assert srun.endswith("-m training.train --config /shared/run/run.json")
 

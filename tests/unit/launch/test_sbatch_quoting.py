@@ -144,7 +144,8 @@ def test_each_node_writes_its_logs_into_its_own_folder(make_spec, fake_slurm, tm
     seen = records(fake_slurm)
     assert sorted(seen) == NODES
     assert {node: r["log_dir"] for node, r in seen.items()} == {n: f"/shared/run/logs/{n}" for n in NODES}
-    assert all("--rdzv-endpoint=node-1:29500" in r["argv"] and "--rdzv-id=4242" in r["argv"] for r in seen.values())
+    endpoint = f"--rdzv-endpoint=node-1:{cluster.slurm.rdzv_port}"
+    assert all(endpoint in r["argv"] and "--rdzv-id=4242" in r["argv"] for r in seen.values())
 
 
 def test_shell_syntax_in_paths_env_values_and_mounts_is_passed_literally_and_never_run(
