@@ -274,7 +274,7 @@ def _add_bridge(bridge: str) -> str:
             _run("ip", "addr", "add", f"{subnet}.1/24", "dev", bridge)
             _run("ip", "link", "set", bridge, "up")
         except subprocess.CalledProcessError:
-            subprocess.run(["ip", "link", "del", bridge], capture_output=True)
+            remove_network([], [], bridge)
             raise
         return subnet
 
