@@ -78,6 +78,8 @@ class CommProbe:
     pairs: list[PairResult] = field(default_factory=list)
     slowest_pair: PairResult | None = None
     elapsed_s: float = 0.0
+    timed_iters: int = TIMED_ITERS
+    """All-reduces timed per size: a size's time_s x timed_iters is the interval its bandwidth was measured over."""
 
     def to_record(self) -> dict[str, Any]:
         """The JSON-able form written into ranks.json."""
@@ -196,6 +198,7 @@ def comm_probe(
         pairs=pairs,
         slowest_pair=slowest(pairs),
         elapsed_s=time.perf_counter() - started,
+        timed_iters=iters,
     )
 
 

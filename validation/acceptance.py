@@ -212,8 +212,11 @@ def bandwidth_findings(ranks: list[dict[str, Any]], limits: AcceptanceThresholds
     slowest = min(pairs, key=lambda p: p["bandwidth_gbps"], default=None)
     median = statistics.median(p["bandwidth_gbps"] for p in pairs) if pairs else None
     ratio = slowest["bandwidth_gbps"] / median if slowest is not None and median else None
+    largest = max(probe["sizes"], key=lambda s: s["bytes"])
+    iters = probe.get("timed_iters")
     check.measured = {
         "busbw_gbps": probe["busbw_gbps"],
+        "busbw_timed_s": largest["time_s"] * iters if isinstance(iters, int) else None,
         "sizes": [{k: s[k] for k in ("bytes", "time_s", "algbw_gbps", "busbw_gbps")} for s in probe["sizes"]],
         "pairs": {"<->".join(p["hosts"]): p["bandwidth_gbps"] for p in pairs},
         "slowest_pair": None if slowest is None else list(slowest["hosts"]),
@@ -222,9 +225,8 @@ def bandwidth_findings(ranks: list[dict[str, Any]], limits: AcceptanceThresholds
     where = f"; slowest host pair {_pair_name(slowest)}" if slowest is not None else " (one host, no host pairs)"
     low = limits.bus_bandwidth_gbps_min
     if low is not None and probe["busbw_gbps"] < low:
-        largest = max(probe["sizes"], key=lambda s: s["bytes"])["bytes"]
         check.problems.append(
-            f"all-reduce bus bandwidth {probe['busbw_gbps']:.3g} GB/s ({largest} bytes) below "
+            f"all-reduce bus bandwidth {probe['busbw_gbps']:.3g} GB/s ({largest['bytes']} bytes) below "
             f"bus_bandwidth_gbps_min={low:g}{where}"
         )
     least = limits.host_pair_bandwidth_ratio_min

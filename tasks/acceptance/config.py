@@ -48,8 +48,10 @@ class RegressionConfig(StrictModel):
         default=0.2,
         ge=0,
         le=3600,
-        description="tokens/s and step time of a baseline whose median step took less than this are shown but not "
-        "judged: a few milliseconds of scheduler noise on a shared host are a large share of such steps.",
+        description="tokens/s and step time of a baseline whose median step took less than this, and the bus "
+        "bandwidth of a baseline whose timed probe all-reduces took less than this in all (raise run.comm_probe_mb "
+        "to judge it), are shown but not judged: a few milliseconds of scheduler noise on a shared host are a large "
+        "share of such intervals.",
     )
     save_noise_floor_s: float = Field(
         default=1.0,

@@ -41,7 +41,7 @@ _FIGURES: tuple[tuple[str, str, str, int, bool, str, str | None], ...] = (
     ("comm_share", "communication share", "{:.3f}", +1, True, "comm_share_rise_max", None),
     ("checkpoint_save_s", "checkpoint save time", "{:.3g} s", +1, False, "checkpoint_save_rise_max",
      "checkpoint_save_s"),
-    ("busbw_gbps", "bus bandwidth", "{:.3g} GB/s", -1, False, "busbw_drop_max", None),
+    ("busbw_gbps", "bus bandwidth", "{:.3g} GB/s", -1, False, "busbw_drop_max", "busbw_timed_s"),
     ("serving_p99_ms", "serving P99", "{:.1f} ms", +1, False, "", None),
 )  # fmt: skip
 

@@ -101,6 +101,9 @@ class GoldenFigures(_Record):
     comm_share: float | None = Field(default=None, ge=0, description="Largest per-rank communication share.")
     checkpoint_save_s: float | None = Field(default=None, ge=0, description="Median checkpoint save time.")
     busbw_gbps: float | None = Field(default=None, ge=0, description="All-reduce bus bandwidth (comm probe).")
+    busbw_timed_s: float | None = Field(
+        default=None, ge=0, description="Seconds the probe's timed all-reduces of that size took in all."
+    )
     serving_p99_ms: float | None = Field(default=None, ge=0, description="Serving P99 end-to-end latency.")
 
     def curve(self) -> LossCurve:
@@ -241,7 +244,7 @@ def golden_figures(dimensions: list[DimensionResult], output_dir: Path) -> Golde
     if curve is None:
         return None
     by_name = {d.name: d.measured or {} for d in dimensions}
-    perf, conn = by_name.get("performance", {}), by_name.get("connectivity", {})
+    perf, probe = by_name.get("performance", {}), by_name.get("connectivity", {}).get("comm_probe") or {}
     run = RunOutput(output_dir)
     times = [m["step_time_s"] for s, m in run.metrics().items() if s > min(curve.losses) and m.get("step_time_s")]
     saves = [c.seconds for c in run.checkpoints() if c.error is None and c.seconds is not None]
@@ -256,7 +259,8 @@ def golden_figures(dimensions: list[DimensionResult], output_dir: Path) -> Golde
         step_time_s=_finite(median(times)) if times else None,
         comm_share=float(comm_share) if isinstance(comm_share, float) and math.isfinite(comm_share) else None,
         checkpoint_save_s=float(median(saves)) if saves else None,
-        busbw_gbps=_finite((conn.get("comm_probe") or {}).get("busbw_gbps")),
+        busbw_gbps=_finite(probe.get("busbw_gbps")),
+        busbw_timed_s=_finite(probe.get("busbw_timed_s")),
     )
 
 

@@ -79,7 +79,7 @@ def test_comm_probe_measures_each_size_and_the_pair_between_two_hosts_on_every_r
     assert [s["bytes"] for s in probe["sizes"]] == [1 << 16, 1 << 18]
     for s in probe["sizes"]:
         assert s["time_s"] > 0 and s["busbw_gbps"] == pytest.approx(s["algbw_gbps"] * 1.5)
-    assert probe["busbw_gbps"] == probe["sizes"][-1]["busbw_gbps"]
+    assert probe["busbw_gbps"] == probe["sizes"][-1]["busbw_gbps"] and probe["timed_iters"] == 2
     (pair,) = probe["pairs"]
     assert pair["hosts"] == ("host0", "host1") and pair["ranks"] == (0, 2) and pair["bandwidth_gbps"] > 0
     assert probe["slowest_pair"] == pair
@@ -91,7 +91,7 @@ def _probe(pairs: dict[tuple[str, str], float], busbw: float = 2.0) -> dict[str,
     rows = [{"hosts": list(h), "ranks": [0, 1], "bytes": 1 << 20, "bandwidth_gbps": bw} for h, bw in pairs.items()]
     slowest = min(rows, key=lambda p: p["bandwidth_gbps"], default=None)
     return {"world_size": 4, "backend": "gloo", "sizes": sizes, "busbw_gbps": busbw, "pairs": rows,
-            "slowest_pair": slowest, "elapsed_s": 0.1}  # fmt: skip
+            "slowest_pair": slowest, "elapsed_s": 0.1, "timed_iters": 5}  # fmt: skip
 
 
 def _write_ranks(out: Path, probe: dict[str, Any] | None, hosts: int = 4) -> Path:
@@ -113,6 +113,7 @@ def test_connectivity_reports_bus_bandwidth_and_host_pairs_when_thresholds_are_u
     assert result.passed, result.message
     measured = result.measured["comm_probe"]
     assert measured["busbw_gbps"] == 0.01 and measured["pairs"]["h1<->h3"] == 2.5
+    assert measured["busbw_timed_s"] == pytest.approx(0.001 * 5)  # the largest size's time x the timed all-reduces
     assert measured["slowest_pair"] == ["h1", "h3"]
     assert measured["slowest_pair_ratio_to_median"] == pytest.approx(2.5 / 10.0)
 

@@ -60,3 +60,14 @@ def test_another_curve_identity_leaves_the_loss_curve_unjudged(ledger: Ledger, m
     result = check_regression(ledger, base, figures(val_loss=9.0), "0" * 64, RegressionConfig(), LIMITS)
     assert result.passed is True
     assert result.measured["loss_curve"]["verdict"] == "not judged"
+
+
+def test_bus_bandwidth_measured_over_a_short_interval_is_shown_but_not_judged(ledger: Ledger, make_entry) -> None:
+    short = make_entry(figures=figures(busbw_gbps=1.112, busbw_timed_s=0.019))
+    result = check_regression(ledger, short, figures(busbw_gbps=0.721), CURVE_KEY, RegressionConfig(), LIMITS)
+    assert result.passed is True, result.message
+    assert result.measured["busbw_gbps"]["verdict"] == "not judged"
+    long = make_entry(figures=figures(busbw_gbps=1.112, busbw_timed_s=1.5))
+    result = check_regression(ledger, long, figures(busbw_gbps=0.721), CURVE_KEY, RegressionConfig(), LIMITS)
+    assert result.passed is False
+    assert "bus bandwidth 0.721 GB/s is 35% below the baseline's 1.11 GB/s" in result.message
