@@ -307,7 +307,7 @@ class ImageInputs:
 
 def plan_inputs(spec: DeploymentSpec) -> tuple[Any, ...]:
     """The capacity step's arguments (`plan_capacity`, `estimate_capacity`)."""
-    return (spec.name, spec.capacity, spec.cluster, spec.model, spec.parallel, spec.precision, spec.run)
+    return (spec.name, spec.capacity, spec.cluster, spec.model, spec.parallel, spec.precision, spec.run, spec.serve)
 
 
 def plan_url(spec: DeploymentSpec, folder: str | None = None) -> str:

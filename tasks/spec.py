@@ -170,6 +170,7 @@ class DeploymentSpec(StrictModel):
                 ],
             )
         capacity = capacity_problems(self.capacity, c.accelerator, c.nodes, c.procs_per_node, self.model, self.parallel)
+        capacity += self.capacity.spec_problems(self.precision.dtype, self.parallel.sharding)
         problems = training_problems(self) + self._cluster_problems() + capacity + self._serve_problems()
         raise_problems("DeploymentSpec", problems)
         return self

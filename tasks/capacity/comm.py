@@ -26,6 +26,8 @@ class CommEstimate:
     bubble_seconds: float
     ratio_to_compute: float
     warnings: list[str] = field(default_factory=list)
+    hidden_seconds: float = 0.0
+    """Data-parallel communication hidden behind backward."""
 
     @property
     def total_seconds(self) -> float:
@@ -55,11 +57,20 @@ def communication(
     compute_seconds: float,
     overlap: bool = True,
     warn_ratio: float = 1.0,
+    overlap_fraction: float = 1.0,
+    scatter_gather: bool = False,
 ) -> CommEstimate:
-    """Bytes and seconds of one optimizer step's communication for `layout` on `acc`."""
+    """Bytes and seconds of one optimizer step's communication for `layout` on `acc`.
+
+    `compute_seconds` is the step's compute (matmuls and memory-bound work); `overlap_fraction` the share of the
+    backward pass that data-parallel traffic can hide behind (measured: DDP's buckets start only once the first
+    gradients are ready). `scatter_gather`: Megatron-LM's pipeline boundary tensors, sent 1/TP by each
+    tensor-parallel rank and all-gathered over TP on arrival (the payload sends the whole tensor from each).
+    """
     lo = layout
     m, tp, dp, pp = lo.grad_accum, lo.tp, lo.dp, lo.pp
     tokens = lo.micro_batch * arch.seq_len
+    layers = max(lo.stage_layers(arch.n_layers)) if pp > 1 else arch.n_layers  # the busiest stage's blocks
     dense = (pc.total - pc.experts) / (tp * pp)
     experts = pc.experts / (tp * pp * lo.ep)
     params_rank = dense + experts
@@ -107,32 +118,40 @@ def communication(
     else:
         block_reduces = 2 + 3 + (2 if arch.mlp == "swiglu" else 1) + (2 if lo.recompute == "full" else 0)
     ends = 2 if pp == 1 else 1
-    tp_bytes = m * (arch.n_layers / pp * block_reduces + ends) * per_block * _ring(tp, "all-reduce")
+    tp_bytes = m * (layers * block_reduces + ends) * per_block * _ring(tp, "all-reduce")
     sent["tensor_parallel"] = tp_bytes
     secs["tensor_parallel"] = tp_bytes / _bandwidth(acc, tp, gpus_per_node)
 
     # Pipeline: each micro-batch's activations forward and their gradients backward across every chunk boundary
     # (1/TP of them under sequence parallelism). The busiest rank is a middle stage, which sends both for each
     # of its chunks; with two stages every rank holds the first or the last chunk, which sends one.
-    boundary = tokens * arch.d_model * precision.act_bytes / (tp if lo.sequence_parallel else 1)
+    whole = tokens * arch.d_model * precision.act_bytes
+    split_boundary = lo.sequence_parallel or scatter_gather
+    boundary = whole / (tp if split_boundary else 1)
     chunks = lo.virtual_stages if lo.pp_schedule == "interleaved" else 1
     sends = 2 * chunks - (1 if pp == 2 else 0)
     pp_bytes = sends * m * boundary if pp > 1 else 0.0
     sent["pipeline_parallel"] = pp_bytes
     secs["pipeline_parallel"] = pp_bytes / _bandwidth(acc, tp * dp * 2, gpus_per_node) if pp > 1 else 0.0
+    if pp > 1 and scatter_gather and not lo.sequence_parallel and tp > 1:
+        # Each received boundary tensor is all-gathered over the tensor-parallel group (fast intra-node links).
+        gather = sends * m * whole * _ring(tp, "all-gather")
+        sent["tensor_parallel"] += gather
+        secs["tensor_parallel"] += gather / _bandwidth(acc, tp, gpus_per_node)
 
     # Expert parallel: dispatch and combine all-to-alls per MoE block, forward and backward (and recompute).
     ep_bytes = 0.0
     if arch.is_moe and lo.ep > 1:
         routed = tokens * arch.top_k * arch.d_model * precision.act_bytes
         passes = 3 if lo.recompute == "full" else 2  # forward, backward, and the recomputed forward
-        ep_bytes = m * arch.n_layers / pp * passes * 2 * routed * _ring(lo.ep, "all-to-all")
+        ep_bytes = m * layers * passes * 2 * routed * _ring(lo.ep, "all-to-all")
     sent["expert_parallel"] = ep_bytes
     secs["expert_parallel"] = ep_bytes / _bandwidth(acc, tp * lo.ep, gpus_per_node) if ep_bytes else 0.0
 
     # What stays on the critical path: TP, PP and EP traffic; DP traffic beyond what the backward hides.
+    # DDP and ZeRO-1/2 reduce after the last micro-batch's backward; FSDP's gathers overlap all of compute.
     backward_share = compute_seconds * (2 / 3) / max(1, m) if lo.zero < 3 else compute_seconds
-    hidden = min(secs["data_parallel"], backward_share) if overlap else 0.0
+    hidden = min(secs["data_parallel"], backward_share * overlap_fraction) if overlap else 0.0
     exposed = secs["tensor_parallel"] + secs["pipeline_parallel"] + secs["expert_parallel"]
     exposed += secs["data_parallel"] - hidden
     bubble = 0.0
@@ -149,5 +168,5 @@ def communication(
         )
     return CommEstimate(
         bytes=sent, seconds=secs, exposed_seconds=exposed, bubble_seconds=bubble, ratio_to_compute=ratio,
-        warnings=warnings,
+        warnings=warnings, hidden_seconds=hidden,
     )  # fmt: skip

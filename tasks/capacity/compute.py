@@ -1,9 +1,15 @@
-"""FLOPs per token and per step, step time from the accelerator's peak and an MFU, training time for a token budget.
+"""FLOPs per token and per step under named conventions, MFU and HFU, step time, time for a FLOP budget.
 
-Counting follows Narayanan et al. 2021 (appendix): a token costs 2 FLOPs per matmul weight it passes through in
-the forward pass plus 4sh per block for the attention scores and their use (no causal discount), the backward
-pass twice the forward, and activation recompute one more forward of what it recomputes (the blocks for `full`,
-the attention core for `selective`). The output layer is never recomputed. MoE tokens pass through top_k experts.
+Model FLOPs follow Narayanan et al. 2021 (appendix, eq. 3 without its recompute pass): a token costs 2 FLOPs per
+matmul weight it passes through in the forward pass plus 4sh per block for the attention scores and their use
+over the values (no causal discount), and the backward pass twice the forward. Hardware FLOPs add activation
+recompute: for `full` one more forward of the blocks (Narayanan et al. 2021 eq. 3), for `selective` the attention
+core counted as in Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models"),
+Appendix A eq. 8. Their text names one extra forward of QK^T and attention over V (4sh per block per token), but
+eq. 8 adds the attention term of eq. 7 again, s/(6h) of 72BsLh^2, that is 12sh per block per token (forward and
+backward of the attention core), and their Table 5 HFU and section 5's "2.7% and 1.6% FLOPs overhead" for GPT-3
+and MT-NLG follow eq. 8; the planner uses eq. 8 so that its HFU is the one published. The output layer is never
+recomputed. MoE tokens pass through top_k experts.
 """
 
 from __future__ import annotations
@@ -35,18 +41,132 @@ def flops_per_token(arch: Architecture, recompute: Recompute = "none") -> TokenF
     pc = count_params(arch)
     head = pc.head or pc.embedding
     block_matmul = pc.matmul_per_token - head
-    attention = 4 * arch.seq_len * arch.n_heads * arch.head_dim * arch.n_layers
-    blocks_fwd = 2 * block_matmul + attention
+    # QK^T and attention over V, 2 FLOPs per multiply-add each: 4sh per block in the forward pass.
+    attention_fwd = 4 * arch.seq_len * arch.n_heads * arch.head_dim * arch.n_layers
+    blocks_fwd = 2 * block_matmul + attention_fwd
     head_fwd = 2 * head
     forward = blocks_fwd + head_fwd
     model = 3 * forward
-    extra = {"none": 0.0, "selective": attention, "full": blocks_fwd}[recompute]
+    # Selective: Korthikanti eq. 8 counts the attention core's forward and backward again (see the module doc).
+    extra = {"none": 0.0, "selective": 3 * attention_fwd, "full": blocks_fwd}[recompute]
     return TokenFlops(forward=forward, model=model, hardware=model + extra)
+
+
+@dataclass(frozen=True)
+class Convention:
+    """One way of counting training FLOPs: `key` names its field in `FlopsConventions`, `name` and `source` print."""
+
+    key: str
+    name: str
+    source: str
+
+
+CONVENTIONS: tuple[Convention, ...] = (
+    Convention(
+        "six_nd",
+        "6ND, all parameters",
+        "Hoffmann et al. 2022 (Chinchilla) App. F: 6 x parameters (embeddings included) x tokens; MoE: active ones",
+    ),
+    Convention(
+        "six_nd_non_embedding",
+        "6ND, non-embedding parameters",
+        "Kaplan et al. 2020 Table 1: C = 6NBS, N without vocabulary and position matrices",
+    ),
+    Convention(
+        "narayanan",
+        "model FLOPs",
+        "Narayanan et al. 2021 App.: 2 per matmul weight + 4sh per block attention, backward 2x forward",
+    ),
+    Convention(
+        "hardware",
+        "hardware FLOPs",
+        "model FLOPs + recompute: Narayanan et al. 2021 eq. 3 (full), Korthikanti et al. 2022 eq. 8 (selective)",
+    ),
+)
+
+
+@dataclass(frozen=True)
+class FlopsConventions:
+    """Training FLOPs of `tokens` tokens counted by each of `CONVENTIONS`."""
+
+    tokens: float
+    recompute: Recompute
+    six_nd: float
+    six_nd_non_embedding: float
+    narayanan: float
+    hardware: float
+
+    def by_convention(self) -> list[tuple[Convention, float]]:
+        """Each convention with its FLOPs, in `CONVENTIONS` order, for a plan to print."""
+        return [(c, getattr(self, c.key)) for c in CONVENTIONS]
+
+
+def flops_conventions(arch: Architecture, tokens: float, recompute: Recompute = "none") -> FlopsConventions:
+    """FLOPs of training `arch` on `tokens` tokens under each named convention (`tokens=1`: per token)."""
+    pc = count_params(arch)
+    per_token = flops_per_token(arch, recompute)
+    # Tokens pass through top_k experts, so 6N counts what a token uses (equal to the total for a dense model).
+    params = pc.active_per_token
+    vocabulary = pc.embedding + pc.positions + pc.head
+    return FlopsConventions(
+        tokens=tokens,
+        recompute=recompute,
+        six_nd=6 * params * tokens,
+        six_nd_non_embedding=6 * (params - vocabulary) * tokens,
+        narayanan=per_token.model * tokens,
+        hardware=per_token.hardware * tokens,
+    )
+
+
+def flops_utilization(flops: float, seconds: float, gpus: int, peak_flops_per_gpu: float) -> float:
+    """Fraction of peak that `flops` done in `seconds` on `gpus` is: MFU for model FLOPs, HFU for hardware FLOPs."""
+    return flops / (seconds * gpus * peak_flops_per_gpu)
+
+
+@dataclass(frozen=True)
+class Utilization:
+    """Model and hardware FLOPs utilization of a measured step (Chowdhery et al. 2022; Korthikanti et al. 2022)."""
+
+    mfu: float
+    hfu: float
+
+
+def utilization(
+    arch: Architecture,
+    recompute: Recompute,
+    tokens_per_step: float,
+    step_seconds: float,
+    gpus: int,
+    peak_flops_per_gpu: float,
+) -> Utilization:
+    """MFU and HFU of a step of `tokens_per_step` tokens that took `step_seconds` on `gpus`."""
+    per_token = flops_per_token(arch, recompute)
+    return Utilization(
+        mfu=flops_utilization(per_token.model * tokens_per_step, step_seconds, gpus, peak_flops_per_gpu),
+        hfu=flops_utilization(per_token.hardware * tokens_per_step, step_seconds, gpus, peak_flops_per_gpu),
+    )
+
+
+@dataclass(frozen=True)
+class BudgetTime:
+    """Wall-clock time a FLOP budget takes."""
+
+    seconds: float
+
+    @property
+    def days(self) -> float:
+        """The same time in days."""
+        return self.seconds / SECONDS_PER_DAY
+
+
+def budget_time(flops: float, gpus: int, peak_flops_per_gpu: float, mfu: float) -> BudgetTime:
+    """Time to do `flops` on `gpus` at `mfu` of their peak (the FLOPs in the convention the utilization is of)."""
+    return BudgetTime(seconds=flops / (gpus * peak_flops_per_gpu * mfu))
 
 
 def narayanan_training_days(params: float, tokens: float, gpus: int, achieved_flops_per_gpu: float) -> float:
     """Narayanan et al. 2021 eq. 4: end-to-end training time 8TP / (nX) with activation recompute, in days."""
-    return 8 * tokens * params / (gpus * achieved_flops_per_gpu) / SECONDS_PER_DAY
+    return budget_time(8 * tokens * params, gpus, achieved_flops_per_gpu, 1.0).days
 
 
 @dataclass(frozen=True)
@@ -72,5 +192,5 @@ def compute_time(
     return ComputeTime(
         model_flops_per_step=per_token.model * tokens_per_step,
         hardware_flops_per_step=hardware,
-        seconds=hardware / (gpus * peak_flops * efficiency),
+        seconds=budget_time(hardware, gpus, peak_flops, efficiency).seconds,
     )

@@ -4,10 +4,21 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from tasks.capacity.catalogue import CATALOGUE, Accelerator, accelerator_names, resolve_accelerator
-from training.config import MAX_BATCH, MAX_RANKS, ModelConfig, ParallelConfig, Problem, StrictModel, divisors
+from training.config import (
+    MAX_BATCH,
+    MAX_LAYERS,
+    MAX_RANKS,
+    ModelConfig,
+    ParallelConfig,
+    Problem,
+    StrictModel,
+    divisors,
+    raise_problems,
+)
+from training.layout import balanced_split
 from training.storage import StorageUrl
 
 _MAX_FIGURE = 1e9  # GiB, TFLOP/s, TB/s, GB/s: a million times today's largest accelerator
@@ -62,6 +73,13 @@ class LayoutOverride(StrictModel):
     sequence_parallel: bool = Field(default=False, description="Megatron sequence parallelism (needs TP > 1).")
     pipeline_schedule: Literal["1f1b", "interleaved"] = Field(default="1f1b", description="Pipeline schedule.")
     virtual_stages: int = Field(default=1, ge=1, le=1024, description="interleaved: model chunks per pipeline stage.")
+    pipeline_split: list[int] | None = Field(
+        default=None,
+        max_length=MAX_LAYERS,
+        description="Layers of each pipeline chunk in order (pipeline_parallel x virtual_stages numbers summing to "
+        "model.n_layers, uneven allowed: 126 layers on 16 stages); None = balanced, the extra layers last (what the "
+        "payload runs by default).",
+    )
 
 
 class CapacityConfig(StrictModel):
@@ -83,14 +101,42 @@ class CapacityConfig(StrictModel):
         description="CUDA context, NCCL and library workspaces per GPU in GiB; None = 1 on GPUs, 0 on CPU.",
     )
     mfu: float = Field(
-        default=0.4, gt=0, le=1, description="Fraction of the dense peak the kernels achieve (before communication)."
+        default=0.4,
+        gt=0,
+        le=1,
+        description="Fraction of the dense peak the matmuls achieve (memory-bound work and communication are "
+        "timed apart).",
     )
     achieved_tflops_per_gpu: float | None = Field(
         default=None, gt=0, le=_MAX_FIGURE, description="Measured hardware TFLOP/s per GPU; overrides mfu when set."
     )
-    mixed_precision: Literal["autocast", "master-weights"] = Field(
+    mixed_precision: Literal["autocast", "master-weights", "pure-16bit"] = Field(
         default="autocast",
-        description="bf16/fp16: torch autocast over fp32 weights (the payload), or 16-bit weights with fp32 masters.",
+        description="bf16/fp16: torch autocast over fp32 weights (the payload), 16-bit weights with fp32 masters "
+        "(ZeRO, Megatron-LM, DeepSpeed), or pure-16bit: 16-bit weights, gradients and optimizer states, no master.",
+    )
+    optimizer: Literal["adamw", "sgd-momentum", "adafactor", "adam-8bit"] = Field(
+        default="adamw",
+        description="Optimizer whose states the plan counts (the payload runs adamw): adamw (two moments), "
+        "sgd-momentum (one buffer), adafactor (factored second moment, no first moment), adam-8bit (bitsandbytes' "
+        "block-wise 8-bit moments).",
+    )
+    grad_dtype: Literal["fp32"] | None = Field(
+        default=None,
+        description="fp32: gradients kept and reduced in fp32 beside 16-bit weights (Megatron's "
+        "--accumulate-allreduce-grads-in-fp32); None = the weights' dtype.",
+    )
+    offload: Literal["none", "optimizer", "optimizer+params"] = Field(
+        default="none",
+        description="Model states kept in host memory (DeepSpeed's offload_optimizer and offload_param, FSDP2's "
+        "CPUOffloadPolicy): optimizer needs ZeRO >= 1, optimizer+params ZeRO-3 for the parameters; searched layouts "
+        "of lower stages keep them on the device.",
+    )
+    host_memory_gib: float | None = Field(
+        default=None,
+        gt=0,
+        le=_MAX_FIGURE,
+        description="Host memory per node in GiB that offloaded model states may fill; None = not checked.",
     )
     attention: Literal["flash", "math"] = Field(
         default="flash", description="flash: fused SDPA (no score matrices kept); math: scores kept (Korthikanti)."
@@ -100,6 +146,13 @@ class CapacityConfig(StrictModel):
         ge=1,
         le=10**18,
         description="Token budget for the time estimate; None = run.steps x global batch x seq_len.",
+    )
+    flop_budget: float | None = Field(
+        default=None,
+        gt=0,
+        le=1e32,
+        description="A training budget in FLOPs (6ND): the plan gives its time on this cluster at the requested "
+        "layout's MFU, and the compute-optimal model size and tokens for it (Hoffmann et al. 2022); None = off.",
     )
     global_batch: int | None = Field(
         default=None,
@@ -121,6 +174,25 @@ class CapacityConfig(StrictModel):
         default=1.0, gt=0, le=1e6, description="Warn when communication time exceeds this multiple of compute time."
     )
     comm_overlap: bool = Field(default=True, description="Data-parallel traffic overlaps the backward pass.")
+    dp_overlap_fraction: float = Field(
+        default=1.0,
+        ge=0,
+        le=1,
+        description="Share of the backward pass data-parallel traffic can hide behind (measure it: the first "
+        "bucket is ready only after the last layers' backward).",
+    )
+    memory_bandwidth_efficiency: float | None = Field(
+        default=0.8,
+        gt=0,
+        le=1,
+        description="Share of the memory bandwidth that norms, softmax, dropout and elementwise kernels reach; "
+        "their bytes over it is the memory-bound time of a step. None = not modelled (FLOPs only).",
+    )
+    pipeline_scatter_gather: bool = Field(
+        default=False,
+        description="Pipeline boundary tensors sent 1/TP per tensor-parallel rank and all-gathered on arrival "
+        "(Megatron-LM's default); false = the whole tensor from each rank, as the payload sends it.",
+    )
     search_runnable_only: bool = Field(
         default=True,
         description="Search only layouts the payload runs (false: also ZeRO-1/2, tensor or pipeline parallelism on "
@@ -137,6 +209,57 @@ class CapacityConfig(StrictModel):
     def accelerator_overrides(self) -> dict[str, dict[str, object]]:
         """The overrides as plain dictionaries."""
         return {name: entry.fields() for name, entry in self.accelerators.items()}
+
+    @model_validator(mode="after")
+    def _offload_stage(self) -> CapacityConfig:
+        zero = self.layout.zero_stage if self.layout else None
+        if zero is not None:
+            where, how = f"capacity.layout.zero_stage={zero}", "capacity.layout.zero_stage"
+            raise_problems("CapacityConfig", self._offload(zero, where, how))
+        return self
+
+    def _offload(self, zero: int, where: str, how: str) -> list[Problem]:
+        """Offload that ZeRO stage `zero` (set by `where`, changed with `how`) cannot do: DeepSpeed offloads the
+        optimizer of ZeRO-1, 2 and 3 only (DDP has no partition to hand over), the parameters of ZeRO-3 only."""
+        if self.offload == "optimizer+params" and zero < 3:
+            return [
+                (
+                    ("offload",),
+                    self.offload,
+                    "offloading parameters needs ZeRO-3 (DeepSpeed's offload_param, FSDP2's CPUOffloadPolicy), "
+                    f"but {where}; set {how}: 3, or offload: {'optimizer' if zero else 'none'}",
+                )
+            ]
+        if self.offload == "optimizer" and zero < 1:
+            return [
+                (
+                    ("offload",),
+                    self.offload,
+                    f"offloading the optimizer needs ZeRO-1 or higher (DeepSpeed's offload_optimizer), but {where}; "
+                    f"set {how} to 1, 2 or 3, or offload: none",
+                )
+            ]
+        return []
+
+    def spec_problems(self, dtype: str, sharding: str) -> list[Problem]:
+        """What this section contradicts in others: pure-16bit over precision.dtype fp32, and offload that the ZeRO
+        stage of parallel.sharding (ddp: 0, fsdp and hsdp: 3) cannot do when capacity.layout sets no stage."""
+        problems: list[Problem] = []
+        if self.mixed_precision == "pure-16bit" and dtype == "fp32":
+            problems.append(
+                (
+                    ("capacity", "mixed_precision"),
+                    "pure-16bit",
+                    "keeps 16-bit weights, but precision.dtype=fp32 trains in fp32; set precision.dtype: bf16 "
+                    "(or fp16), or mixed_precision: autocast",
+                )
+            )
+        if self.layout is None or self.layout.zero_stage is None:
+            zero = 0 if sharding == "ddp" else 3
+            where = f"parallel.sharding={sharding} is ZeRO-{zero}"
+            how = "parallel.sharding: fsdp, or capacity.layout.zero_stage"
+            problems += [(("capacity", *loc), v, m) for loc, v, m in self._offload(zero, where, how)]
+        return problems
 
 
 def _choices(values: list[int]) -> str:
@@ -214,13 +337,25 @@ def capacity_problems(
             )
         )
     chunks = pp * (lo.virtual_stages if lo and lo.pipeline_schedule == "interleaved" else 1)
-    if model.n_layers % chunks:
-        valid = [d for d in divisors(model.n_layers) if world % (tp * d) == 0]
+    split = lo.pipeline_split if lo else None
+    if split is not None:
+        if len(split) != chunks or sum(split) != model.n_layers or min(split, default=0) < 1:
+            problems.append(
+                (
+                    (*loc, "pipeline_split"),
+                    split,
+                    f"must list {chunks} chunk sizes (pipeline_parallel x virtual_stages), each >= 1, summing to "
+                    f"model.n_layers={model.n_layers}; for example {balanced_split(model.n_layers, chunks)}",
+                )
+            )
+    elif chunks > model.n_layers:
+        valid = [d for d in divisors(world // tp if world % tp == 0 else world) if d <= model.n_layers]
         problems.append(
             (
                 (*loc, "pipeline_parallel"),
                 pp,
-                f"pipeline chunks {chunks} must divide model.n_layers={model.n_layers}; use {_choices(valid)}",
+                f"pipeline chunks {chunks} (pipeline_parallel x virtual_stages) exceed model.n_layers="
+                f"{model.n_layers}: each chunk needs a layer; use pipeline_parallel {_choices(valid)}",
             )
         )
     if lo and lo.pipeline_schedule == "interleaved" and (pp == 1 or lo.virtual_stages == 1):

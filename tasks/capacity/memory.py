@@ -15,14 +15,19 @@ under FSDP also the end of a block's backward, before its gradients are reduce-s
 
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import dataclass
 from typing import Literal
 
 from tasks.capacity.params import Architecture, ParamCount, count_params
 from tasks.capacity.units import GIB
+from training.layout import balanced_split
 
 Recompute = Literal["none", "selective", "full"]
-Recipe = Literal["fp32", "autocast", "master-weights"]
+Recipe = Literal["fp32", "autocast", "master-weights", "pure-16bit"]
+Optimizer = Literal["adamw", "sgd-momentum", "adafactor", "adam-8bit"]
+Offload = Literal["none", "optimizer", "optimizer+params"]
 
 
 @dataclass(frozen=True)
@@ -34,16 +39,23 @@ class Precision:
       moments; matmul outputs in 16 bits, residual stream and norms in fp32; every forward keeps a 16-bit copy of
       each weight it multiplies until that layer's backward.
     - master-weights: 16-bit weights and gradients, fp32 master weights and moments in the optimizer (ZeRO paper,
-      Megatron-LM, DeepSpeed): K = 12 bytes of optimizer state per parameter.
+      Megatron-LM, DeepSpeed): K = 12 bytes of optimizer state per parameter with AdamW, 2 + 2 + 12 = 16 in all;
+      with fp32 gradients (Megatron's --accumulate-allreduce-grads-in-fp32 and its main_grad) 2 + 4 + 12 = 18.
+    - pure-16bit: 16-bit weights, gradients and optimizer states, no fp32 master: 2 + 2 + 4 = 8 with AdamW.
+
+    `optimizer_bytes` is all the optimizer keeps per parameter: its states (`optimizer_state_bytes`) plus the fp32
+    master copy (`master_bytes`) where the recipe has one.
     """
 
     recipe: Recipe
     weight_bytes: int
     grad_bytes: int
-    optimizer_bytes: int
+    optimizer_bytes: float
     act_bytes: int
     residual_bytes: int
     normed_bytes: int
+    optimizer: Optimizer = "adamw"
+    master_bytes: int = 0
 
     @property
     def weight_copy_bytes(self) -> int:
@@ -55,14 +67,104 @@ class Precision:
         """The dtype matmuls run in."""
         return "fp32" if self.recipe == "fp32" else "bf16"
 
+    @property
+    def step_grad_bytes(self) -> int:
+        """Bytes per parameter of the gradient an offloaded optimizer step reads: fp32 beside fp32 weights or an
+        fp32 master (DeepSpeed's CPU Adam converts them), else the gradients' own."""
+        return self.grad_bytes if self.recipe == "pure-16bit" else 4
+
     @classmethod
-    def of(cls, dtype: str, recipe: Literal["autocast", "master-weights"] = "autocast") -> Precision:
-        """The precision of a `precision.dtype` (fp32, bf16, fp16) under a mixed-precision recipe."""
+    def of(
+        cls,
+        dtype: str,
+        recipe: Literal["autocast", "master-weights", "pure-16bit"] = "autocast",
+        optimizer: Optimizer = "adamw",
+        grad_dtype: Literal["fp32"] | None = None,
+        arch: Architecture | None = None,
+    ) -> Precision:
+        """The precision of a `precision.dtype` (fp32, bf16, fp16) under a mixed-precision recipe, an optimizer and
+        a gradient dtype (None: the weights'). Under dtype fp32 every recipe trains in fp32. adafactor and adam-8bit
+        need `arch`: their states depend on the parameter shapes."""
         if dtype == "fp32":
-            return cls("fp32", 4, 4, 8, 4, 4, 4)
+            return cls("fp32", 4, 4, optimizer_state_bytes(optimizer, arch), 4, 4, 4, optimizer)
         if recipe == "autocast":
-            return cls("autocast", 4, 4, 8, 2, 4, 4)
-        return cls("master-weights", 2, 2, 12, 2, 2, 2)
+            return cls("autocast", 4, 4, optimizer_state_bytes(optimizer, arch), 2, 4, 4, optimizer)
+        grads = 4 if grad_dtype == "fp32" else 2
+        if recipe == "pure-16bit":
+            states = optimizer_state_bytes(optimizer, arch, state_bytes=2)
+            return cls("pure-16bit", 2, grads, states, 2, 2, 2, optimizer)
+        states = optimizer_state_bytes(optimizer, arch)
+        return cls("master-weights", 2, grads, 4 + states, 2, 2, 2, optimizer, master_bytes=4)
+
+
+ADAM_8BIT_BLOCK = 256
+"""Values per fp32 absmax of bitsandbytes' block-wise 8-bit states: 256 since bitsandbytes 0.44 (2024, PR #1365);
+2048 in Dettmers et al. 2022 and the releases before."""
+ADAM_8BIT_MIN_NUMEL = 4096
+"""bitsandbytes' min_8bit_size: tensors with fewer elements keep fp32 states."""
+
+
+def param_shapes(arch: Architecture) -> list[tuple[tuple[int, ...], int]]:
+    """Every parameter tensor of `arch` as (shape, how many): the tensors `count_params` adds up."""
+    h, f, kv, layers = arch.d_model, arch.ffn_hidden, arch.kv_dim, arch.n_layers
+    norm = 2 if arch.norm == "layernorm" else 1  # weight (and bias) of one norm
+    ups = 2 if arch.mlp == "swiglu" else 1
+    block: list[tuple[tuple[int, ...], int]] = [((h, h), 2), ((kv, h), 2), ((h,), 2 * norm)]
+    mlp: list[tuple[tuple[int, ...], int]] = [((f, h), ups), ((h, f), 1)]
+    if arch.bias:
+        block += [((h,), 2), ((kv,), 2)]
+        mlp += [((f,), ups), ((h,), 1)]
+    if arch.n_experts:
+        block += [((arch.n_experts, h), 1), *((shape, n * arch.n_experts) for shape, n in mlp)]
+    else:
+        block += mlp
+    tensors: list[tuple[tuple[int, ...], int]] = [((arch.vocab_size, h), 1)]
+    if arch.positions == "learned":
+        tensors.append(((arch.seq_len, h), 1))
+    tensors += [(shape, n * layers) for shape, n in block]
+    tensors.append(((h,), norm))
+    if not arch.tie_embeddings:
+        tensors.append(((arch.vocab_size, h), 1))
+        if arch.bias:
+            tensors.append(((arch.vocab_size,), 1))
+    return tensors
+
+
+def _adam_8bit_bytes(numel: int, block: int) -> float:
+    """Bytes of bitsandbytes' Adam8bit state for one tensor: two uint8 moments and their fp32 absmax per block."""
+    if numel < ADAM_8BIT_MIN_NUMEL:
+        return 8.0 * numel
+    return 2.0 * (numel + 4 * math.ceil(numel / block))
+
+
+def optimizer_state_bytes(
+    optimizer: Optimizer, arch: Architecture | None = None, state_bytes: int = 4, block: int = ADAM_8BIT_BLOCK
+) -> float:
+    """Bytes of optimizer state per parameter, with full-size states of `state_bytes` bytes per value.
+
+    - adamw: two moments (Loshchilov & Hutter 2019; torch.optim.AdamW's exp_avg and exp_avg_sq).
+    - sgd-momentum: one momentum buffer (torch.optim.SGD's momentum_buffer).
+    - adafactor: the factored second moment of Shazeer & Stern 2018 (arXiv:1804.04235): r + c values for an (r, c)
+      matrix instead of r * c, a full one for 1-D parameters, and no first moment (beta1=None, the paper's
+      recommendation and HF transformers' Adafactor default).
+    - adam-8bit: bitsandbytes' Adam8bit, block-wise quantization of Dettmers et al. 2022 (arXiv:2110.02861): two
+      1-byte moments plus one fp32 absmax per `block` values of each; tensors under 4096 elements keep two fp32
+      moments whatever `state_bytes` says.
+
+    adafactor and adam-8bit are averaged over `arch`'s tensors; every rank's share gets that average (sharding
+    and tensor parallelism change the shapes, and so Adafactor's r + c, only a little).
+    """
+    if optimizer == "adamw":
+        return 2 * state_bytes
+    if optimizer == "sgd-momentum":
+        return state_bytes
+    assert arch is not None, f"{optimizer}'s states depend on the parameter shapes: pass the architecture"
+    tensors = param_shapes(arch)
+    total = sum(math.prod(shape) * n for shape, n in tensors)
+    if optimizer == "adafactor":
+        values = sum((sum(shape) if len(shape) == 2 else math.prod(shape)) * n for shape, n in tensors)
+        return values * state_bytes / total
+    return sum(_adam_8bit_bytes(math.prod(shape), block) * n for shape, n in tensors) / total
 
 
 @dataclass(frozen=True)
@@ -86,6 +188,22 @@ class Layout:
     sequence_parallel: bool = False
     pp_schedule: Literal["1f1b", "interleaved", "gpipe"] = "1f1b"
     virtual_stages: int = 1
+    split: tuple[int, ...] | None = None
+    """Layers of each pipeline chunk in order (pp x virtual_stages of them); None = balanced (the payload's
+    training.layout.balanced_split: the extra layers on the later chunks)."""
+
+    @property
+    def chunks(self) -> int:
+        """Pipeline chunks: pp, times the virtual stages when interleaved."""
+        return self.pp * (self.virtual_stages if self.pp > 1 and self.pp_schedule == "interleaved" else 1)
+
+    def chunk_layers(self, n_layers: int) -> list[int]:
+        """Layers of each chunk, in model order."""
+        return list(self.split) if self.split else balanced_split(n_layers, self.chunks)
+
+    def stage_layers(self, n_layers: int) -> tuple[int, ...]:
+        """Layers of each pipeline stage: stage r holds chunks r, r + pp, ... (as the payload places them)."""
+        return _stage_layers(n_layers, self.pp, self.chunks, self.split)
 
     @property
     def world(self) -> int:
@@ -117,7 +235,16 @@ class Layout:
             name += f" v{self.virtual_stages}"
         if self.pp > 1 and self.pp_schedule == "gpipe":
             name += " gpipe"
+        if self.split and len(set(self.split)) > 1:
+            name += " split " + "-".join(str(n) for n in self.split)
         return name
+
+
+@functools.lru_cache(maxsize=4096)
+def _stage_layers(n_layers: int, pp: int, chunks: int, split: tuple[int, ...] | None) -> tuple[int, ...]:
+    """Layers per stage (memoised: a search asks for the same few splits many times)."""
+    sizes = list(split) if split else balanced_split(n_layers, chunks)
+    return tuple(sum(sizes[stage::pp]) for stage in range(pp))
 
 
 @dataclass(frozen=True)
@@ -169,14 +296,17 @@ class StageParams:
         return self.dense + self.expert
 
 
-def stage_params(arch: Architecture, pc: ParamCount, lo: Layout, first: bool, last: bool) -> StageParams:
-    """What one rank of the first, last (or only) stage of `lo` holds before any ZeRO sharding."""
+def stage_params(
+    arch: Architecture, pc: ParamCount, lo: Layout, first: bool, last: bool, layers: float | None = None
+) -> StageParams:
+    """What one rank of a stage of `lo` with `layers` blocks (None: an even share) holds before ZeRO sharding;
+    the embedding is on the first stage, the final norm and output layer on the last."""
     layer_split = pc.per_layer - pc.per_layer_experts - pc.per_layer_norms  # divided by TP
     dense_layer = layer_split / lo.tp + pc.per_layer_norms
     expert_layer = pc.per_layer_experts / (lo.tp * lo.ep)
     embed = (pc.embedding + pc.positions) / lo.tp if first else 0.0
     head = ((pc.head or (0 if first else pc.embedding)) / lo.tp + pc.final_norm) if last else 0.0
-    layers = arch.n_layers / lo.pp
+    layers = arch.n_layers / lo.pp if layers is None else layers
     return StageParams(
         dense_layer=dense_layer,
         expert_layer=expert_layer,
@@ -189,22 +319,40 @@ def stage_params(arch: Architecture, pc: ParamCount, lo: Layout, first: bool, la
 
 @dataclass(frozen=True)
 class ModelStates:
-    """Bytes of weights, gradients and optimizer states on one rank, and the parameters whose states it holds."""
+    """Bytes of weights, gradients and optimizer states on one rank's device and, offloaded, in its host memory;
+    `optimizer_params` are the parameters whose optimizer step runs on the device (none when it is offloaded)."""
 
     weights: float
     gradients: float
     optimizer: float
     optimizer_params: float
+    host_weights: float = 0.0
+    host_gradients: float = 0.0
+    host_optimizer: float = 0.0
 
     @property
     def total(self) -> float:
-        """Sum of the three."""
+        """Sum of the three on the device."""
         return self.weights + self.gradients + self.optimizer
 
+    @property
+    def host(self) -> float:
+        """Bytes offloaded to the rank's host memory."""
+        return self.host_weights + self.host_gradients + self.host_optimizer
 
-def model_states(params: StageParams, precision: Precision, lo: Layout) -> ModelStates:
+
+def model_states(params: StageParams, precision: Precision, lo: Layout, offload: Offload = "none") -> ModelStates:
     """Per-rank model states at ZeRO stage `lo.zero` (Rajbhandari et al. 2020): 1 shards the optimizer states,
-    2 also the gradients, 3 also the weights, over the shard group; experts over the expert-data-parallel group."""
+    2 also the gradients, 3 also the weights, over the shard group; experts over the expert-data-parallel group.
+
+    Offload (ZeRO-Offload, Ren et al. 2021; ZeRO-Infinity, Rajbhandari et al. 2021) moves states to host memory
+    where the stage allows it (DeepSpeed: offload_optimizer with ZeRO-1, 2 and 3, offload_param with ZeRO-3 only;
+    FSDP2's CPUOffloadPolicy needs fully_shard). `optimizer`: the rank's optimizer states, the fp32 copy of the
+    weights its step updates (the master, or a copy of fp32 or pure 16-bit weights) and its gradient partition as
+    the step reads it leave the device, and the step runs on the host; ZeRO-1 still holds its unsharded gradients on
+    the device until they are reduced. `optimizer+params` at ZeRO-3 moves the weight shards too (gathered to the
+    device block by block, counted in the buffers). Other stages keep their states on the device.
+    """
     zero, shard = lo.zero, lo.shard
     expert_shard = max(1, shard // lo.ep) if zero else 1
     if zero >= 3:
@@ -214,9 +362,70 @@ def model_states(params: StageParams, precision: Precision, lo: Layout) -> Model
     optim = params.dense / (shard if zero >= 1 else 1) + params.expert / (expert_shard if zero >= 1 else 1)
     grad_div = shard if zero >= 2 else 1
     grads = (params.dense / grad_div + params.expert / (expert_shard if zero >= 2 else 1)) * precision.grad_bytes
+    optimizer = optim * precision.optimizer_bytes
+    if offload == "none" or zero == 0:
+        return ModelStates(weights=weights, gradients=grads, optimizer=optimizer, optimizer_params=optim)
+    params_off = offload == "optimizer+params" and zero >= 3
+    # Without a master the host step needs its own copy of the weights it updates, unless they are offloaded.
+    own_copy = 0.0 if precision.master_bytes else optim * precision.weight_bytes
     return ModelStates(
-        weights=weights, gradients=grads, optimizer=optim * precision.optimizer_bytes, optimizer_params=optim
+        weights=0.0 if params_off else weights,
+        gradients=0.0 if zero >= 2 else grads,
+        optimizer=0.0,
+        optimizer_params=0.0,
+        host_weights=weights if params_off else own_copy,
+        host_gradients=optim * precision.step_grad_bytes,
+        host_optimizer=optimizer,
     )
+
+
+@dataclass(frozen=True)
+class DeepSpeedEstimate:
+    """One row of DeepSpeed's ZeRO-2/ZeRO-3 model-state estimators: bytes per GPU and per node's CPU memory."""
+
+    per_gpu_bytes: int
+    per_cpu_bytes: int
+
+
+def deepspeed_estimate(
+    total_params: float,
+    gpus_per_node: int,
+    nodes: int,
+    zero: Literal[2, 3],
+    offload: Offload,
+    largest_layer_params: float = 0,
+    zero_init: bool = True,
+    buffer_factor: float = 1.5,
+) -> DeepSpeedEstimate:
+    """What DeepSpeed's estimate_zero2_model_states_mem_needs / estimate_zero3_model_states_mem_needs return
+    (deepspeed/runtime/zero/stage_1_and_2.py, stage3.py), built on `model_states`.
+
+    DeepSpeed's convention is not the planner's. Its mixed precision keeps 16-bit weights, an fp32 gradient
+    partition, fp32 master weights and Adam moments (master-weights with grad_dtype fp32: 2 + 4 + 12 = 18 bytes per
+    parameter under ZeRO-3); ZeRO-2 without offload also counts the 16-bit gradient partition beside the fp32 one
+    (2 bytes more); ZeRO-3 adds 4 bytes per parameter of the largest layer to the GPU (its gathered 16-bit weights
+    and gradients; the planner counts gathered blocks as buffers). ZeRO-2 offloads only the optimizer. The CPU
+    figure is one node's: `buffer_factor` times the larger of its ranks' offloaded states and the fp32 model each
+    process builds before ZeRO partitions it (with zero.Init, ZeRO-3: nothing when offloading, the largest layer
+    when not). When it offloads, ZeRO-2's estimator puts every GPU of the job on that CPU, states and fp32 models
+    alike (ZeRO-3's counts a node's): kept as DeepSpeed has it. The planner adds no buffer factor or model build.
+    """
+    gpus = gpus_per_node * nodes
+    precision = Precision.of("bf16", "master-weights", grad_dtype="fp32")
+    whole = StageParams(dense_layer=0.0, expert_layer=0.0, embed=0.0, head=0.0, dense=float(total_params), expert=0.0)
+    states = model_states(whole, precision, Layout(dp=gpus, zero=zero), offload)
+    gpu = states.total
+    if zero == 2 and offload == "none":
+        gpu += 2 * total_params / gpus  # the 16-bit gradient partition
+    if zero == 3:
+        gpu += 4 * largest_layer_params
+    ranks = gpus if zero == 2 and offload != "none" else gpus_per_node
+    if offload == "none":
+        cpu = 4 * (largest_layer_params if zero == 3 and zero_init else total_params) * gpus_per_node
+    else:
+        built = 0.0 if zero == 3 and zero_init else 4 * total_params * ranks
+        cpu = max(built, states.host * ranks)
+    return DeepSpeedEstimate(per_gpu_bytes=int(gpu), per_cpu_bytes=int(cpu * buffer_factor))
 
 
 # ---- activations -------------------------------------------------------------------------------------------------
@@ -347,6 +556,8 @@ class MemoryBreakdown:
     phase: str
     stage: str
     states: ModelStates
+    stage_index: int = 0
+    stage_layers: int = 0
 
     @property
     def allocated_peak(self) -> float:
@@ -366,6 +577,11 @@ class MemoryBreakdown:
         """Peak plus the fragmentation and framework margin: what the device must hold."""
         return self.allocated_peak + self.margin
 
+    @property
+    def host_bytes(self) -> float:
+        """Model states offloaded to the rank's host memory (not part of `total`)."""
+        return self.states.host
+
     def as_dict(self) -> dict[str, float | str]:
         """Bytes per component (for plan.json)."""
         return {
@@ -379,6 +595,7 @@ class MemoryBreakdown:
             "allocated_peak_bytes": self.allocated_peak,
             "margin_bytes": self.margin,
             "total_bytes": self.total,
+            "host_bytes": self.host_bytes,
             "peak_phase": self.phase,
             "peak_stage": self.stage,
         }
@@ -461,14 +678,64 @@ def _per_tensor_adamw_temporaries(arch: Architecture, pc: ParamCount) -> float:
     return 4.0 * max(2 * cur + prev for prev, cur in zip([0, *sizes[:-1]], sizes, strict=True))
 
 
+def micro_batches_in_flight(lo: Layout, index: int) -> float:
+    """Micro-batches whose activations pipeline stage `index` holds at the start of its first backward, in units
+    of the whole stage's layers.
+
+    1F1B: p - index (Korthikanti et al. 2022, section 4.2.3: the first stage holds p). Interleaved over v chunks:
+    the schedule's warm-up runs 2(p - index - 1) + (v - 1)p chunk forwards before the first backward (Narayanan
+    et al. 2021, Megatron-LM's and torch's interleaved 1F1B), plus the one in flight, each 1/v of the stage; for
+    the first stage that is p(1 + (p-1)/(pv)), Korthikanti's figure. GPipe runs every forward before the first
+    backward. Never more than the step's micro-batches.
+    """
+    if lo.pp == 1:
+        return 1.0
+    m = float(lo.grad_accum)
+    if lo.pp_schedule == "gpipe":
+        return m
+    if lo.pp_schedule == "interleaved" and lo.virtual_stages > 1:
+        v = lo.virtual_stages
+        return min(m, (2 * (lo.pp - index - 1) + (v - 1) * lo.pp + 1) / v)
+    return min(m, float(lo.pp - index))
+
+
+def candidate_stages(lo: Layout, n_layers: int) -> list[int]:
+    """The pipeline stages that can hold the peak: the first, the last, and of the middle stages with the same
+    number of layers the earliest (the same parameters, and at least as many micro-batches in flight); a middle
+    stage with no more layers than the first holds less than it (no embedding, fewer micro-batches in flight)."""
+    if lo.pp == 1:
+        return [0]
+    per_stage = lo.stage_layers(n_layers)
+    seen: set[int] = set()
+    middle = []
+    for index, layers in enumerate(per_stage[1:-1], start=1):
+        if layers > per_stage[0] and layers not in seen:
+            seen.add(layers)
+            middle.append(index)
+    return [0, *middle, lo.pp - 1]
+
+
+def stage_name(index: int, pp: int) -> str:
+    """`only`, `first`, `last` or `stage <index>`."""
+    if pp == 1:
+        return "only"
+    return "first" if index == 0 else "last" if index == pp - 1 else f"stage {index}"
+
+
 class MemoryModel:
-    """Memory estimates for one architecture and precision; cheap to evaluate for many layouts."""
+    """Memory estimates for one architecture, precision and offload; cheap to evaluate for many layouts."""
 
     def __init__(
-        self, arch: Architecture, precision: Precision, runtime: Runtime | None = None, margin: Margin | None = None
+        self,
+        arch: Architecture,
+        precision: Precision,
+        runtime: Runtime | None = None,
+        margin: Margin | None = None,
+        offload: Offload = "none",
     ) -> None:
         self.arch, self.p, self.rt = arch, precision, runtime or Runtime()
         self.margin = margin or Margin()
+        self.offload: Offload = offload
         self.params: ParamCount = count_params(arch)
         pc = self.params
         self._acts = {r: layer_activations(arch, precision, self.rt, r) for r in ("none", "selective", "full")}
@@ -494,38 +761,42 @@ class MemoryModel:
         return cached
 
     def estimate(self, layout: Layout) -> MemoryBreakdown:
-        """Peak memory of the most loaded rank (the first or the last pipeline stage)."""
-        if layout.pp == 1:
-            return self._stage(layout, first=True, last=True)
-        first = self._stage(layout, first=True, last=False)
-        last = self._stage(layout, first=False, last=True)
-        return first if first.total >= last.total else last
+        """Peak memory of the most loaded rank: the pipeline stage of the largest peak (the earliest on a tie).
 
-    def stage(self, layout: Layout, which: Literal["first", "last"]) -> MemoryBreakdown:
-        """Peak memory of the first or the last pipeline stage."""
-        return self._stage(layout, first=which == "first", last=which == "last" or layout.pp == 1)
+        Only stages that can be the peak are evaluated: the first, the last, and of the middle stages with the
+        same number of layers the earliest (it holds the most micro-batches in flight).
+        """
+        peak: MemoryBreakdown | None = None
+        for index in candidate_stages(layout, self.arch.n_layers):
+            memory = self._stage(layout, index)
+            if peak is None or memory.total > peak.total:
+                peak = memory
+        assert peak is not None
+        return peak
 
-    def _stage_params(self, lo: Layout, first: bool, last: bool) -> StageParams:
-        """The stage's parameters on one rank (memoised: they depend on tp, ep, pp and the stage only)."""
-        key = (lo.tp, lo.ep, lo.pp, first, last)
+    def stages(self, layout: Layout) -> list[MemoryBreakdown]:
+        """Peak memory of every pipeline stage, in order."""
+        return [self._stage(layout, index) for index in range(layout.pp)]
+
+    def stage(self, layout: Layout, which: Literal["first", "last"] | int) -> MemoryBreakdown:
+        """Peak memory of the first, the last or the `which`-th pipeline stage."""
+        index = {"first": 0, "last": layout.pp - 1}[which] if isinstance(which, str) else which
+        return self._stage(layout, index)
+
+    def _stage_params(self, lo: Layout, first: bool, last: bool, layers: int) -> StageParams:
+        """The stage's parameters on one rank (memoised: they depend on tp, ep, the stage's ends and layers)."""
+        key = (lo.tp, lo.ep, lo.pp, first, last, layers)
         params = self._shape_cache.get(key)
         if params is None:
-            params = self._shape_cache[key] = stage_params(self.arch, self.params, lo, first, last)
+            params = self._shape_cache[key] = stage_params(self.arch, self.params, lo, first, last, layers)
         return params
 
-    def _activations(self, lo: Layout, params: StageParams, first: bool, last: bool) -> StageActivations:
-        """Saved activations of the stage and what changes while a block's backward runs."""
+    def _activations(self, lo: Layout, params: StageParams, index: int, layers: int) -> StageActivations:
+        """Saved activations of stage `index` (of `layers` blocks) and what changes while a block's backward runs."""
         arch, p, tp, b = self.arch, self.p, lo.tp, lo.micro_batch
         sp = lo.sequence_parallel and tp > 1
-        tokens, layers = b * arch.seq_len, arch.n_layers / lo.pp
-        # The first pipeline stage holds the micro-batches in flight (Korthikanti et al. 2022, section 4.2.3: p of
-        # them for 1F1B, times 1 + (p-1)/(pv) when interleaved over v chunks).
-        in_flight = 1.0
-        if lo.pp > 1 and first:
-            # GPipe runs every forward before the first backward: all micro-batches are in flight.
-            in_flight = float(lo.grad_accum if lo.pp_schedule == "gpipe" else min(lo.pp, lo.grad_accum))
-            if lo.pp_schedule == "interleaved":
-                in_flight *= 1 + (lo.pp - 1) / (lo.pp * lo.virtual_stages)
+        tokens, last = b * arch.seq_len, index == lo.pp - 1
+        in_flight = micro_batches_in_flight(lo, index)
         full = lo.recompute == "full"
         per_layer = self._act_bytes(lo.recompute, b, tp, sp)
         copies_per_layer = (params.layer - self.params.per_layer_norms) * p.weight_copy_bytes
@@ -551,7 +822,7 @@ class MemoryModel:
             layer_transient=tokens * (arch.d_model * p.residual_bytes + self._mlp_transient / tp),
         )
 
-    def _buffers(self, lo: Layout, params: StageParams) -> StageBuffers:
+    def _buffers(self, lo: Layout, params: StageParams, layers: int) -> StageBuffers:
         """Rope tables, DDP's gradient buckets, FSDP's root and the blocks it gathers during backward."""
         resident = float(self._rope_buffers)
         if lo.zero == 0 and lo.dp > 1 and self.rt.ddp_buckets:
@@ -562,7 +833,6 @@ class MemoryModel:
                 resident += (params.embed + params.head) * self.p.weight_bytes  # FSDP2 keeps the root gathered
             # The block in backward and the one prefetched; with full recompute the recomputed forward's own
             # prefetch gathers a third.
-            layers = self.arch.n_layers / lo.pp
             gathered = min(3.0 if lo.recompute == "full" else 2.0, layers) * params.layer * self.p.weight_bytes
         return StageBuffers(resident=resident, gathered=gathered)
 
@@ -647,12 +917,14 @@ class MemoryModel:
         moments.append(Moment("optimizer step", 0.0, states.gradients, opt_transient, 0.0, 0.0))
         return moments
 
-    def _stage(self, lo: Layout, first: bool, last: bool) -> MemoryBreakdown:
-        """The stage's peak: its model states, buffers and the largest of its candidate moments."""
-        params = self._stage_params(lo, first, last)
-        states = model_states(params, self.p, lo)
-        acts = self._activations(lo, params, first, last)
-        buffers = self._buffers(lo, params)
+    def _stage(self, lo: Layout, index: int) -> MemoryBreakdown:
+        """Pipeline stage `index`'s peak: its model states, buffers and the largest of its candidate moments."""
+        first, last = index == 0, index == lo.pp - 1
+        layers = lo.stage_layers(self.arch.n_layers)[index] if lo.pp > 1 else self.arch.n_layers
+        params = self._stage_params(lo, first, last, layers)
+        states = model_states(params, self.p, lo, self.offload)
+        acts = self._activations(lo, params, index, layers)
+        buffers = self._buffers(lo, params, layers)
         grads = self._backward_gradients(lo, params, states)
         moments = self._moments(lo, params, states, acts, grads, buffers.gathered, last)
         peak = moments[0]
@@ -672,6 +944,8 @@ class MemoryModel:
             transient=peak.transient,
             margin=allocated * self.margin.fragmentation_fraction + self.margin.framework_bytes,
             phase=peak.phase,
-            stage="only" if first and last else ("first" if first else "last"),
+            stage=stage_name(index, lo.pp),
+            stage_index=index,
+            stage_layers=layers,
             states=states,
         )

@@ -190,6 +190,17 @@ PRESETS: dict[str, Architecture] = {
             n_experts=8,
             top_k=2,
         ),
+        # Llama 3 405B (Llama Team 2024, Table 3): 126 layers, which its 16 pipeline stages do not divide.
+        Architecture(
+            name="llama-3.1-405b",
+            n_layers=126,
+            d_model=16384,
+            n_heads=128,
+            n_kv_heads=8,
+            ffn_hidden=53248,
+            vocab_size=128256,
+            seq_len=8192,
+        ),
         # GPT-3 as trained with Megatron-LM (Narayanan et al. 2021; Korthikanti et al. 2022): LayerNorm, GeLU 4h,
         # biases, learned positions, dropout, fused norms.
         Architecture(

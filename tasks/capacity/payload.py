@@ -70,8 +70,7 @@ def parallel_section(lo: Layout, base: ParallelConfig) -> ParallelConfig:
         "grad_accum_steps": lo.grad_accum,
         "activation_recompute": lo.recompute,
     }
-    split = base.pipeline_split
-    update["pipeline_split"] = split if lo.pp > 1 and split and len(split) == lo.pp * update["virtual_stages"] else None
+    update["pipeline_split"] = list(lo.split) if lo.pp > 1 and lo.split else None
     if model_parallel or sharding != "ddp":
         update["ddp_grad_compression"] = None  # a DDP comm hook: FSDP2 paths have none
     return ParallelConfig.model_validate(base.model_dump() | update)

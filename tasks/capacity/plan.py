@@ -4,17 +4,28 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import fsspec
 
 from tasks.capacity.catalogue import Accelerator, resolve_accelerator
-from tasks.capacity.compute import SECONDS_PER_DAY, flops_per_token
+from tasks.capacity.compute import SECONDS_PER_DAY, budget_time, flops_conventions, flops_per_token
 from tasks.capacity.config import CapacityConfig
-from tasks.capacity.memory import GIB, Layout, Margin, MemoryModel, Precision, Runtime, kv_cache_bytes
+from tasks.capacity.memory import (
+    GIB,
+    Layout,
+    Margin,
+    MemoryBreakdown,
+    MemoryModel,
+    Precision,
+    Runtime,
+    kv_cache_bytes,
+)
 from tasks.capacity.params import Architecture, count_params
 from tasks.capacity.payload import parallel_section, parallel_yaml, payload_problems, planner_schedule, problem_lines
+from tasks.capacity.scaling import CHINCHILLA_FIT, tokens_per_param_optimal
 from tasks.capacity.search import (
     Estimator,
     Evaluation,
@@ -24,9 +35,13 @@ from tasks.capacity.search import (
     ranked,
     search,
 )
+from tasks.capacity.serving import ServingPlan, ServingSettings, plan_serving
 from tasks.cluster import ClusterConfig
 from tasks.errors import UserError
 from training.config import ModelConfig, ParallelConfig, PrecisionConfig, Problem, RunConfig
+
+if TYPE_CHECKING:
+    from tasks.serve.config import ServeConfig
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +78,10 @@ class CapacityPlan:
     parallel: ParallelConfig | None = None
     payload: dict[Layout, list[Problem]] = field(default_factory=dict)
     """Why the payload would not run a layout (empty list: it runs), for the requested and the fitting ones."""
+    stages: list[MemoryBreakdown] = field(default_factory=list)
+    """The requested layout's peak memory on each pipeline stage, in order (one entry without pipelining)."""
+    serving: ServingPlan | None = None
+    """The trained model served as the spec's `serve` section says (None: the spec serves nothing)."""
 
     def runnable(self, ev: Evaluation) -> bool:
         """Whether the payload runs the evaluated layout as planned."""
@@ -93,22 +112,62 @@ class CapacityPlan:
 
     @property
     def fits(self) -> bool:
-        """Whether the requested layout fits."""
-        return self.requested.fits
+        """Whether the requested layout fits on the device and its offloaded states in the node's host memory."""
+        return self.requested.fits and self.host_memory().problem is None
 
     @property
     def steps(self) -> float:
         """Optimizer steps the token budget takes."""
         return self.train_tokens / (self.requested.layout.global_batch * self.arch.seq_len)
 
+    def host_memory(self) -> HostMemory:
+        """The requested layout's offloaded states on a node: its ranks x the most any pipeline stage offloads."""
+        per_rank = max(m.host_bytes for m in [self.requested.memory, *self.stages])
+        return HostMemory(per_rank, self.cluster.procs_per_node, self.capacity.host_memory_gib)
+
+    def flops_conventions(self) -> list[dict[str, Any]]:
+        """Each named FLOPs convention: per token, per step and for the training tokens."""
+        lo = self.requested.layout
+        per_token = flops_conventions(self.arch, 1.0, lo.recompute)
+        step_tokens = lo.global_batch * self.arch.seq_len
+        return [
+            {"key": c.key, "name": c.name, "source": c.source, "per_token_flops": f,
+             "per_step_flops": f * step_tokens, "training_flops": f * self.train_tokens}
+            for c, f in per_token.by_convention()
+        ]  # fmt: skip
+
+    def flop_budget(self) -> dict[str, Any] | None:
+        """capacity.flop_budget: its time on this cluster at the requested layout's MFU, and the compute-optimal
+        model size and tokens for it (Hoffmann et al. 2022: Approach 3's fit, and 20 tokens per parameter)."""
+        budget = self.capacity.flop_budget
+        if budget is None:
+            return None
+        ev = self.requested
+        peak = self.accelerator.peak_flops(self.precision.compute_dtype)
+        spent = budget_time(budget, ev.layout.world, peak, ev.mfu)
+        fitted, rule = CHINCHILLA_FIT.optimal(budget), tokens_per_param_optimal(budget)
+        return {
+            "flops": budget,
+            "convention": "6ND (model FLOPs at the requested layout's MFU)",
+            "seconds": spent.seconds,
+            "days": spent.days,
+            "compute_optimal": {
+                "approach_3_fit": {"params": fitted.params, "tokens": fitted.tokens,
+                                   "source": "Hoffmann et al. 2022 eq. 4 with eq. 10's fit"},
+                "twenty_tokens_per_param": {"params": rule.params, "tokens": rule.tokens,
+                                            "source": "Hoffmann et al. 2022 Table 3 (Approach 1)"},
+            },
+        }  # fmt: skip
+
     def error(self) -> CapacityError:
         """The failure to raise when the requested layout does not fit."""
         ev = self.requested
+        host = self.host_memory().problem
         return CapacityError(
             ev.layout.describe(),
             ev.memory.total,
             ev.usable_bytes,
-            ev.why_not(),
+            ev.why_not() if not ev.fits or host is None else host,
             [
                 f"{e.layout.describe()} ({e.memory.total / GIB:.1f} GiB, {e.step_seconds:.3g} s/step)"
                 for e in self.search.fitting
@@ -142,6 +201,10 @@ class CapacityPlan:
                 "weight_bytes_per_param": self.precision.weight_bytes,
                 "grad_bytes_per_param": self.precision.grad_bytes,
                 "optimizer_bytes_per_param": self.precision.optimizer_bytes,
+                "optimizer": self.precision.optimizer,
+                "master_bytes_per_param": self.precision.master_bytes,
+                "offload": self.capacity.offload,
+                "host_memory_bytes_per_node": (self.capacity.host_memory_gib or 0) * GIB or None,
                 "attention": self.capacity.attention,
                 "headroom_fraction": self.capacity.headroom_fraction,
                 "fragmentation_fraction": self.capacity.fragmentation_fraction,
@@ -150,14 +213,21 @@ class CapacityPlan:
                 "achieved_flops_per_gpu": (self.capacity.achieved_tflops_per_gpu or 0) * 1e12 or None,
                 "comm_overlap": self.capacity.comm_overlap,
             },
-            "requested": _evaluation_json(self.requested) | self._payload_json(self.requested),
+            "requested": _evaluation_json(self.requested)
+            | self._payload_json(self.requested)
+            | {"stages": [_stage_json(m) for m in self.stages]}
+            | {"host_memory": self.host_memory().as_dict()},
             "flops": {
                 "per_token_forward_flops": flops.forward,
                 "per_token_model_flops": flops.model,
                 "per_token_hardware_flops": flops.hardware,
                 "per_step_model_flops": self.requested.model_flops_per_step,
                 "per_step_hardware_flops": self.requested.hardware_flops_per_step,
+                "conventions": self.flops_conventions(),
+                "mfu": self.requested.mfu,
+                "hfu": self.requested.hfu,
             },
+            "flop_budget": self.flop_budget(),
             "training": {
                 "tokens": self.train_tokens,
                 "steps": self.steps,
@@ -181,6 +251,7 @@ class CapacityPlan:
                 ],
                 "rejected_nearest": [_evaluation_json(e) | {"why_not": e.why_not()} for e in self.search.rejected],
             },
+            "serving": None if self.serving is None else _serving_json(self.serving),
             "warnings": self.warnings,
             "self_check": self.self_check,
         }
@@ -194,6 +265,50 @@ class CapacityPlan:
             "runnable": self.runnable(ev),
             "payload_problems": problem_lines(self.payload.get(ev.layout, [])),
         }
+
+
+@dataclass(frozen=True)
+class HostMemory:
+    """Offloaded model states in a node's host memory: a rank's, the node's (its ranks x a rank's) and the limit."""
+
+    per_rank_bytes: float
+    ranks_per_node: int
+    limit_gib: float | None
+    """capacity.host_memory_gib; None = not checked."""
+
+    @property
+    def per_node_bytes(self) -> float:
+        """What the node's ranks offload together."""
+        return self.per_rank_bytes * self.ranks_per_node
+
+    @property
+    def problem(self) -> str | None:
+        """`capacity.host_memory_gib=...: what and the fix` when the node's share exceeds it; None if it fits."""
+        if self.limit_gib is None or self.per_node_bytes <= self.limit_gib * GIB:
+            return None
+        need = self.per_node_bytes / GIB
+        return (
+            f"capacity.host_memory_gib={self.limit_gib:g}: the offloaded model states need {need:.1f} GiB per node "
+            f"({self.ranks_per_node} ranks x {self.per_rank_bytes / GIB:.1f} GiB); raise host_memory_gib to at "
+            f"least {math.ceil(need)} if the nodes have it, spread the states over more nodes, or offload less "
+            "(capacity.offload)"
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        """The figures for plan.json, with the problem (None: fits or not checked)."""
+        return {
+            "per_rank_bytes": self.per_rank_bytes,
+            "ranks_per_node": self.ranks_per_node,
+            "per_node_bytes": self.per_node_bytes,
+            "limit_bytes": self.limit_gib * GIB if self.limit_gib is not None else None,
+            "fits": self.problem is None,
+            "problem": self.problem,
+        }
+
+
+def _stage_json(memory: MemoryBreakdown) -> dict[str, Any]:
+    """One pipeline stage's peak: its name, index, layers and the memory figures."""
+    return {"stage": memory.stage, "index": memory.stage_index, "layers": memory.stage_layers} | memory.as_dict()
 
 
 def _evaluation_json(ev: Evaluation) -> dict[str, Any]:
@@ -212,7 +327,9 @@ def _evaluation_json(ev: Evaluation) -> dict[str, Any]:
         },
         "pipeline_bubble_seconds": ev.comm.bubble_seconds,
         "step_seconds": ev.step_seconds,
+        "step_time": ev.time.terms(),
         "mfu": ev.mfu,
+        "hfu": ev.hfu,
         "warnings": ev.comm.warnings,
     }
 
@@ -226,6 +343,7 @@ def requested_layout(capacity: CapacityConfig, cluster: ClusterConfig, parallel:
         tp, pp, ep, sp = (parallel.tensor_parallel, parallel.pipeline_parallel, parallel.expert_parallel,
                           parallel.sequence_parallel)  # fmt: skip
         schedule, virtual = planner_schedule(parallel.pipeline_schedule), parallel.virtual_stages
+        split = parallel.pipeline_split
         micro = parallel.micro_batch
         dp = world // (tp * pp)
         default_batch = parallel.micro_batch * parallel.grad_accum_steps * dp
@@ -233,7 +351,7 @@ def requested_layout(capacity: CapacityConfig, cluster: ClusterConfig, parallel:
             micro = parallel.micro_batch * parallel.grad_accum_steps // parallel.n_microbatches
     else:
         tp, pp, ep, sp = lo.tensor_parallel, lo.pipeline_parallel, lo.expert_parallel, lo.sequence_parallel
-        schedule, virtual = lo.pipeline_schedule, lo.virtual_stages
+        schedule, virtual, split = lo.pipeline_schedule, lo.virtual_stages, lo.pipeline_split
         dp = world // (tp * pp)
         default_batch = parallel.micro_batch * parallel.grad_accum_steps * world
         micro = parallel.micro_batch
@@ -257,6 +375,7 @@ def requested_layout(capacity: CapacityConfig, cluster: ClusterConfig, parallel:
         sequence_parallel=sp,
         pp_schedule=schedule,  # type: ignore[arg-type]
         virtual_stages=virtual,
+        split=tuple(split) if split and pp > 1 else None,
     )
 
 
@@ -280,7 +399,7 @@ def make_estimator(
 ) -> Estimator:
     """An estimator for the spec's model, cluster, precision and assumptions."""
     acc = resolve_accelerator(cluster.accelerator, capacity.accelerator_overrides())
-    prec = Precision.of(precision.dtype, capacity.mixed_precision)
+    prec = Precision.of(precision.dtype, capacity.mixed_precision, capacity.optimizer, capacity.grad_dtype, arch)
     runtime = Runtime(attention=capacity.attention, device=acc.kind, foreach_optimizer=acc.kind == "gpu")
     margin = Margin(
         fragmentation_fraction=capacity.fragmentation_fraction + _calibration_scale(capacity, acc.name) - 1,
@@ -288,7 +407,7 @@ def make_estimator(
     )
     return Estimator(
         arch=arch,
-        memory=MemoryModel(arch, prec, runtime, margin),
+        memory=MemoryModel(arch, prec, runtime, margin, offload=capacity.offload),
         accelerator=acc,
         gpus_per_node=cluster.procs_per_node,
         usable_bytes=acc.memory_bytes * (1 - capacity.headroom_fraction),
@@ -296,6 +415,9 @@ def make_estimator(
         achieved_flops=capacity.achieved_tflops_per_gpu * 1e12 if capacity.achieved_tflops_per_gpu else None,
         comm_overlap=capacity.comm_overlap,
         comm_warn_ratio=capacity.comm_warn_ratio,
+        bandwidth_efficiency=capacity.memory_bandwidth_efficiency,
+        overlap_fraction=capacity.dp_overlap_fraction,
+        scatter_gather=capacity.pipeline_scatter_gather,
     )
 
 
@@ -322,9 +444,11 @@ def plan_capacity(
     parallel: ParallelConfig,
     precision: PrecisionConfig,
     run: RunConfig,
+    serve: ServeConfig | None = None,
 ) -> CapacityPlan:
     """Estimate the requested layout and search the alternatives (the spec has been validated); with
-    capacity.search_runnable_only the search skips layouts the payload would reject."""
+    capacity.search_runnable_only the search skips layouts the payload would reject; with `serve`, plan serving
+    the trained model too (memory and the largest concurrency that fits)."""
     arch = Architecture.from_model_config(model, name=name)
     est = make_estimator(arch, capacity, cluster, precision)
     layout = requested_layout(capacity, cluster, parallel)
@@ -355,10 +479,50 @@ def plan_capacity(
         model=model,
         parallel=parallel,
         payload={ev.layout: check(ev.layout) for ev in [requested, *found.fitting]},
+        stages=est.memory.stages(layout),
+        serving=None if serve is None else serving_plan(arch, est.accelerator, serve),
     )
+    if plan.serving is not None:
+        warnings += [f"serving: {p.message}" for p in plan.serving.problems]
+    if capacity.optimizer != "adamw" or capacity.offload != "none":
+        warnings.append(
+            f"planned with capacity.optimizer={capacity.optimizer}, offload={capacity.offload}: the payload trains "
+            "with AdamW (optim.name) on the device, so this plan is for another trainer's job"
+        )
+    host = plan.host_memory().problem
+    if host is not None:
+        warnings.append(f"the offloaded states do not fit the nodes' host memory: {host}")
     for warning in warnings:
         log.warning("%s", warning)
     return plan
+
+
+def _serving_json(plan: ServingPlan) -> dict[str, Any]:
+    """The serving plan's figures per GPU (bytes), limits and problems."""
+    m = plan.memory
+    return {
+        "engine": "vllm",
+        "settings": asdict(plan.settings),
+        "device_bytes": m.device,
+        "budget_bytes": m.budget,
+        "weights_bytes": m.weights,
+        "activations_peak_bytes": m.activations.peak,
+        "overhead_bytes": m.overhead,
+        "kv_cache_budget_bytes": m.kv_budget,
+        "kv_cache_bytes_per_token": m.kv_bytes_per_token,
+        "kv_cache_blocks": m.num_blocks,
+        "context_tokens": m.context,
+        "concurrent_sequences": m.concurrent,
+        "max_concurrency": m.max_concurrency,
+        "concurrency": plan.concurrency,
+        "fits": plan.fits,
+        "problems": [p.message for p in plan.problems],
+    }
+
+
+def serving_plan(arch: Architecture, accelerator: Accelerator, serve: ServeConfig) -> ServingPlan:
+    """The serving plan of `serve` (the settings `tdeploy serve` starts vLLM with) on `accelerator`."""
+    return plan_serving(arch, accelerator, ServingSettings.of(serve, accelerator), serve.max_model_len)
 
 
 PLAN_JSON = "plan.json"

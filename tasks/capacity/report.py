@@ -40,12 +40,65 @@ def _summary_lines(plan: CapacityPlan) -> list[str]:
         f"{plan.name}: {count(pc_total)} parameters on {plan.cluster.nodes} x {plan.cluster.procs_per_node} "
         f"{acc.name} ({acc.memory_gib:,.2f} GiB each); {plan.precision.recipe} precision",
         f"layout {ev.layout.describe()}: {'fits' if ev.fits else 'DOES NOT FIT'}, peak at {ev.memory.phase}",
-        f"step {sig(ev.step_seconds)} s (compute {sig(ev.compute_seconds)} s, exposed communication "
-        f"{sig(ev.comm.exposed_seconds)} s, bubble {sig(ev.comm.bubble_seconds)} s), MFU {ev.mfu:.1%}; "
+        f"step {sig(ev.step_seconds)} s: {_time_terms(ev)}; MFU {ev.mfu:.1%}, HFU {ev.hfu:.1%}; "
         f"{count(plan.train_tokens)} tokens = {count(plan.steps)} steps = {sig(days)} days",
         f"communication/compute ratio {sig(ev.comm.ratio_to_compute)}; inference KV cache "
         f"{gib(plan.kv_cache_bytes)} GiB for {ev.layout.micro_batch} x {count(plan.arch.seq_len)} tokens",
+        *_flops_lines(plan),
+        *_stage_lines(plan),
+        *_serving_lines(plan),
     ]
+
+
+def _flops_lines(plan: CapacityPlan) -> list[str]:
+    """FLOPs per token under each named convention, and the FLOP budget's time and compute-optimal size."""
+    cells = "; ".join(f"{c['name']} {c['per_token_flops']:.4g}" for c in plan.flops_conventions())
+    lines = [f"FLOPs per token: {cells}"]
+    budget = plan.flop_budget()
+    if budget is not None:
+        fit = budget["compute_optimal"]["approach_3_fit"]
+        rule = budget["compute_optimal"]["twenty_tokens_per_param"]
+        lines.append(
+            f"budget {budget['flops']:.3g} FLOPs (6ND): {sig(budget['days'])} days here at MFU "
+            f"{plan.requested.mfu:.1%}; compute-optimal (Chinchilla) {count(rule['params'])} parameters x "
+            f"{count(rule['tokens'])} tokens at 20 tokens per parameter, {count(fit['params'])} x "
+            f"{count(fit['tokens'])} by the Approach 3 fit"
+        )
+    return lines
+
+
+def _serving_lines(plan: CapacityPlan) -> list[str]:
+    """The serving plan: memory per GPU and the largest concurrency that fits (nothing without a serve section)."""
+    if plan.serving is None:
+        return []
+    m, st = plan.serving.memory, plan.serving.settings
+    return [
+        f"serving (vLLM, {st.dtype}, TP {st.tensor_parallel}): weights {gib(m.weights)} GiB, activations "
+        f"{gib(m.activations.peak)} GiB, KV cache {gib(m.kv_bytes_per_token * m.context)} GiB per sequence of "
+        f"{count(m.context)} tokens; {m.max_concurrency} such sequences fit ({st.max_num_seqs} asked)"
+    ]
+
+
+def _time_terms(ev: Evaluation) -> str:
+    """The step's terms on the critical path, and the data-parallel traffic hidden behind backward."""
+    t = ev.time
+    exposed = [(name, value) for name, value in (("DP", t.data_parallel_exposed), ("TP", t.tensor_parallel),
+               ("PP", t.pipeline_parallel), ("EP", t.expert_parallel)) if value]  # fmt: skip
+    comm = ", ".join(f"{name} {sig(value)} s" for name, value in exposed) or "none"
+    return (
+        f"matmuls {sig(t.matmul)} s + memory-bound {sig(t.memory_bound)} s + exposed communication ({comm}) + "
+        f"bubble {sig(t.bubble)} s; DP {sig(t.data_parallel_overlapped)} s hidden behind backward"
+    )
+
+
+def _stage_lines(plan: CapacityPlan) -> list[str]:
+    """Layers and peak GiB of each pipeline stage, the peak stage named (nothing without pipelining)."""
+    if len(plan.stages) < 2:
+        return []
+    cells = ", ".join(f"{m.stage_layers}L {gib(m.total)}" for m in plan.stages)
+    peak = max(plan.stages, key=lambda m: m.total)  # max keeps the first of equal peaks, as the estimate does
+    where = f"the {peak.stage} stage" if peak.stage in ("first", "last") else peak.stage
+    return [f"pipeline stages (layers, GiB): {cells}; peak on {where} ({peak.stage_layers} layers)"]
 
 
 _FITTING_COLUMNS = ("layout", "GiB per GPU", "step s", "MFU", "why")

@@ -14,6 +14,7 @@ from tasks.capacity.comm import CommEstimate, communication
 from tasks.capacity.compute import flops_per_token
 from tasks.capacity.memory import Layout, MemoryBreakdown, MemoryModel
 from tasks.capacity.params import Architecture
+from tasks.capacity.timing import StepTime, memory_bound
 from tasks.capacity.units import gib, sig
 from training.config import divisors
 
@@ -31,6 +32,8 @@ class Evaluation:
     mfu: float
     model_flops_per_step: float
     hardware_flops_per_step: float
+    time: StepTime
+    hfu: float
 
     @property
     def fits(self) -> bool:
@@ -75,6 +78,10 @@ class Estimator:
     achieved_flops: float | None = None
     comm_overlap: bool = True
     comm_warn_ratio: float = 1.0
+    bandwidth_efficiency: float | None = 0.8
+    """Share of the memory bandwidth elementwise kernels reach; None = memory-bound work not modelled."""
+    overlap_fraction: float = 1.0
+    scatter_gather: bool = False
     _flops: dict[str, tuple[float, float]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -94,7 +101,14 @@ class Estimator:
         mem = memory or self.memory.estimate(layout)
         model_tok, hw_tok = self._flops[layout.recompute]
         tokens = layout.global_batch * self.arch.seq_len
-        compute = hw_tok * tokens / (layout.world * self.flops_rate)
+        # A pipeline runs at the pace of its busiest stage: uneven stages leave the others waiting.
+        imbalance = max(layout.stage_layers(self.arch.n_layers)) * layout.pp / self.arch.n_layers
+        matmul = hw_tok * tokens * imbalance / (layout.world * self.flops_rate)
+        bound = 0.0
+        if self.bandwidth_efficiency:
+            rate = self.accelerator.hbm_tb_s * 1e12 * self.bandwidth_efficiency
+            bound = memory_bound(self.arch, self.memory.p, layout, self.memory.rt.attention, rate).seconds
+        compute = matmul + bound
         comm = communication(
             self.arch,
             self.memory.params,
@@ -105,8 +119,20 @@ class Estimator:
             compute,
             overlap=self.comm_overlap,
             warn_ratio=self.comm_warn_ratio,
+            overlap_fraction=self.overlap_fraction,
+            scatter_gather=self.scatter_gather,
         )
-        step = compute + comm.exposed_seconds + comm.bubble_seconds
+        time = StepTime(
+            matmul=matmul,
+            memory_bound=bound,
+            data_parallel_overlapped=comm.hidden_seconds,
+            data_parallel_exposed=comm.seconds["data_parallel"] - comm.hidden_seconds,
+            tensor_parallel=comm.seconds["tensor_parallel"],
+            pipeline_parallel=comm.seconds["pipeline_parallel"],
+            expert_parallel=comm.seconds["expert_parallel"],
+            bubble=comm.bubble_seconds,
+        )
+        step = time.total
         peak = self.accelerator.peak_flops(self.memory.p.compute_dtype)
         return Evaluation(
             layout=layout,
@@ -118,6 +144,8 @@ class Estimator:
             mfu=model_tok * tokens / (layout.world * peak * step),
             model_flops_per_step=model_tok * tokens,
             hardware_flops_per_step=hw_tok * tokens,
+            time=time,
+            hfu=hw_tok * tokens / (layout.world * peak * step),
         )
 
 
@@ -127,16 +155,18 @@ def enumerate_layouts(
     """Every valid layout: DP x TP x PP x EP x ZeRO x micro-batch x recompute x SP x schedule for a fixed batch."""
     tps = [t for t in divisors(gpus_per_node) if arch.n_heads % t == 0 and arch.kv_heads % t == 0]
     for tp in tps:
-        for pp in divisors(arch.n_layers):
-            if world % (tp * pp):
-                continue
+        for pp in divisors(world // tp) if world % tp == 0 else []:
+            if pp > arch.n_layers:
+                break
             dp = world // (tp * pp)
             if global_batch % dp:
                 continue
             per_rank = global_batch // dp
             eps = [e for e in divisors(dp) if arch.n_experts and arch.n_experts % e == 0] or [1]
             schedules: list[tuple[str, int]] = [("1f1b", 1)]
-            schedules += [("interleaved", v) for v in (2, 4) if pp > 1 and arch.n_layers % (v * pp) == 0]
+            # Interleaving splits each stage into v chunks of equal layers: any v > 1 that divides an even stage.
+            if pp > 1 and arch.n_layers % pp == 0:
+                schedules += [("interleaved", v) for v in divisors(arch.n_layers // pp) if v > 1]
             shards = [dp]
             node_shard = gpus_per_node // tp
             if 1 < node_shard < dp and dp % node_shard == 0:

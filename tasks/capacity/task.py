@@ -11,6 +11,7 @@ from tasks.capacity.plan import plan_capacity, write_plan
 from tasks.capacity.report import markdown_report, memory_rows
 from tasks.cluster import ClusterConfig
 from tasks.deployment import CapacityResult
+from tasks.serve.config import ServeConfig
 from training.config import ModelConfig, ParallelConfig, PrecisionConfig, RunConfig
 
 
@@ -23,10 +24,11 @@ def estimate_capacity(
     parallel: ParallelConfig,
     precision: PrecisionConfig,
     run: RunConfig,
+    serve: ServeConfig | None = None,
 ) -> CapacityResult:
     """Estimate memory, time and traffic; write plan.json; stop (CapacityError) if the layout does not fit."""
     logger = get_run_logger()
-    plan = plan_capacity(name, capacity, cluster, model, parallel, precision, run)
+    plan = plan_capacity(name, capacity, cluster, model, parallel, precision, run, serve)
     url = write_plan(plan)
     ev = plan.requested
     logger.info(

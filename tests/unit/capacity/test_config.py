@@ -94,11 +94,77 @@ def test_a_catalogue_entry_can_be_overridden_in_part() -> None:
         ({"capacity": {"layout": {"zero_stage": 5}}}, "capacity.layout.zero_stage=5: must be one of 0, 1, 2 or 3"),
         ({"model": {"n_layers": 0}}, "model.n_layers=0: must be >= 1"),
         ({"capacity": {"planner": True}}, "capacity.planner=true: is not a known field; remove it"),
+        (
+            {"capacity": {"optimizer": "lion"}},
+            "capacity.optimizer=lion: must be one of 'adamw', 'sgd-momentum', 'adafactor' or 'adam-8bit'",
+        ),
+        (
+            {"capacity": {"mixed_precision": "fp8"}},
+            "capacity.mixed_precision=fp8: must be one of 'autocast', 'master-weights' or 'pure-16bit'",
+        ),
+        ({"capacity": {"grad_dtype": "bf16"}}, "capacity.grad_dtype=bf16: must be one of 'fp32'"),
+        (
+            {"capacity": {"offload": "nvme"}},
+            "capacity.offload=nvme: must be one of 'none', 'optimizer' or 'optimizer+params'",
+        ),
+        ({"capacity": {"host_memory_gib": 0}}, "capacity.host_memory_gib=0: must be > 0"),
+        (
+            {"capacity": {"offload": "optimizer", "layout": {"zero_stage": 0}}},
+            "capacity.offload=optimizer: offloading the optimizer needs ZeRO-1 or higher (DeepSpeed's "
+            "offload_optimizer), but capacity.layout.zero_stage=0; set capacity.layout.zero_stage to 1, 2 or 3, "
+            "or offload: none",
+        ),
+        (
+            {"capacity": {"offload": "optimizer+params", "layout": {"zero_stage": 2}}},
+            "capacity.offload=optimizer+params: offloading parameters needs ZeRO-3 (DeepSpeed's offload_param, "
+            "FSDP2's CPUOffloadPolicy), but capacity.layout.zero_stage=2; set capacity.layout.zero_stage: 3, "
+            "or offload: optimizer",
+        ),
+        (
+            {"capacity": {"offload": "optimizer+params", "layout": {"zero_stage": 0}}},
+            "capacity.offload=optimizer+params: offloading parameters needs ZeRO-3 (DeepSpeed's offload_param, "
+            "FSDP2's CPUOffloadPolicy), but capacity.layout.zero_stage=0; set capacity.layout.zero_stage: 3, "
+            "or offload: none",
+        ),
     ],
 )
 def test_bad_capacity_input_names_field_value_and_fix(overrides: dict, message: str) -> None:
     problems = _problems(overrides)
     assert any(p.startswith(message) for p in problems), problems
+
+
+def test_offload_at_a_stage_that_can_do_it_is_accepted() -> None:
+    spec = parse_spec(deep_merge(BASE, {"capacity": {"offload": "optimizer+params", "layout": {"zero_stage": 3}}}))
+    assert spec.capacity.offload == "optimizer+params"
+    assert spec.capacity.spec_problems(spec.precision.dtype, spec.parallel.sharding) == []
+
+
+@pytest.mark.parametrize(
+    ("overrides", "messages"),
+    [
+        (
+            {"capacity": {"mixed_precision": "pure-16bit"}},
+            ["capacity.mixed_precision=pure-16bit: keeps 16-bit weights, but precision.dtype=fp32 trains in fp32; "
+             "set precision.dtype: bf16 (or fp16), or mixed_precision: autocast"],
+        ),
+        (
+            {"capacity": {"offload": "optimizer"}},
+            ["capacity.offload=optimizer: offloading the optimizer needs ZeRO-1 or higher (DeepSpeed's "
+             "offload_optimizer), but parallel.sharding=ddp is ZeRO-0; set parallel.sharding: fsdp, or "
+             "capacity.layout.zero_stage to 1, 2 or 3, or offload: none"],
+        ),
+        ({"capacity": {"offload": "optimizer+params"}, "parallel": {"sharding": "fsdp"}}, []),
+        ({"capacity": {"offload": "optimizer", "layout": {"zero_stage": 1}}}, []),  # the layout's stage decides
+        ({"capacity": {"mixed_precision": "pure-16bit"}, "precision": {"dtype": "bf16"}}, []),
+    ],
+)  # fmt: skip
+def test_capacity_choices_that_other_sections_contradict_name_both_and_the_fix(
+    overrides: dict, messages: list[str]
+) -> None:
+    if not messages:
+        parse_spec(deep_merge(BASE, overrides))
+        return
+    assert _problems(overrides) == messages  # the spec refuses them before any work starts
 
 
 def test_expert_parallel_must_divide_experts_and_data_parallel_degree() -> None:
