@@ -96,7 +96,7 @@ def _stage_lines(plan: CapacityPlan) -> list[str]:
     if len(plan.stages) < 2:
         return []
     cells = ", ".join(f"{m.stage_layers}L {gib(m.total)}" for m in plan.stages)
-    peak = max(plan.stages, key=lambda m: m.total)  # max keeps the first of equal peaks, as the estimate does
+    peak = plan.requested.memory
     where = f"the {peak.stage} stage" if peak.stage in ("first", "last") else peak.stage
     return [f"pipeline stages (layers, GiB): {cells}; peak on {where} ({peak.stage_layers} layers)"]
 

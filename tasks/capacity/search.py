@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from tasks.capacity.catalogue import Accelerator
 from tasks.capacity.comm import CommEstimate, communication
-from tasks.capacity.compute import flops_per_token
+from tasks.capacity.compute import flops_per_token, flops_utilization
 from tasks.capacity.memory import Layout, MemoryBreakdown, MemoryModel
 from tasks.capacity.params import Architecture
 from tasks.capacity.timing import StepTime, memory_bound
@@ -26,14 +26,22 @@ class Evaluation:
     layout: Layout
     memory: MemoryBreakdown
     usable_bytes: float
-    compute_seconds: float
     comm: CommEstimate
-    step_seconds: float
+    time: StepTime
     mfu: float
+    hfu: float
     model_flops_per_step: float
     hardware_flops_per_step: float
-    time: StepTime
-    hfu: float
+
+    @property
+    def compute_seconds(self) -> float:
+        """Matmuls and memory-bound work of a step."""
+        return self.time.compute
+
+    @property
+    def step_seconds(self) -> float:
+        """The whole step (see `StepTime`)."""
+        return self.time.total
 
     @property
     def fits(self) -> bool:
@@ -132,20 +140,17 @@ class Estimator:
             expert_parallel=comm.seconds["expert_parallel"],
             bubble=comm.bubble_seconds,
         )
-        step = time.total
         peak = self.accelerator.peak_flops(self.memory.p.compute_dtype)
         return Evaluation(
             layout=layout,
             memory=mem,
             usable_bytes=self.usable_bytes,
-            compute_seconds=compute,
             comm=comm,
-            step_seconds=step,
-            mfu=model_tok * tokens / (layout.world * peak * step),
+            time=time,
+            mfu=flops_utilization(model_tok * tokens, time.total, layout.world, peak),
+            hfu=flops_utilization(hw_tok * tokens, time.total, layout.world, peak),
             model_flops_per_step=model_tok * tokens,
             hardware_flops_per_step=hw_tok * tokens,
-            time=time,
-            hfu=hw_tok * tokens / (layout.world * peak * step),
         )
 
 

@@ -18,23 +18,13 @@ from tasks.capacity.memory import (
 )
 from tasks.capacity.params import PRESETS, Architecture, count_params
 from tasks.capacity.plan import plan_capacity
+from tasks.capacity.units import GIB
 from tasks.spec import parse_spec
-from tests.conftest import TINY_SPEC, deep_merge
-
-GIB = 2**30
+from tests.conftest import deep_merge
+from tests.unit.capacity.test_memory import ZERO_PAPER_SPEC
 
 # 7,499,681,792 parameters (the ZeRO paper's 7.5B) on one node of 8 H100s, in the planner's own terms.
-SPEC_7_5B = deep_merge(
-    TINY_SPEC,
-    {
-        "cluster": {"scheduler": "slurm", "nodes": 1, "procs_per_node": 8, "accelerator": "h100-sxm"},
-        "model": {"n_layers": 32, "d_model": 4096, "n_heads": 32, "n_kv_heads": 32, "ffn_hidden": 12544,
-                  "vocab_size": 51200, "seq_len": 2048},
-        "parallel": {"micro_batch": 1},
-        "precision": {"dtype": "bf16"},
-        "data": {"dataset_url": "/tmp/d"}, "checkpoint": {"url": "/tmp/c"}, "run": {"output_url": "/tmp/o"},
-    },
-)  # fmt: skip
+SPEC_7_5B = deep_merge(ZERO_PAPER_SPEC, {"cluster": {"nodes": 1}})
 P_7_5B = 7_499_681_792
 
 # An architecture small enough to count Adafactor's state by hand: one GeLU block, tied embedding, 8 wide.
