@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import copy
 import os
+import random
+import socket
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -103,6 +105,25 @@ def tiny_dataset(tmp_path_factory: pytest.TempPathFactory) -> str:
     return prepare_dataset(cfg, StorageConfig(), validate=False).dataset_url
 
 
+def listen_port() -> int:
+    """A free port on 127.0.0.1 below the kernel's ephemeral range, for a server that a test starts more than once.
+
+    `free_port` hands out an ephemeral port, which the kernel may give to any outgoing connection (the other
+    worker's) before the next server binds it: a Slurm drill's relaunched job then failed with EADDRINUSE.
+    """
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    rng = random.Random()
+    for _ in range(200 if low > 21000 else 0):
+        port = rng.randrange(20000, min(low, 32768))
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    return free_port()
+
+
 @pytest.fixture
 def make_spec(tmp_path: Path, tiny_dataset: str) -> Callable[..., DeploymentSpec]:
     """Build a validated tiny spec; `name` picks a separate output/checkpoint folder under tmp_path."""
@@ -118,7 +139,7 @@ def make_spec(tmp_path: Path, tiny_dataset: str) -> Callable[..., DeploymentSpec
             # The single-node Slurm test cluster runs its jobs in this machine's network namespace, beside the
             # other pytest worker's jobs: each spec gets a free rendezvous port, not the shared default 29500.
             slurm = dict(raw["cluster"].get("slurm") or {})
-            slurm.setdefault("rdzv_port", free_port())
+            slurm.setdefault("rdzv_port", listen_port())
             raw["cluster"]["slurm"] = slurm
         return parse_spec(raw, f"tiny:{name}")
 
