@@ -16,12 +16,13 @@ throughput is the table's percentage of peak.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import pytest
 
 from tasks.capacity.compute import flops_utilization
-from tasks.capacity.params import PRESETS, Architecture, count_params
+from tasks.capacity.params import Architecture, count_params
+from tests.unit.capacity.test_published_flops import megatron_gpt
 
 A100_PEAK = 312e12  # bf16/fp16 dense, the peak the table's percentages are of (section 5)
 
@@ -44,14 +45,8 @@ class Row:
 
     @property
     def arch(self) -> Architecture:
-        """The paper's GPT model: GeLU 4h MLP, LayerNorm, biases, learned positions, tied embeddings."""
-        return replace(
-            PRESETS["gpt3-175b"],
-            d_model=self.hidden,
-            n_layers=self.layers,
-            n_heads=self.heads,
-            ffn_hidden=4 * self.hidden,
-        )
+        """The paper's GPT model of this row."""
+        return megatron_gpt(self.hidden, self.layers, self.heads)
 
 
 TABLE_1 = [

@@ -20,6 +20,11 @@ from tasks.capacity.compute import budget_time, flops_conventions, flops_per_tok
 from tasks.capacity.params import PRESETS, Architecture
 
 
+def megatron_gpt(hidden: int, layers: int, heads: int) -> Architecture:
+    """The Megatron papers' GPT model (GeLU 4h MLP, LayerNorm, biases, learned positions, tied embeddings)."""
+    return replace(PRESETS["gpt3-175b"], d_model=hidden, n_layers=layers, n_heads=heads, ffn_hidden=4 * hidden)
+
+
 @dataclass(frozen=True)
 class MegatronRun:
     """One row of Korthikanti et al. Tables 3 and 5."""
@@ -37,14 +42,8 @@ class MegatronRun:
 
     @property
     def arch(self) -> Architecture:
-        """The GPT-3-style model (GeLU 4h MLP, LayerNorm, biases, learned positions, tied embeddings)."""
-        return replace(
-            PRESETS["gpt3-175b"],
-            d_model=self.hidden,
-            n_layers=self.layers,
-            n_heads=self.heads,
-            ffn_hidden=4 * self.hidden,
-        )
+        """The GPT-3-style model of this row."""
+        return megatron_gpt(self.hidden, self.layers, self.heads)
 
     @property
     def tokens_per_step(self) -> int:
