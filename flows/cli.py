@@ -353,12 +353,12 @@ def plan(
     ),
 ) -> None:
     """Estimate memory, time and communication, search the layouts; exit 1 if the requested one does not fit."""
-    from tasks.capacity.plan import plan_capacity, write_plan
+    from tasks.capacity.plan import make_plan, write_plan
     from tasks.capacity.report import format_self_check, rich_report
-    from tasks.deployment import plan_inputs
+    from tasks.deployment import calibration_inputs, plan_inputs
 
     parsed = _load(spec)
-    result = plan_capacity(*plan_inputs(parsed))
+    result = make_plan(*plan_inputs(parsed), *calibration_inputs(parsed))
     if self_check:
         from tasks.capacity.measure import run_self_check  # imports torch: only when asked
 
@@ -412,6 +412,8 @@ def _print_acceptance(report, root: Path) -> None:  # noqa: ANN001 - AcceptanceR
         cells = (Text(row["check"]), Text(row["verdict"], style=style), Text(row["measured"]), Text(row["look first"]))
         table.add_row(*cells)
     console.print(table)
+    if report.plan_accuracy is not None:
+        console.print(report.plan_accuracy.line(), markup=False, highlight=False)
     written = [write_json(report, root / "acceptance.json"), write_junit(report, root / "junit.xml")]
     if report.runs:
         written.append(plot_losses(report, root / "loss_curve.png"))
@@ -442,12 +444,16 @@ def accept(
     """Accept the deployment along six dimensions; exit 1 when any fails."""
     from tasks.acceptance.suite import run_acceptance, work_dir
     from tasks.acceptance.workspace import Workspace, mark_latest
+    from tasks.deployment import planned_figures
 
     parsed = _load(spec)
     cfg = _training_config_prepared(parsed)
     acceptance = _with_workspace_base(parsed.acceptance, out)
     root = work_dir(acceptance, cfg)
-    report = run_acceptance(parsed.cluster, cfg, acceptance, root, None, image, soak, parsed.drills, drills)
+    report = run_acceptance(
+        parsed.cluster, cfg, acceptance, root, None, image, soak, parsed.drills, drills,
+        planned=planned_figures(parsed),
+    )  # fmt: skip
     _print_acceptance(report, root)
     mark_latest(Workspace.at(root))
     if not report.passed:

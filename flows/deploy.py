@@ -19,6 +19,7 @@ from tasks.capacity.task import estimate_capacity
 from tasks.deployment import (
     ServingResult,
     SkippedResult,
+    calibration_inputs,
     dataset_check_inputs,
     image_inputs,
     node_report_path,
@@ -79,7 +80,7 @@ def deploy_training(spec: SpecSource = "examples/local.yaml") -> Results:
 
     try:
         begin(step)
-        results["capacity"] = plan_step(*plan_inputs(spec))
+        results["capacity"] = plan_step(*plan_inputs(spec), *calibration_inputs(spec))
         step = begin("nodes")
         results["nodes"] = check_nodes(spec.nodes, spec.cluster, node_report_path(spec))
         step = begin("image")
@@ -96,7 +97,14 @@ def deploy_training(spec: SpecSource = "examples/local.yaml") -> Results:
         root = workspace_root(spec.acceptance, train)  # this run's own acceptance workspace: nothing resumes
         step = begin("acceptance")
         results["acceptance"] = run_acceptance(
-            spec.cluster, train, spec.acceptance, root, image, drills=spec.drills, provenance=Provenance.of(spec, built)
+            spec.cluster,
+            train,
+            spec.acceptance,
+            root,
+            image,
+            drills=spec.drills,
+            provenance=Provenance.of(spec, built),
+            planned=results["capacity"].planned,
         )
         step = begin("drills")
         results["drills"] = run_drills(spec.cluster, train, spec.acceptance, spec.drills, root, image=image)

@@ -12,7 +12,7 @@ from prefect import flow
 from flows.deploy import load_or_diagnose
 from tasks.acceptance.suite import workspace_root
 from tasks.acceptance.task import run_acceptance, run_drills
-from tasks.deployment import dataset_check_inputs, training_config
+from tasks.deployment import dataset_check_inputs, planned_figures, training_config
 from tasks.ledger.registry import Provenance
 from tasks.logs import install_user_error_filter
 from tasks.pipeline import STEP_TITLES, Results, SpecSource, diagnose_failure, publish_summary
@@ -43,7 +43,14 @@ def nightly_validation(spec: SpecSource = "examples/local.yaml") -> Results:
         root = workspace_root(spec.acceptance, train, nightly=True)  # a fresh workspace per night
         step = begin("acceptance")
         results["acceptance"] = run_acceptance(
-            spec.cluster, train, spec.acceptance, root, soak=True, drills=spec.drills, provenance=Provenance.of(spec)
+            spec.cluster,
+            train,
+            spec.acceptance,
+            root,
+            soak=True,
+            drills=spec.drills,
+            provenance=Provenance.of(spec),
+            planned=planned_figures(spec),
         )
         step = begin("drills")
         results["drills"] = run_drills(spec.cluster, train, spec.acceptance, spec.drills, root)

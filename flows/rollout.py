@@ -13,7 +13,7 @@ from prefect import flow
 from flows.deploy import load_or_diagnose
 from tasks.acceptance.suite import workspace_root
 from tasks.acceptance.task import run_acceptance
-from tasks.deployment import dataset_check_inputs, training_config
+from tasks.deployment import dataset_check_inputs, planned_figures, training_config
 from tasks.launch.task import submit_job
 from tasks.ledger.registry import Provenance
 from tasks.ledger.task import canary_rollout
@@ -45,7 +45,14 @@ def rollout(
         root = workspace_root(parsed.acceptance, train)
         provenance = Provenance.of(parsed, image_ref=image)
         results["acceptance"] = run_acceptance(
-            parsed.cluster, train, parsed.acceptance, root, image, drills=parsed.drills, provenance=provenance
+            parsed.cluster,
+            train,
+            parsed.acceptance,
+            root,
+            image,
+            drills=parsed.drills,
+            provenance=provenance,
+            planned=planned_figures(parsed),
         )
         step = "job"
         results["job"] = submit_job(parsed.cluster, train, parsed.name, image, wait_until)

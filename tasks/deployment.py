@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict
 
 from tasks.capacity.memory import GIB
+from validation.plan_accuracy import PlannedFigures
 
 if TYPE_CHECKING:
     from tasks.capacity.plan import CapacityPlan
@@ -53,6 +54,10 @@ class CapacityResult(StepResult):
     peak_bytes: int
     usable_bytes: int
     step_seconds: float
+    planned: PlannedFigures | None = None
+    """The planner's own figures that acceptance holds the run to (uncalibrated)."""
+    calibration: str = "none"
+    """Where the plan's calibration came from: none, the calibration file, or the ledger's accepted runs."""
 
     @classmethod
     def of(cls, plan: CapacityPlan, plan_url: str) -> CapacityResult:
@@ -65,6 +70,8 @@ class CapacityResult(StepResult):
             peak_bytes=int(ev.memory.total),
             usable_bytes=int(ev.usable_bytes),
             step_seconds=ev.step_seconds,
+            planned=plan.planned(),
+            calibration=plan.calibration.source,
         )
 
     def summary(self) -> str:
@@ -206,7 +213,8 @@ class AcceptanceResult(StepResult):
             + (f" (recovery {d['recovery_s']:.1f} s)" if d.get("recovery_s") is not None else "")
             for d in self.report.get("drills", [])
         ]
-        return f"{self.verdict_text}: " + ", ".join(rows)
+        plan = self.report.get("plan_accuracy")
+        return f"{self.verdict_text}: " + ", ".join(rows) + (f"; {plan['line']}" if plan else "")
 
 
 class ServingResult(StepResult):
@@ -308,6 +316,21 @@ class ImageInputs:
 def plan_inputs(spec: DeploymentSpec) -> tuple[Any, ...]:
     """The capacity step's arguments (`plan_capacity`, `estimate_capacity`)."""
     return (spec.name, spec.capacity, spec.cluster, spec.model, spec.parallel, spec.precision, spec.run, spec.serve)
+
+
+def calibration_inputs(spec: DeploymentSpec) -> tuple[str, Any]:
+    """The capacity step's calibration source (`make_plan`, `estimate_capacity`): the ledger and its storage."""
+    from tasks.ledger.registry import ledger_url
+
+    return ledger_url(spec.acceptance, spec.run.output_url), spec.storage
+
+
+def planned_figures(spec: DeploymentSpec) -> PlannedFigures:
+    """The capacity plan's own (uncalibrated) figures for the spec's layout, that acceptance compares with a run."""
+    from tasks.capacity.calibration import NONE
+    from tasks.capacity.plan import plan_capacity
+
+    return plan_capacity(*plan_inputs(spec), calibration=NONE).planned()
 
 
 def plan_url(spec: DeploymentSpec, folder: str | None = None) -> str:

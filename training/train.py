@@ -222,6 +222,9 @@ class Trainer:
             faults.sample_rank(self.dp_rank), seed, drop_last=cfg.data.drop_last,
         )  # fmt: skip
 
+        # On CPU the peak resident set is the only memory figure: what the runtime held before the model was built
+        # is recorded so that acceptance can compare the training's own share with the capacity plan.
+        self.runtime_mem_bytes = peak_memory_bytes(self.device) if self.device.type == "cpu" else None
         seed_everything(seed)  # identical initial weights on every rank
         model = Transformer(model_cfg, recompute=par.activation_recompute).to(self.device)
         self.n_params = model.num_params()
@@ -515,6 +518,7 @@ class Trainer:
             "comm_s": comm_s,
             "compute_s": max(0.0, elapsed - data_s - (comm_s or 0.0) - loss_sync_s),
             "peak_mem_bytes": peak_memory_bytes(self.device),
+            "runtime_mem_bytes": self.runtime_mem_bytes,
             "dropped_tokens": self._dropped_tokens(),
             "comm_bytes": dict(counted.sent) if counted is not None else None,
             "comm_s_per_dim": dict(counted.seconds) if counted is not None else None,

@@ -47,6 +47,20 @@ class AcceptanceThresholds(StrictModel):
     loss_spike_window_steps: int = Field(default=10, ge=2, description="Steps in the median a spike is judged by.")
     stall_timeout_s: float = Field(default=300.0, gt=0, description="No step progress for this long is a hang.")
     warmup_steps_ignored: int = Field(default=2, ge=0, description="First steps left out of throughput figures.")
+    plan_max_rel_error: float = Field(
+        default=0.5,
+        gt=0,
+        le=100,
+        description="Plan vs run: largest |planned - measured| / measured of the step time and of each rank's peak "
+        "memory that counts as agreement (acceptance.json `plan_accuracy`; shown, never failing a dimension).",
+    )
+    plan_finding_runs: int = Field(
+        default=3,
+        ge=1,
+        le=100,
+        description="Plan vs run: a figure beyond plan_max_rel_error on the same side in this many accepted runs "
+        "in a row (this one and the ledger's last ones on the accelerator and layout) is a planner finding.",
+    )
     quality_max_rel_worse: float = Field(
         default=0.02,
         gt=0,

@@ -39,6 +39,7 @@ from tasks.progress import report
 from training.config import TrainConfig
 from validation.acceptance import (
     DIMENSIONS,
+    AcceptanceThresholds,
     DimensionResult,
     check_connectivity,
     check_correctness,
@@ -48,6 +49,7 @@ from validation.acceptance import (
     rank_metrics,
 )
 from validation.data_consistency import Sampling, check_data_consistency, with_resumed_run
+from validation.plan_accuracy import PlanAccuracy, PlannedFigures, compare_plan, with_history
 from validation.quality import with_quality
 
 log = logging.getLogger(__name__)
@@ -66,6 +68,8 @@ class AcceptanceReport:
     runs: dict[str, str] = field(default_factory=dict)
     ledger_entry: str | None = None
     """The ledger entry this accepted run recorded (None: not accepted, or the ledger could not be written)."""
+    plan_accuracy: PlanAccuracy | None = None
+    """The capacity plan beside what the distributed run measured (None: no plan given, or no steps)."""
 
     @property
     def passed(self) -> bool:
@@ -93,6 +97,7 @@ class AcceptanceReport:
             "drills": [d.to_json() for d in self.drills],
             "runs": self.runs,
             "ledger_entry": self.ledger_entry,
+            "plan_accuracy": self.plan_accuracy.to_json() if self.plan_accuracy else None,
         }
 
 
@@ -188,6 +193,7 @@ def run_acceptance(
     provenance: Provenance | None = None,
     canary: bool = False,
     record: bool = True,
+    planned: PlannedFigures | None = None,
 ) -> AcceptanceReport:
     """Run the distributed job and the reference through the spec's scheduler and judge them, against the
     ledger's current baseline; an accepted run is recorded in the ledger (with `provenance`: spec and image).
@@ -196,6 +202,8 @@ def run_acceptance(
     A `canary` (tdeploy rollout) is judged without the recovery drill: it asks whether a new version computes
     and performs like the baseline, not whether checkpoints restore (the full acceptance after it does).
     `record` False: an accepted run is not recorded (a new version's canary, before its full rollout).
+    `planned`: the capacity plan's figures for the layout; the run's measured peak memory per rank and step time
+    are recorded beside them with the error (a planner finding when it persists over the ledger's runs).
     """
     provenance = provenance or Provenance()
     limits = acceptance.thresholds
@@ -277,12 +285,34 @@ def run_acceptance(
     runs = {"distributed": str(dist.output_dir), "reference": str(reference.output_dir)}
     if pair is not None:  # the distributed side of correctness, when the main run could not serve
         runs["correctness"] = str(pair.output_dir)
-    accepted = AcceptanceReport(dimensions, drill_results, runs)
+    accuracy = None if planned is None else plan_accuracy(planned, ledger, dist, cluster, limits)
+    accepted = AcceptanceReport(dimensions, drill_results, runs, plan_accuracy=accuracy)
     if accepted.passed and record:  # every dimension and drill: the run becomes the current baseline
         gate.record(root, dist.output_dir)
         assert figures is not None  # a run without a result fails stability
-        accepted.ledger_entry = _record(ledger, cluster, train, dist_train, world, figures, provenance, root)
+        accepted.ledger_entry = _record(ledger, cluster, train, dist_train, world, figures, provenance, root, accuracy)
     return accepted
+
+
+def plan_accuracy(
+    planned: PlannedFigures, ledger: Ledger, dist: RunOutcome, cluster: ClusterConfig, limits: AcceptanceThresholds
+) -> PlanAccuracy | None:
+    """The distributed run's measured memory per rank and step time beside the plan's, a planner finding when
+    the ledger's last accepted runs on the accelerator were off the same way (None: the run recorded no step)."""
+    metrics = rank_metrics(dist.output_dir)
+    if not any(metrics.values()):
+        return None
+    mesh = mesh_of(dist.output_dir, cluster.world_size)
+    stage_of = {rank: coords["pp"] for rank, coords in mesh.coords.items()} if mesh else {}
+    accuracy = compare_plan(planned, metrics, stage_of, limits.plan_max_rel_error, limits.warmup_steps_ignored)
+    try:
+        earlier = ledger.plan_accuracies(planned.accelerator)
+    except LedgerError as err:  # the regression dimension reports the ledger's problem
+        log.warning("plan vs run: the ledger's earlier runs could not be read: %s", err)
+        earlier = []
+    accuracy = with_history(accuracy, earlier, limits.plan_finding_runs)
+    log.info("%s", accuracy.line())
+    return accuracy
 
 
 def regression_of(
@@ -308,11 +338,12 @@ def _record(
     figures: GoldenFigures,
     provenance: Provenance,
     root: Path,
+    accuracy: PlanAccuracy | None = None,
 ) -> str | None:
     """Append the accepted run's ledger entry; its id (None, with a warning, when the ledger cannot be written:
     the acceptance itself passed)."""
     try:
-        entry = record_entry(ledger, cluster, train, dist_train, world, figures, provenance, root)
+        entry = record_entry(ledger, cluster, train, dist_train, world, figures, provenance, root, accuracy)
     except OSError as err:
         log.warning("could not record the ledger entry in %s: %s", ledger.url, err)
         return None

@@ -19,6 +19,7 @@ from tasks.deployment import AcceptanceResult
 from tasks.errors import UserError, retry_on_transient
 from tasks.ledger.registry import Provenance
 from training.config import TrainConfig
+from validation.plan_accuracy import PlannedFigures
 
 
 class AcceptanceFailed(UserError):
@@ -51,16 +52,21 @@ def run_acceptance(
     with_drills: bool = False,
     faults: dict[str, str] | None = None,
     provenance: Provenance | None = None,
+    planned: PlannedFigures | None = None,
 ) -> AcceptanceResult:
     """Run the acceptance suite (optionally with the drills) in the fresh run workspace `root`
     (see `workspace_root`), against the ledger's current baseline; fails when any dimension fails (the
-    regression gate included). An accepted run is recorded in the ledger with `provenance`."""
+    regression gate included). An accepted run is recorded in the ledger with `provenance`; with `planned` (the
+    capacity plan's figures) its measured memory and step time are recorded beside them."""
     logger = get_run_logger()
     workspace = open_workspace(root, acceptance.keep_runs)
     logger.info("acceptance workspace %s", workspace.root)
     report = run_acceptance_suite(
-        cluster, train, acceptance, workspace.root, faults, image, soak, drills, with_drills, provenance
-    )
+        cluster, train, acceptance, workspace.root, faults, image, soak, drills, with_drills, provenance,
+        planned=planned,
+    )  # fmt: skip
+    if report.plan_accuracy is not None:
+        logger.info("%s", report.plan_accuracy.line())
     if report.ledger_entry:
         logger.info("recorded ledger entry %s: the current baseline now", report.ledger_entry)
     summary = publish(report, workspace.root, "acceptance", workspace)

@@ -68,8 +68,8 @@ def communication(
     tensor-parallel rank and all-gathered over TP on arrival (the payload sends the whole tensor from each).
     """
     lo = layout
-    m, tp, dp, pp = lo.grad_accum, lo.tp, lo.dp, lo.pp
-    tokens = lo.micro_batch * arch.seq_len
+    m, tp, dp, pp, cp = lo.grad_accum, lo.tp, lo.dp, lo.pp, lo.cp
+    tokens = lo.micro_batch * arch.seq_len // cp  # this rank's share of its micro-batch
     layers = max(lo.stage_layers(arch.n_layers)) if pp > 1 else arch.n_layers  # the busiest stage's blocks
     dense = (pc.total - pc.experts) / (tp * pp)
     experts = pc.experts / (tp * pp * lo.ep)
@@ -82,8 +82,9 @@ def communication(
     # backward of every micro-batch; under pipelining once per step (the schedule keeps the gathered weights over
     # the microbatches and reduce-scatters after the last). With expert parallelism the experts are
     # sharded (FSDP2) over the dp/ep ranks that hold the same experts, whatever the sharding of the rest.
-    shard = lo.shard if lo.zero else 1
-    replicas = dp // shard if lo.zero else dp
+    # Context-parallel ranks hold the same weights: gradients reduce, and shards spread, over dp x cp.
+    shard = lo.shard * cp if lo.zero else 1
+    replicas = dp // lo.shard if lo.zero else dp * cp
     sharded_experts = lo.ep > 1 and arch.is_moe
     if not sharded_experts:
         dense, experts = params_rank, 0.0
@@ -93,17 +94,17 @@ def communication(
         shard_bytes += dense * precision.grad_bytes * _ring(shard, "reduce-scatter")
         replica_bytes = dense * precision.grad_bytes / shard * _ring(replicas, "all-reduce")
     else:
-        shard_bytes = dense * precision.grad_bytes * _ring(dp, "all-reduce")
+        shard_bytes = dense * precision.grad_bytes * _ring(dp * cp, "all-reduce")
         replica_bytes = 0.0
-    expert_group = dp // lo.ep if sharded_experts else 1
+    expert_group = dp * cp // lo.ep if sharded_experts else 1
     expert_bytes = gathers * experts * precision.weight_bytes * _ring(expert_group, "all-gather")
     expert_bytes += experts * precision.grad_bytes * _ring(expert_group, "reduce-scatter")
     sent["data_parallel"] = shard_bytes + replica_bytes + expert_bytes
-    dp_span = tp * (shard if lo.zero >= 3 else dp)
+    dp_span = tp * (shard if lo.zero >= 3 else dp * cp)
     secs["data_parallel"] = (
         shard_bytes / _bandwidth(acc, dp_span, gpus_per_node)
-        + replica_bytes / _bandwidth(acc, tp * dp, gpus_per_node)
-        + expert_bytes / _bandwidth(acc, tp * dp, gpus_per_node)
+        + replica_bytes / _bandwidth(acc, tp * dp * cp, gpus_per_node)
+        + expert_bytes / _bandwidth(acc, tp * dp * cp, gpus_per_node)
     )
 
     # Tensor parallel, per block and micro-batch, in all-reduces of the hidden states: without sequence
@@ -132,7 +133,7 @@ def communication(
     sends = 2 * chunks - (1 if pp == 2 else 0)
     pp_bytes = sends * m * boundary if pp > 1 else 0.0
     sent["pipeline_parallel"] = pp_bytes
-    secs["pipeline_parallel"] = pp_bytes / _bandwidth(acc, tp * dp * 2, gpus_per_node) if pp > 1 else 0.0
+    secs["pipeline_parallel"] = pp_bytes / _bandwidth(acc, tp * cp * dp * 2, gpus_per_node) if pp > 1 else 0.0
     if pp > 1 and scatter_gather and not lo.sequence_parallel and tp > 1:
         # Each received boundary tensor is all-gathered over the tensor-parallel group (fast intra-node links).
         gather = sends * m * whole * _ring(tp, "all-gather")
@@ -148,11 +149,22 @@ def communication(
     sent["expert_parallel"] = ep_bytes
     secs["expert_parallel"] = ep_bytes / _bandwidth(acc, tp * lo.ep, gpus_per_node) if ep_bytes else 0.0
 
-    # What stays on the critical path: TP, PP and EP traffic; DP traffic beyond what the backward hides.
+    # Context parallel (Llama 3's all-gather attention): per block and micro-batch the whole sequence's keys and
+    # values are all-gathered over the cp ranks in forward (again under full recompute) and their gradients
+    # reduce-scattered in backward; on the critical path (the attention waits for them).
+    cp_bytes = 0.0
+    if cp > 1:
+        kv = 2 * lo.micro_batch * arch.seq_len * arch.kv_dim / tp * precision.act_bytes
+        passes = 3 if lo.recompute == "full" else 2
+        cp_bytes = m * layers * passes * kv * _ring(cp, "all-gather")
+    sent["context_parallel"] = cp_bytes
+    secs["context_parallel"] = cp_bytes / _bandwidth(acc, tp * cp, gpus_per_node) if cp_bytes else 0.0
+
+    # What stays on the critical path: TP, PP, EP and CP traffic; DP traffic beyond what the backward hides.
     # DDP and ZeRO-1/2 reduce after the last micro-batch's backward; FSDP's gathers overlap all of compute.
     backward_share = compute_seconds * (2 / 3) / max(1, m) if lo.zero < 3 else compute_seconds
     hidden = min(secs["data_parallel"], backward_share * overlap_fraction) if overlap else 0.0
-    exposed = secs["tensor_parallel"] + secs["pipeline_parallel"] + secs["expert_parallel"]
+    exposed = secs["tensor_parallel"] + secs["pipeline_parallel"] + secs["expert_parallel"] + secs["context_parallel"]
     exposed += secs["data_parallel"] - hidden
     bubble = 0.0
     if pp > 1:

@@ -66,6 +66,14 @@ class LayoutOverride(StrictModel):
     expert_parallel: int = Field(
         default=1, ge=1, le=MAX_RANKS, description="Ranks the experts of an MoE layer are spread over."
     )
+    context_parallel: int = Field(
+        default=1,
+        ge=1,
+        le=MAX_RANKS,
+        description="Context-parallel degree: ranks that split each sequence (Llama 3's all-gather attention, "
+        "torch's ring attention); needs attention: flash and model.seq_len divisible by 2 x context_parallel. "
+        "Planned only: the payload runs 1.",
+    )
     zero_stage: Literal[0, 1, 2, 3] | None = Field(
         default=None,
         description="Sharding over the data-parallel group; None = from parallel.sharding (ddp 0, fsdp 3).",
@@ -266,6 +274,25 @@ def _choices(values: list[int]) -> str:
     return ", ".join(str(v) for v in values[:-1]) + (" or " if len(values) > 1 else "") + str(values[-1])
 
 
+def _context_parallel_problems(cp: int, attention: str, seq_len: int, world: int, tp_pp: int) -> list[Problem]:
+    """Context parallelism splits each sequence in 2 x cp chunks (each rank a chunk from either end, so that the
+    causal mask's work is even) and needs fused attention (no score matrices over the whole sequence)."""
+    loc = ("capacity", "layout", "context_parallel")
+    problems: list[Problem] = []
+    if attention != "flash":
+        problems.append(
+            (loc, cp, f"needs capacity.attention: flash (attention={attention} keeps score matrices of the whole "
+                      "sequence on every rank); set attention: flash or context_parallel: 1")
+        )  # fmt: skip
+    if seq_len % (2 * cp):
+        valid = [d for d in divisors(world // tp_pp if world % tp_pp == 0 else world) if seq_len % (2 * d) == 0]
+        problems.append(
+            (loc, cp, f"model.seq_len={seq_len} must split in 2 x context_parallel = {2 * cp} equal chunks "
+                      f"(load-balanced causal attention); use {_choices(valid)}")
+        )  # fmt: skip
+    return problems
+
+
 def capacity_problems(
     capacity: CapacityConfig,
     accelerator: str,
@@ -313,7 +340,10 @@ def capacity_problems(
     world = nodes * procs_per_node
     lo = capacity.layout
     tp, pp, ep = (lo.tensor_parallel, lo.pipeline_parallel, lo.expert_parallel) if lo else (1, 1, 1)
+    cp = lo.context_parallel if lo else 1
     loc = ("capacity", "layout")
+    if cp > 1:
+        problems += _context_parallel_problems(cp, capacity.attention, model.seq_len, world, tp * pp)
     if tp > 1 and procs_per_node % tp:
         problems.append(
             (
@@ -326,6 +356,16 @@ def capacity_problems(
         if heads % tp:
             valid = [d for d in divisors(heads) if procs_per_node % d == 0]
             problems.append(((*loc, "tensor_parallel"), tp, f"must divide model {name}={heads}; use {_choices(valid)}"))
+    if world % (tp * pp) == 0 and (world // (tp * pp)) % cp:
+        valid = [d for d in divisors(world // (tp * pp)) if model.seq_len % (2 * d) == 0]
+        problems.append(
+            (
+                (*loc, "context_parallel"),
+                cp,
+                f"must divide the {world // (tp * pp)} ranks left after tensor_parallel x pipeline_parallel = "
+                f"{tp * pp} of {world} GPUs; use {_choices(valid)}",
+            )
+        )
     if world % (tp * pp):
         valid = [d for d in divisors(world // tp if world % tp == 0 else world) if model.n_layers % d == 0]
         problems.append(
@@ -364,7 +404,7 @@ def capacity_problems(
         )
     if lo and lo.sequence_parallel and tp == 1:
         problems.append(((*loc, "sequence_parallel"), True, "needs tensor_parallel > 1; remove it or raise TP"))
-    dp = world // (tp * pp) if world % (tp * pp) == 0 else 0
+    dp = world // (tp * pp * cp) if world % (tp * pp * cp) == 0 else 0
     if ep > 1:
         if model.moe is None:
             problems.append(((*loc, "expert_parallel"), ep, "applies to MoE models only (model.moe is null); use 1"))

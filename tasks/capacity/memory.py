@@ -174,6 +174,9 @@ class Layout:
     `zero` is the sharding stage over the data-parallel group (0: DDP; 1: optimizer states; 2: + gradients;
     3: + weights, i.e. FSDP). `shard_group` is the number of ranks a ZeRO/FSDP shard spans (hsdp: a node);
     None means the whole data-parallel group. Experts are spread over `ep` ranks of the data-parallel group.
+    `cp` context-parallel ranks split each sequence (Llama 3's all-gather attention, torch's ring attention):
+    they hold the same weights, reduce gradients with the data-parallel ranks and, sharded, shard over both
+    (torchtitan's dp_shard x cp).
     """
 
     dp: int
@@ -188,6 +191,7 @@ class Layout:
     sequence_parallel: bool = False
     pp_schedule: Literal["1f1b", "interleaved", "gpipe"] = "1f1b"
     virtual_stages: int = 1
+    cp: int = 1
     split: tuple[int, ...] | None = None
     """Layers of each pipeline chunk in order (pp x virtual_stages of them); None = balanced (the payload's
     training.layout.balanced_split: the extra layers on the later chunks)."""
@@ -208,7 +212,7 @@ class Layout:
     @property
     def world(self) -> int:
         """Ranks in the job."""
-        return self.dp * self.tp * self.pp
+        return self.dp * self.tp * self.pp * self.cp
 
     @property
     def shard(self) -> int:
@@ -223,6 +227,8 @@ class Layout:
     def describe(self) -> str:
         """Short human name, e.g. `dp8 tp2 pp1 zero3 mb4x2 sel sp`."""
         name = f"dp{self.dp} tp{self.tp} pp{self.pp}"
+        if self.cp > 1:
+            name += f" cp{self.cp}"
         if self.ep > 1:
             name += f" ep{self.ep}"
         name += f" zero{self.zero}"
@@ -353,7 +359,7 @@ def model_states(params: StageParams, precision: Precision, lo: Layout, offload:
     the device until they are reduced. `optimizer+params` at ZeRO-3 moves the weight shards too (gathered to the
     device block by block, counted in the buffers). Other stages keep their states on the device.
     """
-    zero, shard = lo.zero, lo.shard
+    zero, shard = lo.zero, lo.shard * lo.cp
     expert_shard = max(1, shard // lo.ep) if zero else 1
     if zero >= 3:
         weights = (params.dense / shard + params.expert / expert_shard) * precision.weight_bytes
@@ -558,6 +564,9 @@ class MemoryBreakdown:
     states: ModelStates
     stage_index: int = 0
     stage_layers: int = 0
+    activations_stored: float = 0.0
+    """Every activation the stage saves for backward, at the start of its first backward (all micro-batches in
+    flight, autocast's weight copies apart): the stored total; `activations` is what is alive at the peak moment."""
 
     @property
     def allocated_peak(self) -> float:
@@ -589,6 +598,7 @@ class MemoryBreakdown:
             "gradients_bytes": self.gradients,
             "optimizer_bytes": self.optimizer,
             "activations_bytes": self.activations,
+            "activations_stored_bytes": self.activations_stored,
             "autocast_weight_copies_bytes": self.weight_copies,
             "buffers_bytes": self.buffers,
             "transient_bytes": self.transient,
@@ -747,17 +757,19 @@ class MemoryModel:
         # f-sized gradients are alive next to the residual stream's gradient.
         self._mlp_freed = k * inner
         self._mlp_transient = k * inner * (3 if arch.mlp == "swiglu" else 2)
-        self._act_cache: dict[tuple[str, int, int, bool], float] = {}
+        self._act_cache: dict[tuple[str, int, int, bool, int], float] = {}
         self._shape_cache: dict[tuple[int, int, int, bool, bool], StageParams] = {}
         self._per_tensor_opt_transient = _per_tensor_adamw_temporaries(arch, pc)
         self._rope_buffers = 2 * arch.seq_len * (arch.head_dim // 2) * 4 if arch.positions == "rope" else 0
 
-    def _act_bytes(self, recompute: str, micro_batch: int, tp: int, sp: bool) -> float:
-        """Saved bytes of one block for one micro-batch (memoised: the search asks the same few many times)."""
-        key = (recompute, micro_batch, tp, sp)
+    def _act_bytes(self, recompute: str, micro_batch: int, tp: int, sp: bool, cp: int = 1) -> float:
+        """Saved bytes of one block for one micro-batch on one of `cp` context-parallel ranks (its 1/cp of each
+        sequence; memoised: the search asks the same few many times)."""
+        key = (recompute, micro_batch, tp, sp, cp)
         cached = self._act_cache.get(key)
         if cached is None:
-            cached = self._act_cache[key] = self._acts[recompute].bytes(micro_batch, self.arch.seq_len, tp, sp)
+            seq = self.arch.seq_len // cp
+            cached = self._act_cache[key] = self._acts[recompute].bytes(micro_batch, seq, tp, sp)
         return cached
 
     def estimate(self, layout: Layout) -> MemoryBreakdown:
@@ -795,10 +807,10 @@ class MemoryModel:
         """Saved activations of stage `index` (of `layers` blocks) and what changes while a block's backward runs."""
         arch, p, tp, b = self.arch, self.p, lo.tp, lo.micro_batch
         sp = lo.sequence_parallel and tp > 1
-        tokens, last = b * arch.seq_len, index == lo.pp - 1
+        tokens, last = b * arch.seq_len // lo.cp, index == lo.pp - 1
         in_flight = micro_batches_in_flight(lo, index)
         full = lo.recompute == "full"
-        per_layer = self._act_bytes(lo.recompute, b, tp, sp)
+        per_layer = self._act_bytes(lo.recompute, b, tp, sp, lo.cp)
         copies_per_layer = (params.layer - self.params.per_layer_norms) * p.weight_copy_bytes
         resting = per_layer + (0.0 if full else copies_per_layer)
         head_saved = tokens * (self._head_replicated / (tp if sp else 1) + 4 * arch.vocab_size / tp) if last else 0.0
@@ -806,7 +818,11 @@ class MemoryModel:
         # The block whose backward runs: recomputed in full (its input is already counted), minus what is freed.
         working = -tokens * self._mlp_freed / tp
         if full:
-            working += self._act_bytes("none", b, tp, sp) + copies_per_layer - tokens * p.residual_bytes * arch.d_model
+            working += (
+                self._act_bytes("none", b, tp, sp, lo.cp) + copies_per_layer - tokens * p.residual_bytes * arch.d_model
+            )
+        # Context parallel: attention runs on the whole sequence's keys and values, gathered from the cp ranks.
+        gathered_kv = 2 * b * arch.seq_len * arch.kv_dim / tp * p.act_bytes if lo.cp > 1 else 0.0
         return StageActivations(
             in_flight=in_flight,
             layers=layers,
@@ -819,13 +835,13 @@ class MemoryModel:
             head_copies=head_copies,
             live=in_flight * layers * resting + head_saved + head_copies,
             working=working,
-            layer_transient=tokens * (arch.d_model * p.residual_bytes + self._mlp_transient / tp),
+            layer_transient=tokens * (arch.d_model * p.residual_bytes + self._mlp_transient / tp) + gathered_kv,
         )
 
     def _buffers(self, lo: Layout, params: StageParams, layers: int) -> StageBuffers:
         """Rope tables, DDP's gradient buckets, FSDP's root and the blocks it gathers during backward."""
         resident = float(self._rope_buffers)
-        if lo.zero == 0 and lo.dp > 1 and self.rt.ddp_buckets:
+        if lo.zero == 0 and lo.dp * lo.cp > 1 and self.rt.ddp_buckets:
             resident += params.total * self.p.grad_bytes  # DDP's flat gradient buckets
         gathered = 0.0
         if lo.zero >= 3:
@@ -843,7 +859,7 @@ class MemoryModel:
         resident = states.gradients if accumulating else 0.0
         if accumulating and lo.zero >= 2 and self.rt.fsdp_accumulate_unsharded:
             resident = params.total * gb  # sync off on all but the last micro-batch: unsharded gradients pile up
-        divisor = lo.shard if lo.zero >= 2 else 1
+        divisor = lo.shard * lo.cp if lo.zero >= 2 else 1
         # The output layer's gradient; FSDP2 reduce-scatters the root's gradients only at the end of backward.
         root_unsharded = lo.zero >= 3 and self.rt.fsdp_root_unsharded
         down_proj = self.arch.ffn_hidden * self.arch.d_model / lo.tp * gb
@@ -948,4 +964,5 @@ class MemoryModel:
             stage_index=index,
             stage_layers=layers,
             states=states,
+            activations_stored=acts.in_flight * acts.layers * acts.per_layer + acts.head_saved,
         )

@@ -28,6 +28,7 @@ LAYOUT_FIELDS = (
     "virtual_stages",
     "pipeline_microbatches",
     "expert_parallel",
+    "context_parallel",
     "micro_batch",
     "grad_accum_steps",
     "activation_recompute",
@@ -66,6 +67,7 @@ def parallel_section(lo: Layout, base: ParallelConfig) -> ParallelConfig:
         # The payload folds gradient accumulation into the pipeline's microbatches: one per planned micro-batch.
         "pipeline_microbatches": None,
         "expert_parallel": lo.ep,
+        "context_parallel": lo.cp,
         "micro_batch": lo.micro_batch,
         "grad_accum_steps": lo.grad_accum,
         "activation_recompute": lo.recompute,

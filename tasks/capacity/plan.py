@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING, Any
 
 import fsspec
 
+from tasks.capacity import calibration as calib
+from tasks.capacity.calibration import Calibration
 from tasks.capacity.catalogue import Accelerator, resolve_accelerator
 from tasks.capacity.compute import SECONDS_PER_DAY, budget_time, flops_conventions, flops_per_token
 from tasks.capacity.config import CapacityConfig
@@ -39,6 +41,8 @@ from tasks.capacity.serving import ServingPlan, ServingSettings, plan_serving
 from tasks.cluster import ClusterConfig
 from tasks.errors import UserError
 from training.config import ModelConfig, ParallelConfig, PrecisionConfig, Problem, RunConfig
+from training.storage import StorageConfig
+from validation.plan_accuracy import PlannedFigures
 
 if TYPE_CHECKING:
     from tasks.serve.config import ServeConfig
@@ -82,6 +86,14 @@ class CapacityPlan:
     """The requested layout's peak memory on each pipeline stage, in order (one entry without pipelining)."""
     serving: ServingPlan | None = None
     """The trained model served as the spec's `serve` section says (None: the spec serves nothing)."""
+    calibration: Calibration = calib.NONE
+    """The measured / planned factors this plan applies (calibration file or the ledger's accepted runs)."""
+    uncalibrated: PlannedFigures | None = None
+    """The planner's own figures for the requested layout, before calibration: what acceptance compares."""
+
+    def planned(self) -> PlannedFigures:
+        """The requested layout's figures as acceptance compares them with a run (uncalibrated)."""
+        return self.uncalibrated or planned_figures(self.accelerator.name, self.requested, self.stages)
 
     def runnable(self, ev: Evaluation) -> bool:
         """Whether the payload runs the evaluated layout as planned."""
@@ -228,6 +240,7 @@ class CapacityPlan:
                 "hfu": self.requested.hfu,
             },
             "flop_budget": self.flop_budget(),
+            "calibration": self.calibration.as_dict() | {"uncalibrated": self.planned().model_dump(mode="json")},
             "training": {
                 "tokens": self.train_tokens,
                 "steps": self.steps,
@@ -345,14 +358,16 @@ def requested_layout(capacity: CapacityConfig, cluster: ClusterConfig, parallel:
         schedule, virtual = planner_schedule(parallel.pipeline_schedule), parallel.virtual_stages
         split = parallel.pipeline_split
         micro = parallel.micro_batch
-        dp = world // (tp * pp)
+        cp = parallel.context_parallel
+        dp = world // (tp * pp * cp)
         default_batch = parallel.micro_batch * parallel.grad_accum_steps * dp
         if pp > 1:  # the pipeline splits micro_batch x grad_accum_steps sequences into its microbatches
             micro = parallel.micro_batch * parallel.grad_accum_steps // parallel.n_microbatches
     else:
         tp, pp, ep, sp = lo.tensor_parallel, lo.pipeline_parallel, lo.expert_parallel, lo.sequence_parallel
         schedule, virtual, split = lo.pipeline_schedule, lo.virtual_stages, lo.pipeline_split
-        dp = world // (tp * pp)
+        cp = lo.context_parallel
+        dp = world // (tp * pp * cp)
         default_batch = parallel.micro_batch * parallel.grad_accum_steps * world
         micro = parallel.micro_batch
         if lo.zero_stage is not None:
@@ -367,6 +382,7 @@ def requested_layout(capacity: CapacityConfig, cluster: ClusterConfig, parallel:
         tp=tp,
         pp=pp,
         ep=ep,
+        cp=cp,
         zero=zero,
         shard_group=shard if shard != dp else None,
         micro_batch=micro,
@@ -379,12 +395,14 @@ def requested_layout(capacity: CapacityConfig, cluster: ClusterConfig, parallel:
     )
 
 
-def _calibration_scale(capacity: CapacityConfig, accelerator: str) -> float:
-    if capacity.calibration_url is None:
-        return 1.0
-    with fsspec.open(capacity.calibration_url, "r") as handle:
-        corrections = json.load(handle)
-    return float(corrections.get(accelerator, {}).get("peak_scale", 1.0))
+def planned_figures(accelerator: str, requested: Evaluation, stages: list[MemoryBreakdown]) -> PlannedFigures:
+    """The figures acceptance holds a run to: step time and each pipeline stage's allocated peak."""
+    return PlannedFigures(
+        accelerator=accelerator,
+        layout=requested.layout.describe(),
+        step_seconds=requested.step_seconds,
+        stage_peak_bytes=[m.allocated_peak for m in stages] or [requested.memory.allocated_peak],
+    )
 
 
 def framework_overhead_gib(capacity: CapacityConfig, acc: Accelerator) -> float:
@@ -395,14 +413,18 @@ def framework_overhead_gib(capacity: CapacityConfig, acc: Accelerator) -> float:
 
 
 def make_estimator(
-    arch: Architecture, capacity: CapacityConfig, cluster: ClusterConfig, precision: PrecisionConfig
+    arch: Architecture,
+    capacity: CapacityConfig,
+    cluster: ClusterConfig,
+    precision: PrecisionConfig,
+    calibration: Calibration = calib.NONE,
 ) -> Estimator:
-    """An estimator for the spec's model, cluster, precision and assumptions."""
+    """An estimator for the spec's model, cluster, precision and assumptions, with `calibration` applied."""
     acc = resolve_accelerator(cluster.accelerator, capacity.accelerator_overrides())
     prec = Precision.of(precision.dtype, capacity.mixed_precision, capacity.optimizer, capacity.grad_dtype, arch)
     runtime = Runtime(attention=capacity.attention, device=acc.kind, foreach_optimizer=acc.kind == "gpu")
     margin = Margin(
-        fragmentation_fraction=capacity.fragmentation_fraction + _calibration_scale(capacity, acc.name) - 1,
+        fragmentation_fraction=max(0.0, capacity.fragmentation_fraction + calibration.memory_scale - 1),
         framework_bytes=framework_overhead_gib(capacity, acc) * GIB,
     )
     return Estimator(
@@ -418,6 +440,7 @@ def make_estimator(
         bandwidth_efficiency=capacity.memory_bandwidth_efficiency,
         overlap_fraction=capacity.dp_overlap_fraction,
         scatter_gather=capacity.pipeline_scatter_gather,
+        compute_scale=calibration.step_time_scale,
     )
 
 
@@ -445,17 +468,32 @@ def plan_capacity(
     precision: PrecisionConfig,
     run: RunConfig,
     serve: ServeConfig | None = None,
+    calibration: Calibration | None = None,
 ) -> CapacityPlan:
     """Estimate the requested layout and search the alternatives (the spec has been validated); with
     capacity.search_runnable_only the search skips layouts the payload would reject; with `serve`, plan serving
-    the trained model too (memory and the largest concurrency that fits)."""
+    the trained model too (memory and the largest concurrency that fits). `calibration`: measured / planned
+    factors (None: capacity.calibration_url's entry for the accelerator, if set)."""
     arch = Architecture.from_model_config(model, name=name)
-    est = make_estimator(arch, capacity, cluster, precision)
+    if calibration is None:
+        calibration = (
+            calib.from_file(capacity.calibration_url, cluster.accelerator) if capacity.calibration_url else calib.NONE
+        )
+    est = make_estimator(arch, capacity, cluster, precision, calibration)
     layout = requested_layout(capacity, cluster, parallel)
     requested = est.evaluate(layout)
+    uncalibrated = None
+    if calibration != calib.NONE:
+        raw = make_estimator(arch, capacity, cluster, precision)
+        uncalibrated = planned_figures(cluster.accelerator, raw.evaluate(layout), raw.memory.stages(layout))
     check = _PayloadCheck(model, parallel, precision.dtype, cluster)
     layouts = enumerate_layouts(
-        arch, cluster.world_size, cluster.procs_per_node, layout.global_batch, capacity.max_micro_batch
+        arch,
+        cluster.world_size,
+        cluster.procs_per_node,
+        layout.global_batch,
+        capacity.max_micro_batch,
+        context_parallel=not capacity.search_runnable_only and capacity.attention == "flash",
     )
     if capacity.search_runnable_only:
         layouts = (lo for lo in layouts if not check(lo))
@@ -481,6 +519,8 @@ def plan_capacity(
         payload={ev.layout: check(ev.layout) for ev in [requested, *found.fitting]},
         stages=est.memory.stages(layout),
         serving=None if serve is None else serving_plan(arch, est.accelerator, serve),
+        calibration=calibration,
+        uncalibrated=uncalibrated,
     )
     if plan.serving is not None:
         warnings += [f"serving: {p.message}" for p in plan.serving.problems]
@@ -495,6 +535,27 @@ def plan_capacity(
     for warning in warnings:
         log.warning("%s", warning)
     return plan
+
+
+def make_plan(
+    name: str,
+    capacity: CapacityConfig,
+    cluster: ClusterConfig,
+    model: ModelConfig,
+    parallel: ParallelConfig,
+    precision: PrecisionConfig,
+    run: RunConfig,
+    serve: ServeConfig | None = None,
+    ledger: str | None = None,
+    storage: StorageConfig | None = None,
+) -> CapacityPlan:
+    """The deployment's plan (`tdeploy plan` and the capacity step): `plan_capacity`, calibrated from the
+    ledger's accepted runs on the accelerator where `ledger` has some, else from capacity.calibration_url."""
+    from tasks.ledger.registry import Ledger  # noqa: PLC0415 - the ledger imports acceptance, which is heavier
+
+    accuracies = Ledger(ledger, storage).plan_accuracies(cluster.accelerator) if ledger else []
+    calibration = calib.calibration_for(capacity.calibration_url, cluster.accelerator, accuracies)
+    return plan_capacity(name, capacity, cluster, model, parallel, precision, run, serve, calibration)
 
 
 def _serving_json(plan: ServingPlan) -> dict[str, Any]:
@@ -548,5 +609,5 @@ def write_plan(plan: CapacityPlan, folder: str | None = None) -> str:
 
 def calibration_from(accelerator: str, comparisons: list[Any]) -> dict[str, dict[str, float]]:
     """A calibration entry (for capacity.calibration_url) from self-check comparisons: the worst measured/predicted."""
-    scale = max(c.measured_peak / c.predicted_peak for c in comparisons)
+    scale = max(c.measured_peak / c.predicted_peak for c in comparisons)  # read by calibration.from_file
     return {accelerator: {"peak_scale": scale, "cases": len(comparisons)}}

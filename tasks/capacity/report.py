@@ -22,7 +22,7 @@ def memory_rows(ev: Evaluation) -> list[tuple[str, str]]:
         ("weights", gib(m.weights)),
         ("gradients", gib(m.gradients)),
         ("optimizer states", gib(m.optimizer)),
-        ("activations", gib(m.activations)),
+        ("activations (alive at the peak moment)", gib(m.activations)),
         ("autocast weight copies", gib(m.weight_copies)),
         ("buffers (DDP buckets, gathered FSDP params, rope)", gib(m.buffers)),
         ("temporaries", gib(m.transient)),
@@ -44,7 +44,10 @@ def _summary_lines(plan: CapacityPlan) -> list[str]:
         f"{count(plan.train_tokens)} tokens = {count(plan.steps)} steps = {sig(days)} days",
         f"communication/compute ratio {sig(ev.comm.ratio_to_compute)}; inference KV cache "
         f"{gib(plan.kv_cache_bytes)} GiB for {ev.layout.micro_batch} x {count(plan.arch.seq_len)} tokens",
+        f"activations: {gib(ev.memory.activations_stored)} GiB stored for backward (every micro-batch in flight), "
+        f"{gib(ev.memory.activations)} GiB alive at the peak ({ev.memory.phase})",
         *_flops_lines(plan),
+        *_calibration_lines(plan),
         *_stage_lines(plan),
         *_serving_lines(plan),
     ]
@@ -65,6 +68,18 @@ def _flops_lines(plan: CapacityPlan) -> list[str]:
             f"{count(fit['tokens'])} by the Approach 3 fit"
         )
     return lines
+
+
+def _calibration_lines(plan: CapacityPlan) -> list[str]:
+    """The measured / planned factors the plan applies, and where they come from (nothing when none)."""
+    c = plan.calibration
+    if c.source == "none":
+        return []
+    raw = plan.planned()
+    return [
+        f"calibrated from {'the ledger' if c.source == 'ledger' else c.source} ({c.runs} runs): step time x"
+        f"{sig(c.step_time_scale)} (uncalibrated {sig(raw.step_seconds)} s), memory x{sig(c.memory_scale)}"
+    ]
 
 
 def _serving_lines(plan: CapacityPlan) -> list[str]:

@@ -90,6 +90,8 @@ class Estimator:
     """Share of the memory bandwidth elementwise kernels reach; None = memory-bound work not modelled."""
     overlap_fraction: float = 1.0
     scatter_gather: bool = False
+    compute_scale: float = 1.0
+    """Calibration: measured / planned step time, applied to the compute terms (matmuls, memory-bound work)."""
     _flops: dict[str, tuple[float, float]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -111,11 +113,12 @@ class Estimator:
         tokens = layout.global_batch * self.arch.seq_len
         # A pipeline runs at the pace of its busiest stage: uneven stages leave the others waiting.
         imbalance = max(layout.stage_layers(self.arch.n_layers)) * layout.pp / self.arch.n_layers
-        matmul = hw_tok * tokens * imbalance / (layout.world * self.flops_rate)
+        matmul = hw_tok * tokens * imbalance / (layout.world * self.flops_rate) * self.compute_scale
         bound = 0.0
         if self.bandwidth_efficiency:
             rate = self.accelerator.hbm_tb_s * 1e12 * self.bandwidth_efficiency
             bound = memory_bound(self.arch, self.memory.p, layout, self.memory.rt.attention, rate).seconds
+            bound *= self.compute_scale
         compute = matmul + bound
         comm = communication(
             self.arch,
@@ -139,6 +142,7 @@ class Estimator:
             pipeline_parallel=comm.seconds["pipeline_parallel"],
             expert_parallel=comm.seconds["expert_parallel"],
             bubble=comm.bubble_seconds,
+            context_parallel=comm.seconds["context_parallel"],
         )
         peak = self.accelerator.peak_flops(self.memory.p.compute_dtype)
         return Evaluation(
@@ -155,57 +159,80 @@ class Estimator:
 
 
 def enumerate_layouts(
-    arch: Architecture, world: int, gpus_per_node: int, global_batch: int, max_micro_batch: int = 64
+    arch: Architecture,
+    world: int,
+    gpus_per_node: int,
+    global_batch: int,
+    max_micro_batch: int = 64,
+    context_parallel: bool = False,
 ) -> Iterator[Layout]:
-    """Every valid layout: DP x TP x PP x EP x ZeRO x micro-batch x recompute x SP x schedule for a fixed batch."""
+    """Every valid layout: DP x TP x PP (x CP) x EP x ZeRO x micro-batch x recompute x SP x schedule for a fixed
+    batch. `context_parallel`: also split sequences over cp ranks (cp with seq_len divisible by 2 cp)."""
     tps = [t for t in divisors(gpus_per_node) if arch.n_heads % t == 0 and arch.kv_heads % t == 0]
     for tp in tps:
         for pp in divisors(world // tp) if world % tp == 0 else []:
             if pp > arch.n_layers:
                 break
-            dp = world // (tp * pp)
-            if global_batch % dp:
-                continue
-            per_rank = global_batch // dp
-            eps = [e for e in divisors(dp) if arch.n_experts and arch.n_experts % e == 0] or [1]
-            schedules: list[tuple[str, int]] = [("1f1b", 1)]
-            # Interleaving splits each stage into v chunks of equal layers: any v > 1 that divides an even stage.
-            if pp > 1 and arch.n_layers % pp == 0:
-                schedules += [("interleaved", v) for v in divisors(arch.n_layers // pp) if v > 1]
-            shards = [dp]
-            node_shard = gpus_per_node // tp
-            if 1 < node_shard < dp and dp % node_shard == 0:
-                shards.append(node_shard)
-            for mb in divisors(per_rank):
-                if mb > max_micro_batch:
-                    break
-                accum = per_rank // mb
-                if pp > 1 and accum < pp:
-                    continue  # fewer micro-batches than stages: the pipeline never fills
-                for ep in eps:
-                    for zero in (0, 1, 2, 3):
-                        if dp == 1 and zero:
-                            continue
-                        for shard in shards if zero else [dp]:
-                            for recompute in ("none", "selective", "full"):
-                                for sp in (False, True) if tp > 1 else (False,):
-                                    for schedule, v in schedules:
-                                        if schedule == "interleaved" and accum % pp:
-                                            continue
-                                        yield Layout(
-                                            dp=dp,
-                                            tp=tp,
-                                            pp=pp,
-                                            ep=ep,
-                                            zero=zero,
-                                            shard_group=shard if shard != dp else None,
-                                            micro_batch=mb,
-                                            grad_accum=accum,
-                                            recompute=recompute,  # type: ignore[arg-type]
-                                            sequence_parallel=sp,
-                                            pp_schedule=schedule,  # type: ignore[arg-type]
-                                            virtual_stages=v,
-                                        )
+            rest = world // (tp * pp)
+            cps = [c for c in divisors(rest) if arch.seq_len % (2 * c) == 0] if context_parallel else [1]
+            for cp in cps:
+                yield from _layouts_of(arch, tp, pp, cp, rest // cp, gpus_per_node, global_batch, max_micro_batch)
+
+
+def _layouts_of(
+    arch: Architecture,
+    tp: int,
+    pp: int,
+    cp: int,
+    dp: int,
+    gpus_per_node: int,
+    global_batch: int,
+    max_micro_batch: int,
+) -> Iterator[Layout]:
+    """The layouts of one TP x PP x CP x DP grid: EP, ZeRO, micro-batching, recompute, SP and schedule."""
+    if global_batch % dp:
+        return
+    per_rank = global_batch // dp
+    eps = [e for e in divisors(dp) if arch.n_experts and arch.n_experts % e == 0] or [1]
+    schedules: list[tuple[str, int]] = [("1f1b", 1)]
+    # Interleaving splits each stage into v chunks of equal layers: any v > 1 that divides an even stage.
+    if pp > 1 and arch.n_layers % pp == 0:
+        schedules += [("interleaved", v) for v in divisors(arch.n_layers // pp) if v > 1]
+    shards = [dp]
+    node_shard = gpus_per_node // tp
+    if 1 < node_shard < dp and dp % node_shard == 0:
+        shards.append(node_shard)
+    for mb in divisors(per_rank):
+        if mb > max_micro_batch:
+            break
+        accum = per_rank // mb
+        if pp > 1 and accum < pp:
+            continue  # fewer micro-batches than stages: the pipeline never fills
+        for ep in eps:
+            for zero in (0, 1, 2, 3):
+                if dp * cp == 1 and zero:
+                    continue
+                for shard in shards if zero else [dp]:
+                    for recompute in ("none", "selective", "full"):
+                        for sp in (False, True) if tp > 1 else (False,):
+                            for schedule, v in schedules:
+                                if schedule == "interleaved" and accum % pp:
+                                    continue
+                                yield Layout(
+                                    dp=dp,
+                                    tp=tp,
+                                    pp=pp,
+                                    ep=ep,
+                                    cp=cp,
+                                    zero=zero,
+                                    shard_group=shard if shard != dp else None,
+                                    micro_batch=mb,
+                                    grad_accum=accum,
+                                    recompute=recompute,  # type: ignore[arg-type]
+                                    sequence_parallel=sp,
+                                    pp_schedule=schedule,  # type: ignore[arg-type]
+                                    virtual_stages=v,
+                                )
 
 
 @dataclass

@@ -7,12 +7,13 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from tasks.capacity.config import CapacityConfig
 from tasks.capacity.memory import GIB
-from tasks.capacity.plan import plan_capacity, write_plan
+from tasks.capacity.plan import make_plan, write_plan
 from tasks.capacity.report import markdown_report, memory_rows
 from tasks.cluster import ClusterConfig
 from tasks.deployment import CapacityResult
 from tasks.serve.config import ServeConfig
 from training.config import ModelConfig, ParallelConfig, PrecisionConfig, RunConfig
+from training.storage import StorageConfig
 
 
 @task(name="estimate_capacity")
@@ -25,10 +26,13 @@ def estimate_capacity(
     precision: PrecisionConfig,
     run: RunConfig,
     serve: ServeConfig | None = None,
+    ledger: str | None = None,
+    storage: StorageConfig | None = None,
 ) -> CapacityResult:
-    """Estimate memory, time and traffic; write plan.json; stop (CapacityError) if the layout does not fit."""
+    """Estimate memory, time and traffic (calibrated from the `ledger`'s accepted runs where it has some);
+    write plan.json; stop (CapacityError) if the layout does not fit."""
     logger = get_run_logger()
-    plan = plan_capacity(name, capacity, cluster, model, parallel, precision, run, serve)
+    plan = make_plan(name, capacity, cluster, model, parallel, precision, run, serve, ledger, storage)
     url = write_plan(plan)
     ev = plan.requested
     logger.info(

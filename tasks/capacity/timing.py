@@ -84,7 +84,7 @@ def memory_bound(arch: Architecture, p: Precision, lo: Layout, attention: str, b
     sp = lo.sequence_parallel and tp > 1
     per_token = per.replicated / (tp if sp else 1) + per.split / tp
     layers = max(lo.stage_layers(arch.n_layers)) if lo.pp > 1 else arch.n_layers
-    tokens = lo.micro_batch * lo.grad_accum * arch.seq_len  # every micro-batch of this data-parallel rank
+    tokens = lo.micro_batch * lo.grad_accum * arch.seq_len // lo.cp  # every micro-batch's share of this rank
     forward = tokens * layers * per_token
     recompute = 0.0
     if lo.recompute == "full":
@@ -114,6 +114,8 @@ class StepTime:
     """Token dispatch and combine all-to-alls: on the critical path."""
     bubble: float
     """Pipeline fill and drain: (p - 1) / (m v) of the compute."""
+    context_parallel: float = 0.0
+    """Keys and values gathered over the context-parallel ranks (and their gradients reduce-scattered)."""
 
     @property
     def compute(self) -> float:
@@ -123,7 +125,13 @@ class StepTime:
     @property
     def exposed_communication(self) -> float:
         """Communication on the critical path."""
-        return self.data_parallel_exposed + self.tensor_parallel + self.pipeline_parallel + self.expert_parallel
+        return (
+            self.data_parallel_exposed
+            + self.tensor_parallel
+            + self.pipeline_parallel
+            + self.expert_parallel
+            + self.context_parallel
+        )
 
     @property
     def total(self) -> float:
@@ -140,6 +148,7 @@ class StepTime:
             "tensor_parallel_seconds": self.tensor_parallel,
             "pipeline_parallel_seconds": self.pipeline_parallel,
             "expert_parallel_seconds": self.expert_parallel,
+            "context_parallel_seconds": self.context_parallel,
             "bubble_seconds": self.bubble,
             "step_seconds": self.total,
         }

@@ -50,6 +50,7 @@ from training.dataset import DatasetManifest, read_manifest
 from training.run_output import RunOutput
 from training.storage import StorageConfig, filesystem, join, write_bytes_atomic
 from validation.acceptance import DimensionResult
+from validation.plan_accuracy import PlanAccuracy
 from validation.quality import LossCurve, loss_curve
 
 if TYPE_CHECKING:
@@ -130,6 +131,9 @@ class LedgerEntry(_Record):
     checkpoint: CheckpointRef | None = Field(description="The accepted checkpoint (None: the run saved none).")
     figures: GoldenFigures
     acceptance_run: str = Field(description="The acceptance run workspace it came from.")
+    plan_accuracy: PlanAccuracy | None = Field(
+        default=None, description="The capacity plan beside what the run measured (None: planned without a plan)."
+    )
 
     def line(self) -> str:
         """One line for `tdeploy history`."""
@@ -340,6 +344,15 @@ class Ledger:
         served = self._ids(SERVING)
         return [self._with_serving(self._read(self._path(ENTRIES, i), LedgerEntry), served) for i in self._ids(ENTRIES)]
 
+    def plan_accuracies(self, accelerator: str) -> list[PlanAccuracy]:
+        """The plan-vs-run records of the accepted runs on `accelerator`, oldest first (rolled-back entries too:
+        their runs measured what they measured)."""
+        return [
+            e.plan_accuracy
+            for e in self.entries()
+            if e.plan_accuracy is not None and e.cluster.get("accelerator") == accelerator
+        ]
+
     def entry(self, entry_id: str) -> LedgerEntry:
         """The entry `entry_id` (LedgerError when there is none)."""
         if not RUN_ID.match(entry_id) or entry_id not in self._ids(ENTRIES):
@@ -480,6 +493,7 @@ def record_entry(
     figures: GoldenFigures,
     provenance: Provenance,
     workspace: Path,
+    plan_accuracy: PlanAccuracy | None = None,
 ) -> LedgerEntry:
     """Append the entry of an accepted run: keep its checkpoint (pinned), then write the entry itself."""
     entry_id = new_run_id()
@@ -501,6 +515,7 @@ def record_entry(
         checkpoint=checkpoint,
         figures=figures,
         acceptance_run=str(workspace),
+        plan_accuracy=plan_accuracy,
     )
     ledger.append(entry)
     return entry

@@ -17,6 +17,8 @@ import pytest
 
 from tasks.acceptance.config import AcceptanceConfig
 from tasks.acceptance.suite import AcceptanceReport, run_acceptance
+from tasks.capacity.plan import make_plan
+from tasks.deployment import plan_inputs, planned_figures
 from tasks.ledger.registry import Ledger, Provenance, cluster_key_of, ledger_url
 from tasks.ledger.rollback import roll_back
 from tasks.ledger.rollout import RolloutStopped, roll_out, run_canary
@@ -29,7 +31,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
 ACCEPT = AcceptanceConfig.model_validate(
     {
-        "thresholds": {"scaling_efficiency_min": 0.001, "comm_share_max": 1.0, "straggler_ratio_max": 100.0},
+        "thresholds": {"scaling_efficiency_min": 0.001, "comm_share_max": 1.0, "straggler_ratio_max": 100.0,
+                       "plan_max_rel_error": 0.001, "plan_finding_runs": 2},
         "steps": 20,
         "save_every_steps": 10,
         "reference_steps": 5,
@@ -55,7 +58,11 @@ def accepted(tmp_path_factory: pytest.TempPathFactory, tiny_dataset: str) -> tup
     }
     spec = parse_spec(deep_merge(TINY_SPEC, overrides), "tiny:ledger")
     train, provenance = spec.training_config(), Provenance.of(spec, image_ref=None)
-    reports = [run_acceptance(spec.cluster, train, ACCEPT, root / f"ws{i}", provenance=provenance) for i in range(2)]
+    planned = planned_figures(spec)
+    reports = [
+        run_acceptance(spec.cluster, train, ACCEPT, root / f"ws{i}", provenance=provenance, planned=planned)
+        for i in range(2)
+    ]
     return spec, reports
 
 
@@ -112,3 +119,42 @@ def test_rollback_resumes_from_the_previous_entrys_checkpoint_and_makes_it_the_b
     assert RunOutput(outcome.output_dir).last_step() == ACCEPT.steps + 3
     assert outcome.marked == [second.ledger_entry]
     assert ledger.current(spec.name, cluster_key_of(spec.cluster)).entry_id == first.ledger_entry
+
+
+def test_each_accepted_run_records_its_measured_memory_and_step_time_beside_the_plan(accepted) -> None:
+    spec, (first, second) = accepted
+    planned = planned_figures(spec)
+    for report in (first, second):
+        accuracy = report.plan_accuracy
+        assert accuracy is not None and accuracy.layout == planned.layout
+        assert accuracy.planned_step_s == planned.step_seconds and accuracy.measured_step_s > 0
+        assert [m.rank for m in accuracy.memory] == [0, 1]  # every rank, against its stage's planned peak
+        assert all(m.planned_bytes == planned.stage_peak_bytes[0] and m.measured_bytes > 0 for m in accuracy.memory)
+        assert accuracy.memory_measure.startswith("peak resident set")  # CPU: the runtime's share taken off
+        data = report.to_json()["plan_accuracy"]
+        assert data["step_time_error"] == accuracy.step_time_error and set(data["memory_errors"]) == {0, 1}
+    entries = _ledger(spec).entries()
+    assert [e.plan_accuracy for e in entries] == [first.plan_accuracy, second.plan_accuracy]
+
+
+def test_an_error_beyond_the_tolerance_in_consecutive_runs_is_a_planner_finding(accepted) -> None:
+    _, (first, second) = accepted
+    # plan_max_rel_error 0.1% and 2 runs: the first run has no history, the second repeats the first's errors
+    assert first.plan_accuracy.finding is None and first.plan_accuracy.beyond()
+    assert second.plan_accuracy.finding is not None
+    assert "in the last 2 accepted runs on cpu" in second.plan_accuracy.finding
+    assert "Planner finding" in second.plan_accuracy.line()
+
+
+def test_the_next_plan_is_calibrated_from_the_ledgers_accepted_runs(accepted) -> None:
+    spec, (first, second) = accepted
+    plain = make_plan(*plan_inputs(spec))
+    calibrated = make_plan(*plan_inputs(spec), _ledger(spec).url, spec.storage)
+    assert plain.calibration.source == "none" and calibrated.calibration.source == "ledger"
+    assert calibrated.calibration.runs == 2
+    ratios = [r.plan_accuracy.ratios()["step_time"] for r in (first, second)]
+    assert calibrated.calibration.step_time_scale == pytest.approx(sum(ratios) / 2)  # the median of two
+    raw, scaled = plain.requested.time, calibrated.requested.time
+    assert scaled.matmul == pytest.approx(raw.matmul * calibrated.calibration.step_time_scale)
+    assert calibrated.planned() == plain.planned()  # acceptance keeps holding runs to the planner's own figures
+    assert calibrated.to_json()["calibration"]["source"] == "ledger"
