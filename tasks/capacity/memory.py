@@ -441,19 +441,20 @@ def deepspeed_estimate(
 class LayerActivations:
     """Saved bytes of one block for one micro-batch, as coefficients.
 
-    bytes = tokens * (split / tp + replicated / (tp if sp else 1) + per_seq_split * seq / tp) + per_sequence * b
+    bytes = tokens * (split / tp + replicated / (tp if sp else 1) + seq_split * seq / tp)
+
+    `seq` is the tokens of a sequence one rank holds (a context-parallel rank holds 1/cp of it).
     """
 
     replicated: float
     split: float
     seq_split: float = 0.0
-    per_sequence: float = 0.0
 
     def bytes(self, micro_batch: int, seq: int, tp: int, sp: bool) -> float:
         """Bytes for a micro-batch of `micro_batch` sequences of `seq` tokens."""
         tokens = micro_batch * seq
         rep = self.replicated / tp if sp else self.replicated
-        return tokens * (rep + self.split / tp + self.seq_split * seq / tp) + self.per_sequence * micro_batch / tp
+        return tokens * (rep + self.split / tp + self.seq_split * seq / tp)
 
 
 def _norm_saved(arch: Architecture, p: Precision, consumers: int) -> tuple[float, float]:
@@ -518,10 +519,9 @@ def layer_activations(arch: Architecture, p: Precision, rt: Runtime, recompute: 
         split += k * (h * lin_in * consumers + inner + h * e + h * p.residual_bytes + 8 + 4)
     else:
         split += _mlp_inner(arch, p)
-    per_sequence = 0.0
     if p.recipe == "autocast" and arch.positions == "rope":
-        per_sequence = 4 * arch.seq_len * (arch.head_dim // 2) * e  # 16-bit cos/sin copies for q and k
-    return LayerActivations(replicated=replicated, split=split, seq_split=seq_split, per_sequence=per_sequence)
+        split += 4 * (arch.head_dim // 2) * e  # 16-bit cos/sin copies for q and k, per position the rank holds
+    return LayerActivations(replicated=replicated, split=split, seq_split=seq_split)
 
 
 def _mlp_inner(arch: Architecture, p: Precision) -> float:

@@ -126,6 +126,29 @@ def test_a_catalogue_entry_can_be_overridden_in_part() -> None:
             "FSDP2's CPUOffloadPolicy), but capacity.layout.zero_stage=0; set capacity.layout.zero_stage: 3, "
             "or offload: none",
         ),
+        (
+            {"capacity": {"layout": {"context_parallel": 3}}},
+            "capacity.layout.context_parallel=3: model.seq_len=32 must split in 2 x context_parallel = 6 equal "
+            "chunks (load-balanced causal attention); use 1 or 2",
+        ),
+        (
+            {"capacity": {"attention": "math", "layout": {"context_parallel": 2}}},
+            "capacity.layout.context_parallel=2: needs capacity.attention: flash",
+        ),
+        (
+            {"capacity": {"layout": {"context_parallel": 4}}},
+            "capacity.layout.context_parallel=4: must divide the 2 ranks left after tensor_parallel x "
+            "pipeline_parallel = 1 of 2 GPUs; use 1 or 2",
+        ),
+        ({"capacity": {"layout": {"context_parallel": 0}}}, "capacity.layout.context_parallel=0: must be >= 1"),
+        (
+            {"acceptance": {"thresholds": {"plan_max_rel_error": 0}}},
+            "acceptance.thresholds.plan_max_rel_error=0: must be > 0",
+        ),
+        (
+            {"acceptance": {"thresholds": {"plan_finding_runs": 0}}},
+            "acceptance.thresholds.plan_finding_runs=0: must be >= 1",
+        ),
     ],
 )
 def test_bad_capacity_input_names_field_value_and_fix(overrides: dict, message: str) -> None:
