@@ -213,8 +213,11 @@ class AcceptanceResult(StepResult):
             + (f" (recovery {d['recovery_s']:.1f} s)" if d.get("recovery_s") is not None else "")
             for d in self.report.get("drills", [])
         ]
+        text = ", ".join(rows)
         plan = self.report.get("plan_accuracy")
-        return f"{self.verdict_text}: " + ", ".join(rows) + (f"; {plan['line']}" if plan else "")
+        if plan:  # the capacity plan beside what the run measured
+            text = f"{text}; {plan['line']}" if text else plan["line"]
+        return f"{self.verdict_text}: {text}"
 
 
 class ServingResult(StepResult):

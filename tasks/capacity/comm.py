@@ -16,7 +16,7 @@ from tasks.capacity.memory import Layout, Precision
 from tasks.capacity.params import Architecture, ParamCount
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # built per evaluated layout: a frozen dataclass's __init__ is slower
 class CommEstimate:
     """Bytes per GPU per step and seconds, by kind of parallelism."""
 

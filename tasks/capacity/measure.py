@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import statistics
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -20,8 +21,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from tasks.capacity.catalogue import CATALOGUE
 from tasks.capacity.memory import Layout, MemoryBreakdown, MemoryModel, Precision, Runtime
 from tasks.capacity.params import Architecture
+from tasks.capacity.search import Estimator
+from tasks.capacity.timing import StepTime
 from tasks.cluster import ClusterConfig
 from training.config import ModelConfig, OptimConfig, ParallelConfig, PrecisionConfig
 from training.model import Transformer
@@ -251,6 +255,34 @@ def compare(case: MeasureCase, on_gpu: bool = False) -> Comparison:
         seconds=seconds,
         device="cuda (allocator peak)" if on_gpu else "cpu (fake tensors, MemTracker)",
     )
+
+
+def time_step(case: MeasureCase, steps: int = 5) -> float:
+    """Median seconds of one real optimizer step of `case` in this process on the CPU (one rank, real tensors,
+    the step training/train.py runs), after one untimed step that creates the optimizer states."""
+    if case.sharding != "ddp" or case.world != 1:
+        raise ValueError("the step time is measured in one process; use sharding=ddp with world=1")
+    torch.manual_seed(0)
+    model = Transformer(case.model, recompute=case.recompute)
+    optimizer = build_optimizer(model, OptimConfig(lr_peak=1e-3))
+    tokens = torch.randint(0, case.model.vocab_size, (case.micro_batch, case.model.seq_len + 1))
+    _step(model, optimizer, tokens, case)
+    times = []
+    for _ in range(steps):
+        started = time.perf_counter()
+        _step(model, optimizer, tokens, case)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def predict_step(case: MeasureCase, accelerator: str = "cpu", mfu: float = 0.4) -> StepTime:
+    """The planner's step time of `case` on one `accelerator` (the catalogue's figures, uncalibrated)."""
+    arch = Architecture.from_model_config(case.model)
+    acc = CATALOGUE[accelerator]
+    runtime = Runtime(device=acc.kind, ddp_buckets=case.world > 1, foreach_optimizer=acc.kind != "cpu")
+    memory = MemoryModel(arch, Precision.of(case.dtype), runtime)
+    estimator = Estimator(arch, memory, acc, case.world, acc.memory_bytes, mfu)
+    return estimator.evaluate(case.layout()).time
 
 
 def run_self_check(

@@ -323,7 +323,7 @@ def stage_params(
     )
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # built per evaluated layout: a frozen dataclass's __init__ is slower
 class ModelStates:
     """Bytes of weights, gradients and optimizer states on one rank's device and, offloaded, in its host memory;
     `optimizer_params` are the parameters whose optimizer step runs on the device (none when it is offloaded)."""
@@ -547,7 +547,7 @@ def kv_cache_bytes(arch: Architecture, batch: int, context: int, bytes_per_eleme
 # ---- the whole picture -------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # built per evaluated layout: a frozen dataclass's __init__ is slower
 class MemoryBreakdown:
     """Peak memory of the most loaded rank, by component, in bytes."""
 
@@ -614,7 +614,7 @@ class MemoryBreakdown:
 # ---- the parts of a stage's peak ---------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # built per evaluated layout: a frozen dataclass's __init__ is slower
 class StageActivations:
     """Saved activations of one pipeline stage on one rank, in bytes, and what a block's backward changes."""
 
@@ -632,7 +632,7 @@ class StageActivations:
     layer_transient: float  # gradients inside a block's backward
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # built per evaluated layout: a frozen dataclass's __init__ is slower
 class StageBuffers:
     """Bytes outside model states and activations: rope tables, DDP buckets, FSDP's root and gathered blocks."""
 
@@ -640,7 +640,7 @@ class StageBuffers:
     gathered: float  # FSDP: blocks gathered while backward runs (only counted at moments inside backward)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # built per evaluated layout: a frozen dataclass's __init__ is slower
 class BackwardGradients:
     """Gradients alive during backward, in bytes, and the divisor ZeRO applies to a stage's gradients."""
 
@@ -650,7 +650,7 @@ class BackwardGradients:
     divisor: int
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # built per evaluated layout: a frozen dataclass's __init__ is slower
 class Moment:
     """One candidate peak of a training step: what is alive then, in bytes."""
 
@@ -759,6 +759,8 @@ class MemoryModel:
         self._mlp_transient = k * inner * (3 if arch.mlp == "swiglu" else 2)
         self._act_cache: dict[tuple[str, int, int, bool, int], float] = {}
         self._shape_cache: dict[tuple[int, int, int, bool, bool], StageParams] = {}
+        self._states_cache: dict[tuple[int, int, int, bool, bool, int, int, int], ModelStates] = {}
+        self._acts_cache: dict[tuple[object, ...], StageActivations] = {}
         self._per_tensor_opt_transient = _per_tensor_adamw_temporaries(arch, pc)
         self._rope_buffers = 2 * arch.seq_len * (arch.head_dim // 2) * 4 if arch.positions == "rope" else 0
 
@@ -772,19 +774,35 @@ class MemoryModel:
             cached = self._act_cache[key] = self._acts[recompute].bytes(micro_batch, seq, tp, sp)
         return cached
 
-    def estimate(self, layout: Layout) -> MemoryBreakdown:
+    def estimate(self, layout: Layout, limit: float | None = None) -> MemoryBreakdown:
         """Peak memory of the most loaded rank: the pipeline stage of the largest peak (the earliest on a tie).
 
         Only stages that can be the peak are evaluated: the first, the last, and of the middle stages with the
-        same number of layers the earliest (it holds the most micro-batches in flight).
+        same number of layers the earliest (it holds the most micro-batches in flight). With `limit`, the first
+        stage found above it is returned at once: a lower bound of the peak, enough to know the layout misses.
         """
         peak: MemoryBreakdown | None = None
         for index in candidate_stages(layout, self.arch.n_layers):
             memory = self._stage(layout, index)
             if peak is None or memory.total > peak.total:
                 peak = memory
+                if limit is not None and peak.total > limit:
+                    break
         assert peak is not None
         return peak
+
+    def states_bound(self, lo: Layout) -> float:
+        """A lower bound of the peak's total: the first stage's weights and optimizer states on the device (alive
+        through the whole step) with their share of the margin. Memoised, so a search can drop layouts whose
+        model states alone do not fit before it looks at their activations."""
+        layers = lo.stage_layers(self.arch.n_layers)[0] if lo.pp > 1 else self.arch.n_layers
+        key = (lo.tp, lo.ep, lo.pp, True, lo.pp == 1, layers, lo.zero, lo.shard * lo.cp)
+        states = self._states_cache.get(key)
+        if states is None:
+            params = self._stage_params(lo, True, lo.pp == 1, layers)
+            states = self._states_cache[key] = model_states(params, self.p, lo, self.offload)
+        resident = states.weights + states.optimizer
+        return resident * (1 + self.margin.fragmentation_fraction) + self.margin.framework_bytes
 
     def stages(self, layout: Layout) -> list[MemoryBreakdown]:
         """Peak memory of every pipeline stage, in order."""
@@ -881,26 +899,23 @@ class MemoryModel:
         grads: BackwardGradients,
         gathered: float,
         last: bool,
-    ) -> list[Moment]:
-        """The candidate peaks of a training step, in the order ties are decided (the earliest wins)."""
+    ) -> Moment:
+        """The peak of the candidate moments of a training step (the earliest on a tie). Each candidate is
+        (phase, live, gradients, transient, gathered, weight copies); only the peak becomes a Moment (a search
+        weighs millions of candidates)."""
         gb, full = self.p.grad_bytes, acts.full_recompute
         copies_live = acts.in_flight * acts.layers * (0.0 if full else acts.copies_per_layer)
         top_live = acts.live - acts.head_saved - acts.head_copies + acts.working
         top_grads = (grads.resident if grads.resident > grads.head else grads.head) + grads.down_proj
-        moments = [
-            Moment(
-                "backward, top block", top_live, top_grads, acts.layer_transient, gathered,
-                copies_live + acts.copies_per_layer * full,
-            )
+        candidates = [
+            ("backward, top block", top_live, top_grads, acts.layer_transient, gathered,
+             copies_live + acts.copies_per_layer * full),
         ]  # fmt: skip
         if last:
             loss_transient = acts.tokens * 8 * self.arch.vocab_size / lo.tp  # fp32 gradients of log-probs and logits
-            moments.append(
-                Moment(
-                    "start of backward", acts.live, grads.resident, loss_transient, 0.0,
-                    copies_live + acts.head_copies,
-                )
-            )  # fmt: skip
+            candidates.append(
+                ("start of backward", acts.live, grads.resident, loss_transient, 0.0, copies_live + acts.head_copies)
+            )
         bottom_live = (
             (acts.in_flight - 1) * acts.layers * acts.resting
             + (acts.per_layer if full else acts.resting)
@@ -909,44 +924,47 @@ class MemoryModel:
         rest = params.total - params.layer - params.embed - params.head
         bottom_grads = rest * gb / grads.divisor + grads.head + grads.down_proj
         bottom_grads = grads.resident if grads.resident > bottom_grads else bottom_grads
-        moments.append(
-            Moment(
-                "backward, bottom block", bottom_live, bottom_grads, acts.layer_transient, gathered,
-                acts.copies_per_layer,
-            )
-        )  # fmt: skip
+        candidates.append(
+            ("backward, bottom block", bottom_live, bottom_grads, acts.layer_transient, gathered, acts.copies_per_layer)
+        )
         if lo.zero >= 3:
             # End of a block's backward under FSDP: its saved tensors are gone, its whole unsharded gradient and
             # the reduce-scatter input copied from it are alive until the reduce-scatter.
             done_live = acts.live - acts.head_saved - acts.head_copies - (acts.per_layer if full else acts.resting)
-            moments.append(
-                Moment(
-                    "backward, top block (reduce-scatter)", done_live, grads.head + 2 * params.layer * gb,
-                    acts.tokens * self.arch.d_model * self.p.residual_bytes, gathered,
-                    copies_live + acts.copies_per_layer * full,
-                )
+            candidates.append(
+                ("backward, top block (reduce-scatter)", done_live, grads.head + 2 * params.layer * gb,
+                 acts.tokens * self.arch.d_model * self.p.residual_bytes, gathered,
+                 copies_live + acts.copies_per_layer * full)
             )  # fmt: skip
         if self.rt.foreach_optimizer:
             opt_transient = states.optimizer_params * 4  # torch's foreach AdamW: one fp32 temporary per parameter
         else:
             opt_transient = self._per_tensor_opt_transient / lo.tp
-        moments.append(Moment("optimizer step", 0.0, states.gradients, opt_transient, 0.0, 0.0))
-        return moments
+        candidates.append(("optimizer step", 0.0, states.gradients, opt_transient, 0.0, 0.0))
+        peak, peak_total = candidates[0], -1.0
+        for candidate in candidates:
+            total = candidate[1] + candidate[2] + candidate[3] + candidate[4]
+            if total > peak_total:
+                peak, peak_total = candidate, total
+        return Moment(*peak)
 
     def _stage(self, lo: Layout, index: int) -> MemoryBreakdown:
         """Pipeline stage `index`'s peak: its model states, buffers and the largest of its candidate moments."""
         first, last = index == 0, index == lo.pp - 1
         layers = lo.stage_layers(self.arch.n_layers)[index] if lo.pp > 1 else self.arch.n_layers
         params = self._stage_params(lo, first, last, layers)
-        states = model_states(params, self.p, lo, self.offload)
-        acts = self._activations(lo, params, index, layers)
+        key = (lo.tp, lo.ep, lo.pp, first, last, layers, lo.zero, lo.shard * lo.cp)
+        states = self._states_cache.get(key)
+        if states is None:  # memoised: a search meets the same sharding of the same stage many times
+            states = self._states_cache[key] = model_states(params, self.p, lo, self.offload)
+        akey = (lo.tp, lo.ep, lo.pp, lo.cp, lo.micro_batch, lo.grad_accum, lo.recompute, lo.sequence_parallel,
+                lo.pp_schedule, lo.virtual_stages, index, layers)  # fmt: skip
+        acts = self._acts_cache.get(akey)
+        if acts is None:  # memoised: layouts that differ in sharding only save the same activations
+            acts = self._acts_cache[akey] = self._activations(lo, params, index, layers)
         buffers = self._buffers(lo, params, layers)
         grads = self._backward_gradients(lo, params, states)
-        moments = self._moments(lo, params, states, acts, grads, buffers.gathered, last)
-        peak = moments[0]
-        for moment in moments[1:]:
-            if moment.total > peak.total:
-                peak = moment
+        peak = self._moments(lo, params, states, acts, grads, buffers.gathered, last)
         copies = min(peak.weight_copies, peak.live)
         buffer_bytes = buffers.resident + peak.gathered
         allocated = states.weights + states.optimizer + buffer_bytes + peak.live + peak.gradients + peak.transient

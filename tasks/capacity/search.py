@@ -19,7 +19,7 @@ from tasks.capacity.units import gib, sig
 from training.config import divisors
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # built per evaluated layout: a frozen dataclass's __init__ is slower
 class Evaluation:
     """One layout: its memory, time and whether it fits."""
 
@@ -106,14 +106,20 @@ class Estimator:
             return self.achieved_flops
         return self.accelerator.peak_flops(self.memory.p.compute_dtype) * self.efficiency
 
+    def matmul_seconds(self, layout: Layout) -> float:
+        """The step's matmuls at the sustained FLOP rate: a lower bound of its step time."""
+        hw_tok = self._flops[layout.recompute][1]
+        tokens = layout.global_batch * self.arch.seq_len
+        # A pipeline runs at the pace of its busiest stage: uneven stages leave the others waiting.
+        imbalance = max(layout.stage_layers(self.arch.n_layers)) * layout.pp / self.arch.n_layers
+        return hw_tok * tokens * imbalance / (layout.world * self.flops_rate) * self.compute_scale
+
     def evaluate(self, layout: Layout, memory: MemoryBreakdown | None = None) -> Evaluation:
         """Memory, compute, communication and step time of `layout` (`memory`: its estimate, if already made)."""
         mem = memory or self.memory.estimate(layout)
         model_tok, hw_tok = self._flops[layout.recompute]
         tokens = layout.global_batch * self.arch.seq_len
-        # A pipeline runs at the pace of its busiest stage: uneven stages leave the others waiting.
-        imbalance = max(layout.stage_layers(self.arch.n_layers)) * layout.pp / self.arch.n_layers
-        matmul = hw_tok * tokens * imbalance / (layout.world * self.flops_rate) * self.compute_scale
+        matmul = self.matmul_seconds(layout)
         bound = 0.0
         if self.bandwidth_efficiency:
             rate = self.accelerator.hbm_tb_s * 1e12 * self.bandwidth_efficiency
@@ -247,31 +253,62 @@ class SearchResult:
 
 
 def search(estimator: Estimator, layouts: Iterator[Layout], top: int = 5, keep_rejected: int = 5) -> SearchResult:
-    """Evaluate every layout; keep the `top` fastest that fit and the `keep_rejected` nearest misses."""
+    """Evaluate every layout; keep the `top` fastest that fit and the `keep_rejected` nearest misses.
+
+    Every layout's memory is estimated; a fitting one is timed in full only while its matmul time (a lower bound
+    of its step) could still place it among the `top` fastest so far.
+    """
+    import heapq
     import time
 
     started = time.perf_counter()
     fitting: list[Evaluation] = []
-    count = 0
-    misses: list[tuple[float, Layout]] = []
+    fastest: list[float] = []  # the `top` smallest step times so far, negated (a max-heap)
+    count = fitting_count = 0
+    misses: list[tuple[float, int, Layout]] = []
+    usable = estimator.usable_bytes
     for layout in layouts:
         count += 1
-        memory = estimator.memory.estimate(layout)
-        if memory.total > estimator.usable_bytes:
-            misses.append((memory.total, layout))  # time only matters for layouts that fit
+        bound = estimator.memory.states_bound(layout)
+        if bound > usable:  # the weights and optimizer states alone do not fit
+            misses.append((bound, count, layout))
             continue
-        fitting.append(estimator.evaluate(layout, memory))
-    misses.sort(key=lambda miss: miss[0])
-    rejected = [estimator.evaluate(layout) for _, layout in misses[:keep_rejected]]
+        memory = estimator.memory.estimate(layout, limit=usable)
+        if memory.total > usable:
+            misses.append((memory.total, count, layout))  # a lower bound; time only matters for layouts that fit
+            continue
+        fitting_count += 1
+        if len(fastest) >= top and estimator.matmul_seconds(layout) > -fastest[0] + 1e-9:
+            continue  # slower than `top` layouts already found, whatever its communication
+        ev = estimator.evaluate(layout, memory)
+        fitting.append(ev)
+        if len(fastest) < top:
+            heapq.heappush(fastest, -ev.step_seconds)
+        elif ev.step_seconds < -fastest[0]:
+            heapq.heapreplace(fastest, -ev.step_seconds)
+    rejected = [estimator.evaluate(layout) for layout in nearest_misses(estimator, misses, keep_rejected)]
     # Ties on step time go to less traffic, then larger micro-batches (fewer, fuller kernels), then less memory.
     fitting.sort(key=lambda e: (round(e.step_seconds, 9), e.comm.total_seconds, -e.layout.micro_batch, e.memory.total))
     return SearchResult(
         evaluated=count,
         fitting=fitting[:top],
         rejected=rejected,
-        fitting_count=len(fitting),
+        fitting_count=fitting_count,
         seconds=time.perf_counter() - started,
     )
+
+
+def nearest_misses(estimator: Estimator, misses: list[tuple[float, int, Layout]], keep: int) -> list[Layout]:
+    """The `keep` misses whose whole peak is smallest (ties in enumeration order), from (lower bound of the peak,
+    order, layout): exact peaks are computed in order of the bounds until no bound left can beat the kept ones."""
+    misses.sort(key=lambda miss: miss[:2])
+    exact: list[tuple[float, int, Layout]] = []
+    for bound, order, layout in misses:
+        if len(exact) >= keep and bound > exact[keep - 1][0]:
+            break
+        exact.append((estimator.memory.estimate(layout).total, order, layout))
+        exact.sort(key=lambda miss: miss[:2])
+    return [layout for _, _, layout in exact[:keep]]
 
 
 def ranked(fitting: list[Evaluation]) -> list[tuple[Evaluation, Evaluation | None]]:

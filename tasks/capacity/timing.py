@@ -67,7 +67,7 @@ def head_bytes(arch: Architecture) -> float:
     return 4 * 4 * arch.vocab_size
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # built per evaluated layout: a frozen dataclass's __init__ is slower
 class MemoryBound:
     """Memory-bound bytes and seconds of one optimizer step on the busiest rank."""
 
@@ -95,7 +95,7 @@ def memory_bound(arch: Architecture, p: Precision, lo: Layout, attention: str, b
     return MemoryBound(bytes=total, recompute_bytes=recompute, seconds=total / bandwidth_bytes_s)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # built per evaluated layout: a frozen dataclass's __init__ is slower
 class StepTime:
     """The terms of one optimizer step on the critical path, in seconds (each in the plan's output)."""
 

@@ -73,3 +73,17 @@ def test_each_summary_names_the_figures_people_look_for() -> None:
 def test_the_step_results_survive_a_json_round_trip_as_prefect_persists_them() -> None:
     for result in _results().values():
         assert type(result).model_validate_json(result.model_dump_json()) == result
+
+
+def test_the_acceptance_summary_shows_the_plan_beside_the_run_and_the_capacity_step_carries_the_planned_figures() -> (
+    None
+):
+    line = "plan vs run (dp2 tp1 pp1 zero0 mb4x2 none): step 0.0121 s planned, 0.0235 s measured (-49%); beyond ±50%"
+    report = {"verdict": "passed", "dimensions": [], "drills": [], "plan_accuracy": {"line": line}}
+    result = AcceptanceResult(verdict_text="passed", files={}, report=report, root="acc")
+    assert result.summary() == f"passed: {line}"
+    with_rows = result.model_copy(update={"report": {**report, "dimensions": [{"name": "stability", "passed": True}]}})
+    assert with_rows.summary() == f"passed: stability pass; {line}"
+    capacity = _results()["capacity"]
+    assert isinstance(capacity, CapacityResult) and capacity.planned is not None
+    assert capacity.planned.layout == capacity.layout and capacity.calibration == "none"

@@ -58,6 +58,25 @@ def test_search_over_ten_thousand_layouts_evaluates_and_counts_every_one() -> No
     assert all(ev.fits for ev in result.fitting) and not any(ev.fits for ev in result.rejected)
 
 
+def test_the_pruned_search_finds_the_same_fastest_layouts_and_nearest_misses_as_evaluating_every_one() -> None:
+    # The search skips the full timing of a fitting layout whose matmuls alone are slower than the `top` found so
+    # far, the memory of a layout whose model states alone do not fit, and a pipeline's last stage once its first
+    # is over the limit; none of that may change what it reports.
+    est = _estimator("gpt3-175b", "a100-80gb")
+    layouts = list(enumerate_layouts(est.arch, 768, 8, global_batch=1536, context_parallel=True))[::7]
+    every = [est.evaluate(lo) for lo in layouts]
+    fits = sorted(
+        (ev for ev in every if ev.fits),
+        key=lambda e: (round(e.step_seconds, 9), e.comm.total_seconds, -e.layout.micro_batch, e.memory.total),
+    )
+    misses = sorted((ev for ev in every if not ev.fits), key=lambda e: e.memory.total)  # stable: enumeration order
+    result = search(est, iter(layouts), top=20, keep_rejected=7)
+    assert result.fitting_count == len(fits) and result.evaluated == len(layouts)
+    assert [ev.layout for ev in result.fitting] == [ev.layout for ev in fits[:20]]
+    assert [ev.layout for ev in result.rejected] == [ev.layout for ev in misses[:7]]
+    assert [ev.memory.total for ev in result.rejected] == [ev.memory.total for ev in misses[:7]]
+
+
 GIB_FIGURE = re.compile(r"^\d{1,3}(,\d{3})*\.\d{2}$")
 
 
