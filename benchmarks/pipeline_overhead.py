@@ -43,6 +43,9 @@ def main() -> None:
     if args.quick:
         spec["run"]["steps"] = 60
         spec["acceptance"].update({"steps": 60, "save_every_steps": 10, "reference_steps": 5})
+        # 60 steps take the tiny model's loss down about 15%: the quality gate's first-run sanity rule (20% by
+        # default) is for whole runs, and a failed gate would end the flow before the drills and serving.
+        spec["acceptance"].setdefault("thresholds", {})["quality_min_loss_drop_fraction"] = 0.05
         spec["drills"] = {"only": ["corrupt_checkpoint"]}
     spec_path = work / "bench.yaml"
     spec_path.write_text(yaml.safe_dump(spec))
