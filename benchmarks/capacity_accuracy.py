@@ -108,6 +108,14 @@ def step_times(quick: bool) -> None:
     )
 
 
+def fresh_estimator(preset: str, accelerator: str) -> Estimator:
+    """A new estimator (nothing memoised from an earlier repeat): bf16 master weights, 8 GPUs a node, 90% usable."""
+    arch, acc = PRESETS[preset], CATALOGUE[accelerator]
+    return Estimator(
+        arch, MemoryModel(arch, Precision.of("bf16", "master-weights")), acc, 8, acc.memory_bytes * 0.9, 0.4
+    )
+
+
 def large_search_speed(repeats: int = 3) -> None:
     """Time the plan search over the larger layout spaces (context parallelism included)."""
     spaces = [
@@ -115,12 +123,10 @@ def large_search_speed(repeats: int = 3) -> None:
         ("llama-3.1-70b", "h100-sxm", 1024, 1024),
     ]
     for preset, accelerator, world, batch in spaces:
-        arch, acc = PRESETS[preset], CATALOGUE[accelerator]
+        arch = PRESETS[preset]
         times = []
         for _ in range(repeats):
-            est = Estimator(
-                arch, MemoryModel(arch, Precision.of("bf16", "master-weights")), acc, 8, acc.memory_bytes * 0.9, 0.4
-            )  # a fresh estimator each time: nothing memoised from the last repeat
+            est = fresh_estimator(preset, accelerator)
             started = time.perf_counter()
             result = search(est, enumerate_layouts(arch, world, 8, global_batch=batch, context_parallel=True))
             times.append(time.perf_counter() - started)
@@ -136,12 +142,10 @@ def large_search_speed(repeats: int = 3) -> None:
 
 def search_speed(repeats: int = 3) -> float:
     """Time the plan search over the GPT-3 layout space; return the best time."""
-    arch, acc = PRESETS["gpt3-175b"], CATALOGUE["a100-80gb"]
+    arch = PRESETS["gpt3-175b"]
     times = []
     for _ in range(repeats):
-        est = Estimator(
-            arch, MemoryModel(arch, Precision.of("bf16", "master-weights")), acc, 8, acc.memory_bytes * 0.9, 0.4
-        )  # a fresh estimator each time: nothing memoised from the last repeat
+        est = fresh_estimator("gpt3-175b", "a100-80gb")
         started = time.perf_counter()
         result = search(est, enumerate_layouts(arch, 768, 8, global_batch=1536))
         times.append(time.perf_counter() - started)

@@ -796,13 +796,17 @@ class MemoryModel:
         through the whole step) with their share of the margin. Memoised, so a search can drop layouts whose
         model states alone do not fit before it looks at their activations."""
         layers = lo.stage_layers(self.arch.n_layers)[0] if lo.pp > 1 else self.arch.n_layers
-        key = (lo.tp, lo.ep, lo.pp, True, lo.pp == 1, layers, lo.zero, lo.shard * lo.cp)
-        states = self._states_cache.get(key)
-        if states is None:
-            params = self._stage_params(lo, True, lo.pp == 1, layers)
-            states = self._states_cache[key] = model_states(params, self.p, lo, self.offload)
+        states = self._states(lo, self._stage_params(lo, True, lo.pp == 1, layers), True, lo.pp == 1, layers)
         resident = states.weights + states.optimizer
         return resident * (1 + self.margin.fragmentation_fraction) + self.margin.framework_bytes
+
+    def _states(self, lo: Layout, params: StageParams, first: bool, last: bool, layers: int) -> ModelStates:
+        """The stage's model states (memoised: a search meets the same sharding of the same stage many times)."""
+        key = (lo.tp, lo.ep, lo.pp, first, last, layers, lo.zero, lo.shard * lo.cp)
+        states = self._states_cache.get(key)
+        if states is None:
+            states = self._states_cache[key] = model_states(params, self.p, lo, self.offload)
+        return states
 
     def stages(self, layout: Layout) -> list[MemoryBreakdown]:
         """Peak memory of every pipeline stage, in order."""
@@ -953,10 +957,7 @@ class MemoryModel:
         first, last = index == 0, index == lo.pp - 1
         layers = lo.stage_layers(self.arch.n_layers)[index] if lo.pp > 1 else self.arch.n_layers
         params = self._stage_params(lo, first, last, layers)
-        key = (lo.tp, lo.ep, lo.pp, first, last, layers, lo.zero, lo.shard * lo.cp)
-        states = self._states_cache.get(key)
-        if states is None:  # memoised: a search meets the same sharding of the same stage many times
-            states = self._states_cache[key] = model_states(params, self.p, lo, self.offload)
+        states = self._states(lo, params, first, last, layers)
         akey = (lo.tp, lo.ep, lo.pp, lo.cp, lo.micro_batch, lo.grad_accum, lo.recompute, lo.sequence_parallel,
                 lo.pp_schedule, lo.virtual_stages, index, layers)  # fmt: skip
         acts = self._acts_cache.get(akey)
