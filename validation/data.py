@@ -174,6 +174,8 @@ class SuiteRunner:
         os.environ.setdefault("GX_ANALYTICS_ENABLED", "false")
         import great_expectations as gx
 
+        from validation.data_docs_views import site_views
+
         self.gx = gx
         self.context = gx.get_context(mode="ephemeral")
         self.context.variables.progress_bars = {"globally": False}
@@ -184,7 +186,7 @@ class SuiteRunner:
             site_config={
                 "class_name": "SiteBuilder",
                 "store_backend": {"class_name": "TupleFilesystemStoreBackend", "base_directory": self.docs_dir},
-                "site_index_builder": {"class_name": "DefaultSiteIndexBuilder"},
+                **site_views(),
             },
         )
         self.source = self.context.data_sources.add_pandas("tdeploy")
@@ -230,6 +232,17 @@ class SuiteRunner:
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
         self.close()
+
+
+DOCUMENT_COLUMNS = ("n_chars", "invalid_utf8", "is_duplicate", "dropped", "kept")
+"""Suite (a)'s table: one row per document read (tasks/prepare/clean.py's CleaningStats.rows)."""
+
+
+def document_frame(rows: list[tuple[int, bool, bool, bool, bool]]) -> Any:
+    """Suite (a)'s table from one (n_chars, invalid_utf8, is_duplicate, dropped, kept) tuple per document read."""
+    import pandas as pd
+
+    return pd.DataFrame(rows, columns=list(DOCUMENT_COLUMNS))
 
 
 def document_expectations(gx: Any, limits: DataExpectations, min_chars: int, max_chars: int | None) -> list[Any]:
@@ -472,8 +485,14 @@ class DatasetTables:
     """One row per document; None where it was not built (`documents=False`)."""
 
     def table(self, name: str) -> Any:
-        """The table of suite part `name` (`documents`, `shards`, `splits`)."""
-        return {"documents": self.documents, "shards": self.shards, "splits": self.splits}[name]
+        """The table of suite part `name` (`documents`, `shards`, `splits`), with the columns the suite reads.
+
+        The documents' hashes stay out of Great Expectations' table: they only find the documents in several
+        splits, and 64-character strings in every row make each expectation slower to evaluate.
+        """
+        if name == "documents":
+            return self.documents[["split", "n_tokens", "in_several_splits"]]
+        return {"shards": self.shards, "splits": self.splits}[name]
 
 
 def dataset_tables(
@@ -496,7 +515,8 @@ def dataset_tables(
     if vocab_size is not None and vocab_size <= manifest.vocab_size:
         limit, limit_name = vocab_size, "model.vocab_size"
     token_type = np.dtype(manifest.dtype).newbyteorder("<")
-    docs, scans, splits = [], [], []
+    docs: list[tuple[str, np.ndarray, list[str]]] = []
+    scans, splits = [], []
     for split_name, split in manifest.splits.items():
         counted_tokens = counted_docs = 0
         for number, shard in enumerate(split.shards):
@@ -507,7 +527,7 @@ def dataset_tables(
             counted_tokens += scan.counted_tokens
             counted_docs += scan.counted_docs
             if kept is not None:
-                docs += _document_rows(split_name, kept, token_type, manifest.eos_id)
+                docs.append((split_name, *_document_columns(kept, token_type, manifest.eos_id)))
         splits.append(
             {
                 "split": split_name,
@@ -517,29 +537,58 @@ def dataset_tables(
                 "counted_docs": counted_docs,
             }
         )
-    doc_frame = None
-    if documents:
-        doc_frame = pd.DataFrame(docs, columns=["split", "n_tokens", "doc_hash"])
-        per_split = doc_frame.groupby("doc_hash")["split"].nunique()
-        doc_frame["in_several_splits"] = doc_frame["doc_hash"].map(per_split) > 1
+    doc_frame = _document_table(docs) if documents else None
     return DatasetTables(
         manifest, limit, limit_name, scans, pd.DataFrame([s.row() for s in scans]), pd.DataFrame(splits), doc_frame
     )
 
 
-def _document_rows(split: str, kept: tuple[bytes, bytes], token_type: np.dtype, eos_id: int | None) -> list[dict]:
+def _document_columns(
+    kept: tuple[bytes, bytes], token_type: np.dtype, eos_id: int | None
+) -> tuple[np.ndarray, list[str]]:
+    """Each document's length and sha256 (hex) in one shard, without its trailing EOS.
+
+    Document j is tokens[offsets[j]:offsets[j + 1]] with Python's slice rules, so that an index the scan
+    finds broken (offsets negative, decreasing or past the end) still gives a table to report on.
+    """
     tokens_raw, index_raw = kept
-    ids = np.frombuffer(tokens_raw, dtype=token_type, count=len(tokens_raw) // token_type.itemsize)
-    starts = np.frombuffer(index_raw, dtype="<i8", count=len(index_raw) // 8)
-    rows = []
-    for begin, end in zip(starts[:-1], starts[1:], strict=True):
-        body = ids[begin:end]
-        if eos_id is not None and body.size and body[-1] == eos_id:
-            body = body[:-1]
-        rows.append(
-            {"split": split, "n_tokens": int(body.size), "doc_hash": hashlib.sha256(body.tobytes()).hexdigest()}
-        )
-    return rows
+    n = len(tokens_raw) // token_type.itemsize
+    offsets = np.frombuffer(index_raw, dtype="<i8", count=len(index_raw) // 8)
+    if offsets.size < 2:
+        return np.zeros(0, dtype=np.int64), []
+    bounded = np.clip(np.where(offsets < 0, offsets + n, offsets), 0, n)
+    begins = bounded[:-1]
+    ends = np.maximum(bounded[1:], begins)
+    if eos_id is not None and n:
+        ids = np.frombuffer(tokens_raw, dtype=token_type, count=n)
+        ends = ends - ((ends > begins) & (ids[np.maximum(ends - 1, 0)] == eos_id))
+    size = token_type.itemsize
+    view = memoryview(tokens_raw)
+    hashes = [
+        hashlib.sha256(view[b * size : e * size]).hexdigest()
+        for b, e in zip(begins.tolist(), ends.tolist(), strict=True)
+    ]
+    return (ends - begins).astype(np.int64), hashes
+
+
+def _document_table(docs: list[tuple[str, np.ndarray, list[str]]]) -> Any:
+    """One row per document (split, n_tokens, doc_hash), flagging documents whose tokens are in several splits."""
+    import pandas as pd
+
+    lengths = [n_tokens for _, n_tokens, _ in docs]
+    frame = pd.DataFrame(
+        {
+            "split": np.repeat(np.array([split for split, _, _ in docs], dtype=object), [n.size for n in lengths]),
+            "n_tokens": np.concatenate(lengths) if docs else np.zeros(0, dtype=np.int64),
+            "doc_hash": [digest for _, _, hashes in docs for digest in hashes],
+        }
+    )
+    hash_codes, _ = pd.factorize(frame["doc_hash"])
+    split_codes, split_names = pd.factorize(frame["split"])
+    pairs = np.unique(hash_codes.astype(np.int64) * len(split_names) + split_codes)  # distinct (hash, split)
+    splits_per_hash = np.bincount(pairs // max(1, len(split_names)), minlength=len(frame))
+    frame["in_several_splits"] = splits_per_hash[hash_codes] > 1
+    return frame
 
 
 def dataset_expectations(

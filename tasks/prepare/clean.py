@@ -44,6 +44,15 @@ def clean_text(text: str, cfg: CleaningConfig) -> str:
 
 def clean_documents(docs: Iterable[RawDocument], cfg: CleaningConfig, stats: CleaningStats) -> Iterator[str]:
     """The documents that survive every rule; `stats` is filled as they stream past."""
+    for text, _ in cleaned_with_digests(docs, cfg, stats):
+        yield text
+
+
+def cleaned_with_digests(
+    docs: Iterable[RawDocument], cfg: CleaningConfig, stats: CleaningStats
+) -> Iterator[tuple[str, bytes]]:
+    """Each document that survives every rule with the sha256 of its UTF-8 text (the key of de-duplication
+    and of the split, hashed once for both); `stats` is filled as they stream past."""
     seen: set[bytes] = set()
     for doc in docs:
         stats.read += 1
@@ -55,6 +64,7 @@ def clean_documents(docs: Iterable[RawDocument], cfg: CleaningConfig, stats: Cle
         text = clean_text(doc.text, cfg)
         rule = None
         duplicate = False
+        digest = b""
         if doc.invalid_utf8 and cfg.invalid_utf8 == "drop":
             rule = "invalid_utf8"
         elif not text:
@@ -63,15 +73,16 @@ def clean_documents(docs: Iterable[RawDocument], cfg: CleaningConfig, stats: Cle
             rule = "too_short"
         elif len(text) > cfg.max_chars:
             rule = "too_long"
-        elif cfg.dedup:
+        else:
             digest = hashlib.sha256(text.encode("utf-8")).digest()
-            duplicate = digest in seen
-            seen.add(digest)
-            rule = "duplicate" if duplicate else None
+            if cfg.dedup:
+                duplicate = digest in seen
+                seen.add(digest)
+                rule = "duplicate" if duplicate else None
         dropped = rule is not None and rule != "duplicate"
         stats.rows.append((len(text), doc.invalid_utf8, duplicate, dropped, rule is None))
         if rule is not None:
             stats.removed[rule] += 1
             continue
         stats.kept += 1
-        yield text
+        yield text, digest

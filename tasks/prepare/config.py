@@ -111,11 +111,15 @@ class PrepareConfig(StrictModel):
     shard_tokens: int = Field(
         default=1 << 24, ge=1024, le=1 << 32, description="Tokens per shard file (documents are whole)."
     )
-    workers: int = Field(
-        default=1,
+    workers: int | None = Field(
+        default=None,
         ge=1,
         le=256,
-        description="1: encode here with the tokenizer's own threads; more: that many spawned worker processes.",
+        description=(
+            "Threads that encode at once, each running the tokenizer single-threaded on whole batches while the "
+            "step reads and writes on its own thread (tasks/prepare/encoding.py); None = the CPU cores this "
+            "process may use."
+        ),
     )
     batch_documents: int = Field(default=512, ge=1, le=1_000_000, description="Documents per encode batch.")
     expectations: DataExpectations = Field(default_factory=DataExpectations)

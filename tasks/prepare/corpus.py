@@ -60,5 +60,10 @@ def _topics_then_docstrings() -> Iterator[str]:
 
 def split_of(text: str, val_fraction: float) -> str:
     """'val' or 'train' from the document's hash: stable when documents are added or removed."""
-    bucket = int.from_bytes(hashlib.sha256(text.encode("utf-8")).digest()[:8], "big") / 2**64
+    return split_of_digest(hashlib.sha256(text.encode("utf-8")).digest(), val_fraction)
+
+
+def split_of_digest(digest: bytes, val_fraction: float) -> str:
+    """`split_of` for a document whose sha256 is already known."""
+    bucket = int.from_bytes(digest[:8], "big") / 2**64
     return "val" if bucket < val_fraction else "train"

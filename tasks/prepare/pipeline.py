@@ -1,5 +1,12 @@
 """The data-preparation step: read, clean, validate documents, tokenize, shard, index, validate the dataset.
 
+With a tokenizer known up front (a tokenizer file, or bytes) the corpus is read once: documents are
+cleaned, split and batched here while `workers` threads encode earlier batches and the finished ones are
+written in order (tasks/prepare/encoding.py). A BPE trained on the data needs the whole training split
+first, so the cleaned documents are staged on local disk, the BPE is trained, and the staged documents
+are then encoded the same way. Either way the dataset's bytes depend on the inputs and settings only,
+never on `workers` or `batch_documents`.
+
 The dataset goes to `<output_url>/<key>/` where the key hashes the inputs (each
 file's fsspec checksum: size and modification time or ETag), every setting that
 can change a token (all but NOT_TOKEN_SETTINGS), the tokenizer and the versions
@@ -15,11 +22,10 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import multiprocessing
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -27,10 +33,10 @@ from posixpath import relpath
 from typing import Any
 
 from tasks.errors import TransientError, UserError, is_connection_error
-from tasks.prepare.clean import CleaningStats, clean_documents
+from tasks.prepare.clean import CleaningStats, cleaned_with_digests
 from tasks.prepare.config import PrepareConfig
-from tasks.prepare.corpus import split_of
-from tasks.prepare.encoding import encode_in_worker, init_worker
+from tasks.prepare.corpus import split_of_digest
+from tasks.prepare.encoding import encode_threads
 from tasks.prepare.sources import SourceFile, expand_sources, iter_documents
 from tasks.prepare.tokenizer import BYTE_EOS, TOKENIZER_FILE, TextTokenizer, load_tokenizer, train_bpe
 from training.dataset import FORMAT_VERSION, MANIFEST, DatasetManifest, DatasetWriter, read_manifest
@@ -99,6 +105,8 @@ class PrepareResult:
     data_docs_url: str
     """Index of the offline report (self-contained pages); GE's own Data Docs are in DATA_DOCS_DIR beside it."""
     seconds: dict[str, float] = field(default_factory=dict)
+    """Wall time per stage: `read_tokenize_write` (one pass), or `read_clean`, `tokenizer` (BPE training) and
+    `tokenize_write` (staged, for a BPE trained here); `validate_*`, `inputs` and `total`."""
 
     def to_json(self) -> dict[str, Any]:
         """As a dict."""
@@ -176,6 +184,12 @@ class _Staging:
             for line in handle:
                 yield json.loads(line)
 
+    def batches(self, size: int) -> Iterator[tuple[str, list[str]]]:
+        """(split, texts) in batches of `size`, split by split."""
+        for split in sorted(self.counts):
+            for batch in _batches(self.texts(split), size):
+                yield split, batch
+
     def remove(self) -> None:
         self.close()
         shutil.rmtree(self.dir, ignore_errors=True)
@@ -192,40 +206,51 @@ def _batches(texts: Iterator[str], size: int) -> Iterator[list[str]]:
         yield batch
 
 
+def _split_documents(
+    cfg: PrepareConfig, files: list[SourceFile], storage: StorageConfig, stats: CleaningStats, progress: Progress | None
+) -> Iterator[tuple[str, str]]:
+    """(split, text) of every document that survives cleaning, in corpus order."""
+    documents = cleaned_with_digests(iter_documents(cfg, files, storage), cfg.cleaning, stats)
+    for n, (text, digest) in enumerate(documents, start=1):
+        yield split_of_digest(digest, cfg.val_fraction), text
+        if progress and n % 1000 == 0:
+            progress("read+clean", n, None)
+
+
+def _split_batches(documents: Iterable[tuple[str, str]], size: int) -> Iterator[tuple[str, list[str]]]:
+    """(split, texts) in batches of `size` per split, each split's documents in corpus order."""
+    open_batches: dict[str, list[str]] = {}
+    for split, text in documents:
+        batch = open_batches.setdefault(split, [])
+        batch.append(text)
+        if len(batch) == size:
+            yield split, batch
+            open_batches[split] = []
+    for split in sorted(open_batches):
+        if open_batches[split]:
+            yield split, open_batches[split]
+
+
 def _write_tokens(
     cfg: PrepareConfig,
     tokenizer: TextTokenizer,
-    staging: _Staging,
+    batches: Iterable[tuple[str, list[str]]],
     writer: DatasetWriter,
     progress: Progress | None,
+    total: int | None = None,
 ) -> None:
-    total = sum(staging.counts.values())
+    """Encode the batches on cfg.workers threads (one per core when None) and write each split's documents in
+    the order given.
+
+    The shards depend on each split's order only: a split's documents may arrive interleaved with another's.
+    """
     done = 0
-    pool = None
-    if cfg.workers > 1:
-        pool = multiprocessing.get_context("spawn").Pool(cfg.workers, init_worker, (tokenizer.json_text, writer.dtype))
-    try:
-        for split in sorted(staging.counts):
-            batches = _batches(staging.texts(split), cfg.batch_documents)
-            encoded = pool.imap(encode_in_worker, batches) if pool else map(tokenizer.encode_batch, batches)
-            for ids_batch in encoded:
-                writer.add_documents(split, ids_batch)
-                done += len(ids_batch)
-                if progress:
-                    progress("tokenize", done, total)
-    finally:
-        if pool:
-            pool.terminate()
-            pool.join()
-
-
-def _tokenizer(cfg: PrepareConfig, staging: _Staging | None, given: TextTokenizer | None) -> TextTokenizer:
-    if cfg.tokenizer.kind == "bytes":
-        return TextTokenizer("bytes")
-    if given is not None:
-        return given
-    assert staging is not None
-    return train_bpe(staging.texts("train"), cfg.tokenizer)
+    with tokenizer.encoder(encode_threads(cfg.workers), writer.dtype) as encoder:
+        for split, encoded in encoder.encode(batches):
+            writer.add_documents(split, encoded.documents())
+            done += len(encoded)
+            if progress:
+                progress("tokenize", done, total)
 
 
 def _given_tokenizer(cfg: PrepareConfig, storage: StorageConfig) -> TextTokenizer | None:
@@ -382,45 +407,33 @@ def _build(
 ) -> tuple[Any, dict[str, Any]]:
     """Write the dataset at `url`: returns the document suite's report and the cleaning counts.
 
-    On failure nothing is left behind: the local staging folder goes, and so does a dataset
-    folder that was begun but not committed.
+    On failure nothing is left behind: the local staging folder goes, and so does a dataset folder that was
+    begun but not committed (in one pass the shards are written before the document suite has seen every
+    document; a suite that fails removes them).
     """
     fs, root = filesystem(url, storage)
     stats = CleaningStats()
-    staging = _Staging()
+    documents = _split_documents(cfg, files, storage, stats, progress)
+    staging = None
     writing = False
     try:
         t0 = time.perf_counter()
-        for n, text in enumerate(clean_documents(iter_documents(cfg, files, storage), cfg.cleaning, stats), start=1):
-            staging.add(split_of(text, cfg.val_fraction), text)
-            if progress and n % 1000 == 0:
-                progress("read+clean", n, None)
-        staging.close()
-        seconds["read_clean"] = time.perf_counter() - t0
-        if stats.kept == 0:
-            raise UserError(
-                f"data.prepare: the corpus is empty after cleaning ({stats.read} read, removed: {stats.removed})",
-                "check the sources, text_field and cleaning.min_chars / max_chars",
-            )
         document_report = None
-        if runner is not None:
-            import pandas as pd
-
-            from validation.data import run_document_suite
-
+        if cfg.tokenizer.kind == "bytes":
+            tokenizer = TextTokenizer("bytes")
+        elif given is not None:
+            tokenizer = given
+        else:  # a BPE trained on the training split: stage the documents, train, then encode them
+            staging = _Staging()
+            for split, text in documents:
+                staging.add(split, text)
+            staging.close()
+            seconds["read_clean"] = time.perf_counter() - t0
+            document_report = _checked_documents(cfg, stats, runner, seconds)
             t0 = time.perf_counter()
-            rows = pd.DataFrame(stats.rows, columns=["n_chars", "invalid_utf8", "is_duplicate", "dropped", "kept"])
-            document_report = run_document_suite(
-                runner, rows, cfg.expectations, cfg.cleaning.min_chars, cfg.cleaning.max_chars
-            )
-            seconds["validate_documents"] = time.perf_counter() - t0
-            if document_report[1]:
-                raise DataValidationError("data.prepare (cleaned documents)", document_report[1], None)
-
-        t0 = time.perf_counter()
-        tokenizer = _tokenizer(cfg, staging, given)
-        seconds["tokenizer"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
+            tokenizer = train_bpe(staging.texts("train"), cfg.tokenizer)
+            seconds["tokenizer"] = time.perf_counter() - t0
+            t0 = time.perf_counter()
         meta = {"key": key, "sources": [f.url for f in files], "builtin_corpus": cfg.builtin_corpus}
         writer = DatasetWriter(
             url, tokenizer.vocab_size, tokenizer.info(), tokenizer.eos_id, cfg.shard_tokens, storage,
@@ -429,18 +442,45 @@ def _build(
         writing = True
         if tokenizer.json_text:
             write_bytes_atomic(fs, join(root, TOKENIZER_FILE), tokenizer.json_text.encode())
-        _write_tokens(cfg, tokenizer, staging, writer, progress)
+        if staging is not None:
+            _write_tokens(cfg, tokenizer, staging.batches(cfg.batch_documents), writer, progress, stats.kept)
+            seconds["tokenize_write"] = time.perf_counter() - t0
+        else:
+            _write_tokens(cfg, tokenizer, _split_batches(documents, cfg.batch_documents), writer, progress)
+            seconds["read_tokenize_write"] = time.perf_counter() - t0
+            document_report = _checked_documents(cfg, stats, runner, seconds)
         write_bytes_atomic(fs, join(root, PREPARE_FILE), json.dumps({"cleaning": stats.to_json()}, indent=2).encode())
         writer.close()  # commits manifest.json
         writing = False
-        seconds["tokenize_write"] = time.perf_counter() - t0
     except BaseException:
         if writing:
             _remove_uncommitted(fs, root, url)
         raise
     finally:
-        staging.remove()
+        if staging is not None:
+            staging.remove()
     return document_report, stats.to_json()
+
+
+def _checked_documents(cfg: PrepareConfig, stats: CleaningStats, runner: Any, seconds: dict[str, float]) -> Any:
+    """Refuse a corpus that cleaning emptied, then run the document suite (when validating): its report."""
+    if stats.kept == 0:
+        raise UserError(
+            f"data.prepare: the corpus is empty after cleaning ({stats.read} read, removed: {stats.removed})",
+            "check the sources, text_field and cleaning.min_chars / max_chars",
+        )
+    if runner is None:
+        return None
+    from validation.data import document_frame, run_document_suite
+
+    t0 = time.perf_counter()
+    report = run_document_suite(
+        runner, document_frame(stats.rows), cfg.expectations, cfg.cleaning.min_chars, cfg.cleaning.max_chars
+    )
+    seconds["validate_documents"] = time.perf_counter() - t0
+    if report[1]:
+        raise DataValidationError("data.prepare (cleaned documents)", report[1], None)
+    return report
 
 
 def _reject(fs: Any, root: str) -> None:

@@ -10,7 +10,7 @@ import numpy as np
 
 from tasks.errors import UserError
 from tasks.prepare.config import TokenizerConfig
-from tasks.prepare.encoding import encode_texts
+from tasks.prepare.encoding import Encoder, encode_texts
 from training.dataset import TokenizerInfo, token_dtype
 from training.storage import StorageConfig
 
@@ -55,7 +55,11 @@ class TextTokenizer:
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         """Ids of each text (no EOS; the dataset writer adds it)."""
-        return encode_texts(self._hf, texts, token_dtype(self.vocab_size))
+        return encode_texts(self._hf, texts, token_dtype(self.vocab_size)).documents()
+
+    def encoder(self, workers: int, dtype: str) -> Encoder:
+        """Encodes batches on `workers` threads into ids of `dtype` (see tasks/prepare/encoding.py)."""
+        return Encoder(self._hf, dtype, workers)
 
 
 def train_bpe(texts: Iterable[str], cfg: TokenizerConfig) -> TextTokenizer:

@@ -105,13 +105,14 @@ def test_documents_suite_stops_a_corpus_full_of_duplicates(tmp_path: Path) -> No
     _jsonl(
         source,
         ["the very same document, again and again"] * 30
-        + [f"unique document {i} with enough text to keep" for i in range(20)],
+        + [f"unique document {i} with enough text to keep " * 3 for i in range(20)],
     )
     cfg = PrepareConfig(
         output_url=str(tmp_path / "datasets"),
         sources=[{"url": str(source)}],
         tokenizer={"kind": "bytes"},
         val_fraction=0.3,
+        shard_tokens=1024,  # train's first shard is written before the suite has seen every document
         expectations={"max_duplicate_fraction": 0.2},
     )
     with pytest.raises(DataValidationError) as caught:
@@ -120,6 +121,7 @@ def test_documents_suite_stops_a_corpus_full_of_duplicates(tmp_path: Path) -> No
     assert caught.value.failed[0].column == "is_duplicate" and caught.value.failed[0].observed == pytest.approx(0.58)
     assert "data validation failed: documents: expect_column_mean_to_be_between(is_duplicate)" in str(caught.value)
     assert not list((tmp_path / "datasets").glob("*/manifest.json"))  # nothing looks finished
+    assert not list((tmp_path / "datasets").rglob("*.bin"))  # and the shards written in the same pass are gone
 
 
 def test_empty_corpus_after_cleaning_reports_each_rule(tmp_path: Path) -> None:

@@ -224,3 +224,44 @@ def test_the_report_lists_each_problem_escaped() -> None:
     page = render_pages([], context)[INDEX]
     assert "<script>" not in page and "Problems found" in page
     assert "token id 9 at position 1 of train/&lt;script&gt;" in page
+
+
+def _documents_one_by_one(url: str) -> list[tuple[str, int, str]]:
+    """(split, n_tokens, sha256) per document as a plain loop slices them: tokens[offsets[j]:offsets[j + 1]] less
+    a trailing EOS, whatever the index holds."""
+    manifest = read_manifest(url)
+    rows = []
+    for split, info in manifest.splits.items():
+        for shard in info.shards:
+            ids = np.fromfile(Path(url) / shard.tokens, dtype="<u2")
+            offsets = np.fromfile(Path(url) / shard.index, dtype="<i8")
+            for begin, end in zip(offsets[:-1], offsets[1:], strict=True):
+                body = ids[begin:end]
+                if manifest.eos_id is not None and body.size and body[-1] == manifest.eos_id:
+                    body = body[:-1]
+                rows.append((split, int(body.size), hashlib.sha256(body.tobytes()).hexdigest()))
+    return rows
+
+
+def test_the_document_table_slices_documents_as_a_plain_loop_does_even_from_a_broken_index(tmp_path: Path) -> None:
+    url = str(tmp_path / "ds")
+    with DatasetWriter(url, 257, TokenizerInfo(kind="bytes"), eos_id=256) as writer:
+        for i in range(30):
+            writer.add_document("val" if i % 10 == 0 else "train", [(i + j) % 200 for j in range(12)])
+        writer.add_document("train", list(range(12)))  # the same tokens as val's first document
+        writer.add_document("train", [])
+    rel = "train/docs-00000.idx"
+    offsets = np.fromfile(Path(url) / rel, dtype="<i8")
+    assert dataset_tables(url, vocab_size=257).documents["in_several_splits"].sum() == 2  # both copies
+    for broken in (
+        offsets,
+        np.concatenate(([0, 5, 3, -7, -1000], offsets[5:])),  # backwards, negative, before the start
+        np.concatenate((offsets[:-2], [offsets[-1] + 50, offsets[-1]])),  # past the end
+        offsets[:1],  # no document
+    ):
+        _rewrite(url, rel, broken.astype("<i8").tobytes(), fix_checksum=True)
+        table = dataset_tables(url, vocab_size=257).documents
+        rows = list(zip(table["split"], table["n_tokens"], table["doc_hash"], strict=True))
+        assert rows == _documents_one_by_one(url)
+        several = table.groupby("doc_hash")["split"].transform("nunique") > 1
+        assert table["in_several_splits"].tolist() == several.tolist()
