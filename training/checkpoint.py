@@ -14,6 +14,19 @@ corrupt one is skipped with a warning that names it. Model and optimizer state
 load under another world size (DCP reshards); per-rank RNG states then cannot
 apply and are re-seeded, which the loader says.
 
+Checksums are taken as the files are written (each writer thread hashes its own
+file on the way to storage, so nothing is read back), and verified before a load
+by every rank for its share of the files, several files at a time.
+
+`save` returns once the checkpoint is committed. `save_async` returns once the
+state is copied to host memory (DCP's stager: pinned buffers on GPUs, kept for
+the next save) and writes, checksums and commits it in a background thread, on a
+gloo process group of its own so that training's collectives go on meanwhile;
+`wait` returns it, or raises its failure. The protocol is the same: until its
+COMMIT.json is written the checkpoint is partial, so a process that dies in the
+middle leaves the previous one the newest. A save (of either kind) waits for a
+background one still in flight before it starts.
+
 Trust (training/checkpoint_trust.py): DCP's pickles are read with an allow-list,
 so a planted file cannot run code; with TDEPLOY_CHECKPOINT_KEY set, COMMIT.json
 is signed (`hmac_sha256`) and only checkpoints signed with that key are loaded.
@@ -34,17 +47,22 @@ from __future__ import annotations
 
 import base64
 import binascii
+import concurrent.futures
 import errno
+import hashlib
 import json
 import logging
 import math
 import os
+import posixpath
 import random
 import re
 import shutil
+import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
@@ -58,6 +76,7 @@ from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -81,7 +100,17 @@ from training.checkpoint_trust import (
 )
 from training.config import CheckpointConfig, ModelConfig, StrictModel, first_problem
 from training.run_output import ResumeRecord, RunOutputWriter, SkippedCheckpoint
-from training.storage import StorageConfig, filesystem, is_local, join, local_path, sha256_file, write_bytes_atomic
+from training.storage import (
+    DigestingWriter,
+    StorageConfig,
+    filesystem,
+    is_local,
+    join,
+    local_path,
+    sha256_file,
+    sha256_files,
+    write_bytes_atomic,
+)
 
 if TYPE_CHECKING:
     from training.config import TrainConfig
@@ -106,6 +135,10 @@ _SHA256 = re.compile(r"[0-9a-f]{64}")
 _ENTRY_OVERHEAD_BYTES = 2048
 _RANK_OVERHEAD_BYTES = 32 << 10
 _FIXED_OVERHEAD_BYTES = 64 << 10
+# A rank writes its DCP data as one file per this many bytes, up to _MAX_IO_THREADS files written (and hashed as they
+# are written) by as many threads; loads verify a rank's share of the files as many at a time.
+_BYTES_PER_WRITE_THREAD = 64 << 20
+_MAX_IO_THREADS = 4
 # torch's zip writer reports a short write (the disk took fewer bytes than given) only as this.
 _SHORT_WRITE = "unexpected pos"
 # botocore / aiohttp / urllib3 / requests network failures, matched by name so none is a hard dependency
@@ -134,9 +167,11 @@ _RETRYABLE_S3_CODES = frozenset({"InternalError", "ServiceUnavailable", "SlowDow
 class CheckpointSaveError(RuntimeError):
     """A save failed with storage errors after every retry; the previous complete checkpoint is still intact."""
 
-    def __init__(self, path: str, attempts: int, cause: BaseException, no_space: bool = False) -> None:
+    def __init__(
+        self, path: str, attempts: int, cause: BaseException, no_space: bool = False, step: int | None = None
+    ) -> None:
         super().__init__(f"checkpoint save to {path} failed after {attempts} attempt(s): {cause}")
-        self.path, self.attempts, self.no_space = path, attempts, no_space
+        self.path, self.attempts, self.no_space, self.step = path, attempts, no_space, step
 
 
 class CheckpointAbortedError(RuntimeError):
@@ -159,6 +194,18 @@ class CheckpointFormatError(ValueError):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (self.path, self.problem))
+
+
+@dataclass(frozen=True)
+class SavedCheckpoint:
+    """A committed save: its step, the bytes its COMMIT.json lists, the seconds from the save call to the commit,
+    and the seconds of those the caller was held (all of them for `save`; for `save_async` the wait for the
+    previous save and the copy of the state to host memory)."""
+
+    step: int
+    nbytes: int
+    seconds: float
+    stall_s: float
 
 
 @dataclass
@@ -387,6 +434,74 @@ def _estimate(state: dict[str, Any], world: int) -> _Space:
     return _Space(tensor_bytes, tensor_bytes + overhead)
 
 
+def _write_threads(space: _Space, world: int) -> int:
+    """Files (and writer threads) per rank for a checkpoint of `space`: one per _BYTES_PER_WRITE_THREAD of a
+    rank's share, at least one, at most _MAX_IO_THREADS."""
+    return max(1, min(_MAX_IO_THREADS, space.tensor_bytes // world // _BYTES_PER_WRITE_THREAD))
+
+
+@dataclass
+class _SaveJob:
+    """One save as its writing side sees it: the state and files taken at the save call, and where ranks meet."""
+
+    step: int
+    state: dict[str, Any]  # for DCP: the live tensors (blocking save) or a staged copy (background save)
+    files: dict[str, bytes]  # this rank's other files by relative path: its RNG file; rank 0 train_state.json, card
+    problem: Exception | None  # a bug met while taking them, raised inside the save where every rank learns of it
+    group: dist.ProcessGroup | None  # the collectives' group (None: the default one)
+    started: float  # time.perf_counter() at the save call
+
+
+class _Digests:
+    """sha256 and size of each file one rank wrote in one save attempt, by path relative to the step folder."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # DCP's writer threads add theirs concurrently
+        self._files: dict[str, tuple[str, int]] = {}
+
+    def add(self, rel: str, sha256: str, nbytes: int) -> None:
+        """Record one written file."""
+        with self._lock:
+            self._files[rel] = (sha256, nbytes)
+
+    def rename(self, rel: str, new_rel: str) -> None:
+        """A written file was renamed (DCP writes .metadata under a temporary name)."""
+        with self._lock:
+            if rel in self._files:
+                self._files[new_rel] = self._files.pop(rel)
+
+    def files(self) -> dict[str, tuple[str, int]]:
+        """What was recorded so far."""
+        with self._lock:
+            return dict(self._files)
+
+
+class _DigestingFileSystem:
+    """A DCP writer's filesystem whose written files are hashed as they are written, into `digests`."""
+
+    def __init__(self, inner: Any, digests: _Digests) -> None:
+        self.inner, self.digests = inner, digests
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[Any]:
+        """The inner stream; one opened for writing passes through a DigestingWriter."""
+        with self.inner.create_stream(path, mode) as stream:
+            if "r" in mode:
+                yield stream
+                return
+            writer = DigestingWriter(stream)
+            yield writer
+        self.digests.add(posixpath.basename(os.fspath(path)), writer.hexdigest(), writer.nbytes)
+
+    def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
+        """Rename, and carry the digest along."""
+        self.inner.rename(path, new_path)
+        self.digests.rename(posixpath.basename(os.fspath(path)), posixpath.basename(os.fspath(new_path)))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
 class _PhaseWriter(StorageWriter):
     """A DCP writer with the "writing_dcp" phase point around this rank's file write (only in a drill's job)."""
 
@@ -459,6 +574,10 @@ class CheckpointManager:
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.key = checkpoint_key()
+        self._group: dist.ProcessGroup | None = None  # background saves' collectives (made by the first one)
+        self._executor: ThreadPoolExecutor | None = None
+        self._stager: DefaultStager | None = None  # keeps its host buffers from one background save to the next
+        self._pending: concurrent.futures.Future[SavedCheckpoint] | None = None
         if self.key is not None and not cfg.verify_checksums and self.rank == 0:
             log.warning("checkpoint.verify_checksums=false is overridden: with TDEPLOY_CHECKPOINT_KEY set every "
                         "checksum is verified, since the signature covers the files only through them")  # fmt: skip
@@ -466,10 +585,18 @@ class CheckpointManager:
     def _dir(self, step: int) -> str:
         return join(self.root, step_dir_name(step))
 
-    def _writer(self, path: str) -> dcp.StorageWriter:
+    def _writer(self, path: str, digests: _Digests, threads: int = 1) -> dcp.StorageWriter:
+        """DCP's writer for `path` (`threads` files, each hashed into `digests` as written). Local files are
+        fsynced before the commit; an object store has a file once its upload returns."""
+        writer: dcp.FileSystemWriter
         if is_local(self.cfg.url):
-            return dcp.FileSystemWriter(local_path(path))
-        return FsspecWriter(path, **self.storage.fsspec_options(self.cfg.url))
+            writer = dcp.FileSystemWriter(local_path(path), thread_count=threads)
+        else:
+            writer = FsspecWriter(
+                path, sync_files=False, thread_count=threads, **self.storage.fsspec_options(self.cfg.url)
+            )
+        writer.fs = _DigestingFileSystem(writer.fs, digests)
+        return writer
 
     def _reader(self, path: str) -> SafeFileSystemReader | SafeFsspecReader:
         if is_local(self.cfg.url):
@@ -559,27 +686,96 @@ class CheckpointManager:
 
     def save(
         self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, train_state: dict[str, Any]
-    ) -> float:
-        """Write and commit the checkpoint of `step` (collective); returns the bytes written.
+    ) -> SavedCheckpoint:
+        """Write and commit the checkpoint of `step` (collective) before returning.
 
+        A background save still in flight is awaited first (call `wait` before to have its record).
         A storage failure on any rank fails the attempt on every rank together (no rank is left
         waiting in a collective); the attempt is retried with backoff, then CheckpointSaveError.
         Any other exception is a bug: raised at once on every rank.
         """
+        started = time.perf_counter()
+        self.wait()
+        nbytes = self._run(self._job(step, model, optimizer, train_state, started, group=None, stage=False))
+        seconds = time.perf_counter() - started
+        return SavedCheckpoint(step, nbytes, seconds, seconds)
+
+    def save_async(
+        self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, train_state: dict[str, Any]
+    ) -> None:
+        """Start the checkpoint of `step` (collective) and return once its state is copied to host memory.
+
+        The files, their checksums and COMMIT.json are written in the background while the caller trains on;
+        `wait` returns the committed record, or raises what `save` would have raised. A background save still
+        in flight is awaited first, as by `save`. Until it commits, the checkpoint is as invisible as a partial
+        one: a process that dies meanwhile leaves the previous checkpoint the newest.
+        """
+        started = time.perf_counter()
+        self.wait()
+        if self._group is None and dist.is_initialized():
+            # The save's collectives run while training's run on the default group: a group of their own (gloo:
+            # a CPU backend, which DCP needs for the staged copy, also beside NCCL).
+            self._group = dist.new_group(backend="gloo")
+        job = self._job(step, model, optimizer, train_state, started, group=self._group, stage=True)
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-save")
+        self._pending = self._executor.submit(self._run_in_background, job, time.perf_counter() - started)
+
+    def wait(self) -> SavedCheckpoint | None:
+        """Block until the background save, if any, is committed; its record (None when there was none). Its
+        failure is raised here: CheckpointSaveError after the retries, a bug as itself."""
+        pending, self._pending = self._pending, None
+        return None if pending is None else pending.result()
+
+    def _run_in_background(self, job: _SaveJob, stall_s: float) -> SavedCheckpoint:
+        nbytes = self._run(job)
+        return SavedCheckpoint(job.step, nbytes, time.perf_counter() - job.started, stall_s)
+
+    def _job(
+        self,
+        step: int,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        train_state: dict[str, Any],
+        started: float,
+        group: dist.ProcessGroup | None,
+        stage: bool,
+    ) -> _SaveJob:
+        """What a save of `step` writes, taken now: the DCP state (`stage`: copied into host buffers that are kept
+        for the next save, so that training may change the model meanwhile), this rank's RNG state, and on
+        rank 0 train_state.json and the model card."""
         model_sd, optim_sd = get_state_dict(model, optimizer, options=_OPTIONS)
-        state = {"model": model_sd, "optim": optim_sd}
+        state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
         if faults.active().checkpoint_without_optimizer:
             del state["optim"]
-        path = self._dir(step)
-        space = _estimate(state, self.world)
+        if stage:
+            if self._stager is None:
+                gpu = torch.cuda.is_available()  # pinned host buffers and copies that overlap, on GPUs
+                self._stager = DefaultStager(StagingOptions(gpu, False, False, gpu))
+            state = self._stager.stage(state)
+        files = {rng_file(self.rank): json.dumps(capture_rng()).encode()}
+        problem = None
+        if self.rank == 0:
+            try:
+                files[TRAIN_STATE] = json.dumps(train_state, indent=2).encode()
+            except Exception as err:  # noqa: BLE001 - a bug, raised inside the save where every rank learns of it
+                problem = err
+            if self.card is not None:
+                files[MODEL_CARD] = json.dumps(self.card, indent=2).encode()
+        return _SaveJob(step, state, files, problem, group, started)
+
+    def _run(self, job: _SaveJob) -> int:
+        """The save of `job` with its retries; the bytes committed."""
+        path = self._dir(job.step)
+        space = _estimate(job.state, self.world)
         delay = self.cfg.save_retry_backoff_s
         for attempt in range(1, self.cfg.save_retries + 2):
             try:
-                return self._save_once(step, state, train_state, path, space)
+                return self._save_once(job, path, space)
             except _StorageFailure as err:
                 if attempt > self.cfg.save_retries:
                     self._remove_partial(path)
-                    raise CheckpointSaveError(self._url(path), attempt, err, err.no_space) from err
+                    raise CheckpointSaveError(self._url(path), attempt, err, err.no_space, job.step) from err
                 if self.rank == 0:
                     log.warning(
                         "checkpoint save to %s failed (attempt %d): %s; retrying in %.1fs", path, attempt, err, delay
@@ -588,17 +784,15 @@ class CheckpointManager:
                 delay *= 2
         raise AssertionError("unreachable")
 
-    def _save_once(
-        self, step: int, state: dict[str, Any], train_state: dict[str, Any], path: str, space: _Space
-    ) -> int:
+    def _save_once(self, job: _SaveJob, path: str, space: _Space) -> int:
         def prepare() -> int | None:
             if self.rank != 0:
                 return None
             if self.fs.exists(path):
                 self.fs.rm(path, recursive=True)  # leftovers of an attempt that never committed
-            return self._make_room(step, space)
+            return self._make_room(job.step, space)
 
-        space.free_bytes = _broadcast_from_rank0(_agree(prepare))
+        space.free_bytes = _broadcast_from_rank0(_agree(prepare, group=job.group), job.group)
         if space.free_bytes is not None and space.free_bytes < space.tensor_bytes:
             raise _StorageFailure(self._no_space(path, space), no_space=True)  # same on every rank: broadcast value
 
@@ -607,7 +801,7 @@ class CheckpointManager:
             return free is not None and free < space.needed_bytes
 
         try:
-            nbytes = self._write(step, state, train_state, path, disk_full)
+            nbytes = self._write(job, path, disk_full, _write_threads(space, self.world))
         except _StorageFailure as err:
             if err.no_space:
                 raise _StorageFailure(f"{self._no_space(path, space)} ({err})", no_space=True) from err
@@ -617,70 +811,90 @@ class CheckpointManager:
                 self._prune()
             except Exception as err:  # noqa: BLE001 - pruning is housekeeping: the checkpoint is committed
                 log.warning("could not prune old checkpoints under %s: %s", self.cfg.url, err)
-        _barrier()
+        _barrier(job.group)
         return nbytes
 
-    def _write(
-        self, step: int, state: dict[str, Any], train_state: dict[str, Any], path: str, disk_full: Callable[[], bool]
-    ) -> int:
-        """The data, the small files, then the checksums and COMMIT.json; returns the bytes committed.
+    def _write(self, job: _SaveJob, path: str, disk_full: Callable[[], bool], threads: int) -> int:
+        """The data, the small files, then COMMIT.json with the checksums taken while writing; the bytes committed.
 
         Each phase point (faults.at_save_phase) is where the kill_during_save drill stops every rank.
         """
+        step, group = job.step, job.group
+        digests = _Digests()
 
         def write_dcp() -> None:
-            writer = self._writer(self._url(path))
+            writer = self._writer(self._url(path), digests, threads)
             if faults.active().pause_in_save is not None:  # a drill's job: it may stop this save mid-DCP
                 writer = _PhaseWriter(writer, step)
-            dcp.save(state, storage_writer=writer)
+            dcp.save(job.state, storage_writer=writer, process_group=group)
 
-        _agree(write_dcp, disk_full)
+        _agree(write_dcp, disk_full, group)
         early = faults.active().commit_before_extras  # test-only: the broken order the drill must catch
-        nbytes = self._commit(step, sorted(state), path, disk_full) if early else 0
+        nbytes = self._commit(job, path, digests, disk_full) if early else 0
         faults.at_save_phase("after_dcp", step)
 
         def extras() -> None:
             faults.maybe_break_save(step)
-            rng = json.dumps(capture_rng()).encode()
-            write_bytes_atomic(self.fs, join(path, rng_file(self.rank)), rng)
-            if self.rank == 0:
-                write_bytes_atomic(self.fs, join(path, TRAIN_STATE), json.dumps(train_state, indent=2).encode())
-                if self.card is not None:
-                    write_bytes_atomic(self.fs, join(path, MODEL_CARD), json.dumps(self.card, indent=2).encode())
+            if job.problem is not None:
+                raise job.problem
+            for rel, data in job.files.items():
+                write_bytes_atomic(self.fs, join(path, rel), data)
+                digests.add(rel, hashlib.sha256(data).hexdigest(), len(data))
 
-        _agree(extras, disk_full)
+        _agree(extras, disk_full, group)
         faults.at_save_phase("after_extras", step)
         if not early:
-            nbytes = self._commit(step, sorted(state), path, disk_full)
+            nbytes = self._commit(job, path, digests, disk_full)
         faults.at_save_phase("after_commit", step)
         return nbytes
 
-    def _commit(self, step: int, contents: list[str], path: str, disk_full: Callable[[], bool]) -> int:
-        """Checksum every file in the step folder, then rank 0 writes COMMIT.json listing them; the bytes listed."""
-        files = _agree(lambda: sorted(self._relative_files(path)))
-        mine = _agree(lambda: {rel: sha256_file(self.fs, join(path, rel)) for rel in files[self.rank :: self.world]})
-        hashes = _all_gather(mine)
-        faults.maybe_kill_during_save(step)
+    def _commit(self, job: _SaveJob, path: str, digests: _Digests, disk_full: Callable[[], bool]) -> int:
+        """Rank 0 lists the step folder and writes COMMIT.json naming every file in it with the sha256 and size
+        its writer took (a file no writer accounts for is hashed here); the bytes listed."""
+        written = _all_gather(digests.files(), job.group)
+        faults.maybe_kill_during_save(job.step)
 
         def commit() -> int:
             if self.rank != 0:
                 return 0
-            checksums = {rel: digest for part in hashes for rel, digest in part.items()}
-            sizes = {rel: self.fs.size(join(path, rel)) for rel in checksums}
+            known = {rel: entry for part in written for rel, entry in part.items()}
+            sizes = self._listing(path)
+            lost = sorted(set(known) - set(sizes))
+            if lost:  # written, then gone: the storage lost it (retried)
+                raise FileNotFoundError(errno.ENOENT, f"written but not found in {self._url(path)}", lost[0])
+            unknown = sorted(set(sizes) - set(known))
+            read = sha256_files(self.fs, [join(path, rel) for rel in unknown], _MAX_IO_THREADS)
+            files: dict[str, dict[str, Any]] = {}
+            for rel, size in sorted(sizes.items()):
+                digest, nbytes = known.get(rel) or (read[join(path, rel)], size)
+                if nbytes != size:
+                    raise OSError(errno.EIO, f"{rel} holds {size} bytes in {self._url(path)}; {nbytes} were written")
+                files[rel] = {"sha256": digest, "bytes": size}
             record: dict[str, Any] = {
-                "step": step,
+                "step": job.step,
                 "world_size": self.world,
                 "layout": self.layout,
-                "contents": contents,
+                "contents": sorted(job.state),
                 "created_unix_s": time.time(),
-                "files": {rel: {"sha256": checksums[rel], "bytes": sizes[rel]} for rel in sorted(checksums)},
+                "files": files,
             }
             if self.key is not None:
                 record = sign_commit(record, self.key)
             write_bytes_atomic(self.fs, join(path, COMMIT), json.dumps(record, indent=2).encode())
             return sum(sizes.values())
 
-        return _agree(commit, disk_full)
+        return _agree(commit, disk_full, job.group)
+
+    def _listing(self, path: str) -> dict[str, int]:
+        """Size of every file under the folder `path` but COMMIT.json, by path relative to it (one listing)."""
+        self.fs.invalidate_cache(path)  # DCP wrote through another filesystem instance: a cached listing is stale
+        prefix = path.rstrip("/") + "/"
+        found = self.fs.find(path, detail=True)
+        return {
+            name[len(prefix) :]: int(info["size"])
+            for name, info in ((n.rstrip("/"), i) for n, i in found.items())
+            if name.startswith(prefix) and name[len(prefix) :] != COMMIT and info.get("type") != "directory"
+        }
 
     def _no_space(self, path: str, space: _Space) -> str:
         free = "unknown" if space.free_bytes is None else _size(space.free_bytes)
@@ -735,13 +949,6 @@ class CheckpointManager:
                 self.fs.rm(path, recursive=True)
         except Exception as err:  # noqa: BLE001 - the save already failed; this is cleanup on broken storage
             log.warning("could not remove the partial checkpoint %s: %s", self._url(path), err)
-
-    def _relative_files(self, path: str) -> list[str]:
-        prefix = path.rstrip("/") + "/"
-        found = self.fs.find(path)
-        return [
-            f[len(prefix) :] for f in (p.rstrip("/") for p in found) if f.startswith(prefix) and not f.endswith(COMMIT)
-        ]
 
     def _prune(self) -> None:
         steps = self.steps_on_storage()
@@ -820,24 +1027,25 @@ class CheckpointManager:
     # ---- load -------------------------------------------------------------------------------
 
     def verify(self, step: int, commit: dict[str, Any]) -> str | None:
-        """Why checkpoint `step` cannot be used (None when it is sound). Every rank checks a share of the files."""
+        """Why checkpoint `step` cannot be used (None when it is sound). Every rank checks a share of the files,
+        several at a time."""
         path = self._dir(step)
-        names = sorted(commit["files"])
+        mine = {rel: commit["files"][rel] for rel in _share(commit["files"], self.rank, self.world)}
         checksums = self.cfg.verify_checksums or self.key is not None
-        problem = None
-        for rel in names[self.rank :: self.world]:
-            expected = commit["files"][rel]
-            full = join(path, rel)
-            if not self.fs.exists(full):
-                problem = f"{rel} is missing"
-            elif self.fs.size(full) != expected["bytes"]:
-                problem = f"{rel} has {self.fs.size(full)} bytes, COMMIT.json says {expected['bytes']}"
-            elif checksums and sha256_file(self.fs, full) != expected["sha256"]:
-                problem = f"{rel} fails its sha256 check"
-            if problem:
-                break
-        problems = [p for p in _all_gather(problem) if p]
-        return problems[0] if problems else None
+        found = self._listing(path) if mine else {}
+        problems: dict[str, str] = {}
+        for rel, expected in mine.items():
+            if rel not in found:
+                problems[rel] = f"{rel} is missing"
+            elif found[rel] != expected["bytes"]:
+                problems[rel] = f"{rel} has {found[rel]} bytes, COMMIT.json says {expected['bytes']}"
+        to_hash = {join(path, rel): rel for rel in mine if checksums and rel not in problems}
+        for full, digest in sha256_files(self.fs, to_hash, _MAX_IO_THREADS).items():
+            if digest != mine[to_hash[full]]["sha256"]:
+                problems[to_hash[full]] = f"{to_hash[full]} fails its sha256 check"
+        problem = problems[min(problems)] if problems else None
+        gathered = [p for p in _all_gather(problem) if p]
+        return gathered[0] if gathered else None
 
     def _inspect(self, step: int) -> tuple[str, Any]:
         """Rank 0's verdict on `step`'s commit record: ("ok", commit) or (kind, reason) for every rank to act on."""
@@ -1020,6 +1228,18 @@ class CheckpointManager:
             out.write_resume(record)
 
 
+def _share(files: dict[str, dict[str, Any]], rank: int, world: int) -> list[str]:
+    """The files of a commit record that `rank` verifies: the largest first, each to the rank with the fewest
+    bytes so far (every rank computes the same split)."""
+    load = [0] * world
+    shares: list[list[str]] = [[] for _ in range(world)]
+    for rel in sorted(files, key=lambda r: (-files[r]["bytes"], r)):
+        least = load.index(min(load))
+        shares[least].append(rel)
+        load[least] += files[rel]["bytes"]
+    return sorted(shares[rank])
+
+
 def _parse_json(raw: bytes, where: str) -> Any:
     try:
         return json.loads(raw)
@@ -1110,11 +1330,16 @@ def _outcome(err: BaseException, rank: int, disk_full: Callable[[], bool]) -> _O
     return _Outcome(rank if culprit[0] is None else culprit[0], retryable, no_space, _first_line(culprit[1]))
 
 
-def _agree(operation: Callable[[], Any], disk_full: Callable[[], bool] = lambda: False) -> Any:
+def _agree(
+    operation: Callable[[], Any],
+    disk_full: Callable[[], bool] = lambda: False,
+    group: dist.ProcessGroup | None = None,
+) -> Any:
     """Run a rank-local part of a save so that every rank takes the same decision about its failure.
 
     Storage errors on any rank raise _StorageFailure on every rank (the save is retried); any other
     error is a bug: the rank that has it raises it as itself, the others CheckpointAbortedError.
+    The ranks compare notes over `group` (None: the default group).
     """
     rank = dist.get_rank() if dist.is_initialized() else 0
     try:
@@ -1122,7 +1347,7 @@ def _agree(operation: Callable[[], Any], disk_full: Callable[[], bool] = lambda:
     except (Exception, CheckpointException) as err:  # noqa: BLE001 - DCP's exception is a BaseException
         result, error = None, err
     mine = None if error is None else _outcome(error, rank, disk_full)
-    failed = [o for o in _all_gather(mine) if o is not None]
+    failed = [o for o in _all_gather(mine, group) if o is not None]
     if not failed:
         return result
     bug = next((o for o in failed if not o.retryable), None)
@@ -1136,22 +1361,22 @@ def _agree(operation: Callable[[], Any], disk_full: Callable[[], bool] = lambda:
     raise _StorageFailure(f"rank {first.rank}: {first.message}", no_space=any(o.no_space for o in failed))
 
 
-def _barrier() -> None:
+def _barrier(group: dist.ProcessGroup | None = None) -> None:
     if dist.is_initialized():
-        dist.barrier()
+        dist.barrier(group=group)
 
 
-def _all_gather(obj: Any) -> list[Any]:
+def _all_gather(obj: Any, group: dist.ProcessGroup | None = None) -> list[Any]:
     if not dist.is_initialized():
         return [obj]
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
     return out
 
 
-def _broadcast_from_rank0(obj: Any) -> Any:
+def _broadcast_from_rank0(obj: Any, group: dist.ProcessGroup | None = None) -> Any:
     if not dist.is_initialized():
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=group)
     return box[0]

@@ -372,6 +372,14 @@ class CheckpointConfig(StrictModel):
         default=None, ge=1, le=MAX_STEPS, description="Save every N steps; None = off."
     )
     save_at_end: bool = Field(default=True, description="Save after the last step.")
+    async_save: bool = Field(
+        default=True,
+        description="Periodic saves run in the background: training waits only while the state is copied to host "
+        "memory (pinned on GPUs; one more copy of each rank's model and optimizer state in RAM), then the files, "
+        "their checksums and COMMIT.json follow while it trains. The next save, the last save and a preemption "
+        "save wait for it first; a checkpoint is visible only once committed either way. false: every save "
+        "holds training until it is committed.",
+    )
     keep_last: int = Field(default=3, ge=1, le=10_000, description="Complete checkpoints kept; older ones are deleted.")
     resume: bool = Field(default=True, description="Resume from the latest complete checkpoint on start.")
     verify_checksums: bool = Field(default=True, description="Check sha256 of every file before loading.")

@@ -22,7 +22,7 @@ import random
 import signal
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,7 +34,7 @@ from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from training import faults, preemption, process
-from training.checkpoint import CheckpointManager, CheckpointSaveError, ModelCard
+from training.checkpoint import CheckpointManager, CheckpointSaveError, ModelCard, SavedCheckpoint
 from training.comm_probe import probe_record
 from training.config import OptimConfig, TrainConfig
 from training.dataset import DatasetError, TokenDataset
@@ -576,29 +576,46 @@ class Trainer:
             self.out.append_eval(result)
         return result
 
-    def _save(self) -> None:
-        started = time.perf_counter()
+    def _save(self, background: bool = False) -> None:
+        """Checkpoint this step, after recording the background save still in flight (if any). `background`:
+        return once the state is staged; the commit is recorded by the next `_save` or `_await_save`."""
+        self._await_save()
+        save = self.checkpoints.save_async if background else self.checkpoints.save
+        self._record_save(lambda: save(self.step, self.model, self.optimizer, self._train_state()))
+
+    def _await_save(self) -> None:
+        """Wait for the background save, if one is in flight, and record it."""
+        self._record_save(self.checkpoints.wait)
+
+    def _record_save(self, finish: Callable[[], SavedCheckpoint | None]) -> None:
+        """Record the checkpoint `finish` commits (None: none yet), or its loss if continue_on_save_failure."""
         try:
-            nbytes = self.checkpoints.save(self.step, self.model, self.optimizer, self._train_state())
+            saved = finish()
         except CheckpointSaveError as err:
             if not self.cfg.checkpoint.continue_on_save_failure:
                 raise
-            log.error("checkpoint of step %d lost, training goes on (the next save will try again): %s", self.step, err)
+            step = self.step if err.step is None else err.step
+            log.error("checkpoint of step %d lost, training goes on (the next save will try again): %s", step, err)
             if self.rank == 0:
-                self.out.append_checkpoint(CheckpointEvent(self.step, error=str(err)))
+                self.out.append_checkpoint(CheckpointEvent(step, error=str(err)))
                 self.out.sync()
             return
-        self.saved_step = self.step
+        if saved is None:
+            return
+        self.saved_step = saved.step
         if self.rank == 0:
-            seconds = time.perf_counter() - started
-            log.info("checkpoint step %d: %.1f MB in %.2fs", self.step, nbytes / 1e6, seconds)
-            self.out.append_checkpoint(CheckpointEvent(self.step, nbytes, seconds))
+            log.info(
+                "checkpoint step %d: %.1f MB in %.2fs (training held %.2fs)",
+                saved.step, saved.nbytes / 1e6, saved.seconds, saved.stall_s,
+            )  # fmt: skip
+            self.out.append_checkpoint(CheckpointEvent(saved.step, saved.nbytes, saved.seconds))
 
     def _preempt(self, signal_name: str) -> None:
         """Checkpoint this step (unless it was just saved), record the preemption (rank 0), and wait for every
         rank, so that the record exists before any worker exits with PREEMPTED_EXIT_CODE."""
         if self.rank == 0:
             log.warning("step %d: %s received, checkpointing before exiting", self.step, signal_name)
+        self._await_save()  # a background save of this very step counts once it is committed
         if self.saved_step != self.step:
             self._save()
         if self.saved_step != self.step:  # the save failed and continue_on_save_failure let training go on
@@ -652,7 +669,7 @@ class Trainer:
                 last_eval = self.evaluate()
             every = cfg.checkpoint.save_every_steps
             if every and self.step % every == 0 and self.step < last_step:
-                self._save()
+                self._save(background=cfg.checkpoint.async_save)
             if self.preempt_signal is not None and self.step < last_step:
                 self._preempt(self.preempt_signal)
                 break
@@ -664,6 +681,7 @@ class Trainer:
             return {"steps": self.step, "preempted": True, "signal": self.preempted.signal}
         if last_eval is None or last_eval["step"] != self.step:
             last_eval = self.evaluate()
+        self._await_save()  # the run's last background save is committed before it ends
         if cfg.checkpoint.save_at_end and self.checkpoints.read_commit(self.step) is None:
             self._save()
         result = {

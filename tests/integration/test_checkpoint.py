@@ -37,13 +37,16 @@ def _wait_for(predicate, what: str, timeout_s: float = 120.0) -> None:  # noqa: 
         time.sleep(0.1)
 
 
-def _paused_job(spec, pause_after_step: int) -> LocalJob:  # noqa: ANN001
-    """Start a job that hangs after `pause_after_step`, and wait until it got there."""
+def _paused_job(spec, pause_after_step: int, committed_step: int) -> LocalJob:  # noqa: ANN001
+    """Start a job that hangs after `pause_after_step`, and wait until it got there and its (background) save of
+    `committed_step` is committed."""
     job = start_local(
         spec.cluster, spec.training_config(), faults={ENV_VAR: json.dumps({"pause_after_step": pause_after_step})}
     )
     run = RunOutput(spec.run.output_url)
     _wait_for(lambda: pause_after_step in run.metrics(1), "the pause")
+    commit = Path(spec.checkpoint.url) / f"step-{committed_step:08d}" / "COMMIT.json"
+    _wait_for(commit.exists, f"the commit of step {committed_step}")
     return job
 
 
@@ -75,7 +78,7 @@ def uninterrupted_30(tiny_dataset: str, tmp_path_factory: pytest.TempPathFactory
 
 def test_killed_rank_relaunch_resumes_bit_identical(make_spec, uninterrupted_30: dict[int, dict]) -> None:
     spec = make_spec(STEPS_30, name="killed")
-    job = _paused_job(spec, 25)
+    job = _paused_job(spec, 25, committed_step=20)
     _kill_rank(job.output_dir, 1)
     assert job.wait(timeout_s=120).state is JobState.FAILED
     assert "exitcode  : -9" in job.log_tail(200)
@@ -89,7 +92,7 @@ def test_torchrun_restarts_a_killed_rank_and_the_job_recovers_by_itself(
     make_spec, uninterrupted_30: dict[int, dict]
 ) -> None:
     spec = make_spec({**STEPS_30, "cluster": {"max_restarts": 1}}, name="elastic")
-    job = _paused_job(spec, 25)
+    job = _paused_job(spec, 25, committed_step=20)
     _kill_rank(job.output_dir, 1)
     assert job.wait(timeout_s=180).state is JobState.SUCCEEDED
     ranks = RunOutput(job.output_dir).ranks().ranks

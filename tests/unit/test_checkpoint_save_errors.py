@@ -80,7 +80,7 @@ def test_a_bug_inside_dcp_is_unwrapped_and_raised_at_once(
             writes.append(1)
             raise ValueError("a bug in the storage writer")
 
-    monkeypatch.setattr(CheckpointManager, "_writer", lambda self, path: BuggyWriter(path))
+    monkeypatch.setattr(CheckpointManager, "_writer", lambda self, path, *_: BuggyWriter(path))
     with caplog.at_level(logging.WARNING, logger="training.checkpoint"):
         with pytest.raises(ValueError, match="a bug in the storage writer") as raised:
             _manager(tmp_path / "ckpt").save(1, *_model(), {"step": 1})
@@ -96,7 +96,7 @@ def test_storage_failures_still_end_in_checkpoint_save_error_and_leave_no_partia
             (Path(self.path) / "__0_0.distcp").write_bytes(b"half a shard")
             raise ConnectionResetError("connection reset by peer")
 
-    monkeypatch.setattr(CheckpointManager, "_writer", lambda self, path: DownWriter(path))
+    monkeypatch.setattr(CheckpointManager, "_writer", lambda self, path, *_: DownWriter(path))
     with pytest.raises(CheckpointSaveError, match="failed after 3 attempt"):
         _manager(tmp_path / "ckpt").save(1, *_model(), {"step": 1})
     assert not (tmp_path / "ckpt" / step_dir_name(1)).exists()

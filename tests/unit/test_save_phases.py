@@ -21,8 +21,11 @@ from training.faults import ENV_VAR, SAVE_PHASES, PausedRank, TestFaults, paused
 SHARD = "__0_0.distcp"
 
 
-def _phases_seen(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, **injected: object) -> dict[str, list[str]]:
-    """Save one checkpoint in a drill's job; its folder's files at each phase point (writing_dcp: once written)."""
+def _phases_seen(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, background: bool = False, **injected: object
+) -> dict[str, list[str]]:
+    """Save one checkpoint in a drill's job (`background`: with save_async); its folder's files at each phase
+    point (writing_dcp: once written)."""
     elsewhere = {"phase": "after_commit", "step": 99, "marker_dir": str(tmp_path / "markers")}
     fault = TestFaults(pause_in_save=elsewhere, **injected)
     manager = manager_at(tmp_path / "ckpt")
@@ -34,12 +37,19 @@ def _phases_seen(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, **injected: ob
 
     monkeypatch.setattr(faults, "active", lambda: fault)
     monkeypatch.setattr(faults, "at_save_phase", record)
-    manager.save(3, *tiny_model(), {"step": 3})
+    if background:
+        manager.save_async(3, *tiny_model(), {"step": 3})
+        assert manager.wait() is not None
+    else:
+        manager.save(3, *tiny_model(), {"step": 3})
     return seen
 
 
-def test_each_save_phase_point_sees_exactly_the_files_its_name_says(tmp_path: Path, monkeypatch) -> None:
-    seen = _phases_seen(tmp_path, monkeypatch)
+@pytest.mark.parametrize("background", [False, True], ids=["blocking", "background"])
+def test_each_save_phase_point_sees_exactly_the_files_its_name_says(
+    tmp_path: Path, monkeypatch, background: bool
+) -> None:
+    seen = _phases_seen(tmp_path, monkeypatch, background)
     assert list(seen) == list(SAVE_PHASES)
     dcp_files = [DCP_METADATA, SHARD]
     extras = [rng_file(0), TRAIN_STATE]
