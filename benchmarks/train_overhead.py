@@ -4,7 +4,7 @@ For a tiny and a ~20M-parameter model, in one process on the CPU:
 - tokens/s of `Trainer.fit()` (metrics, sample records, sampler, checkpoint
   hooks present but off-step) against a bare PyTorch loop with the same model,
   batch and optimizer; runs alternate and the median of the repeats is used.
-  Goal: ratio >= 0.95.
+  Goal: ratio >= 0.97.
 - checkpoint save and load throughput (MB/s) of `CheckpointManager` (DCP,
   sha256 of every file taken while it is written, fsync, commit marker; load
   verifies every file before reading) against a plain `torch.save`/`torch.load`
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import shutil
 import statistics
 import tempfile
@@ -29,6 +30,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 
 from tasks.prepare.config import PrepareConfig
@@ -102,7 +104,7 @@ def bare_tokens_per_s(cfg: TrainConfig) -> float:
     return cfg.run.steps * cfg.parallel.micro_batch * cfg.model.seq_len / elapsed
 
 
-GOALS = {"trainer": (">=", 0.95), "save": (">=", 0.9), "load": (">=", 0.5), "stall": ("<=", 0.10)}
+GOALS = {"trainer": (">=", 0.97), "save": (">=", 0.9), "load": (">=", 0.5), "stall": ("<=", 0.10)}
 
 
 def goal(name: str, ratio: float) -> str:
@@ -143,8 +145,22 @@ def checkpoint_throughput(work: Path, cfg: TrainConfig, repeats: int) -> dict[st
         assert saved is not None
         saves.append(saved)
 
+    def durable_plain_save() -> None:
+        with open(plain, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+
+    stock = work / "stock-dcp"
+
+    def stock_dcp_save() -> None:  # DCP's own writer, files fsynced, no hashing, no commit record
+        shutil.rmtree(stock, ignore_errors=True)
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(stock), thread_count=2))
+
     runs: dict[str, Callable[[], object]] = {
         "plain_save": lambda: torch.save(state, plain),
+        "plain_save_fsync": durable_plain_save,
+        "stock_dcp_save": stock_dcp_save,
         "save": blocking_save,
         "async_save": background_save,
         "plain_load": lambda: torch.load(plain, weights_only=True),
@@ -173,6 +189,12 @@ def report_checkpoint(ck: dict[str, float], size: str) -> None:
     print(
         f"  save (sha256 taken while writing, fsync, commit) {save:.0f} MB/s vs torch.save {plain_save:.0f} MB/s: "
         f"ratio {goal('save', save / plain_save)}"
+    )
+    print(
+        f"    where it goes: torch.save + fsync {ck['MB'] / ck['plain_save_fsync']:.0f} MB/s (ratio "
+        f"{ck['plain_save_fsync'] / ck['save']:.2f} against it); DCP's own writer with fsync, no hashing or "
+        f"commit {ck['MB'] / ck['stock_dcp_save']:.0f} MB/s (ratio {ck['plain_save'] / ck['stock_dcp_save']:.2f} of "
+        "torch.save)"
     )
     print(
         f"  load (every file verified first) {load:.0f} MB/s vs torch.load {plain_load:.0f} MB/s: "
