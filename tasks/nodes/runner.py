@@ -158,6 +158,22 @@ def close_control_masters(control_dir: Path) -> None:
         )
 
 
+def ansible_environment(
+    work: Path, *, connect_timeout_s: int, task_timeout_s: int, control_dir: Path
+) -> dict[str, str]:
+    """The environment of one run: playbooks/ansible.cfg (pipelining, ControlPersist, ...), the run's limits, and
+    its own folders for the SSH control sockets and Ansible's local temporary files."""
+    return {
+        "ANSIBLE_CONFIG": str(PLAYBOOKS / "ansible.cfg"),
+        "ANSIBLE_TIMEOUT": str(connect_timeout_s),
+        "ANSIBLE_TASK_TIMEOUT": str(task_timeout_s),
+        "ANSIBLE_SSH_CONTROL_PATH_DIR": str(control_dir),
+        "ANSIBLE_LOCAL_TEMP": str(work / "tmp"),
+        "ANSIBLE_NOCOLOR": "1",
+        "PATH": f"{ansible_playbook_path()}{os.pathsep}{os.environ.get('PATH', '')}",
+    }
+
+
 def run_playbook(
     inventory: dict[str, Any] | str,
     extravars: dict[str, Any],
@@ -174,15 +190,9 @@ def run_playbook(
     with tempfile.TemporaryDirectory(prefix="tdeploy-nodes-") as work:
         control_dir = Path(work) / "cp"
         control_dir.mkdir()
-        env = {
-            "ANSIBLE_CONFIG": str(PLAYBOOKS / "ansible.cfg"),
-            "ANSIBLE_TIMEOUT": str(connect_timeout_s),
-            "ANSIBLE_TASK_TIMEOUT": str(task_timeout_s),
-            "ANSIBLE_SSH_CONTROL_PATH_DIR": str(control_dir),
-            "ANSIBLE_LOCAL_TEMP": str(Path(work) / "tmp"),
-            "ANSIBLE_NOCOLOR": "1",
-            "PATH": f"{ansible_playbook_path()}{os.pathsep}{os.environ.get('PATH', '')}",
-        }
+        env = ansible_environment(
+            Path(work), connect_timeout_s=connect_timeout_s, task_timeout_s=task_timeout_s, control_dir=control_dir
+        )
         try:
             runner = ansible_runner.run(
                 private_data_dir=work,

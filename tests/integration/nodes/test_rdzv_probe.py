@@ -1,4 +1,5 @@
-"""The rendezvous probe as the roles run it on a node: a real listener, real connects, a port in use."""
+"""The rendezvous probe as the roles run it on a node: a real listener, real connects, a port in use; the listener
+started from the network probe module as on the rendezvous host."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 
 from tasks.nodes.runner import PLAYBOOKS
 from tests.integration.nodes.conftest import free_port
+from tests.unit.nodes.conftest import load_role_file
 
 pytestmark = pytest.mark.integration
 
@@ -53,3 +55,21 @@ def test_port_in_use_and_closed_port_are_reported_not_raised() -> None:
     assert refused["connected"] is False and "refused" in refused["error"]
     unknown = probe("connect", "no-such-node.invalid", free_port(), 1)
     assert unknown["connected"] is False and "cannot resolve no-such-node.invalid" in unknown["error"]
+
+
+def test_the_network_probe_starts_the_listener_that_the_script_stops_and_reports_a_port_in_use() -> None:
+    network = load_role_file("node_network/library/tdeploy_network_probe.py")
+    port = free_port()
+    started = network.start_listener(PROBE.read_text(), port, 60)
+    assert started["listening"] is True, started
+    try:
+        assert probe("connect", "127.0.0.1", port, 5)["connected"] is True
+        assert probe("stop", port) == {"stopped": True, "peers": ["127.0.0.1"]}
+    finally:
+        try:
+            os.kill(started["pid"], signal.SIGTERM)  # only if stop failed; it is ours either way
+        except ProcessLookupError:
+            pass
+    with socket.create_server(("", 0)) as holder:
+        taken = network.start_listener(PROBE.read_text(), holder.getsockname()[1], 60)
+    assert taken["listening"] is False and "cannot listen on port" in taken["error"]

@@ -1,4 +1,5 @@
-"""Spec values are data to Ansible: a Jinja lookup in them never runs on the controller (ansible-core 2.19).
+"""Spec values are data to Ansible: a Jinja lookup in them never runs on the controller (ansible-core 2.19), and
+shell syntax in them never runs on a node.
 
 The spec refuses template syntax at its boundary; these tests go around that boundary (`model_copy`
 does not validate) to prove the second line of defence: the runner marks every inventory and extravars
@@ -16,7 +17,7 @@ import tasks.nodes.runner as runner
 from tasks.nodes.config import NodesConfig, StorageMount
 from tasks.nodes.inventory import plan_checks
 from tasks.nodes.runner import run_playbook
-from tests.integration.nodes.conftest import two_node_cluster
+from tests.integration.nodes.conftest import free_port, two_node_cluster
 from tests.integration.nodes.testhosts import SshdCluster
 
 pytestmark = pytest.mark.integration
@@ -71,3 +72,22 @@ def test_without_the_unsafe_marking_the_same_lookup_would_run(
     )
     run(nodes)
     assert marker.exists(), "ansible-core no longer templates extravars: the unsafe marking may be unneeded"
+
+
+def test_a_rendezvous_address_with_shell_syntax_reaches_the_nodes_shell_quoted(
+    consistent: SshdCluster, tmp_path: Path
+) -> None:
+    marker = tmp_path / "from-rdzv-address"  # the test nodes share this machine's filesystem
+    address = f"node-a$(touch {marker});touch {marker}"
+    plan = plan_checks(NodesConfig(**consistent.nodes_section(rdzv_port=free_port())), two_node_cluster())
+    result = run_playbook(
+        plan.inventory,
+        {**plan.extravars, "node_network_rdzv_address": address},
+        forks=2,
+        connect_timeout_s=5,
+        task_timeout_s=60,
+        run_timeout_s=180,
+    )
+    assert not marker.exists(), "the address ran as shell syntax on a node"
+    connect = result.results["node-b"]["network"]["connect"]
+    assert connect["connected"] is False and f"cannot resolve {address}" in connect["error"], connect

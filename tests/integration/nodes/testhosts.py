@@ -82,6 +82,11 @@ class SshdHost:
     def name(self) -> str:
         return self.spec.name
 
+    @property
+    def log_path(self) -> Path:
+        """sshd's log: every connection, login and session (LogLevel VERBOSE)."""
+        return self.folder / "sshd.log"
+
     def freeze(self) -> None:
         """Stop sshd with SIGSTOP: connections are accepted by the kernel but never answered."""
         os.kill(self.process.pid, signal.SIGSTOP)
@@ -316,6 +321,8 @@ def _sshd_config(folder: Path, spec: HostSpec, listen: str, authorized_keys: Pat
                 "UsePAM no",
                 "StrictModes no",
                 "PermitRootLogin prohibit-password",
+                # Every login and every session started is logged: tests count what a check costs a node.
+                "LogLevel VERBOSE",
                 "MaxStartups 200",
                 "MaxSessions 50",
                 "Subsystem sftp internal-sftp",

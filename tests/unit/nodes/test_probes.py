@@ -72,7 +72,7 @@ def test_storage_probe_writes_for_real_and_reports_missing_paths_and_free_space(
 
 
 def test_resolver_reports_each_name_and_the_error_of_those_that_do_not_resolve() -> None:
-    resolve = load_role_file("node_network/library/tdeploy_resolve.py")
+    resolve = load_role_file("node_network/library/tdeploy_network_probe.py")
     addresses, errors = resolve.resolve_all(["localhost", "no-such-node.invalid"], timeout_s=10)
     assert addresses["localhost"] and addresses["no-such-node.invalid"] == []
     assert list(errors) == ["no-such-node.invalid"]

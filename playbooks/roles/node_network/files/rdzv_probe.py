@@ -88,8 +88,8 @@ def connect(host, port, timeout_s):
         try:
             with socket.create_connection((host, port), timeout=max(0.1, left)):
                 emit(connected=True, seconds=round(time.monotonic() - started, 3))
-        except socket.gaierror as err:
-            emit(connected=False, error=f"cannot resolve {host}: {err.strerror or err}")
+        except (socket.gaierror, UnicodeError) as err:  # UnicodeError: not a host name (a label over 63 characters)
+            emit(connected=False, error=f"cannot resolve {host}: {getattr(err, 'strerror', None) or err}")
         except TimeoutError:
             emit(
                 connected=False,
