@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
+import socket
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
@@ -147,11 +150,23 @@ def make_plan() -> Callable[..., CheckPlan]:
     return factory
 
 
+ANSIBLE_PATCH_TARGETS = ((sys, "intern"), (socket, "getaddrinfo"), (dataclasses, "_is_type"))
+"""What ansible-core replaces on its first import (ansible.module_utils._internal._patches) for its own string
+and int types. In production the roles' modules and plugins run in Ansible's processes; in a pytest worker the
+replaced sys.intern makes a later `import torch._dynamo` fail, so `load_role_file` puts the originals back."""
+
+
 def load_role_file(relative: str) -> ModuleType:
-    """Import a module or script shipped in playbooks/roles/ (they are not a Python package)."""
+    """Import a module, plugin or script shipped in playbooks/roles/ (they are not a Python package), leaving
+    the interpreter as it was (see ANSIBLE_PATCH_TARGETS)."""
     path = Path(PLAYBOOKS) / "roles" / relative
     spec = importlib.util.spec_from_file_location(path.stem, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    originals = [(container, name, getattr(container, name)) for container, name in ANSIBLE_PATCH_TARGETS]
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        for container, name, original in originals:
+            setattr(container, name, original)
     return module

@@ -17,7 +17,7 @@ from typing import Any
 import yaml
 
 from tasks.nodes.runner import PLAYBOOK, PLAYBOOKS, ansible_environment
-from tests.unit.nodes.conftest import load_role_file
+from tests.unit.nodes.conftest import ANSIBLE_PATCH_TARGETS, load_role_file
 
 ROLES = ["node_facts", "node_storage", "node_network", "node_security"]
 
@@ -102,3 +102,14 @@ def test_the_network_probe_lists_the_interfaces_of_its_own_namespace() -> None:
     network = load_role_file("node_network/library/tdeploy_network_probe.py")
     names, error = network.interfaces()
     assert error is None and names == sorted(n for _, n in socket.if_nameindex()) and "lo" in names
+
+
+def test_loading_the_roles_plugins_leaves_the_interpreter_unpatched_for_later_tests() -> None:
+    load_role_file("node_security/action_plugins/tdeploy_ssh_login_methods.py")
+    load_role_file("node_facts/library/tdeploy_node_probe.py")
+    assert "ansible.plugins.action" in sys.modules, "the controller's plugin code was imported"
+    # ansible-core's patches (sys.intern first) make `import torch._dynamo` fail in the same process.
+    for container, name in ANSIBLE_PATCH_TARGETS:
+        current = getattr(container, name)
+        assert not hasattr(current, "unpatched_implementation"), f"{container.__name__}.{name} left patched"
+    import torch._dynamo  # noqa: F401, PLC0415 - the import that failed in the suite
