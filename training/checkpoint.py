@@ -62,7 +62,6 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
@@ -575,7 +574,6 @@ class CheckpointManager:
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.key = checkpoint_key()
         self._group: dist.ProcessGroup | None = None  # background saves' collectives (made by the first one)
-        self._executor: ThreadPoolExecutor | None = None
         self._stager: DefaultStager | None = None  # keeps its host buffers from one background save to the next
         self._pending: concurrent.futures.Future[SavedCheckpoint] | None = None
         if self.key is not None and not cfg.verify_checksums and self.rank == 0:
@@ -717,9 +715,21 @@ class CheckpointManager:
             # a CPU backend, which DCP needs for the staged copy, also beside NCCL).
             self._group = dist.new_group(backend="gloo")
         job = self._job(step, model, optimizer, train_state, started, group=self._group, stage=True)
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-save")
-        self._pending = self._executor.submit(self._run_in_background, job, time.perf_counter() - started)
+        pending: concurrent.futures.Future[SavedCheckpoint] = concurrent.futures.Future()
+        stall_s = time.perf_counter() - started
+
+        def run() -> None:
+            pending.set_running_or_notify_cancel()
+            try:
+                pending.set_result(self._run_in_background(job, stall_s))
+            except BaseException as err:  # noqa: BLE001 - handed to whoever waits, as `save` would raise it
+                pending.set_exception(err)
+
+        # A daemon thread: a process that fails or is stopped mid-save exits without waiting for it (a save
+        # whose peer died would hold it in a collective until the group's timeout); its checkpoint never
+        # commits, so it is invisible, as after a kill.
+        threading.Thread(target=run, name=f"checkpoint-save-{job.step}", daemon=True).start()
+        self._pending = pending
 
     def wait(self) -> SavedCheckpoint | None:
         """Block until the background save, if any, is committed; its record (None when there was none). Its

@@ -149,3 +149,39 @@ def test_the_trainer_commits_its_background_saves_before_the_process_exits(
     for step in saved:
         assert (Path(cfg.checkpoint.url) / step_dir_name(step) / COMMIT).is_file(), step
     assert json.loads((Path(cfg.checkpoint.url) / step_dir_name(saved[-1]) / COMMIT).read_text())["step"] == saved[-1]
+
+
+# Starts a background save that never gets to write (its peer is gone, say) and then fails on the training side.
+FAILS_DURING_SAVE = """
+import sys, threading, warnings
+import torch
+from training.checkpoint import CheckpointManager
+from training.config import CheckpointConfig
+from training.storage import StorageConfig
+
+warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+CheckpointManager._run = lambda self, job: threading.Event().wait()  # stuck, like a collective with a dead rank
+model = torch.nn.Linear(8, 8)
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+model(torch.randn(2, 8)).sum().backward()
+optimizer.step()
+manager = CheckpointManager(CheckpointConfig(url=sys.argv[1]), StorageConfig())
+manager.save_async(2, model, optimizer, {"step": 2})
+raise SystemExit("the training step failed")
+"""
+
+
+def test_a_process_that_fails_with_a_background_save_stuck_exits_at_once_with_nothing_committed(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "ckpt"
+    proc = subprocess.run(
+        [sys.executable, "-c", FAILS_DURING_SAVE, str(root)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,  # a save thread the interpreter waits for at exit would hold the process forever
+    )
+    assert proc.returncode == 1 and "the training step failed" in proc.stderr
+    assert not list(root.glob(f"*/{COMMIT}"))
+    assert CheckpointManager(CheckpointConfig(url=str(root)), StorageConfig()).committed_steps() == []
