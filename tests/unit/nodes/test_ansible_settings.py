@@ -66,19 +66,46 @@ def test_the_per_node_checks_run_free_and_the_network_checks_in_step() -> None:
     assert per_node["hosts"] == network["hosts"]
 
 
+# The action plugin imports Ansible's controller (plugin loader, collection finder), which insists on being the
+# only one to extend the import system: it runs in a fresh interpreter, as in ansible-playbook, and prints what
+# its pure functions return.
+LOGIN_METHODS_PROBE = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+from tests.unit.nodes.conftest import load_role_file
+probe = load_role_file("node_security/action_plugins/tdeploy_ssh_login_methods.py")
+ssh_args = "-o 'UserKnownHostsFile=/tmp/known hosts' -o StrictHostKeyChecking=yes"
+denied = "Warning: ...\\nroot@node-a: Permission denied (publickey,password,keyboard-interactive).\\n"
+print(json.dumps({
+    "argv": probe.ssh_argv("node-a; touch /tmp/x", 2222, "trainer", ssh_args, 5),
+    "no_user": probe.ssh_argv("node-a", 22, "", "", 5),
+    "denied": probe.login_methods(denied),
+    "refused": probe.login_methods("ssh: connect to host node-a port 22: Connection refused"),
+}))
+"""
+
+
 def test_the_login_methods_probe_gives_ssh_each_value_as_one_argument_and_reads_the_methods() -> None:
-    probe = load_role_file("node_security/action_plugins/tdeploy_ssh_login_methods.py")
-    ssh_args = "-o 'UserKnownHostsFile=/tmp/known hosts' -o StrictHostKeyChecking=yes"
-    argv = probe.ssh_argv("node-a; touch /tmp/x", 2222, "trainer", ssh_args, 5)
+    root = Path(__file__).resolve().parents[3]
+    proc = subprocess.run(
+        [sys.executable, "-c", LOGIN_METHODS_PROBE, str(root)],
+        cwd=root,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.splitlines()[-1])
+    argv = out["argv"]
     assert argv[:3] == ["ssh", "-p", "2222"]
     assert argv[3:7] == ["-o", "UserKnownHostsFile=/tmp/known hosts", "-o", "StrictHostKeyChecking=yes"]
     assert argv[-3:] == ["--", "node-a; touch /tmp/x", "true"], "the host is one argument after the options"
     assert ["-l", "trainer"] == argv[argv.index("-l") : argv.index("-l") + 2]
     assert "PubkeyAuthentication=no" in argv and "ControlPath=none" in argv and "ConnectTimeout=5" in argv
-    assert "-l" not in probe.ssh_argv("node-a", 22, "", "", 5)
-    denied = "Warning: ...\nroot@node-a: Permission denied (publickey,password,keyboard-interactive).\n"
-    assert probe.login_methods(denied) == ["publickey", "password", "keyboard-interactive"]
-    assert probe.login_methods("ssh: connect to host node-a port 22: Connection refused") == []
+    assert "-l" not in out["no_user"]
+    assert out["denied"] == ["publickey", "password", "keyboard-interactive"]
+    assert out["refused"] == []
 
 
 def test_the_node_probe_runs_the_job_python_and_reports_why_it_did_not(tmp_path: Path) -> None:
@@ -105,9 +132,8 @@ def test_the_network_probe_lists_the_interfaces_of_its_own_namespace() -> None:
 
 
 def test_loading_the_roles_plugins_leaves_the_interpreter_unpatched_for_later_tests() -> None:
-    load_role_file("node_security/action_plugins/tdeploy_ssh_login_methods.py")
     load_role_file("node_facts/library/tdeploy_node_probe.py")
-    assert "ansible.plugins.action" in sys.modules, "the controller's plugin code was imported"
+    assert "ansible.module_utils._internal._patches" in sys.modules, "ansible-core's patches were imported"
     # ansible-core's patches (sys.intern first) make `import torch._dynamo` fail in the same process.
     for container, name in ANSIBLE_PATCH_TARGETS:
         current = getattr(container, name)
