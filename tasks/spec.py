@@ -12,6 +12,7 @@ import yaml
 from pydantic import Field, ValidationError, model_validator
 
 from tasks.acceptance.config import AcceptanceConfig, DrillConfig
+from tasks.capacity.catalogue import CATALOGUE
 from tasks.capacity.config import CapacityConfig, capacity_problems
 from tasks.cluster import ClusterConfig
 from tasks.errors import TransientError, is_connection_error
@@ -51,6 +52,26 @@ RUNS_DIR = "runs"
 """Deployment folders go under runs/<name>/ (relative to where tdeploy runs) unless deployment_dir says otherwise."""
 _UNNAMED = "unnamed"
 """Stands in for an invalid name while deriving paths, so the spec fails on the name alone."""
+
+
+def with_precision_default(data: dict[str, Any]) -> dict[str, Any]:
+    """Raw spec data whose precision.dtype, where the spec leaves it out, is the accelerator's default: bf16 on
+    GPUs (what they compute fastest, without fp16's loss scaling), fp32 on CPUs."""
+    precision, cluster, capacity = data.get("precision"), data.get("cluster"), data.get("capacity")
+    if precision is None:
+        precision = {}
+    if not isinstance(precision, dict) or "dtype" in precision or not isinstance(cluster, dict):
+        return data
+    accelerator = cluster.get("accelerator", "cpu")
+    own = (capacity or {}).get("accelerators") if isinstance(capacity, dict) else None
+    kind = (
+        own.get(accelerator, {}).get("kind")
+        if isinstance(own, dict) and isinstance(own.get(accelerator), dict)
+        else None
+    )
+    if kind is None and isinstance(accelerator, str) and accelerator in CATALOGUE:
+        kind = CATALOGUE[accelerator].kind
+    return {**data, "precision": {**precision, "dtype": "bf16"}} if kind == "gpu" else data
 
 
 def derived_paths(data: dict[str, Any]) -> dict[str, Any]:
@@ -152,7 +173,7 @@ class DeploymentSpec(StrictModel):
     @model_validator(mode="before")
     @classmethod
     def _derive_paths(cls, data: Any) -> Any:
-        return derived_paths(data) if isinstance(data, dict) else data
+        return with_precision_default(derived_paths(data)) if isinstance(data, dict) else data
 
     @model_validator(mode="after")
     def _consistent(self) -> DeploymentSpec:

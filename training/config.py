@@ -310,7 +310,9 @@ class PrecisionConfig(StrictModel):
     """Numeric precision of the forward and backward passes (parameters stay fp32)."""
 
     dtype: Literal["fp32", "bf16", "fp16"] = Field(
-        default="fp32", description="fp32; bf16 autocast; fp16 autocast with dynamic loss scaling."
+        default="fp32",
+        description="fp32; bf16 autocast; fp16 autocast with dynamic loss scaling. A deployment spec that leaves it "
+        "out gets bf16 on a GPU accelerator, fp32 on CPU.",
     )
     fp16_init_scale: float = Field(default=2.0**16, gt=0, le=2.0**64, description="fp16: initial loss scale.")
     fp16_growth_interval_steps: int = Field(
@@ -322,6 +324,11 @@ class OptimConfig(StrictModel):
     """AdamW with linear warmup and a decay schedule."""
 
     name: Literal["adamw"] = Field(default="adamw", description="Optimizer.")
+    implementation: Literal["auto", "fused", "foreach", "for-loop"] = Field(
+        default="auto",
+        description="AdamW's kernels: auto = fused on GPUs (one kernel for every parameter), PyTorch's own choice "
+        "elsewhere; fused needs GPUs.",
+    )
     lr_peak: float = Field(gt=0, le=10, description="Learning rate reached after warmup.")
     lr_min: float = Field(default=0.0, ge=0, le=10, description="Learning rate at the end of the decay.")
     warmup_steps: int = Field(default=0, ge=0, le=MAX_STEPS, description="Linear warmup steps.")
@@ -408,6 +415,20 @@ class RunConfig(StrictModel):
     seed: int = Field(default=0, ge=0, le=MAX_SEED, description="Seed for init, data order and every RNG.")
     output_url: StorageUrl = Field(description="Local folder for metrics, ranks.json and sample records.")
     log_every_steps: int = Field(default=10, ge=1, le=MAX_STEPS, description="Rank 0 logs a line every N steps.")
+    compile: bool = Field(
+        default=False,
+        description="torch.compile each transformer block (in place: checkpoints keep their keys); data-parallel "
+        "layouts (ddp, fsdp, hsdp) only. The first steps pay the compilation.",
+    )
+    metrics_sync_every_steps: int | None = Field(
+        default=None,
+        ge=1,
+        le=MAX_STEPS,
+        description="Read the step's device figures (loss, gradient norm) on the host every N steps, each step's "
+        "record written then: between reads the host never waits for the accelerator. None = every step on CPU "
+        "(nothing to wait for), log_every_steps on GPUs. Preemption signals are still agreed every step, over "
+        "the host.",
+    )
     eval_every_steps: int | None = Field(
         default=None, ge=1, le=MAX_STEPS, description="Validation every N steps; None = end only."
     )
@@ -507,6 +528,15 @@ def training_problems(cfg: TrainConfig | Any) -> list[Problem]:
                 ("parallel", "ddp_grad_compression"),
                 par.ddp_grad_compression,
                 f"only applies to sharding=ddp (got {par.sharding}); remove it",
+            )
+        )
+    if cfg.run.compile and par.model_parallel:
+        problems.append(
+            (
+                ("run", "compile"),
+                True,
+                "compiles the blocks of data-parallel layouts only (ddp, fsdp, hsdp); with tensor, pipeline or "
+                "expert parallelism set run.compile: false",
             )
         )
     if par.hsdp_shard_size is not None and par.sharding != "hsdp":

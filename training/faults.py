@@ -247,6 +247,14 @@ def maybe_crash(step: int) -> None:
         raise RuntimeError(f"test fault: injected crash on rank {rank} after step {step}")
 
 
+def stops_after(step: int) -> bool:
+    """Whether an injected crash or pause ends (some rank of) the run after `step`: its records are written first,
+    as a healthy run's would be by then."""
+    faults = active()
+    pause = faults.pause_after_step
+    return faults.crash_at_step == step or (pause is not None and step >= pause)
+
+
 def maybe_pause(step: int) -> None:
     """Hang forever after `step` when asked to (a hang to kill: SIGTERM ends it at once, with no checkpoint)."""
     if active().pause_after_step is not None and step >= active().pause_after_step:

@@ -145,15 +145,27 @@ def lr_lambda(cfg: OptimConfig, total_steps: int):  # noqa: ANN201 - returns a f
     return factor
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices only."""
+def build_optimizer(model: nn.Module, cfg: OptimConfig, device_type: str = "cpu") -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only, with the kernels of cfg.implementation (auto: fused on GPUs)."""
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    implementation = cfg.implementation
+    if implementation == "auto":
+        implementation = "fused" if device_type == "cuda" else "default"
+    if implementation == "fused" and device_type != "cuda":
+        raise ValueError(f"optim.implementation=fused needs GPUs, this process runs on {device_type}; use auto")
+    kernels = {
+        "fused": {"fused": True},
+        "foreach": {"foreach": True},
+        "for-loop": {"foreach": False},
+        "default": {},
+    }[implementation]
     return torch.optim.AdamW(
         [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
         lr=cfg.lr_peak,
         betas=(cfg.beta1, cfg.beta2),
         eps=cfg.eps,
+        **kernels,
     )
 
 
@@ -176,6 +188,17 @@ def _to_float(value: torch.Tensor | float) -> float:
     return float(value)
 
 
+@dataclass
+class PendingRecord:
+    """A step's metrics record whose device figures (`device`: field -> 0-d tensor) are not read yet; `work` is the
+    loss all-reduce in flight, whose sum is divided by `divide` (gloo has no average)."""
+
+    record: dict[str, Any]
+    device: dict[str, torch.Tensor]
+    work: Any
+    divide: int = 1
+
+
 class Trainer:
     """Builds everything from a TrainConfig, resumes if it can, trains, evaluates, checkpoints."""
 
@@ -185,6 +208,8 @@ class Trainer:
         self.env = DistEnv.from_environ()
         self.device, self.backend = init_distributed(self.env)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        # Host-side agreement (preemption flags) beside NCCL, so that it never waits for the device.
+        self.host_group = None if self.backend == "gloo" else dist.new_group(backend="gloo")
         torch.set_num_threads(cfg.run.threads_per_rank or max(1, (os.cpu_count() or 1) // self.env.local_world_size))
 
         par, model_cfg = cfg.parallel, cfg.model
@@ -228,6 +253,9 @@ class Trainer:
         seed_everything(seed)  # identical initial weights on every rank
         model = Transformer(model_cfg, recompute=par.activation_recompute).to(self.device)
         self.n_params = model.num_params()
+        if cfg.run.compile:  # per block and in place, as torchtitan does: FSDP2 then wraps the compiled blocks
+            for block in model.blocks.values():
+                block.compile()
         if model_cfg.moe is not None:
             from training.experts import set_capacity_factor  # noqa: PLC0415 - MoE models only
 
@@ -242,7 +270,7 @@ class Trainer:
             # FSDP2's reduce-scatter is timed; a replicate-only data dimension synchronises by an all-reduce the
             # timer does not see, so its comm_s is not measured rather than zero.
             self.comm_measured = self.meshes.dims.dp_shard > 1
-        self.optimizer = build_optimizer(self.model, cfg.optim)
+        self.optimizer = build_optimizer(self.model, cfg.optim, self.device.type)
         faults.scale_lr(self.optimizer)  # before the scheduler takes the groups' lr as its base
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg.optim, cfg.run.steps))
         self.autocast_dtype = _AUTOCAST[cfg.precision.dtype]
@@ -266,6 +294,7 @@ class Trainer:
         self.resumed_from: int | None = None
         self.saved_step: int | None = None  # the step of the last checkpoint this run committed
         self.preempt_signal: str | None = None  # set when the ranks agreed that one of them was signalled
+        self._pending: list[PendingRecord] = []  # steps whose device figures the host has not read yet
         self.preempted: preemption.PreemptionRecord | None = None
         # Per-rank streams from here on (dropout, sampling, ...). Tensor-parallel peers hold the same activations
         # outside the sharded matmuls, so they must draw the same dropout masks: one stream per (dp, pp) place.
@@ -422,11 +451,12 @@ class Trainer:
             dist.all_reduce(value, group=self.meshes.pp.get_group())
         return value
 
-    def train_step(self) -> dict[str, Any]:
-        """One optimizer step; on model-parallel layouts the second step of each launch is also the measurement
-        step: its collectives are counted and timed per mesh dimension (training/comm_counter.py) and recorded
-        as comm_bytes and comm_s_per_dim. Waiting for each collective where it is issued serialises that one
-        step's communication, so only one step per launch is measured."""
+    def train_step(self) -> PendingRecord:
+        """One optimizer step (its record is written by the next `flush_metrics`); on model-parallel layouts the
+        second step of each launch is also the measurement step: its collectives are counted and timed per mesh
+        dimension (training/comm_counter.py) and recorded as comm_bytes and comm_s_per_dim. Waiting for each
+        collective where it is issued serialises that one step's communication, so only one step per launch is
+        measured."""
         self._steps_run = getattr(self, "_steps_run", 0) + 1
         if self.meshes is None or self._steps_run != 2:
             return self._train_step()
@@ -434,11 +464,12 @@ class Trainer:
 
         counter = TrafficCounter(labels=group_labels(self.meshes), timed=True)
         with counter:
-            record = self._train_step(counted=counter)
-        return record
+            pending = self._train_step(counted=counter)
+        return pending
 
-    def _train_step(self, counted: Any = None) -> dict[str, Any]:
-        """One optimizer step over grad_accum_steps micro-batches; returns its metrics record."""
+    def _train_step(self, counted: Any = None) -> PendingRecord:
+        """One optimizer step over grad_accum_steps micro-batches; its metrics record, whose device figures are
+        read with the next `flush_metrics`."""
         cfg = self.cfg
         started = time.perf_counter()
         data_s = 0.0
@@ -472,9 +503,9 @@ class Trainer:
         self.scaler.unscale_(self.optimizer)
         clip = cfg.optim.grad_clip_norm if cfg.optim.grad_clip_norm is not None else float("inf")
         if self.meshes is None:
-            grad_norm = _to_float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip))
+            grad_norm = _to_tensor(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip))
         else:
-            grad_norm = _to_float(clip_grad_norm(self.model, clip, self.meshes))
+            grad_norm = _to_tensor(clip_grad_norm(self.model, clip, self.meshes))
         scale_before = self.scaler.get_scale()
         self.scaler.step(self.optimizer)
         self.scaler.update()
@@ -484,18 +515,19 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
 
-        local_loss = loss_sum / accum
-        # The preemption flags ride on the loss all-reduce: every rank learns at this step boundary whether any
-        # rank got SIGTERM or SIGUSR1 (signals reach the ranks at slightly different times).
-        flags = torch.tensor(preemption.WATCH.flags(), dtype=local_loss.dtype, device=self.device)
-        reduced = torch.cat([local_loss.detach().reshape(1), flags])
+        local_loss = (loss_sum / accum).detach().float()
+        # The loss is averaged over the ranks without the host waiting for it; the preemption flags are summed
+        # over the host (a gloo group beside NCCL), so every rank learns at this step boundary whether any rank
+        # got SIGTERM or SIGUSR1 (signals reach the ranks at slightly different times) without a device sync.
+        global_loss = local_loss.reshape(1).clone()
+        loss_work = dist.all_reduce(
+            global_loss, op=dist.ReduceOp.AVG if self.backend == "nccl" else dist.ReduceOp.SUM, async_op=True
+        )
         synced = time.perf_counter()  # waiting here for a slower rank is not this rank's compute
-        dist.all_reduce(reduced, op=dist.ReduceOp.AVG if self.backend == "nccl" else dist.ReduceOp.SUM)
+        flags = torch.tensor(preemption.WATCH.flags(), dtype=torch.float32)
+        dist.all_reduce(flags, group=self.host_group)
         loss_sync_s = time.perf_counter() - synced
-        if self.backend != "nccl":
-            reduced /= self.world
-        global_loss, *summed_flags = reduced.tolist()
-        self.preempt_signal = self.preempt_signal or preemption.agreed_signal(summed_flags)
+        self.preempt_signal = self.preempt_signal or preemption.agreed_signal(flags.tolist())
         self.step += 1
         tokens_step = self.sampler.global_batch * cfg.model.seq_len
         self.tokens_seen += tokens_step
@@ -504,11 +536,11 @@ class Trainer:
         record = {
             "step": self.step,
             "epoch": epoch,
-            "loss": global_loss,
-            "rank_loss": local_loss.item(),
-            "aux_loss": (aux_sum / accum).item() if cfg.model.moe else None,
+            "loss": None,  # the device figures: filled in by flush_metrics
+            "rank_loss": None,
+            "aux_loss": None,
             "lr": lr,
-            "grad_norm": grad_norm,
+            "grad_norm": None,
             "loss_scale": self.scaler.get_scale() if self.scaler.is_enabled() else None,
             "skipped": skipped,
             "tokens_per_s": tokens_step / elapsed,
@@ -526,8 +558,10 @@ class Trainer:
             **self.telemetry.gpu_readings(),
         }
         faults.step_computed(record["compute_s"])
-        self.out.append_metrics(self.rank, record)
-        self.telemetry.observe(record)
+        device = {"loss": global_loss.reshape(()), "rank_loss": local_loss.reshape(()), "grad_norm": grad_norm}
+        if cfg.model.moe:
+            device["aux_loss"] = (aux_sum / accum).detach().float().reshape(())
+        pending = PendingRecord(record, device, loss_work, divide=1 if self.backend == "nccl" else self.world)
         if cfg.run.record_samples and (self.meshes is None or self.meshes.is_data_leader):
             # One record per data-parallel rank (its first-stage, tensor-rank-0 process), keyed by that rank.
             flat = np.concatenate(micro_batches).tolist()
@@ -542,7 +576,35 @@ class Trainer:
                 dropped, padded = sampler.remainder(epoch).tolist(), sampler.padding(epoch).tolist()
                 end = EpochEnd(epoch, self.step, sampler.n_samples, sampler.global_batch, dropped, padded)
                 self.out.append_epoch(end)
-        return record
+        return pending
+
+    def flush_metrics(self) -> list[dict[str, Any]]:
+        """Read the pending steps' device figures in one host transfer, write their records (in step order),
+        and return them."""
+        pending, self._pending = self._pending, []
+        if not pending:
+            return []
+        for p in pending:
+            p.work.wait()
+        names = [sorted(p.device) for p in pending]
+        values = torch.stack([p.device[n].float() for p, keys in zip(pending, names, strict=True) for n in keys])
+        flat = iter(values.tolist())
+        records = []
+        for p, keys in zip(pending, names, strict=True):
+            record = p.record | {n: next(flat) for n in keys}
+            record["loss"] /= p.divide
+            self.out.append_metrics(self.rank, record)
+            self.telemetry.observe(record)
+            records.append(record)
+        return records
+
+    @property
+    def metrics_sync_every(self) -> int:
+        """Steps between host reads of the device figures (run.metrics_sync_every_steps; see its description)."""
+        every = self.cfg.run.metrics_sync_every_steps
+        if every is not None:
+            return every
+        return 1 if self.device.type == "cpu" else self.cfg.run.log_every_steps
 
     def _dropped_tokens(self) -> int | None:
         """MoE assignments over expert capacity in this step on this rank (None: dense model)."""
@@ -653,11 +715,30 @@ class Trainer:
         while self.step < last_step:
             for lease in self.leases:
                 lease.check()
-            last = self.train_step()
-            first_loss = first_loss if first_loss is not None else last["loss"]
-            if not math.isfinite(last["loss"]) and not last["skipped"]:
-                log.error("step %d: loss is %s", self.step, last["loss"])
-            if self.rank == 0 and (self.step % cfg.run.log_every_steps == 0 or self.step == last_step):
+            self._pending.append(self.train_step())
+            every = cfg.checkpoint.save_every_steps
+            evaluating = bool(cfg.run.eval_every_steps and self.step % cfg.run.eval_every_steps == 0)
+            saving = bool(every and self.step % every == 0 and self.step < last_step)
+            stopping = self.preempt_signal is not None or faults.stops_after(self.step) or self.step == last_step
+            # The step's records are written before anything that reads or keeps them (the log line, an
+            # evaluation, a checkpoint, a stop), and at least every metrics_sync_every steps.
+            if (
+                evaluating
+                or saving
+                or stopping
+                or self.step % cfg.run.log_every_steps == 0
+                or (self.step % self.metrics_sync_every == 0)
+            ):
+                for record in self.flush_metrics():
+                    last = record
+                    first_loss = first_loss if first_loss is not None else record["loss"]
+                    if not math.isfinite(record["loss"]) and not record["skipped"]:
+                        log.error("step %d: loss is %s", record["step"], record["loss"])
+            if (
+                self.rank == 0
+                and last is not None
+                and (self.step % cfg.run.log_every_steps == 0 or self.step == last_step)
+            ):
                 log.info(
                     "step %d/%d loss %.4f lr %.2e grad_norm %.3f tok/s %.0f mem %.0f MiB",
                     self.step, cfg.run.steps, last["loss"], last["lr"], last["grad_norm"],
@@ -665,10 +746,9 @@ class Trainer:
                 )  # fmt: skip
             if self.step % cfg.run.log_every_steps == 0:
                 self.out.sync()
-            if cfg.run.eval_every_steps and self.step % cfg.run.eval_every_steps == 0:
+            if evaluating:
                 last_eval = self.evaluate()
-            every = cfg.checkpoint.save_every_steps
-            if every and self.step % every == 0 and self.step < last_step:
+            if saving:
                 self._save(background=cfg.checkpoint.async_save)
             if self.preempt_signal is not None and self.step < last_step:
                 self._preempt(self.preempt_signal)
