@@ -52,13 +52,38 @@ class SavePause(BaseModel):
     )
 
 
+HOLD_MARKER_PREFIX = "held-rank-"
+RELEASE_FILE = "release"
+
+
+class StepHold(BaseModel):
+    """Every rank waits after `step`, its checkpoints committed, until `marker_dir`/release exists (or
+    `timeout_s` passed), having written its marker there.
+
+    The rank_kill and node_loss drills set this on their own first job (through the job's fault variable,
+    never a spec field), wait for every rank's marker, strike, then release the survivors: the kill lands
+    while the job still has steps to run, however fast its steps are, and a relaunch or elastic restart
+    (which runs without faults) goes on undisturbed.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    step: int = Field(ge=1, description="The step after which the ranks wait.")
+    marker_dir: str = Field(
+        description="Local folder (shared by the nodes) where each waiting rank writes held-rank-NNNNN.json and "
+        "the drill writes `release`."
+    )
+    timeout_s: float = Field(default=600, gt=0, description="The ranks go on by themselves after this long.")
+
+
 class PausedRank(BaseModel):
-    """The marker a rank stopped by SavePause leaves: who, where, and at which point of which save."""
+    """The marker a rank stopped by SavePause (or held by StepHold: phase "held") leaves: who, where, and at
+    which point of which save."""
 
     rank: int
     host: str
     pid: int
-    phase: SavePhase
+    phase: SavePhase | Literal["held"]
     step: int
     time_unix_s: float
 
@@ -106,6 +131,9 @@ class TestFaults(BaseModel):
     )
     pause_in_save: SavePause | None = Field(
         default=None, description="Every rank stops at this point of one save (the kill_during_save drill's jobs)."
+    )
+    hold_after_step: StepHold | None = Field(
+        default=None, description="Every rank waits after this step until the drill releases it (rank_kill, node_loss)."
     )
     commit_before_extras: bool = Field(
         default=False,
@@ -252,7 +280,37 @@ def stops_after(step: int) -> bool:
     as a healthy run's would be by then."""
     faults = active()
     pause = faults.pause_after_step
-    return faults.crash_at_step == step or (pause is not None and step >= pause)
+    return faults.crash_at_step == step or (pause is not None and step >= pause) or holds_after(step)
+
+
+def holds_after(step: int) -> bool:
+    """Whether this rank waits for the drill's release after `step` (see StepHold)."""
+    hold = active().hold_after_step
+    return hold is not None and hold.step == step
+
+
+def hold(step: int) -> None:
+    """Write this rank's marker and wait until the drill releases the job (or the hold's timeout passes)."""
+    spec = active().hold_after_step
+    assert spec is not None and spec.step == step
+    rank = _rank()
+    marker = PausedRank(
+        rank=rank, host=os.uname().nodename, pid=os.getpid(), phase="held", step=step, time_unix_s=time.time()
+    )
+    _write_marker(spec.marker_dir, f"{HOLD_MARKER_PREFIX}{rank:05d}.json", marker)
+    log.warning("test fault: rank %d holds after step %d until the drill releases it", rank, step)
+    release = os.path.join(spec.marker_dir, RELEASE_FILE)
+    deadline = time.monotonic() + spec.timeout_s
+    while not os.path.exists(release) and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
+def _write_marker(marker_dir: str, name: str, marker: PausedRank) -> None:
+    os.makedirs(marker_dir, exist_ok=True)
+    path = os.path.join(marker_dir, name)
+    with open(f"{path}.tmp", "w") as handle:
+        handle.write(marker.model_dump_json())
+    os.replace(f"{path}.tmp", path)  # whole or absent: the drill never reads half a marker
 
 
 def maybe_pause(step: int) -> None:
@@ -304,21 +362,18 @@ def at_save_phase(phase: SavePhase, step: int, shard_written: bool | None = None
     marker = PausedRank(
         rank=rank, host=os.uname().nodename, pid=os.getpid(), phase=phase, step=step, time_unix_s=time.time()
     )
-    os.makedirs(pause.marker_dir, exist_ok=True)
-    path = os.path.join(pause.marker_dir, f"{PAUSE_MARKER_PREFIX}{rank:05d}.json")
-    with open(f"{path}.tmp", "w") as handle:
-        handle.write(marker.model_dump_json())
-    os.replace(f"{path}.tmp", path)  # whole or absent: the drill never reads half a marker
+    _write_marker(pause.marker_dir, f"{PAUSE_MARKER_PREFIX}{rank:05d}.json", marker)
     log.warning("test fault: rank %d stopped at save phase %s of step %d", rank, phase, step)
     while True:
         time.sleep(60)
 
 
-def paused_ranks(marker_dir: str) -> list[PausedRank]:
-    """The ranks that have stopped at a save phase and left their marker in `marker_dir`, by rank."""
+def paused_ranks(marker_dir: str, prefix: str = PAUSE_MARKER_PREFIX) -> list[PausedRank]:
+    """The ranks that have stopped at a save phase (or, with HOLD_MARKER_PREFIX, hold after a step) and left
+    their marker in `marker_dir`, by rank."""
     if not os.path.isdir(marker_dir):
         return []
-    names = sorted(n for n in os.listdir(marker_dir) if n.startswith(PAUSE_MARKER_PREFIX) and n.endswith(".json"))
+    names = sorted(n for n in os.listdir(marker_dir) if n.startswith(prefix) and n.endswith(".json"))
     markers = []
     for name in names:
         with open(os.path.join(marker_dir, name)) as handle:

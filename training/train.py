@@ -755,6 +755,10 @@ class Trainer:
                 break
             faults.maybe_crash(self.step)
             faults.maybe_pause(self.step)
+            if faults.holds_after(self.step):
+                self._await_save()  # the drill strikes with this run's checkpoints committed
+                self.out.sync()
+                faults.hold(self.step)
         if self.preempted is not None:  # stopped early: no final evaluation, save or result
             self.out.close()
             self.telemetry.close()

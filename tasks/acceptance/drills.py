@@ -34,7 +34,7 @@ from tasks.launch.base import JobState, JobStatus, find_job
 from tasks.progress import report
 from training.checkpoint import COMMIT, CheckpointManager, step_dir_name
 from training.config import ParallelConfig, TrainConfig
-from training.faults import SAVE_PHASES, SavePhase, paused_ranks, with_faults
+from training.faults import HOLD_MARKER_PREFIX, RELEASE_FILE, SAVE_PHASES, SavePhase, paused_ranks, with_faults
 from training.layout import data_parallel_degree
 from training.run_output import CheckpointEvent, RunOutput
 from validation.acceptance import DimensionResult, check_recovery, layout_text
@@ -195,24 +195,32 @@ def kill_victim(ranks: list[dict[str, Any]]) -> tuple[int, dict[str, int] | None
     return victim, meshed.get(victim)
 
 
-def _past_first_checkpoint(ctx: DrillContext, name: str) -> tuple[TrainConfig, Job]:
-    """Start drill job `name` and wait until it has trained past its first committed checkpoint."""
+def _past_first_checkpoint(ctx: DrillContext, name: str) -> tuple[TrainConfig, Job, Callable[[], None]]:
+    """Start drill job `name` and wait until every rank holds one step past its first committed checkpoint
+    (training.faults.StepHold); returns the job and what releases it, to be called once the drill has struck."""
     train = ctx.train(name)
-    job = ctx.job(train, name)
     first_save = ctx.acceptance.save_every_steps
+    markers = ctx.root / name / "hold"
+    hold = {"step": first_save + 1, "marker_dir": str(markers), "timeout_s": ctx.acceptance.job_timeout_s}
+    job = ctx.job(train, name, faults=with_faults(ctx.faults, hold_after_step=hold))
     job.wait_until(
-        lambda: job.fresh_ranks() and last_step(job.output_dir) > first_save and first_save in committed_steps(train),
-        "the first checkpoint", ctx.acceptance.job_timeout_s,
+        lambda: len(paused_ranks(str(markers), HOLD_MARKER_PREFIX)) == ctx.cluster.world_size,
+        f"every rank past the first checkpoint (step {first_save})", ctx.acceptance.job_timeout_s,
     )  # fmt: skip
-    return train, job
+
+    def release() -> None:
+        (markers / RELEASE_FILE).touch()
+
+    return train, job, release
 
 
 def drill_rank_kill(ctx: DrillContext) -> tuple[DrillResult, DimensionResult]:
     """SIGKILL one rank mid-training; torchrun's restart or a relaunch resumes from the last complete checkpoint."""
-    train, job = _past_first_checkpoint(ctx, "drill-rank-kill")
+    train, job, release = _past_first_checkpoint(ctx, "drill-rank-kill")
     victim, coords = kill_victim(job.ranks_record().ranks)
     job.kill_rank(victim)
     t_fail = time.time()
+    release()
     killed_at = last_step(job.output_dir)
     checkpoint = max((s for s in committed_steps(train) if s <= killed_at), default=None)
     outcome = job.wait(ctx.acceptance.job_timeout_s)
@@ -585,9 +593,10 @@ def drill_node_loss(ctx: DrillContext) -> DrillResult:
     if cluster.nodes < 2 or cluster.scheduler not in ("local", "ssh"):
         why = "needs cluster.nodes >= 2" if cluster.nodes < 2 else f"not drilled on scheduler {cluster.scheduler}"
         return DrillResult("node_loss", None, message=f"skipped: {why} (local or ssh)")
-    train, job = _past_first_checkpoint(ctx, "drill-node-loss")
+    train, job, release = _past_first_checkpoint(ctx, "drill-node-loss")
     lost = job.kill_node(cluster.nodes - 1)
     t_fail = time.time()
+    release()
     killed_at = last_step(job.output_dir)
     checkpoint = max((s for s in committed_steps(train) if s <= killed_at), default=None)
     outcome = job.wait(ctx.acceptance.job_timeout_s)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
 from pathlib import Path
 
 import pytest
@@ -205,3 +206,25 @@ def test_the_loader_skips_a_committed_checkpoint_that_does_not_list_what_it_need
     step, _ = manager.latest_sound(skipped)
     assert step == 2
     assert skipped[0].reason == "corrupt" and rng_file(0) in skipped[0].detail and "loader needs" in skipped[0].detail
+
+
+def test_a_held_rank_leaves_its_marker_and_goes_on_once_the_drill_releases_it(tmp_path: Path, monkeypatch) -> None:
+    markers = tmp_path / "hold"
+    injected = TestFaults(hold_after_step={"step": 6, "marker_dir": str(markers), "timeout_s": 60})
+    monkeypatch.setattr(faults, "active", lambda: injected)
+    assert [faults.holds_after(s) for s in (5, 6, 7)] == [False, True, False]
+    assert faults.stops_after(6), "the held step's records are written before the hold"
+    released = threading.Timer(0.3, lambda: (markers / faults.RELEASE_FILE).touch())
+    released.start()
+    faults.hold(6)
+    assert (markers / faults.RELEASE_FILE).exists(), "the rank went on before the release"
+    (marker,) = paused_ranks(str(markers), faults.HOLD_MARKER_PREFIX)
+    assert (marker.rank, marker.phase, marker.step) == (0, "held", 6)
+    assert paused_ranks(str(markers)) == [], "hold markers are not save-pause markers"
+
+
+def test_a_held_rank_goes_on_by_itself_after_the_timeout(tmp_path: Path, monkeypatch) -> None:
+    injected = TestFaults(hold_after_step={"step": 2, "marker_dir": str(tmp_path), "timeout_s": 0.2})
+    monkeypatch.setattr(faults, "active", lambda: injected)
+    faults.hold(2)  # returns: a drill that died never leaves the job held for good
+    assert not (tmp_path / faults.RELEASE_FILE).exists()
