@@ -165,8 +165,10 @@ def reuse_acceptance(root: Path, ctx: DrillContext) -> tuple[RunOutcome | None, 
         return None, None  # no acceptance step ran here (or it left nothing usable): run them afresh
 
     def without_folders(cfg: TrainConfig) -> dict[str, Any]:
+        """The job but for its folders and the communication probe the acceptance run adds (collectives at
+        start-up, before the first step, that touch neither the weights nor the random streams)."""
         dump = cfg.model_dump()
-        dump["run"]["output_url"] = dump["checkpoint"]["url"] = None
+        dump["run"]["output_url"] = dump["checkpoint"]["url"] = dump["run"]["comm_probe_mb"] = None
         return dump
 
     result = RunOutput(out).result()

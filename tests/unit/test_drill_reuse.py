@@ -8,6 +8,7 @@ from pathlib import Path
 
 from tasks.acceptance.config import AcceptanceConfig
 from tasks.acceptance.drills import DrillContext, reuse_acceptance
+from tasks.acceptance.suite import ACCEPTANCE_COMM_PROBE_MB
 from tasks.acceptance.workspace import variant
 from tasks.launch.base import JobHandle
 from training.run_output import RunOutputWriter, RunResult
@@ -20,7 +21,8 @@ def _workspace(tmp_path: Path, make_spec, steps: int = 40, rank_kill_passed: boo
     """A run workspace as the acceptance step leaves it: acceptance.json, the distributed run's folder."""
     spec = make_spec()
     train = spec.training_config()
-    dist = variant(train, tmp_path, "distributed", run={"steps": steps}, checkpoint={"save_every_steps": 10})
+    run = {"steps": steps, "comm_probe_mb": ACCEPTANCE_COMM_PROBE_MB}  # as the acceptance step's distributed run
+    dist = variant(train, tmp_path, "distributed", run=run, checkpoint={"save_every_steps": 10})
     out = Path(dist.run.output_url)
     out.mkdir(parents=True)
     dist.to_json_file(out / "run.json")
@@ -43,6 +45,13 @@ def test_the_acceptance_steps_run_and_passed_rank_kill_are_reused(tmp_path: Path
     assert reference.output_dir == tmp_path / "distributed" / "output"
     assert rank_kill is not None and rank_kill.passed and rank_kill.evidence["killed_rank"] == 1
     assert rank_kill.evidence["reused_from"] == str(tmp_path / "acceptance.json")
+
+
+def test_a_run_of_another_job_is_not_reused(tmp_path: Path, make_spec) -> None:
+    ctx = _workspace(tmp_path, make_spec)
+    reseeded = ctx.base.run.model_copy(update={"seed": ctx.base.run.seed + 1})
+    other = DrillContext(ctx.cluster, ctx.base.model_copy(update={"run": reseeded}), ctx.root, ACCEPTANCE)
+    assert reuse_acceptance(tmp_path, other) == (None, None)
 
 
 def test_a_run_of_another_length_is_not_reused(tmp_path: Path, make_spec) -> None:
