@@ -191,7 +191,7 @@ def _to_float(value: torch.Tensor | float) -> float:
 @dataclass
 class PendingRecord:
     """A step's metrics record whose device figures (`device`: field -> 0-d tensor) are not read yet; `work` is the
-    loss all-reduce in flight, whose sum is divided by `divide` (gloo has no average)."""
+    loss all-reduce in flight (None: done), whose sum is divided by `divide` (gloo has no average)."""
 
     record: dict[str, Any]
     device: dict[str, torch.Tensor]
@@ -516,16 +516,22 @@ class Trainer:
         self.scheduler.step()
 
         local_loss = (loss_sum / accum).detach().float()
-        # The loss is averaged over the ranks without the host waiting for it; the preemption flags are summed
-        # over the host (a gloo group beside NCCL), so every rank learns at this step boundary whether any rank
-        # got SIGTERM or SIGUSR1 (signals reach the ranks at slightly different times) without a device sync.
-        global_loss = local_loss.reshape(1).clone()
-        loss_work = dist.all_reduce(
-            global_loss, op=dist.ReduceOp.AVG if self.backend == "nccl" else dist.ReduceOp.SUM, async_op=True
-        )
-        synced = time.perf_counter()  # waiting here for a slower rank is not this rank's compute
+        # Every rank learns at this step boundary whether any rank got SIGTERM or SIGUSR1 (signals reach the
+        # ranks at slightly different times). On GPUs the loss is averaged without the host waiting for it and
+        # the preemption flags are summed over the host (a gloo group beside NCCL): no device sync. On CPU
+        # (gloo) everything is on the host already: one collective carries the loss and the flags.
         flags = torch.tensor(preemption.WATCH.flags(), dtype=torch.float32)
-        dist.all_reduce(flags, group=self.host_group)
+        loss_work = None
+        if self.backend == "nccl":
+            global_loss = local_loss.reshape(1).clone()
+            loss_work = dist.all_reduce(global_loss, op=dist.ReduceOp.AVG, async_op=True)
+        synced = time.perf_counter()  # waiting here for a slower rank is not this rank's compute
+        if self.backend == "nccl":
+            dist.all_reduce(flags, group=self.host_group)
+        else:
+            reduced = torch.cat([local_loss.reshape(1), flags])
+            dist.all_reduce(reduced)  # gloo has no average: the sum is divided when the record is read
+            global_loss, flags = reduced[:1], reduced[1:]
         loss_sync_s = time.perf_counter() - synced
         self.preempt_signal = self.preempt_signal or preemption.agreed_signal(flags.tolist())
         self.step += 1
@@ -585,7 +591,8 @@ class Trainer:
         if not pending:
             return []
         for p in pending:
-            p.work.wait()
+            if p.work is not None:
+                p.work.wait()
         names = [sorted(p.device) for p in pending]
         values = torch.stack([p.device[n].float() for p, keys in zip(pending, names, strict=True) for n in keys])
         flat = iter(values.tolist())
