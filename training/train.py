@@ -473,7 +473,8 @@ class Trainer:
         cfg = self.cfg
         started = time.perf_counter()
         data_s = 0.0
-        self.model.train()
+        if not self.model.training:  # evaluate() leaves it in eval mode; train() walks every module
+            self.model.train()
         epoch, micro_batches = self.sampler.next_step()
         loss_sum = torch.zeros((), device=self.device)
         aux_sum = torch.zeros((), device=self.device)
