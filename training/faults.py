@@ -293,11 +293,7 @@ def hold(step: int) -> None:
     """Write this rank's marker and wait until the drill releases the job (or the hold's timeout passes)."""
     spec = active().hold_after_step
     assert spec is not None and spec.step == step
-    rank = _rank()
-    marker = PausedRank(
-        rank=rank, host=os.uname().nodename, pid=os.getpid(), phase="held", step=step, time_unix_s=time.time()
-    )
-    _write_marker(spec.marker_dir, f"{HOLD_MARKER_PREFIX}{rank:05d}.json", marker)
+    rank = _leave_marker(spec.marker_dir, HOLD_MARKER_PREFIX, "held", step)
     log.warning("test fault: rank %d holds after step %d until the drill releases it", rank, step)
     release = os.path.join(spec.marker_dir, RELEASE_FILE)
     deadline = time.monotonic() + spec.timeout_s
@@ -305,12 +301,18 @@ def hold(step: int) -> None:
         time.sleep(0.02)
 
 
-def _write_marker(marker_dir: str, name: str, marker: PausedRank) -> None:
+def _leave_marker(marker_dir: str, prefix: str, phase: SavePhase | Literal["held"], step: int) -> int:
+    """Write this rank's PausedRank marker `prefix`NNNNN.json into `marker_dir`; returns the rank."""
+    rank = _rank()
+    marker = PausedRank(
+        rank=rank, host=os.uname().nodename, pid=os.getpid(), phase=phase, step=step, time_unix_s=time.time()
+    )
     os.makedirs(marker_dir, exist_ok=True)
-    path = os.path.join(marker_dir, name)
+    path = os.path.join(marker_dir, f"{prefix}{rank:05d}.json")
     with open(f"{path}.tmp", "w") as handle:
         handle.write(marker.model_dump_json())
     os.replace(f"{path}.tmp", path)  # whole or absent: the drill never reads half a marker
+    return rank
 
 
 def maybe_pause(step: int) -> None:
@@ -359,10 +361,7 @@ def at_save_phase(phase: SavePhase, step: int, shard_written: bool | None = None
     rank = _rank()
     if phase == "writing_dcp" and shard_written != (rank == 0):
         return
-    marker = PausedRank(
-        rank=rank, host=os.uname().nodename, pid=os.getpid(), phase=phase, step=step, time_unix_s=time.time()
-    )
-    _write_marker(pause.marker_dir, f"{PAUSE_MARKER_PREFIX}{rank:05d}.json", marker)
+    _leave_marker(pause.marker_dir, PAUSE_MARKER_PREFIX, phase, step)
     log.warning("test fault: rank %d stopped at save phase %s of step %d", rank, phase, step)
     while True:
         time.sleep(60)

@@ -526,10 +526,10 @@ class Trainer:
         if self.backend == "nccl":
             global_loss = local_loss.reshape(1).clone()
             loss_work = dist.all_reduce(global_loss, op=dist.ReduceOp.AVG, async_op=True)
-        synced = time.perf_counter()  # waiting here for a slower rank is not this rank's compute
-        if self.backend == "nccl":
+            synced = time.perf_counter()  # waiting here for a slower rank is not this rank's compute
             dist.all_reduce(flags, group=self.host_group)
         else:
+            synced = time.perf_counter()
             reduced = torch.cat([local_loss.reshape(1), flags])
             dist.all_reduce(reduced)  # gloo has no average: the sum is divided when the record is read
             global_loss, flags = reduced[:1], reduced[1:]

@@ -10,6 +10,7 @@ their source, only the compilation is reused. Nothing is written to disk.
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 from great_expectations.render.view import DefaultJinjaIndexPageView, DefaultJinjaPageView
 from jinja2 import BytecodeCache
@@ -42,20 +43,22 @@ class _ProcessBytecodeCache(BytecodeCache):
 TEMPLATE_CACHE = _ProcessBytecodeCache()
 
 
-class CachedPageView(DefaultJinjaPageView):
+class _CachedTemplates:
+    """Gives a GE Jinja view the process's template cache once GE has built its environment."""
+
+    env: Any
+
+    def __init__(self, custom_styles_directory: str | None = None, custom_views_directory: str | None = None) -> None:
+        super().__init__(custom_styles_directory, custom_views_directory)  # type: ignore[call-arg]
+        self.env.bytecode_cache = TEMPLATE_CACHE
+
+
+class CachedPageView(_CachedTemplates, DefaultJinjaPageView):
     """GE's page view (expectation suites, validation results) with the process's template cache."""
 
-    def __init__(self, custom_styles_directory: str | None = None, custom_views_directory: str | None = None) -> None:
-        super().__init__(custom_styles_directory, custom_views_directory)
-        self.env.bytecode_cache = TEMPLATE_CACHE
 
-
-class CachedIndexPageView(DefaultJinjaIndexPageView):
+class CachedIndexPageView(_CachedTemplates, DefaultJinjaIndexPageView):
     """GE's index page view with the process's template cache."""
-
-    def __init__(self, custom_styles_directory: str | None = None, custom_views_directory: str | None = None) -> None:
-        super().__init__(custom_styles_directory, custom_views_directory)
-        self.env.bytecode_cache = TEMPLATE_CACHE
 
 
 def site_views() -> dict[str, dict]:
