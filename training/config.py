@@ -352,6 +352,12 @@ class DataConfig(StrictModel):
     """Where the tokenized dataset is (format: training/dataset.py)."""
 
     dataset_url: StorageUrl = Field(description="Local path or fsspec URL of the tokenized dataset.")
+    sources: list[StorageUrl] = Field(
+        default_factory=list,
+        max_length=1024,
+        description="Adopted datasets (Megatron prefixes, dataset folders) whose files the manifest at dataset_url "
+        "may name outside its own folder; the data step fills it from data.dataset_url.",
+    )
     tokenizer_sha256: str | None = Field(
         default=None, description="Refuse a dataset made with another tokenizer (sha256 of tokenizer.json); None = any."
     )

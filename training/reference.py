@@ -45,6 +45,7 @@ from training.dataset import TokenDataset
 from training.metrics import peak_memory_bytes
 from training.model import Transformer
 from training.run_output import Ranks, RunOutputWriter, RunResult
+from training.sampler import blend_of
 
 log = logging.getLogger(__name__)
 
@@ -102,14 +103,15 @@ def run_reference(cfg: TrainConfig) -> RunResult:
     device = device or torch.device("cpu")
     torch.set_num_threads(run.threads_per_rank or os.cpu_count() or 1)
     global_batch = cfg.parallel.micro_batch * cfg.parallel.grad_accum_steps * cfg.reference.world_size
-    train = TokenDataset(
-        cfg.data.dataset_url, cfg.data.train_split, model_cfg.seq_len, cfg.storage, vocab_size=model_cfg.vocab_size
-    )
-    val = TokenDataset(
-        cfg.data.dataset_url, cfg.data.val_split, model_cfg.seq_len, cfg.storage, vocab_size=model_cfg.vocab_size
-    )
-    if global_batch > len(train):
-        raise ReferenceSetupError(f"global batch {global_batch} exceeds the {len(train)} training samples")
+    train, val = (
+        TokenDataset(cfg.data.dataset_url, split, model_cfg.seq_len, cfg.storage, vocab_size=model_cfg.vocab_size,
+                     trusted=cfg.data.sources)
+        for split in (cfg.data.train_split, cfg.data.val_split)
+    )  # fmt: skip
+    blend = blend_of(train, run.seed)  # a blend's draws resolve to samples as the trainer resolves them
+    n_draws = blend.epoch_size if blend else len(train)
+    if global_batch > n_draws:
+        raise ReferenceSetupError(f"global batch {global_batch} exceeds the {n_draws} training samples")
 
     torch.manual_seed(run.seed)  # the trainer's initial weights: torch seeded with run.seed, then the model built
     model = Transformer(model_cfg).to(device)
@@ -155,8 +157,8 @@ def run_reference(cfg: TrainConfig) -> RunResult:
     first_loss = loss_value = None
     for step in range(last_step):
         started = time.perf_counter()
-        epoch, indices = batch_indices(len(train), global_batch, run.seed, step, cfg.data.drop_last)
-        tokens = train.batch(indices).to(device)
+        epoch, indices = batch_indices(n_draws, global_batch, run.seed, step, cfg.data.drop_last)
+        tokens = train.batch(blend.samples(epoch, indices) if blend else indices).to(device)
         data_s = time.perf_counter() - started
         lr = learning_rate(optim, run.steps, step)
         for param_group in optimizer.param_groups:

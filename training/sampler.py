@@ -22,6 +22,7 @@ the run output, where data consistency checks it against the dataset's length.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -118,3 +119,83 @@ class GlobalBatchSampler:
         ]
         self.state = SamplerState(epoch, start + self.global_batch)
         return epoch, micro
+
+
+class Blend:
+    """A weighted mix of sources, drawn epoch by epoch from (seed, epoch) alone.
+
+    An epoch has `epoch_size` draws (by default the sources' total samples), source s taking `quota[s]` of
+    them: its weight's share, rounded by largest remainder so the quotas sum to the epoch size. The sampler
+    permutes the epoch's draw ids [0, epoch_size) as it permutes a plain dataset's samples; draw id j
+    belongs to the source whose quota block holds it. Each source runs through its own samples in cycles,
+    every cycle a fresh permutation from (seed, source, cycle), and epoch e takes positions
+    [e * quota, (e + 1) * quota) of that stream. So within a source no sample comes back before every other one
+    has been drawn, across epochs, resumes and world sizes, and a small source with a large weight repeats in
+    proportion (as Megatron's blended datasets oversample).
+    """
+
+    def __init__(self, weights: list[float], source_samples: list[int], seed: int, epoch_size: int | None = None):
+        if len(weights) != len(source_samples) or not weights:
+            raise ValueError(f"{len(weights)} weights for {len(source_samples)} sources")
+        total = float(sum(weights))
+        if not np.isfinite(total) or total <= 0 or min(weights) < 0:
+            raise ValueError(f"blend weights {weights} must be >= 0 and sum to a positive number")
+        empty = [s for s, (w, n) in enumerate(zip(weights, source_samples, strict=True)) if w > 0 and n == 0]
+        if empty:
+            raise ValueError(f"sources {empty} have a weight but no sample")
+        self.weights = [w / total for w in weights]
+        self.source_samples = list(source_samples)
+        self.seed = seed
+        self.epoch_size = epoch_size or sum(source_samples)
+        exact = np.array(self.weights) * self.epoch_size
+        quota = np.floor(exact).astype(np.int64)
+        short = self.epoch_size - int(quota.sum())
+        quota[np.argsort(-(exact - quota), kind="stable")[:short]] += 1
+        self.quota = quota.tolist()
+        self.block = np.concatenate(([0], np.cumsum(quota))).astype(np.int64)
+        self.offsets = np.concatenate(([0], np.cumsum(source_samples))).astype(np.int64)
+        self._cycles: dict[tuple[int, int], np.ndarray] = {}
+
+    def source_of(self, draws: np.ndarray) -> np.ndarray:
+        """The source of each draw id."""
+        return np.searchsorted(self.block, np.asarray(draws), side="right") - 1
+
+    def _cycle(self, source: int, cycle: int) -> np.ndarray:
+        key = (source, cycle)
+        if key not in self._cycles:
+            if len(self._cycles) > 64:
+                self._cycles.clear()
+            self._cycles[key] = np.random.default_rng([self.seed, 1 + source, cycle]).permutation(
+                self.source_samples[source]
+            )
+        return self._cycles[key]
+
+    def samples(self, epoch: int, draws: np.ndarray | list[int]) -> np.ndarray:
+        """The dataset's sample index of each draw id of `epoch`."""
+        draws = np.asarray(draws, dtype=np.int64)
+        sources = self.source_of(draws)
+        out = np.empty(draws.size, dtype=np.int64)
+        for k, (draw, source) in enumerate(zip(draws.tolist(), sources.tolist(), strict=True)):
+            n = self.source_samples[source]
+            position = epoch * self.quota[source] + draw - int(self.block[source])
+            out[k] = self.offsets[source] + self._cycle(source, position // n)[position % n]
+        return out
+
+    def source_of_sample(self, samples: np.ndarray | list[int]) -> np.ndarray:
+        """The source of each dataset sample index."""
+        return np.searchsorted(self.offsets, np.asarray(samples), side="right") - 1
+
+
+def blend_of(dataset: Any, seed: int) -> Blend | None:
+    """The blend of a training split whose manifest mixes weighted sources, or None."""
+    blend = dataset.manifest.blend
+    if not blend or len(blend) < 2:
+        return None
+    try:
+        return Blend([source.weight for source in blend], dataset.source_samples, seed)
+    except ValueError as err:
+        from training.dataset import DatasetError  # noqa: PLC0415 - the dataset's own error type
+
+        raise DatasetError(
+            dataset.url, f"split {dataset.split!r}: {err}", "give every weighted source training samples"
+        ) from err

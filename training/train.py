@@ -47,7 +47,7 @@ from training.network import collective_timeout, network_record
 from training.parallel import comm_timed, gradient_sync, parallelize
 from training.reference import run_reference
 from training.run_output import CheckpointEvent, EpochEnd, Ranks, RunOutputWriter, RunResult
-from training.sampler import GlobalBatchSampler, SamplerState
+from training.sampler import GlobalBatchSampler, SamplerState, blend_of
 from training.telemetry import Telemetry
 from training.tensor_parallel import lm_loss, loss_context
 
@@ -213,12 +213,11 @@ class Trainer:
         torch.set_num_threads(cfg.run.threads_per_rank or max(1, (os.cpu_count() or 1) // self.env.local_world_size))
 
         par, model_cfg = cfg.parallel, cfg.model
-        self.train_data = TokenDataset(
-            cfg.data.dataset_url, cfg.data.train_split, model_cfg.seq_len, cfg.storage, vocab_size=model_cfg.vocab_size
-        )
-        self.val_data = TokenDataset(
-            cfg.data.dataset_url, cfg.data.val_split, model_cfg.seq_len, cfg.storage, vocab_size=model_cfg.vocab_size
-        )
+        self.train_data, self.val_data = (
+            TokenDataset(cfg.data.dataset_url, split, model_cfg.seq_len, cfg.storage, vocab_size=model_cfg.vocab_size,
+                         trusted=cfg.data.sources)
+            for split in (cfg.data.train_split, cfg.data.val_split)
+        )  # fmt: skip
         data_vocab, data_tokenizer = self.train_data.manifest.vocab_size, self.train_data.manifest.tokenizer
         if cfg.data.tokenizer_sha256 and data_tokenizer.sha256 != cfg.data.tokenizer_sha256:
             raise DatasetError(
@@ -242,8 +241,10 @@ class Trainer:
             self.meshes = ParallelDims.from_config(par, self.world, self.env.local_world_size).build(self.device.type)
             self.dp_rank, self.dp_size = self.meshes.coords["dp"], self.meshes.dims.dp
         seed = faults.seed_for(cfg.run.seed)
+        self.blend = blend_of(self.train_data, seed)  # None unless the dataset mixes weighted sources
         self.sampler = GlobalBatchSampler(
-            len(self.train_data), par.micro_batch, par.grad_accum_steps, self.dp_size,
+            self.blend.epoch_size if self.blend else len(self.train_data),
+            par.micro_batch, par.grad_accum_steps, self.dp_size,
             faults.sample_rank(self.dp_rank), seed, drop_last=cfg.data.drop_last,
         )  # fmt: skip
 
@@ -475,7 +476,8 @@ class Trainer:
         data_s = 0.0
         if not self.model.training:  # evaluate() leaves it in eval mode; train() walks every module
             self.model.train()
-        epoch, micro_batches = self.sampler.next_step()
+        epoch, draws = self.sampler.next_step()
+        micro_batches = [self.blend.samples(epoch, d) for d in draws] if self.blend else draws
         loss_sum = torch.zeros((), device=self.device)
         aux_sum = torch.zeros((), device=self.device)
         accum = len(micro_batches)
@@ -571,14 +573,13 @@ class Trainer:
         pending = PendingRecord(record, device, loss_work, divide=1 if self.backend == "nccl" else self.world)
         if cfg.run.record_samples and (self.meshes is None or self.meshes.is_data_leader):
             # One record per data-parallel rank (its first-stage, tensor-rank-0 process), keyed by that rank.
-            flat = np.concatenate(micro_batches).tolist()
             sampler = self.sampler
             offset = sampler.state.offset - sampler.global_batch  # where this step's global batch began
-            self.out.append_samples(
-                self.dp_rank,
-                {"step": self.step, "epoch": epoch, "offset": offset, "resumed_from": self.resumed_from,
-                 "indices": flat},
-            )  # fmt: skip
+            record = {"step": self.step, "epoch": epoch, "offset": offset, "resumed_from": self.resumed_from,
+                      "indices": np.concatenate(draws).tolist()}  # fmt: skip
+            if self.blend:  # the indices are the blend's draw ids; the samples they drew, per source
+                record["samples"] = np.concatenate(micro_batches).tolist()
+            self.out.append_samples(self.dp_rank, record)
             if self.rank == 0 and sampler.epoch_done:
                 dropped, padded = sampler.remainder(epoch).tolist(), sampler.padding(epoch).tolist()
                 end = EpochEnd(epoch, self.step, sampler.n_samples, sampler.global_batch, dropped, padded)

@@ -24,11 +24,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from training.config import TrainConfig
 from training.dataset import TokenDataset
 from training.layout import data_parallel_degree
 from training.run_output import EPOCHS, SAMPLES_DIR, EpochEnd, RunOutput
-from training.sampler import GlobalBatchSampler
+from training.sampler import Blend, GlobalBatchSampler, blend_of
 from validation.acceptance import DimensionResult
 
 _SHOWN = 5  # sample indices or steps quoted in a message
@@ -44,6 +46,8 @@ class Sampling:
     world_size: int  # data-parallel ranks: the sample records' ranks (tensor and pipeline peers share one)
     seed: int
     drop_last: bool = True
+    blend: Blend | None = None
+    """A blend of weighted sources: n_samples counts its draws per epoch, which resolve to samples per source."""
 
     @classmethod
     def of(cls, train: TrainConfig, world_size: int) -> Sampling:
@@ -53,10 +57,15 @@ class Sampling:
         data-parallel rank are fed the same samples, and only its data leader records them, under its
         data-parallel rank (training/mesh.py `is_data_leader`).
         """
-        data = TokenDataset(train.data.dataset_url, train.data.train_split, train.model.seq_len, train.storage)
+        data = TokenDataset(
+            train.data.dataset_url, train.data.train_split, train.model.seq_len, train.storage,
+            trusted=train.data.sources,
+        )  # fmt: skip
         par = train.parallel
         dp = data_parallel_degree(par, world_size)
-        return cls(len(data), par.micro_batch, par.grad_accum_steps, dp, train.run.seed, train.data.drop_last)
+        blend = blend_of(data, train.run.seed)
+        n = blend.epoch_size if blend else len(data)
+        return cls(n, par.micro_batch, par.grad_accum_steps, dp, train.run.seed, train.data.drop_last, blend)
 
     @property
     def global_batch(self) -> int:
@@ -250,6 +259,7 @@ def check_data_consistency(output_dir: Path, sampling: Sampling) -> DimensionRes
         epochs[epoch] = _check_epoch(
             epoch, by_epoch[epoch], steps_in[epoch], ends.get(epoch), ended, sampling, problems
         )
+    sources = _check_sources(replays, ends, last_epoch, sampling, problems) if sampling.blend else None
     resumed = sorted({s for r in replays.values() for s in r.resumed_from})
     after = set().union(*(r.steps_after_resume for r in replays.values())) if replays else set()
     if not all_steps:
@@ -269,6 +279,7 @@ def check_data_consistency(output_dir: Path, sampling: Sampling) -> DimensionRes
             "attempts": {rank: r.attempts for rank, r in replays.items()},
             "resumed_from_steps": resumed,
             "epochs_after_resume": sorted({step_epoch[s] for s in after if s in step_epoch}),
+            **({"sources": sources} if sources is not None else {}),
         },
         {
             "overlap": 0,
@@ -281,6 +292,71 @@ def check_data_consistency(output_dir: Path, sampling: Sampling) -> DimensionRes
         "; ".join(problems[:_SHOWN]) + (f" (+{len(problems) - _SHOWN} more)" if len(problems) > _SHOWN else ""),
         _look_first(problems),
     )
+
+
+def _check_sources(
+    replays: dict[int, _Replay], ends: dict[int, EpochEnd], last_epoch: int, sampling: Sampling, problems: list[str]
+) -> list[dict[str, Any]]:
+    """A blend, per source: each draw fed a sample of its own source; no sample twice within one of the source's
+    cycles (its pass over every sample), across ranks, steps and resumes; every cycle that the ended epochs
+    complete covers all of the source's samples (counting the recorded remainder's draws); and every ended epoch
+    gave each source exactly its quota of draws (the weights' share)."""
+    blend = sampling.blend
+    assert blend is not None
+    n_sources = len(blend.quota)
+    seen: dict[tuple[int, int], Counter[int]] = defaultdict(Counter)  # (source, cycle) -> sample -> count
+    per_epoch: dict[int, Counter[int]] = defaultdict(Counter)  # epoch -> source -> draws
+    wrong: list[int] = []
+
+    def take(epoch: int, draws: list[int], samples: list[int]) -> None:
+        d = np.asarray(draws, dtype=np.int64)
+        source = blend.source_of(d)
+        position = epoch * np.asarray(blend.quota)[source] + d - blend.block[source]
+        cycle = position // np.asarray(blend.source_samples)[source]
+        local = np.asarray(samples, dtype=np.int64) - blend.offsets[source]
+        for s, c, x in zip(source.tolist(), cycle.tolist(), local.tolist(), strict=True):
+            seen[(s, c)][x] += 1
+            per_epoch[epoch][s] += 1
+        wrong.extend(int(x) for x in np.asarray(samples)[blend.source_of_sample(samples) != source])
+
+    for rank, replay in replays.items():
+        for step, rec in replay.steps.items():
+            samples = rec.get("samples")
+            if samples is None or len(samples) != len(rec["indices"]):
+                problems.append(f"rank {rank}: step {step} has no resolved samples for its blend draws")
+                continue
+            take(rec["epoch"], rec["indices"], samples)
+    for epoch, end in ends.items():
+        if end.dropped:
+            take(epoch, end.dropped, blend.samples(epoch, end.dropped).tolist())
+    if wrong:
+        problems.append(f"blend: samples fed from another source than their draw's: {_quote(sorted(wrong))}")
+    ended = [e for e in per_epoch if e < last_epoch or e in ends]
+    summary = []
+    for s in range(n_sources):
+        n, quota = blend.source_samples[s], blend.quota[s]
+        twice = sorted({x for (src, c), counts in seen.items() if src == s for x, k in counts.items() if k > 1})
+        if twice:
+            problems.append(f"blend source {s}: samples drawn twice within one pass over the source: {_quote(twice)}")
+        short = [e for e in ended if per_epoch[e][s] != quota]
+        if short:
+            problems.append(
+                f"blend source {s}: epochs {_quote(short)} drew {[per_epoch[e][s] for e in short[:_SHOWN]]}, its "
+                f"quota is {quota} (weight {blend.weights[s]:.4g} of {blend.epoch_size} draws per epoch)"
+            )
+        done_positions = len(ended) * quota if ended == list(range(len(ended))) else 0
+        complete = [c for (src, c) in seen if src == s and (c + 1) * n <= done_positions]
+        for c in sorted(complete):
+            missing = n - len(seen[(s, c)])
+            if missing:
+                problems.append(f"blend source {s}: its pass {c} over the source left {missing} of {n} samples out")
+        observed = sum(per_epoch[e][s] for e in ended)
+        total = sum(sum(per_epoch[e].values()) for e in ended)
+        summary.append(
+            {"source": s, "samples": n, "weight": blend.weights[s], "quota": quota,
+             "observed_share": observed / total if total else None, "passes_complete": len(complete)}
+        )  # fmt: skip
+    return summary
 
 
 def _look_first(problems: list[str]) -> str:

@@ -99,9 +99,11 @@ def held_out(train: TrainConfig, check: ServingCheckConfig, count: int) -> HeldO
 
     length = check.prompt_tokens + check.output_tokens
     url = train.data.dataset_url
-    splits = read_manifest(url, train.storage).splits
+    splits = read_manifest(url, train.storage, train.data.sources).splits
     split = train.data.val_split if train.data.val_split in splits else train.data.train_split
-    data = TokenDataset(url, split, length - 1, train.storage, vocab_size=train.model.vocab_size)
+    data = TokenDataset(
+        url, split, length - 1, train.storage, vocab_size=train.model.vocab_size, trusted=train.data.sources
+    )
     stride = max(1, len(data) // count)
     indices = [(i * stride) % len(data) for i in range(count)]
     samples = [data.sample(i).tolist() for i in indices]
