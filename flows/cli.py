@@ -215,6 +215,31 @@ def prepare_data(spec: str = typer.Argument(..., help=SPEC_HELP)) -> None:
     _prepare_with_progress(parsed)
 
 
+@app.command(
+    "convert-dataset",
+    epilog=_example("tdeploy convert-dataset /shared/datasets/fineweb-edu-32k", "tdeploy convert-dataset s3://ml/ds"),
+)
+def convert_dataset(
+    url: str = typer.Argument(..., help="Local path or fsspec URL of a dataset of format version 1."),
+) -> None:
+    """Convert a dataset of the earlier format (version 1) in place to Megatron's indexed format.
+
+    Each shard gets Megatron's .idx beside its token file (kept as it is), then the new manifest is written (the
+    commit), then the old offsets files are removed. A dataset half converted still reads as version 1.
+    """
+    from training.dataset import convert_legacy
+    from training.storage import check_storage_url
+
+    try:
+        check_storage_url(url)
+    except ValueError as err:
+        err_console.print(f"convert-dataset: URL {url!r} {err}", markup=False, highlight=False)
+        raise typer.Exit(EXIT_USER_ERROR) from err
+    manifest = convert_legacy(url)
+    counts = ", ".join(f"{name} {s.n_docs:,} docs / {s.n_tokens:,} tokens" for name, s in manifest.splits.items())
+    console.print(f"converted {url} to Megatron's indexed format: {counts}", markup=False, highlight=False)
+
+
 @app.command("build-image", epilog=_example("tdeploy build-image examples/local.yaml --out runs/local/image"))
 def build_image(
     spec: str = typer.Argument(..., help=SPEC_HELP),

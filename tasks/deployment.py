@@ -149,6 +149,8 @@ class DataResult(StepResult):
     cached_verdict: bool = False
     """The token suite's verdict of an earlier check of this very dataset was reused (nothing rescanned)."""
     splits: dict[str, dict[str, int]] = {}
+    sources: list[str] = []
+    """Adopted sources the dataset's manifest names outside its folder (the job's DataConfig.sources)."""
     tokenizer_sha256: str | None = None
     vocab_size: int | None = None
     cleaning: dict[str, Any] = {}
@@ -166,7 +168,7 @@ class DataResult(StepResult):
     @classmethod
     def of_checked(cls, checked: CheckedDataset) -> DataResult:
         """The result of the token suite over a dataset given by URL."""
-        fields = ("dataset_url", "splits", "tokenizer_sha256", "vocab_size", "validation", "validation_url")
+        fields = ("dataset_url", "sources", "splits", "tokenizer_sha256", "vocab_size", "validation", "validation_url")
         values = {name: getattr(checked, name) for name in fields}
         return cls(
             **values, reused=True, given=True, cached_verdict=checked.cached, data_docs_url=checked.data_docs_url
@@ -381,7 +383,7 @@ def image_inputs(spec: DeploymentSpec, record_dir: str | None = None) -> ImageIn
 def dataset_check_inputs(spec: DeploymentSpec) -> tuple[Any, ...]:
     """The data step's arguments for data.dataset_url (`check_dataset_url`, `check_dataset`): the data section,
     the model's vocab_size, storage, and the reports folder that keeps the verdict."""
-    assert spec.data.dataset_url is not None, "a spec without data.prepare has data.dataset_url"
+    assert spec.data.given, "a spec without data.prepare has data.dataset_url or data.blend"
     return (spec.data, spec.model.vocab_size, spec.storage, spec.reports_dir)
 
 
@@ -395,6 +397,6 @@ def existing_dataset(spec: DeploymentSpec) -> DataResult:
 
 def training_config(spec: DeploymentSpec, data: DataResult) -> TrainConfig:
     """The training job's config: the spec's training sections on the dataset of the data step."""
-    if spec.data.prepare is None:
-        return spec.training_config()
+    if spec.data.prepare is None:  # the spec's own data, or its adoption: the spec's tokenizer pin stays
+        return spec.training_config(data.dataset_url, spec.data.tokenizer_sha256, data.sources)
     return spec.training_config(data.dataset_url, data.tokenizer_sha256)

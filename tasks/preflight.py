@@ -59,6 +59,9 @@ def spec_paths(spec: DeploymentSpec) -> list[PathCheck]:
         ("nodes.ssh_key_path", nodes.ssh_key_path, "file", True),
         ("nodes.known_hosts_path", nodes.known_hosts_path, "file", True),
     ]
+    for number, given in enumerate(spec.data.blend or []):
+        candidates.append((f"data.blend[{number}].url", given.url, "read", False))
+    candidates.append(("data.adopted_url", spec.data.adopted_url, "write", False))
     for number, source in enumerate(prepare.sources if prepare else []):
         candidates.append((f"data.prepare.sources[{number}].url", source.url, "read", False))
     return [PathCheck(field, value, mode, local) for field, value, mode, local in candidates if value]
@@ -156,6 +159,8 @@ def _local_readable(path: str, must_be_file: bool) -> str | None:
             return "the glob matches no file; fix the pattern (relative paths start in the folder tdeploy runs in)"
         return None
     target = Path(path)
+    if not target.exists() and Path(path + ".bin").exists():  # a Megatron prefix: P.bin and P.idx
+        target = Path(path + ".bin")
     if not target.exists():
         return "does not exist; fix the path (relative paths start in the folder tdeploy runs in)"
     if must_be_file and not target.is_file():
@@ -214,7 +219,7 @@ def _remote_readable(url: str, storage: StorageConfig, must_be_file: bool) -> st
         if next(matches, None) is None:
             return "the glob matches no object; fix the pattern"
         return None
-    if not _call(lambda: fs.exists(path)):
+    if not _call(lambda: fs.exists(path)) and not _call(lambda: fs.exists(path + ".bin")):  # or a Megatron prefix
         return "does not exist; fix the URL"
     if must_be_file and _call(lambda: fs.isdir(path)):
         return "is a folder (prefix), not a file; give the URL of the file itself"

@@ -275,7 +275,9 @@ class DeploymentSpec(StrictModel):
             )
         return problems
 
-    def training_config(self, dataset_url: str | None = None, tokenizer_sha256: str | None = None) -> TrainConfig:
+    def training_config(
+        self, dataset_url: str | None = None, tokenizer_sha256: str | None = None, sources: list[str] | None = None
+    ) -> TrainConfig:
         """The training payload's slice of the spec, for data.dataset_url or the dataset `prepare` produced."""
         if dataset_url is None:
             if self.data.dataset_url is None:
@@ -286,7 +288,7 @@ class DeploymentSpec(StrictModel):
             parallel=self.parallel,
             precision=self.precision,
             optim=self.optim,
-            data=self.data.training(dataset_url, tokenizer_sha256),
+            data=self.data.training(dataset_url, tokenizer_sha256, sources),
             checkpoint=self.checkpoint,
             run=self.run,
             storage=self.storage,

@@ -247,7 +247,8 @@ def judge_quality(
     curve = loss_curve(output_dir)
     if curve is None:
         return QualityGate(not_measured(f"the distributed run wrote no result ({output_dir})"), registry)
-    identity = curve_identity(run_train, world_size, read_manifest(run_train.data.dataset_url, run_train.storage))
+    manifest = read_manifest(run_train.data.dataset_url, run_train.storage, run_train.data.sources)
+    identity = curve_identity(run_train, world_size, manifest)
     key = baseline_key(identity)
     evidence: dict[str, Any] = {"baseline_file": str(registry.path(key)), "recorded": False}
     try:

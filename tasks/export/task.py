@@ -105,7 +105,7 @@ def _card(
     card = manager.read_card(step, commit)
     if card is not None:
         return card, []
-    card = ModelCard.of_run(train, read_manifest(train.data.dataset_url, train.storage))
+    card = ModelCard.of_run(train, read_manifest(train.data.dataset_url, train.storage, train.data.sources))
     note = (
         f"checkpoint step {step} has no model.json (saved before model cards): the architecture is the spec's "
         f"model section and the tokenizer that of {train.data.dataset_url}"

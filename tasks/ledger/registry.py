@@ -476,7 +476,7 @@ def figures_of_workspace(root: Path) -> tuple[GoldenFigures, str | None]:
 
 def run_identity(cluster: ClusterConfig, run_train: TrainConfig, world_size: int) -> tuple[str, str, str]:
     """The curve key, cluster key and dataset key of an acceptance run's config (`run_train`)."""
-    manifest = read_manifest(run_train.data.dataset_url, run_train.storage)
+    manifest = read_manifest(run_train.data.dataset_url, run_train.storage, run_train.data.sources)
     return (
         baseline_key(curve_identity(run_train, world_size, manifest)),
         cluster_key_of(cluster),

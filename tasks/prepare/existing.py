@@ -28,7 +28,7 @@ from typing import Any
 from tasks.errors import TransientError, UserError, is_connection_error
 from tasks.prepare.config import DataSpec
 from tasks.prepare.pipeline import DataValidationError, publish_validation
-from training.dataset import MANIFEST, DatasetError, DatasetManifest, read_manifest
+from training.dataset import MANIFEST, DatasetError, DatasetManifest, ShardLocator, read_manifest
 from training.storage import StorageConfig, filesystem, join
 from validation.data import (
     SUITE_VERSION,
@@ -55,6 +55,9 @@ class CheckedDataset:
     """What the data step found of a dataset given by URL (small and JSON-safe)."""
 
     dataset_url: str
+    """The dataset checked: data.dataset_url, or the adoption of what it (or data.blend) names."""
+    sources: list[str]
+    """Adopted sources the dataset's manifest names outside its folder (the training job's DataConfig.sources)."""
     key: str
     """The verdict's cache key (see the module's docstring)."""
     cached: bool
@@ -78,9 +81,9 @@ def check_dataset_url(data: DataSpec, vocab_size: int, storage: StorageConfig, r
     Raises DataValidationError (a user error naming the file, the value and the fix), DatasetError (no
     readable manifest) or TransientError (storage unreachable: the step retries).
     """
-    assert data.dataset_url is not None, "the prepare path validates its own datasets"
+    assert data.given, "the prepare path validates its own datasets"
     try:
-        return _check(data, data.dataset_url, vocab_size, storage, reports_dir)
+        return _check(data, vocab_size, storage, reports_dir)
     except (UserError, TransientError, DatasetError):
         raise
     except Exception as err:
@@ -92,14 +95,28 @@ def check_dataset_url(data: DataSpec, vocab_size: int, storage: StorageConfig, r
         raise
 
 
-def _check(data: DataSpec, url: str, vocab_size: int, storage: StorageConfig, reports_dir: str) -> CheckedDataset:
+def _given_dataset(data: DataSpec, vocab_size: int, storage: StorageConfig, reports_dir: str) -> tuple[str, list[str]]:
+    """The dataset to check and the sources its manifest may name: data.dataset_url itself when it is a dataset of
+    ours, else the adoption of what data.dataset_url or data.blend names (tasks/prepare/adopt.py)."""
+    from tasks.prepare.adopt import adopt_given, adopted_root, detect_kind
+
+    if data.blend is None and data.dataset_url is not None:
+        if detect_kind(data.dataset_url, storage, "data.dataset_url") == "tdeploy":
+            return data.dataset_url, []
+    adoption = adopt_given(data, vocab_size, storage, adopted_root(data, reports_dir))
+    log.info("%s adopted as %s (%s)", [s.url for s in data.given], adoption.dataset_url, ", ".join(adoption.kinds))
+    return adoption.dataset_url, adoption.sources
+
+
+def _check(data: DataSpec, vocab_size: int, storage: StorageConfig, reports_dir: str) -> CheckedDataset:
     started = time.perf_counter()
-    manifest = read_manifest(url, storage)
-    where = f"data.dataset_url={url}"
+    url, trusted = _given_dataset(data, vocab_size, storage, reports_dir)
+    manifest = read_manifest(url, storage, trusted)
+    where = f"data.dataset_url={url}" if data.dataset_url == url else f"adopted dataset {url}"
     upfront = _spec_problems(data, url, vocab_size, manifest, storage)
     if upfront:
         raise DataValidationError(where, [], None, problems=upfront, fix=_FIX)
-    key = verdict_key(data, url, vocab_size, manifest, storage)
+    key = verdict_key(data, url, vocab_size, manifest, storage, trusted)
     folder = Path(reports_dir) / REPORTS_SUBDIR / key
     cached = _read_verdict(folder, key)
     if cached is not None:
@@ -113,7 +130,7 @@ def _check(data: DataSpec, url: str, vocab_size: int, storage: StorageConfig, re
     with SuiteRunner() as runner:
         suite = run_dataset_suite(
             runner, url, DataExpectations(), None, storage,
-            vocab_size=vocab_size, val_split=data.val_split, documents=False,
+            vocab_size=vocab_size, val_split=data.val_split, documents=False, trusted=trusted,
         )  # fmt: skip
         report = SuiteReport(suite.success, suite.evaluated, suite.failed, problems=suite.problems)
         report_url, docs_url = publish_validation(url, str(folder), storage, report, runner, manifest)
@@ -123,6 +140,7 @@ def _check(data: DataSpec, url: str, vocab_size: int, storage: StorageConfig, re
     seconds["total"] = time.perf_counter() - started
     result = CheckedDataset(
         dataset_url=url,
+        sources=trusted,
         key=key,
         cached=False,
         splits=suite.splits,
@@ -164,21 +182,35 @@ def _spec_problems(
     return problems
 
 
-def verdict_key(data: DataSpec, url: str, vocab_size: int, manifest: DatasetManifest, storage: StorageConfig) -> str:
-    """The cache key of a verdict: manifest bytes, every named file's identity, the model's vocabulary, the
-    splits, the expected tokenizer and the suite's version."""
+def verdict_key(
+    data: DataSpec,
+    url: str,
+    vocab_size: int,
+    manifest: DatasetManifest,
+    storage: StorageConfig,
+    trusted: list[str] | None = None,
+) -> str:
+    """The cache key of a verdict: manifest bytes, every named file's identity (adopted sources' too), the
+    model's vocabulary, the splits, the expected tokenizer and the suite's version."""
     fs, root = filesystem(url, storage)
-    listing = fs.find(root, detail=True)  # one listing for every file's identity, not one request per file
-    named = [MANIFEST] + [
-        rel for split in manifest.splits.values() for s in split.shards for rel in (s.tokens, s.index)
-    ]
+    locator = ShardLocator(url, storage)
+    files: dict[str, Any] = {}
+    for split in manifest.splits.values():
+        for shard in split.shards:
+            try:
+                found = locator.files(shard)
+            except DatasetError as err:  # a link out of the dataset: the suite reports it; no verdict is kept
+                found = [(err.file or shard.tokens, "", None, False, None)]
+            files |= {rel: None if identity is None else list(identity) for rel, _, _, _, identity in found}
     if manifest.tokenizer.path is not None:
-        named.append(manifest.tokenizer.path)
+        info = fs.find(root, detail=True).get(join(root, manifest.tokenizer.path))
+        files[manifest.tokenizer.path] = _identity(info)
     material = {
         "suite": SUITE_VERSION,
         "dataset_url": url,
+        "sources": trusted or [],
         "manifest_sha256": hashlib.sha256(fs.cat_file(join(root, MANIFEST))).hexdigest(),
-        "files": {rel: _identity(listing.get(join(root, rel))) for rel in named},
+        "files": files,
         "vocab_size": vocab_size,
         "splits": [data.train_split, data.val_split],
         "tokenizer_sha256": data.tokenizer_sha256,

@@ -1,0 +1,348 @@
+"""Adopting data that already exists: Megatron indexed datasets, Hugging Face datasets, tdeploy datasets, blends.
+
+`adopt_given` turns what data.dataset_url (or data.blend) names into one dataset of our format without
+tokenizing anything, under `<adopted_url>/<key>/` where the key hashes every source's URL, weight, column,
+kind and file identities (size and modification time or ETag), data.val_fraction, the split names and the
+model's vocabulary:
+
+- a Megatron prefix P (P.bin + P.idx) is referenced where it is, never copied: its index is parsed and held
+  against P.bin, both files are hashed, and its documents are split in two ranges, the last val_fraction of
+  them held out (as Megatron's `--split` cuts contiguous ranges);
+- a tdeploy dataset folder is referenced where it is, split for split;
+- a Hugging Face dataset's token-ids column is copied into Megatron shards of our own (`hf-<n>/` in the
+  adopted folder): its train split for training, its validation split (validation, val or test) for
+  evaluation, or the last val_fraction of its rows when it has none;
+- several sources are a blend: the manifest records each one's weight, and each shard its source.
+
+The manifest is written last; the data step then runs the token suite over the adopted dataset like over any
+dataset given by URL. The training job is told the sources' URLs (DataConfig.sources): the only places
+outside its folder that the adopted manifest may name.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import posixpath
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from tasks.errors import UserError
+from tasks.prepare.config import DatasetSource, DataSpec
+from training.dataset import (
+    FORMAT_VERSION,
+    MANIFEST,
+    BlendSource,
+    DatasetError,
+    DatasetManifest,
+    DatasetWriter,
+    ShardInfo,
+    TokenizerInfo,
+    read_manifest,
+    split_info,
+    token_dtype,
+    write_manifest,
+)
+from training.indexed import IndexFormatError, check_bin_size, parse_index
+from training.storage import StorageConfig, filesystem, join, sha256_file
+
+log = logging.getLogger(__name__)
+
+ADOPT_VERSION = 1
+"""Bump when adoption changes what it writes: every adoption gets a new key."""
+Kind = Literal["tdeploy", "megatron", "hf"]
+_HF_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
+_HF_FILES = (".arrow", ".parquet")
+_IDENTITY_KEYS = ("mtime", "created", "ino", "ETag", "etag", "LastModified", "last_modified", "generation")
+
+
+class AdoptionError(UserError):
+    """Data named by the spec cannot be adopted; says which field, the value and the fix."""
+
+
+@dataclass
+class Adoption:
+    """The adopted dataset: its folder, the sources its manifest may name outside it, and whether it existed."""
+
+    dataset_url: str
+    sources: list[str]
+    key: str
+    reused: bool
+    kinds: list[str]
+
+
+def _field(data: DataSpec, number: int) -> str:
+    return f"data.blend[{number}].url" if data.blend is not None else "data.dataset_url"
+
+
+def detect_kind(url: str, storage: StorageConfig, where: str) -> Kind:
+    """What `url` holds: a tdeploy dataset folder, a Megatron prefix, or a Hugging Face dataset on disk."""
+    fs, path = filesystem(url, storage)
+    if fs.exists(join(path, MANIFEST)):
+        return "tdeploy"
+    if fs.exists(path + ".bin") and fs.exists(path + ".idx"):
+        return "megatron"
+    if path.endswith(_HF_FILES) and fs.exists(path):
+        return "hf"
+    if fs.isdir(path) and any(fs.exists(join(path, name)) for name in _HF_MARKERS):
+        return "hf"
+    if fs.exists(path + ".bin") or fs.exists(path + ".idx"):
+        have, lack = (".bin", ".idx") if fs.exists(path + ".bin") else (".idx", ".bin")
+        raise AdoptionError(
+            f"{where}={url}: {url}{have} is there but {url}{lack} is missing",
+            f"a Megatron indexed dataset is a .bin and a .idx of one prefix; copy {url}{lack} beside it",
+        )
+    raise AdoptionError(
+        f"{where}={url}: no dataset there (no {MANIFEST}, no {url}.bin/.idx, no Hugging Face dataset)",
+        "point it at a folder `tdeploy prepare-data` wrote, a Megatron prefix (without .bin/.idx), or a folder "
+        "that datasets' save_to_disk wrote",
+    )
+
+
+def _identities(url: str, kind: Kind, storage: StorageConfig) -> list[Any]:
+    """What changes when the source's files change: size and modification time (or ETag) of each."""
+    fs, path = filesystem(url, storage)
+    if kind == "megatron":
+        paths = [path + ".bin", path + ".idx"]
+    elif kind == "tdeploy":
+        paths = [join(path, MANIFEST)]
+    else:
+        paths = sorted(fs.find(path)) if fs.isdir(path) else [path]
+    found = []
+    for item in paths:
+        info = fs.info(item)
+        found.append([posixpath.basename(item), info.get("size"), *(str(info[k]) for k in _IDENTITY_KEYS if k in info)])
+    if kind == "tdeploy":  # the manifest's bytes hold every file's checksum
+        found.append(hashlib.sha256(fs.cat_file(paths[0])).hexdigest())
+    return found
+
+
+def adoption_key(data: DataSpec, kinds: list[Kind], vocab_size: int, storage: StorageConfig) -> str:
+    """The adopted dataset's content address (see the module docstring)."""
+    material = {
+        "adopt": ADOPT_VERSION,
+        "format": FORMAT_VERSION,
+        "sources": [
+            [s.url, s.weight, s.column, kind, _identities(s.url, kind, storage)]
+            for s, kind in zip(data.given, kinds, strict=True)
+        ],
+        "val_fraction": data.val_fraction,
+        "splits": [data.train_split, data.val_split],
+        "vocab_size": vocab_size,
+    }
+    return hashlib.sha256(json.dumps(material, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+@dataclass
+class _Member:
+    """One source as the adopted manifest will hold it."""
+
+    splits: dict[str, list[ShardInfo]]
+    dtype: str
+    eos_id: int | None
+    tokenizer: TokenizerInfo
+    trusted: str | None
+    """The URL the manifest names outside its folder (None: copied inside)."""
+
+
+def adopt_given(data: DataSpec, vocab_size: int, storage: StorageConfig, adopted_root: str) -> Adoption:
+    """Adopt what data.dataset_url or data.blend names (or reuse the identical adoption); see the module."""
+    given = data.given
+    kinds = [detect_kind(s.url, storage, _field(data, n)) for n, s in enumerate(given)]
+    key = adoption_key(data, kinds, vocab_size, storage)
+    url = join(adopted_root, key)
+    trusted = [s.url for s, kind in zip(given, kinds, strict=True) if kind != "hf"]
+    try:
+        read_manifest(url, storage, trusted)
+        log.info("%s: adopted before (key %s); reusing it", url, key)
+        return Adoption(url, trusted, key, True, list(kinds))
+    except DatasetError:
+        pass
+    members = [
+        _member(data, n, source, kind, vocab_size, storage, url)
+        for n, (source, kind) in enumerate(zip(given, kinds, strict=True))
+    ]
+    dtypes = sorted({m.dtype for m in members})
+    if len(dtypes) > 1:
+        raise AdoptionError(
+            f"data.blend: the sources store token ids as {dtypes}",
+            "blend sources of one tokenizer stored alike (rewrite one with Megatron's tools in the other's dtype)",
+        )
+    known = {m.tokenizer.sha256 for m in members if m.tokenizer.kind != "unknown"}
+    if len(known) > 1:
+        raise AdoptionError(
+            f"data.blend: the sources were made with different tokenizers (sha256 {sorted(map(str, known))})",
+            "blend only data of one tokenizer: the model reads every id the same way",
+        )
+    splits = {}
+    for name in (data.train_split, data.val_split):
+        splits[name] = split_info([shard for m in members for shard in m.splits[name]])
+    tokenizers = [m.tokenizer for m in members]
+    eos = {m.eos_id for m in members}
+    blend = None
+    if len(given) > 1:
+        blend = [
+            BlendSource(name=_name(s.url), weight=s.weight, url=s.url, kind=kind)
+            for s, kind in zip(given, kinds, strict=True)
+        ]
+    manifest = DatasetManifest(
+        vocab_size=vocab_size,  # ids are held against the model's vocabulary (sources' own are <= it)
+        dtype=dtypes[0],
+        eos_id=eos.pop() if len(eos) == 1 else None,
+        tokenizer=tokenizers[0] if all(t == tokenizers[0] for t in tokenizers) else TokenizerInfo(kind="unknown"),
+        splits=splits,
+        blend=blend,
+        meta={"adopted": [{"url": s.url, "kind": kind} for s, kind in zip(given, kinds, strict=True)]},
+    )
+    write_manifest(url, manifest, storage=storage)
+    return Adoption(url, trusted, key, False, list(kinds))
+
+
+def _name(url: str) -> str:
+    return posixpath.basename(url.rstrip("/")) or url
+
+
+def _member(
+    data: DataSpec, number: int, source: DatasetSource, kind: Kind, vocab_size: int, storage: StorageConfig, url: str
+) -> _Member:
+    where = _field(data, number)
+    if kind == "megatron":
+        return _megatron(data, number, source.url, where, storage)
+    if kind == "tdeploy":
+        return _tdeploy(data, number, source.url, where, vocab_size, storage)
+    return _hugging_face(data, number, source, where, vocab_size, storage, url)
+
+
+def _megatron(data: DataSpec, number: int, prefix: str, where: str, storage: StorageConfig) -> _Member:
+    """A Megatron prefix as two document ranges of itself: train, then the last val_fraction held out."""
+    fs, path = filesystem(prefix, storage)
+    raw = fs.cat_file(path + ".idx")
+    bin_bytes = fs.size(path + ".bin")
+    try:
+        index = parse_index(raw)
+        check_bin_size(index, bin_bytes)
+    except IndexFormatError as err:
+        raise AdoptionError(
+            f"{where}={prefix}: {prefix}.idx {err.problem}",
+            "re-copy the dataset (a transfer cut short?) or rebuild it with Megatron's preprocess_data.py",
+        ) from err
+    n = index.n_documents
+    if n < 2:
+        raise AdoptionError(
+            f"{where}={prefix}: {n} document(s); one is needed for training and one held out",
+            "adopt a larger dataset",
+        )
+    held = min(n - 1, max(1, round(n * data.val_fraction)))
+    cut = n - held
+    offsets = index.document_offsets()
+    tokens_sha = sha256_file(fs, path + ".bin")
+    common = {
+        "prefix": prefix,
+        "tokens_sha256": tokens_sha,
+        "index_sha256": hashlib.sha256(raw).hexdigest(),
+        "tokens_bytes": bin_bytes,
+        "index_bytes": len(raw),
+        "source": number if data.blend is not None else 0,
+    }
+    train = ShardInfo(**common, docs=(0, cut), first_token=0, n_tokens=int(offsets[cut]), n_docs=cut)
+    val = ShardInfo(
+        **common, docs=(cut, n), first_token=int(offsets[cut]), n_tokens=int(offsets[n] - offsets[cut]), n_docs=held
+    )
+    return _Member({data.train_split: [train], data.val_split: [val]}, index.dtype, None, TokenizerInfo(kind="unknown"),
+                   prefix)  # fmt: skip
+
+
+def _tdeploy(data: DataSpec, number: int, folder: str, where: str, vocab_size: int, storage: StorageConfig) -> _Member:
+    """A dataset of ours, referenced split for split where it is."""
+    try:
+        manifest = read_manifest(folder, storage)
+    except DatasetError as err:
+        raise AdoptionError(f"{where}={folder}: {err.problem}", err.fix) from err
+    missing = [name for name in (data.train_split, data.val_split) if name not in manifest.splits]
+    if missing:
+        raise AdoptionError(
+            f"{where}={folder}: no split {missing} (it has {sorted(manifest.splits)})",
+            "set data.train_split and data.val_split to splits every source has",
+        )
+    if manifest.vocab_size > vocab_size:
+        raise AdoptionError(
+            f"{where}={folder}: dataset vocab_size={manifest.vocab_size} exceeds model.vocab_size={vocab_size}",
+            f"set model.vocab_size >= {manifest.vocab_size} or use a dataset of this vocabulary",
+        )
+    tokenizer = manifest.tokenizer
+    if tokenizer.path is not None:  # the adopted manifest names no file of the source but its shards
+        tokenizer = tokenizer.model_copy(update={"path": None})
+    splits = {
+        name: [
+            shard.model_copy(update={"prefix": join(folder, shard.prefix), "source": number if data.blend else 0})
+            for shard in manifest.splits[name].shards
+        ]
+        for name in (data.train_split, data.val_split)
+    }
+    return _Member(splits, manifest.dtype, manifest.eos_id, tokenizer, folder)
+
+
+def _hugging_face(
+    data: DataSpec,
+    number: int,
+    source: DatasetSource,
+    where: str,
+    vocab_size: int,
+    storage: StorageConfig,
+    url: str,
+) -> _Member:
+    """A Hugging Face dataset's token ids, copied (not tokenized) into Megatron shards of our own."""
+    from tasks.prepare.hf import HfDataError, inspect_hf, iter_token_documents, token_column
+
+    try:
+        info = inspect_hf(source.url, storage)
+        column = token_column(info, source.column)
+    except HfDataError as err:
+        raise AdoptionError(f"{where}={source.url}: {err.message}", err.fix) from err
+    names = list(info.splits)
+    train = data.train_split if data.train_split in names else ("train" if "train" in names else names[0])
+    val = next((n for n in (data.val_split, "validation", "val", "test") if n in names and n != train), None)
+    sub = join(url, f"hf-{number}")
+    source_index = number if data.blend is not None else 0
+    rel = f"hf-{number}"
+    with DatasetWriter(sub, vocab_size, TokenizerInfo(kind="unknown"), None, storage=storage, overwrite=True,
+                       dtype=token_dtype(vocab_size)) as writer:  # fmt: skip
+        if val is not None:
+            plan = [(train, data.train_split, None), (val, data.val_split, None)]
+        else:
+            rows = info.splits[train]
+            if rows < 2:
+                raise AdoptionError(f"{where}={source.url}: {rows} row(s)", "adopt a dataset of 2 rows or more")
+            held = min(rows - 1, max(1, round(rows * data.val_fraction)))
+            plan = [(train, data.train_split, (0, rows - held)), (train, data.val_split, (rows - held, rows))]
+        try:
+            for hf_split, ours, rows_range in plan:
+                for row, ids in enumerate(iter_token_documents(source.url, hf_split, column, storage)):
+                    if rows_range is not None and not rows_range[0] <= row < rows_range[1]:
+                        continue
+                    if ids.size and int(ids.max()) >= vocab_size:
+                        raise AdoptionError(
+                            f"{where}={source.url}: row {row} of split {hf_split} holds token id {int(ids.max())}, "
+                            f"outside model.vocab_size={vocab_size}",
+                            "use data tokenized for this model's vocabulary, or set model.vocab_size to the "
+                            "tokenizer's vocabulary",
+                        )
+                    if ids.size:
+                        writer.add_document(ours, ids)
+        except HfDataError as err:
+            raise AdoptionError(f"{where}={source.url}: {err.message}", err.fix) from err
+    written = read_manifest(sub, storage)
+    splits = {
+        name: [
+            shard.model_copy(update={"prefix": f"{rel}/{shard.prefix}", "source": source_index})
+            for shard in written.splits.get(name, split_info([])).shards
+        ]
+        for name in (data.train_split, data.val_split)
+    }
+    return _Member(splits, written.dtype, None, TokenizerInfo(kind="unknown"), None)
+
+
+def adopted_root(data: DataSpec, reports_dir: str) -> str:
+    """Where adoptions go: data.adopted_url, else the deployment's folder."""
+    return data.adopted_url or join(reports_dir, "datasets")
