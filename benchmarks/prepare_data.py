@@ -22,7 +22,12 @@ Printed, each with its goal:
   Data Docs): goal <= 10% of the step at >= 6 M tokens;
 - their fixed cost, measured on a tiny corpus (200 documents) and extrapolated to zero tokens from the
   tiny and the full corpus: goal <= 0.5 s. Importing Great Expectations (once per process) is printed
-  apart and counted in neither.
+  apart and counted in neither;
+- the cost of near-duplicate removal (cleaning.near_dup at its defaults) in seconds per million tokens: the
+  cleaning alone (clean_documents over texts in memory) and the whole step at one worker (validation
+  excluded), each with the rule off and on, back to back in each round, over one copy of the documentation
+  (its texts are distinct; the numbered copies would be near-duplicates of one another). No goal: figures
+  to weigh the rule by.
 
 Usage: python benchmarks/prepare_data.py [--copies 24] [--workers 1 2] [--repeats 3]
 """
@@ -30,6 +35,7 @@ Usage: python benchmarks/prepare_data.py [--copies 24] [--workers 1 2] [--repeat
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import os
@@ -42,10 +48,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from statistics import median
 
-from tasks.prepare.clean import clean_text
-from tasks.prepare.config import CleaningConfig, PrepareConfig, TokenizerConfig
+from tasks.prepare.clean import CleaningStats, clean_documents, clean_text
+from tasks.prepare.config import CleaningConfig, NearDupConfig, PrepareConfig, TokenizerConfig
 from tasks.prepare.corpus import stdlib_documents
 from tasks.prepare.pipeline import PrepareResult, prepare_dataset
+from tasks.prepare.sources import RawDocument
 from tasks.prepare.tokenizer import train_bpe
 from training.storage import StorageConfig
 
@@ -96,17 +103,25 @@ def _write_jsonl(path: Path, texts: list[str]) -> None:
     path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts), encoding="utf-8")
 
 
-def _step(work: Path, source: Path, tokenizer: Path, workers: int, run: str) -> PrepareResult:
+def _step(
+    work: Path,
+    source: Path,
+    tokenizer: Path,
+    workers: int,
+    run: str,
+    near_dup: NearDupConfig | None = None,
+    validate: bool = True,
+) -> PrepareResult:
     cfg = PrepareConfig(
         output_url=str(work / f"out-{run}"),
         sources=[{"url": str(source)}],
         tokenizer={"path": str(tokenizer), "vocab_size": 4096},
-        cleaning={"min_chars": 1},
+        cleaning=CleaningConfig(min_chars=1, near_dup=near_dup),
         workers=workers,
         batch_documents=BATCH_DOCUMENTS,
         shard_tokens=1 << 20,
     )
-    return prepare_dataset(cfg, StorageConfig())
+    return prepare_dataset(cfg, StorageConfig(), validate=validate)
 
 
 @dataclass
@@ -117,6 +132,56 @@ class Pair:
     step_s: float
     """The step without its validation."""
     validation_s: float
+
+
+def _cleaning_s(texts: list[str], cfg: CleaningConfig) -> tuple[float, CleaningStats]:
+    """Seconds clean_documents takes over `texts` (already in memory), and its counts."""
+    docs = [RawDocument(text, False, "bench") for text in texts]
+    stats = CleaningStats()
+    gc.collect()  # each side starts without the garbage of the one before
+    began = time.perf_counter()
+    for _ in clean_documents(docs, cfg, stats):
+        pass
+    return time.perf_counter() - began, stats
+
+
+def _near_dup_cost(work: Path, texts: list[str], tokenizer: Path, repeats: int) -> None:
+    """Time the cleaning alone, and the step at one worker, with near-duplicate removal off and on over `texts`;
+    print both per million tokens."""
+    source = work / "one-copy.jsonl"
+    _write_jsonl(source, texts)
+    near_dup = NearDupConfig()
+    off_cfg, on_cfg = CleaningConfig(min_chars=1), CleaningConfig(min_chars=1, near_dup=near_dup)
+    _cleaning_s(texts[:10], on_cfg)  # imports datasketch (once per process), not counted
+    times: dict[str, list[float]] = {"cleaning off": [], "cleaning on": [], "step off": [], "step on": []}
+    tokens = 0
+    for repeat in range(repeats):
+        times["cleaning off"].append(_cleaning_s(texts, off_cfg)[0])
+        seconds, stats = _cleaning_s(texts, on_cfg)
+        times["cleaning on"].append(seconds)
+        for rule, cleaning in (("off", None), ("on", near_dup)):
+            gc.collect()
+            result = _step(work, source, tokenizer, 1, f"near-dup-{rule}-{repeat}", cleaning, validate=False)
+            times[f"step {rule}"].append(result.seconds["total"])
+            if cleaning is None:  # every text kept: the corpus's tokens
+                tokens = sum(s["tokens"] for s in result.splits.values()) - result.cleaning["kept"]  # less the EOSs
+    mtok = tokens / 1e6
+    print(
+        f"near-duplicate removal (threshold {near_dup.threshold}, {near_dup.shingle_words}-word shingles, "
+        f"{near_dup.num_perm} permutations) over one copy: {len(texts):,} documents, "
+        f"{tokens:,} tokens; {stats.removed['near_duplicate']:,} near-duplicates found"
+    )
+    print(f"{'':<16}  {'off s/M tok':>11}  {'on s/M tok':>10}  {'added':>6}  {'on/off':>6}  rounds on/off")
+    for label, what in (("cleaning", "cleaning"), ("step, 1 worker", "step")):
+        off, on = times[f"{what} off"], times[f"{what} on"]
+        ratios = [b / a for a, b in zip(off, on, strict=True)]
+        off_s, on_s = median(off) / mtok, median(on) / mtok
+        print(
+            f"{label:<16}  {off_s:>11.3f}  {on_s:>10.3f}  {on_s - off_s:>6.3f}  {median(ratios):>6.2f}  "
+            + " ".join(f"{r:.2f}" for r in ratios)
+        )
+    added_us = (median(times["cleaning on"]) - median(times["cleaning off"])) / len(texts) * 1e6
+    print(f"added by the rule per document read: {added_us:.0f} us ({tokens / len(texts):.0f} tokens per document)")
 
 
 def _validation_s(result: PrepareResult) -> float:
@@ -222,6 +287,7 @@ def main() -> None:
         assert result is not None
         stages = " ".join(f"{k}={v:.2f}" for k, v in result.seconds.items())
         print(f"stages of the last {workers[-1]}-worker run (s): {stages}")
+        _near_dup_cost(work, one_copy, tokenizer, args.repeats)
         if step_tokens < VALIDATION_MIN_TOKENS:
             verdicts.append(f"validation share not judged below {VALIDATION_MIN_TOKENS:,} tokens (raise --copies)")
         for line in verdicts:

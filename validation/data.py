@@ -37,6 +37,16 @@ class DataExpectations(StrictModel):
         allow_inf_nan=False,
         description="Most documents that may be exact duplicates of earlier ones.",
     )
+    max_near_duplicate_fraction: float = Field(
+        default=0.5,
+        ge=0,
+        le=1,
+        allow_inf_nan=False,
+        description=(
+            "Most documents that may be near-duplicates of earlier kept ones (cleaning.near_dup; 0 while it is "
+            "off; exact copies count as duplicates)."
+        ),
+    )
     max_invalid_utf8_fraction: float = Field(
         default=0.01, ge=0, le=1, allow_inf_nan=False, description="Most documents that may contain invalid UTF-8."
     )
@@ -234,12 +244,13 @@ class SuiteRunner:
         self.close()
 
 
-DOCUMENT_COLUMNS = ("n_chars", "invalid_utf8", "is_duplicate", "dropped", "kept")
+DOCUMENT_COLUMNS = ("n_chars", "invalid_utf8", "is_duplicate", "dropped", "kept", "is_near_duplicate")
 """Suite (a)'s table: one row per document read (tasks/prepare/clean.py's CleaningStats.rows)."""
 
 
-def document_frame(rows: list[tuple[int, bool, bool, bool, bool]]) -> Any:
-    """Suite (a)'s table from one (n_chars, invalid_utf8, is_duplicate, dropped, kept) tuple per document read."""
+def document_frame(rows: list[tuple[int, bool, bool, bool, bool, bool]]) -> Any:
+    """Suite (a)'s table from one (n_chars, invalid_utf8, is_duplicate, dropped, kept, is_near_duplicate) tuple
+    per document read."""
     import pandas as pd
 
     return pd.DataFrame(rows, columns=list(DOCUMENT_COLUMNS))
@@ -252,6 +263,7 @@ def document_expectations(gx: Any, limits: DataExpectations, min_chars: int, max
     e = gx.expectations
     return [
         e.ExpectColumnMeanToBeBetween(column="is_duplicate", max_value=limits.max_duplicate_fraction),
+        e.ExpectColumnMeanToBeBetween(column="is_near_duplicate", max_value=limits.max_near_duplicate_fraction),
         e.ExpectColumnMeanToBeBetween(column="invalid_utf8", max_value=limits.max_invalid_utf8_fraction),
         e.ExpectColumnMeanToBeBetween(column="dropped", max_value=limits.max_dropped_fraction),
         e.ExpectColumnSumToBeBetween(column="kept", min_value=limits.min_documents),
@@ -308,7 +320,7 @@ class ShardScan:
     """The manifest's entry (training.dataset.ShardInfo)."""
     dtype: str
     unreadable: dict[str, str] = field(default_factory=dict)
-    """Per file not read (relative path): why (missing, or leading outside the dataset root)."""
+    """Per file not read (as the manifest names it): why (missing, or leading outside the dataset root)."""
     tokens_bytes: int | None = None
     index_bytes: int | None = None
     tokens_sha256: str | None = None
@@ -319,6 +331,8 @@ class ShardScan:
     """(position, id) of the first token id at or above the vocabulary limit."""
     index_problem: str | None = None
     counted_docs: int = 0
+    counted_range_tokens: int = 0
+    """Tokens of the shard's documents, as its index counts them."""
 
     @property
     def itemsize(self) -> int:
@@ -327,15 +341,13 @@ class ShardScan:
 
     @property
     def counted_tokens(self) -> int:
-        """Whole token ids in the token file (0 when it was not read)."""
-        return (self.tokens_bytes or 0) // self.itemsize
+        """Tokens of the shard's documents as its index counts them (0 when the index was not read or is broken)."""
+        return self.counted_range_tokens
 
     @property
     def bytes_match(self) -> bool:
-        """Both files have the sizes the manifest's counts imply."""
-        return (
-            self.tokens_bytes == self.info.n_tokens * self.itemsize and self.index_bytes == (self.info.n_docs + 1) * 8
-        )
+        """Both files have the sizes the manifest records."""
+        return self.tokens_bytes == self.info.tokens_bytes and self.index_bytes == self.info.index_bytes
 
     def row(self) -> dict[str, Any]:
         """The shard's row of the `shards` table."""
@@ -390,81 +402,74 @@ def _scan_tokens(scan: ShardScan, stream: _Stream, limit: int) -> None:
     scan.tokens_bytes, scan.tokens_sha256 = stream.nbytes, stream.digest.hexdigest()
 
 
-def _scan_index(scan: ShardScan, stream: _Stream) -> None:
-    """Offsets start at 0, never decrease and end at the token file's length."""
-    count, previous, problem = 0, None, None
-    for offsets in stream.arrays():
-        if problem is None:
-            if previous is None and offsets[0] != 0:
-                problem = f"starts at offset {int(offsets[0])}, not 0"
-            else:
-                before = np.concatenate(([offsets[0] if previous is None else previous], offsets[:-1]))
-                down = np.flatnonzero(offsets < before)
-                if down.size:
-                    k = int(down[0])
-                    problem = (
-                        f"offset {int(offsets[k])} at entry {count + k} is below the one before it ({int(before[k])})"
-                    )
-        count += offsets.size
-        previous = int(offsets[-1])
-    if problem is None and previous is None:
-        problem = "holds no offset (it ends with the shard's length)"
-    elif problem is None and scan.tokens_bytes is not None and previous != scan.counted_tokens:
-        problem = f"ends at offset {previous}, the token file holds {scan.counted_tokens} tokens"
-    scan.index_bytes, scan.index_sha256 = stream.nbytes, stream.digest.hexdigest()
-    scan.counted_docs, scan.index_problem = max(0, count - 1), problem
+def _scan_index(scan: ShardScan, raw: bytes) -> None:
+    """Megatron's index, parsed and held against the token file and the manifest's entry (training/indexed.py)."""
+    from training.dataset import index_problem
+    from training.indexed import IndexFormatError, parse_index
 
-
-def _readable(fs: Any, root: str, rel: str, real_root: str | None) -> tuple[str | None, str | None]:
-    """(path to read, None), or (None, why not): missing, or (locally) resolving outside the dataset root."""
-    path = f"{root.rstrip('/')}/{rel}"
-    if real_root is not None:
-        real = os.path.realpath(path)
-        if not real.startswith(real_root.rstrip(os.sep) + os.sep):
-            return None, f"{rel} resolves to {real}, outside the dataset root {real_root} (a symbolic link?)"
-        path = real
-    if not fs.exists(path):
-        return None, f"{rel} is missing"
-    return path, None
+    scan.index_bytes, scan.index_sha256 = len(raw), hashlib.sha256(raw).hexdigest()
+    info = scan.info
+    if scan.tokens_bytes is not None and scan.tokens_bytes != info.tokens_bytes:
+        try:  # the token file's size is reported on its own; count what the index describes
+            index = parse_index(raw)
+        except IndexFormatError as err:
+            scan.index_problem = err.problem
+            return
+        first, end = info.docs if info.docs is not None else (0, index.n_documents)
+        end = min(end, index.n_documents)
+        offsets = index.document_offsets()
+        scan.counted_docs, scan.counted_range_tokens = max(0, end - first), int(offsets[end] - offsets[min(first, end)])
+        return
+    scan.index_problem = index_problem(raw, info, scan.dtype)
+    if scan.index_problem is None:
+        scan.counted_docs, scan.counted_range_tokens = info.n_docs, info.n_tokens
 
 
 def scan_shard(
-    fs: Any,
-    root: str,
+    locator: Any,
     split: str,
     number: int,
     info: Any,
     dtype: str,
     limit: int,
-    real_root: str | None = None,
     keep_bytes: bool = False,
 ) -> tuple[ShardScan, tuple[bytes, bytes] | None]:
-    """Read one shard's files once: sizes, sha256, id range, the first id >= `limit`, the index offsets.
+    """Read one shard's files once: sizes, sha256, id range, the first id >= `limit`, the index against both.
 
-    The files are streamed in chunks; with `keep_bytes` each is read whole and returned as well (tokens, index),
-    for the per-document table. `real_root` (a local dataset's resolved root) refuses files that resolve outside it.
+    The token file is streamed in chunks (the index, a small file, is read whole); with `keep_bytes` the token
+    file is read whole and returned as well (tokens, index), for the per-document table. The `locator`
+    (training.dataset.ShardLocator) refuses files that resolve outside their root.
     """
+    from training.dataset import DatasetError
+
     scan = ShardScan(split, number, info, dtype)
+    try:
+        found = locator.files(info)
+    except DatasetError as err:
+        scan.unreadable[err.file or info.tokens] = err.problem
+        return scan, None
     paths = {}
-    for rel in (info.tokens, info.index):
-        path, why = _readable(fs, root, rel, real_root)
-        if why is not None:
-            scan.unreadable[rel] = why
-        paths[rel] = path
+    for rel, path, fs, _local, identity in found:
+        if identity is None:
+            scan.unreadable[rel] = f"{rel} is missing"
+        else:
+            paths[rel] = (fs, path)
     token_type = np.dtype(dtype).newbyteorder("<")
-    raw: dict[str, bytes] = {}
-
-    def chunks(rel: str) -> Iterable[bytes]:
-        if not keep_bytes:
-            return _chunks(fs, paths[rel])
-        raw[rel] = fs.cat_file(paths[rel])
-        return [raw[rel]]
-
-    if paths[info.tokens] is not None:
-        _scan_tokens(scan, _Stream(chunks(info.tokens), token_type), limit)
-    if paths[info.index] is not None:
-        _scan_index(scan, _Stream(chunks(info.index), np.dtype("<i8")))
-    kept = (raw[info.tokens], raw[info.index]) if len(raw) == 2 else None
+    kept_tokens = None
+    if info.tokens in paths:
+        fs, path = paths[info.tokens]
+        if keep_bytes:
+            kept_tokens = fs.cat_file(path)
+            chunks: Iterable[bytes] = [kept_tokens]
+        else:
+            chunks = _chunks(fs, path)
+        _scan_tokens(scan, _Stream(chunks, token_type), limit)
+    index_raw = None
+    if info.index in paths:
+        fs, path = paths[info.index]
+        index_raw = fs.cat_file(path)
+        _scan_index(scan, index_raw)
+    kept = (kept_tokens, index_raw) if kept_tokens is not None and index_raw is not None else None
     return scan, kept
 
 
@@ -496,21 +501,19 @@ class DatasetTables:
 
 
 def dataset_tables(
-    url: str, storage: Any = None, vocab_size: int | None = None, documents: bool = True
+    url: str, storage: Any = None, vocab_size: int | None = None, documents: bool = True, trusted: Any = ()
 ) -> DatasetTables:
     """Per-shard and per-split tables of a written dataset (and per-document ones with `documents`), for suite (b).
 
     Every shard is read once: streamed in chunks, or whole (one shard at a time) for the per-document table.
-    `vocab_size` is the model's: token ids must also be below it.
+    `vocab_size` is the model's: token ids must also be below it. `trusted`: the adopted sources the spec names.
     """
     import pandas as pd
 
-    from training.dataset import read_manifest
-    from training.storage import filesystem, is_local, local_path
+    from training.dataset import ShardLocator, read_manifest
 
-    manifest = read_manifest(url, storage)
-    fs, root = filesystem(url, storage)
-    real_root = os.path.realpath(local_path(url)) if is_local(url) else None
+    manifest = read_manifest(url, storage, trusted)
+    locator = ShardLocator(url, storage)
     limit, limit_name = manifest.vocab_size, "the manifest's vocab_size"
     if vocab_size is not None and vocab_size <= manifest.vocab_size:
         limit, limit_name = vocab_size, "model.vocab_size"
@@ -520,14 +523,12 @@ def dataset_tables(
     for split_name, split in manifest.splits.items():
         counted_tokens = counted_docs = 0
         for number, shard in enumerate(split.shards):
-            scan, kept = scan_shard(
-                fs, root, split_name, number, shard, manifest.dtype, limit, real_root, keep_bytes=documents
-            )
+            scan, kept = scan_shard(locator, split_name, number, shard, manifest.dtype, limit, keep_bytes=documents)
             scans.append(scan)
             counted_tokens += scan.counted_tokens
             counted_docs += scan.counted_docs
-            if kept is not None:
-                docs.append((split_name, *_document_columns(kept, token_type, manifest.eos_id)))
+            if kept is not None and scan.index_problem is None:
+                docs.append((split_name, *_document_columns(kept, shard, token_type, manifest.eos_id)))
         splits.append(
             {
                 "split": split_name,
@@ -544,23 +545,20 @@ def dataset_tables(
 
 
 def _document_columns(
-    kept: tuple[bytes, bytes], token_type: np.dtype, eos_id: int | None
+    kept: tuple[bytes, bytes], shard: Any, token_type: np.dtype, eos_id: int | None
 ) -> tuple[np.ndarray, list[str]]:
-    """Each document's length and sha256 (hex) in one shard, without its trailing EOS.
+    """Each document's length and sha256 (hex) in one shard (a checked index), without its trailing EOS."""
+    from training.indexed import parse_index
 
-    Document j is tokens[offsets[j]:offsets[j + 1]] with Python's slice rules, so that an index the scan
-    finds broken (offsets negative, decreasing or past the end) still gives a table to report on.
-    """
     tokens_raw, index_raw = kept
-    n = len(tokens_raw) // token_type.itemsize
-    offsets = np.frombuffer(index_raw, dtype="<i8", count=len(index_raw) // 8)
+    index = parse_index(index_raw)
+    first, end = shard.docs if shard.docs is not None else (0, index.n_documents)
+    offsets = index.document_offsets()[first : end + 1]
     if offsets.size < 2:
         return np.zeros(0, dtype=np.int64), []
-    bounded = np.clip(np.where(offsets < 0, offsets + n, offsets), 0, n)
-    begins = bounded[:-1]
-    ends = np.maximum(bounded[1:], begins)
-    if eos_id is not None and n:
-        ids = np.frombuffer(tokens_raw, dtype=token_type, count=n)
+    begins, ends = offsets[:-1], offsets[1:]
+    if eos_id is not None:
+        ids = np.frombuffer(tokens_raw, dtype=token_type)
         ends = ends - ((ends > begins) & (ids[np.maximum(ends - 1, 0)] == eos_id))
     size = token_type.itemsize
     view = memoryview(tokens_raw)
@@ -660,13 +658,14 @@ def run_dataset_suite(
     vocab_size: int | None = None,
     val_split: str = "val",
     documents: bool = True,
+    trusted: Any = (),
 ) -> DatasetSuiteResult:
     """Suite (b): the tokenized dataset at `url` against its manifest (and the model's `vocab_size`).
 
     `shard_tokens` is what the dataset was written with (None: unknown, for a dataset made elsewhere): a
     shard is closed once it reaches it, so it holds fewer than shard_tokens plus its last document and EOS.
     """
-    tables = dataset_tables(url, storage, vocab_size, documents)
+    tables = dataset_tables(url, storage, vocab_size, documents, trusted)
     manifest = tables.manifest
     max_shard_tokens = None
     if shard_tokens is not None:
@@ -714,8 +713,8 @@ def table_problems(tables: DatasetTables, limits: DataExpectations, val_split: s
 
 def _shard_problems(scan: ShardScan, limit: int, limit_name: str) -> list[DataProblem]:
     """The shard's defects: one row per check (file, finding or None, fix), read by one loop."""
-    info, item = scan.info, scan.itemsize
-    tokens_size, index_size = info.n_tokens * item, (info.n_docs + 1) * 8
+    info = scan.info
+    tokens_size, index_size = info.tokens_bytes, info.index_bytes
     tokens_sized = scan.tokens_bytes == tokens_size
     index_sized = scan.index_bytes == index_size
 
@@ -728,8 +727,8 @@ def _shard_problems(scan: ShardScan, limit: int, limit_name: str) -> list[DataPr
     checks = [
         (info.tokens, scan.unreadable.get(info.tokens), _RECOPY),
         (info.index, scan.unreadable.get(info.index), _RECOPY),
-        (info.tokens, size(info.tokens, scan.tokens_bytes, tokens_size, f"{info.n_tokens} x {scan.dtype}"), _RECOPY),
-        (info.index, size(info.index, scan.index_bytes, index_size, f"{info.n_docs + 1} x int64"), _RECOPY),
+        (info.tokens, size(info.tokens, scan.tokens_bytes, tokens_size, f"token ids of {scan.dtype}"), _RECOPY),
+        (info.index, size(info.index, scan.index_bytes, index_size, "Megatron index"), _RECOPY),
         (
             info.tokens,
             tokens_sized

@@ -40,6 +40,77 @@ class SourceConfig(StrictModel):
         return data
 
 
+NEAR_DUP_MAX_NUM_PERM = 1024
+NEAR_DUP_LSH_WEIGHTS = (0.1, 0.9)
+"""(false positive, false negative) weights of datasketch's LSH tuning: each candidate is confirmed by its
+estimated similarity, so a false positive costs one comparison while a false negative keeps a near-duplicate."""
+
+
+class NearDupConfig(StrictModel):
+    """Near-duplicate removal: MinHash LSH (datasketch) over each document's word shingles."""
+
+    threshold: float = Field(
+        default=0.8,
+        gt=0,
+        lt=1,
+        allow_inf_nan=False,
+        description=(
+            "Jaccard similarity of two documents' shingle sets, as MinHash estimates it, at or above which the "
+            "later document is dropped as near_duplicate (the first one read is kept). Lower values make more "
+            "candidates to compare (slower); values near 1 need a larger num_perm."
+        ),
+    )
+    shingle_words: int = Field(
+        default=5,
+        ge=1,
+        le=64,
+        description=(
+            "Words per shingle: a shingle is a run of this many consecutive words (words are separated by "
+            "whitespace, case kept), a document is the set of its shingles; one with fewer words is one shingle."
+        ),
+    )
+    num_perm: int = Field(
+        default=128,
+        ge=16,
+        le=NEAR_DUP_MAX_NUM_PERM,
+        description=(
+            "MinHash permutations per document: the similarity estimate's error falls as 1/sqrt(num_perm); time "
+            "and the index's memory (about 5 KB per kept document at 128) grow with it."
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _lsh_can_be_tuned(self) -> NearDupConfig:
+        if not _lsh_tunable(self.threshold, self.num_perm):
+            larger = [2**k for k in range(5, NEAR_DUP_MAX_NUM_PERM.bit_length()) if 2**k > self.num_perm]
+            enough = next((n for n in larger if _lsh_tunable(self.threshold, n)), None)
+            fix = f"set num_perm to {enough} or lower the threshold" if enough else "lower the threshold"
+            message = (
+                f"MinHash LSH cannot be tuned this close to 1 with num_perm={self.num_perm} (it would get fewer "
+                f"than 2 bands); {fix}"
+            )
+            raise_problems("NearDupConfig", [(("threshold",), self.threshold, message)])
+        return self
+
+    def lsh_index(self) -> Any:
+        """An empty datasketch MinHashLSH tuned for these settings."""
+        return _lsh(self.threshold, self.num_perm)
+
+
+def _lsh(threshold: float, num_perm: int) -> Any:
+    from datasketch import MinHashLSH  # imported only where near_dup is set: the import takes a third of a second
+
+    return MinHashLSH(threshold=threshold, num_perm=num_perm, weights=NEAR_DUP_LSH_WEIGHTS)
+
+
+def _lsh_tunable(threshold: float, num_perm: int) -> bool:
+    try:
+        _lsh(threshold, num_perm)
+    except ValueError:  # within the field bounds, datasketch's only refusal is "fewer than 2 bands"
+        return False
+    return True
+
+
 class CleaningConfig(StrictModel):
     """Rules applied to every document, each one's removals counted."""
 
@@ -59,6 +130,13 @@ class CleaningConfig(StrictModel):
     dedup: bool = Field(default=True, description="Drop exact duplicates (sha256 of the cleaned text).")
     invalid_utf8: Literal["drop", "replace"] = Field(
         default="drop", description="Documents with invalid UTF-8: dropped, or kept with U+FFFD replacements."
+    )
+    near_dup: NearDupConfig | None = Field(
+        default=None,
+        description=(
+            "Drop near-duplicates (after exact duplicates: an exact copy counts as duplicate) across the whole "
+            "corpus, before the split; None = off."
+        ),
     )
 
     @model_validator(mode="after")
@@ -105,8 +183,10 @@ class PrepareConfig(StrictModel):
         default=0.05, gt=0, lt=1, allow_inf_nan=False, description="Share of documents held out (by hash)."
     )
     tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig)
-    token_dtype: Literal["uint16", "uint32"] | None = Field(
-        default=None, description="Token id dtype on disk; None = the smallest that holds the vocabulary."
+    token_dtype: Literal["uint16", "int32"] | None = Field(
+        default=None,
+        description="Token id dtype on disk, one Megatron's format has; None = uint16 when the vocabulary fits, "
+        "else int32 (as Megatron picks).",
     )
     shard_tokens: int = Field(
         default=1 << 24, ge=1024, le=1 << 32, description="Tokens per shard file (documents are whole)."
@@ -136,7 +216,7 @@ class PrepareConfig(StrictModel):
                 (
                     ("token_dtype",),
                     self.token_dtype,
-                    f"uint16 holds ids below 65536 but tokenizer.vocab_size={self.vocab_size}; use uint32 or null",
+                    f"uint16 holds ids below 65536 but tokenizer.vocab_size={self.vocab_size}; use int32 or null",
                 )
             )
         raise_problems("PrepareConfig", problems)
@@ -150,11 +230,75 @@ class PrepareConfig(StrictModel):
         return None if self.tokenizer.path else self.tokenizer.vocab_size
 
 
+class DatasetSource(StrictModel):
+    """One dataset to train on as it is: a tdeploy dataset folder, a Megatron prefix or a Hugging Face dataset."""
+
+    url: StorageUrl = Field(
+        description="A dataset folder with manifest.json; a Megatron indexed dataset's path prefix (P for P.bin and "
+        "P.idx); or a Hugging Face dataset on disk (a save_to_disk folder, .arrow or .parquet files)."
+    )
+    weight: float = Field(
+        default=1.0, ge=0, le=1e9, allow_inf_nan=False, description="Sampling weight in a blend (normalised)."
+    )
+    column: str | None = Field(
+        default=None,
+        pattern=r"^[A-Za-z0-9_.-]{1,128}$",
+        description="Hugging Face datasets: the column of token ids; None = input_ids, or the only one of ids.",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _plain_url(cls, data: Any) -> Any:
+        return {"url": data} if isinstance(data, str) else data
+
+
+def _blend_entries(value: list[Any]) -> list[Any]:
+    """Megatron's `[0.3, A, 0.7, B]` as `[{url: A, weight: 0.3}, ...]`; a list of URLs or mappings as it is."""
+    if (
+        value
+        and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value[0::2])
+        and all(isinstance(v, str) for v in value[1::2])
+    ):
+        if len(value) % 2:
+            raise ValueError(
+                f"{value!r}: a Megatron-style blend alternates weight and path; the last weight has no path"
+            )
+        return [{"url": url, "weight": weight} for weight, url in zip(value[0::2], value[1::2], strict=True)]
+    if all(isinstance(v, (str, dict)) for v in value):
+        return value
+    raise ValueError(
+        f"{value!r} is not a blend; write `[0.3, /data/a_text_document, 0.7, /data/b_text_document]` or "
+        "`[{url: /data/a, weight: 0.3}, {url: /data/b, weight: 0.7}]`"
+    )
+
+
 class DataSpec(StrictModel):
-    """Train on an existing dataset (`dataset_url`), or prepare one (`prepare`)."""
+    """Train on existing data (`dataset_url`, or a `blend` of sources), or prepare a dataset (`prepare`)."""
 
     dataset_url: StorageUrl | None = Field(
-        default=None, description="An already prepared dataset (format: training/dataset.py)."
+        default=None,
+        description="Existing data: a dataset `tdeploy prepare-data` made (a folder with manifest.json), a Megatron "
+        "indexed dataset's path prefix, or a Hugging Face dataset on disk with a token-ids column (adopted "
+        "without tokenizing). A list (Megatron's `[0.3, A, 0.7, B]`, or URLs/mappings) is a blend.",
+    )
+    blend: list[DatasetSource] | None = Field(
+        default=None,
+        min_length=1,
+        max_length=256,
+        description="Several existing datasets sampled with weights per epoch from (seed, epoch); None = off.",
+    )
+    val_fraction: float = Field(
+        default=0.05,
+        gt=0,
+        lt=1,
+        allow_inf_nan=False,
+        description="Adopted data without a held-out split (a Megatron prefix, a Hugging Face dataset without a "
+        "validation split): the share of its last documents held out for evaluation.",
+    )
+    adopted_url: StorageUrl | None = Field(
+        default=None,
+        description="Folder or prefix for the manifests (and copied token ids of Hugging Face datasets) of adopted "
+        "data, one folder per adoption; must be readable by every node; None = <deployment_dir>/datasets.",
     )
     tokenizer_sha256: str | None = Field(
         default=None, description="With dataset_url: the tokenizer the dataset must have been made with; None = any."
@@ -174,20 +318,44 @@ class DataSpec(StrictModel):
         default=True, description="Leave each epoch's last partial global batch out (false: pad it; DataConfig)."
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _list_is_a_blend(cls, data: Any) -> Any:
+        """`dataset_url: [0.3, A, 0.7, B]` (or a list of URLs or mappings) is `blend:`."""
+        if isinstance(data, dict) and isinstance(data.get("dataset_url"), list):
+            data = dict(data)
+            data["blend"] = _blend_entries(data.pop("dataset_url"))
+        return data
+
     @model_validator(mode="after")
     def _one_way(self) -> DataSpec:
         problems: list[Problem] = []
-        if (self.dataset_url is None) == (self.prepare is None):
+        given = [name for name in ("dataset_url", "blend", "prepare") if getattr(self, name) is not None]
+        if len(given) != 1:
             problems.append(
-                (("dataset_url",), self.dataset_url, "set exactly one of data.dataset_url and data.prepare")
-            )
+                (("dataset_url",), self.dataset_url,
+                 f"set exactly one of data.dataset_url, data.blend and data.prepare (given: {given or 'none'})")
+            )  # fmt: skip
+        if self.blend is not None and not sum(source.weight for source in self.blend) > 0:
+            problems.append(
+                (("blend",), [s.weight for s in self.blend],
+                 "the weights sum to 0; give at least one source a positive weight")
+            )  # fmt: skip
         raise_problems("DataSpec", problems)
         return self
 
-    def training(self, dataset_url: str, tokenizer_sha256: str | None) -> DataConfig:
-        """The training payload's data section for a concrete dataset."""
+    @property
+    def given(self) -> list[DatasetSource]:
+        """The existing data the spec names: its blend, or data.dataset_url as one source ([] when preparing)."""
+        if self.blend is not None:
+            return self.blend
+        return [DatasetSource(url=self.dataset_url)] if self.dataset_url is not None else []
+
+    def training(self, dataset_url: str, tokenizer_sha256: str | None, sources: list[str] | None = None) -> DataConfig:
+        """The training payload's data section for a concrete dataset (`sources`: the adopted data it names)."""
         return DataConfig(
             dataset_url=dataset_url,
+            sources=sources or [],
             tokenizer_sha256=tokenizer_sha256,
             train_split=self.train_split,
             val_split=self.val_split,

@@ -135,8 +135,8 @@ def dataset_key(cfg: PrepareConfig, files: list[SourceFile], tokenizer_fingerpri
 
 
 def _code_fingerprint(cfg: PrepareConfig) -> dict[str, Any]:
-    """The versions of the code behind the tokens: this pipeline, the Unicode tables (normalisation) and the
-    `tokenizers` library (BPE training and encoding)."""
+    """The versions of the code behind the tokens: this pipeline, the Unicode tables (normalisation), the
+    `tokenizers` library (BPE training and encoding) and `datasketch` (near-duplicate removal)."""
     code: dict[str, Any] = {"pipeline": PIPELINE_VERSION}
     if cfg.cleaning.unicode_normalization is not None:
         import unicodedata
@@ -146,6 +146,10 @@ def _code_fingerprint(cfg: PrepareConfig) -> dict[str, Any]:
         import importlib.metadata
 
         code["tokenizers"] = importlib.metadata.version("tokenizers")
+    if cfg.cleaning.near_dup is not None:
+        import importlib.metadata
+
+        code["datasketch"] = importlib.metadata.version("datasketch")
     return code
 
 
