@@ -29,7 +29,16 @@ Printed, each with its goal:
   (its texts are distinct; the numbered copies would be near-duplicates of one another). No goal: figures
   to weigh the rule by.
 
+With --read, only the dataset reader is timed instead, against Megatron-Core's `IndexedDataset` on one
+generated dataset (--read-tokens of random ids in Megatron shards of ours): every fixed-length sample of the
+split (seq_len + 1 tokens) in one random order, read by `TokenDataset.sample` (copied to int64) and by
+`TokenDataset.batch` (8 samples stacked into an int64 tensor), and the same windows read by Megatron's
+`IndexedDataset.get(document, offset, length)`, handed each window's shard, document and offset ready-made
+and copied or stacked the same way. Each round runs both sides back to back; printed are tokens/s of each and
+the ratio ours / Megatron's: goal >= 0.8.
+
 Usage: python benchmarks/prepare_data.py [--copies 24] [--workers 1 2] [--repeats 3]
+       python benchmarks/prepare_data.py --read [--read-tokens 8000000] [--read-seq-len 1024] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -47,6 +56,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from statistics import median
+from typing import Any
+
+import numpy as np
+import torch
 
 from tasks.prepare.clean import CleaningStats, clean_documents, clean_text
 from tasks.prepare.config import CleaningConfig, NearDupConfig, PrepareConfig, TokenizerConfig
@@ -60,6 +73,9 @@ GOAL_ONE_WORKER = 0.85
 GOAL_MORE_WORKERS = 1.00
 GOAL_VALIDATION_SHARE = 0.10
 GOAL_VALIDATION_FIXED_S = 0.5
+GOAL_READ = 0.8
+READ_VOCAB = 50_257
+READ_BATCH = 8
 VALIDATION_MIN_TOKENS = 6_000_000
 TINY_DOCUMENTS = 200
 BATCH_DOCUMENTS = 512
@@ -192,16 +208,113 @@ def _verdict(ok: bool) -> str:
     return "met" if ok else "NOT met"
 
 
+def _read_windows(data: Any, order: np.ndarray, batch: int) -> float:
+    """Seconds our TokenDataset takes for every sample of `order`: one int64 copy a sample, or `batch` samples
+    stacked into an int64 tensor (TokenDataset.batch, what the trainer calls)."""
+    began = time.perf_counter()
+    if batch == 1:
+        for j in order:
+            data.sample(int(j)).astype(np.int64)
+    else:
+        for start in range(0, order.size, batch):
+            data.batch(order[start : start + batch])
+    return time.perf_counter() - began
+
+
+def _megatron_windows(shards: list[Any], where: np.ndarray, length: int, batch: int) -> float:
+    """Seconds Megatron-Core's IndexedDataset takes for the same windows (shard, document, offset in it), each
+    read by `get(document, offset, length)`, then copied or stacked exactly as on our side."""
+    began = time.perf_counter()
+    if batch == 1:
+        for shard, doc, offset in where.tolist():
+            shards[shard].get(doc, offset, length).astype(np.int64)
+    else:
+        for start in range(0, len(where), batch):
+            rows = [shards[s].get(d, o, length) for s, d, o in where[start : start + batch].tolist()]
+            torch.from_numpy(np.stack(rows).astype(np.int64))
+    return time.perf_counter() - began
+
+
+def _read_throughput(tokens: int, seq_len: int, repeats: int) -> None:
+    """Our reader against Megatron-Core's on one generated dataset: the same fixed-length windows (a sample of
+    seq_len + 1 tokens) over the whole split in one random order, read by each side alternately in each round;
+    print tokens/s of each and the ratio ours / Megatron's with its goal."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    from training.dataset import DatasetWriter, TokenDataset, TokenizerInfo
+
+    work = Path(tempfile.mkdtemp(prefix="tdeploy-bench-read-"))
+    try:
+        rng = np.random.default_rng(0)
+        url = str(work / "dataset")
+        with DatasetWriter(url, READ_VOCAB, TokenizerInfo(kind="unknown"), READ_VOCAB - 1,
+                           shard_tokens=max(1024, tokens // 4)) as writer:  # fmt: skip
+            written = 0
+            while written < tokens:
+                docs = [rng.integers(0, READ_VOCAB - 1, size=int(n)) for n in rng.integers(50, 4000, size=256)]
+                writer.add_documents("train", docs)
+                written += sum(d.size + 1 for d in docs)
+        data = TokenDataset(url, "train", seq_len, cache_dir=work / "cache")  # first-use checks: not timed
+        infos = data.manifest.splits["train"].shards
+        shards = [IndexedDataset(str(work / "dataset" / s.prefix)) for s in infos]
+        order = rng.permutation(len(data))
+        # Megatron's side is handed each window's (shard, document, offset) ready-made: only the reads are timed.
+        first = np.concatenate(([0], np.cumsum([(s.n_tokens - 1) // seq_len for s in infos])))
+        shard_of = np.searchsorted(first, order, side="right") - 1
+        start = (order - first[shard_of]) * seq_len
+        where = np.empty((order.size, 3), dtype=np.int64)
+        where[:, 0] = shard_of
+        for s, ds in enumerate(shards):
+            mine = shard_of == s
+            offsets = np.concatenate(([0], np.cumsum(ds.sequence_lengths, dtype=np.int64)))
+            where[mine, 1] = np.searchsorted(offsets, start[mine], side="right") - 1
+            where[mine, 2] = start[mine] - offsets[where[mine, 1]]
+        for k in range(0, order.size, max(1, order.size // 50)):  # the two sides read the same tokens
+            s, d, o = where[k].tolist()
+            assert np.array_equal(data.sample(int(order[k])), shards[s].get(d, o, seq_len + 1)), k
+        read = order.size * seq_len
+        print(
+            f"read throughput: {data.manifest.splits['train'].n_tokens:,} tokens ({data.manifest.dtype}) in "
+            f"{len(infos)} shards, {order.size:,} samples of {seq_len} + 1 tokens in one random order, each side "
+            f"reading every sample per round; the median over {repeats} rounds of the two sides back to back"
+        )
+        print(
+            f"{'read':<28}  {'ours tok/s':>14}  {'Megatron tok/s':>14}  {'ratio':>6}  {'goal':<7} {'verdict':<8} rounds"
+        )
+        for batch in (1, READ_BATCH):
+            _read_windows(data, order, batch)  # a round untimed: both sides' pages and code warm
+            _megatron_windows(shards, where, seq_len + 1, batch)
+            ours, theirs = [], []
+            for _ in range(repeats):
+                ours.append(_read_windows(data, order, batch))
+                theirs.append(_megatron_windows(shards, where, seq_len + 1, batch))
+            ratios = [t / o for o, t in zip(ours, theirs, strict=True)]
+            label = "sample, int64 copy" if batch == 1 else f"batch of {batch}, int64 tensor"
+            ok = median(ratios) >= GOAL_READ
+            print(
+                f"{label:<28}  {read / median(ours):>14,.0f}  {read / median(theirs):>14,.0f}  "
+                f"{median(ratios):>6.2f}  >= {GOAL_READ:<4} {_verdict(ok):<8} " + " ".join(f"{r:.2f}" for r in ratios)
+            )
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
 def main() -> None:
     """Build the corpus, then time both sides."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--copies", type=int, default=24, help="numbered copies of the ~1 MB documentation corpus")
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="worker counts to time (1 first)")
     parser.add_argument("--repeats", type=int, default=3, help="rounds of both sides; the median counts")
+    parser.add_argument("--read", action="store_true", help="time only the dataset reader against Megatron-Core's")
+    parser.add_argument("--read-tokens", type=int, default=8_000_000, help="--read: tokens of the generated dataset")
+    parser.add_argument("--read-seq-len", type=int, default=1024, help="--read: tokens per sample (seq_len)")
     parser.add_argument("--bare", nargs=3, metavar=("CORPUS", "TOKENIZER", "BATCH"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.bare:
         _bare(Path(args.bare[0]), Path(args.bare[1]), int(args.bare[2]))
+        return
+    if args.read:
+        _read_throughput(args.read_tokens, args.read_seq_len, args.repeats)
         return
     workers = sorted(set(args.workers) | {1})
     logging.basicConfig(level=logging.WARNING)

@@ -221,7 +221,10 @@ class Restored:
 class CardTokenizer(StrictModel):
     """Which tokenizer produced the ids the model was trained on (the dataset's, training/dataset.py)."""
 
-    kind: Literal["bytes", "bpe"] = Field(description="bytes: id = UTF-8 byte value, EOS 256; bpe: a tokenizer.json.")
+    kind: Literal["bytes", "bpe", "unknown"] = Field(
+        description="bytes: id = UTF-8 byte value, EOS 256; bpe: a tokenizer.json; unknown: an adopted dataset's ids, "
+        "tokenizer not given."
+    )
     url: str | None = Field(default=None, description="Path or fsspec URL of the dataset's tokenizer.json (bpe).")
     sha256: str | None = Field(default=None, description="sha256 of that tokenizer.json (bpe).")
 

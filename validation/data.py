@@ -527,7 +527,7 @@ def dataset_tables(
             scans.append(scan)
             counted_tokens += scan.counted_tokens
             counted_docs += scan.counted_docs
-            if kept is not None and scan.index_problem is None:
+            if kept is not None and scan.index_problem is None and scan.tokens_bytes == shard.tokens_bytes:
                 docs.append((split_name, *_document_columns(kept, shard, token_type, manifest.eos_id)))
         splits.append(
             {
@@ -686,11 +686,12 @@ def table_problems(tables: DatasetTables, limits: DataExpectations, val_split: s
     problems: list[DataProblem] = []
     for scan in tables.scans:
         problems += _shard_problems(scan, tables.limit, tables.limit_name)
-    sized = {scan.split for scan in tables.scans if not scan.bytes_match}  # their shards' sizes are named above
+    # their shards' sizes or indexes are named above, and a broken index counts nothing
+    uncounted = {scan.split for scan in tables.scans if not scan.bytes_match or scan.index_problem is not None}
     for row in tables.splits.to_dict("records"):
         name = row["split"]
         for what, field_name in (("tokens", "n_tokens"), ("docs", "n_docs")):
-            if name not in sized and row[f"manifest_{what}"] != row[f"counted_{what}"]:
+            if name not in uncounted and row[f"manifest_{what}"] != row[f"counted_{what}"]:
                 problems.append(
                     DataProblem(
                         None,

@@ -15,13 +15,21 @@ MAX_DOC_CHARS = 100_000_000
 
 
 class SourceConfig(StrictModel):
-    """Raw text files: one fsspec URL or glob."""
+    """Raw text: files (one fsspec URL or glob) or a Hugging Face dataset on disk."""
 
     url: StorageUrl = Field(description="Local path, fsspec URL or glob (s3://bucket/raw/*.jsonl.gz).")
-    format: Literal["auto", "txt", "jsonl", "parquet"] = Field(
-        default="auto", description="auto: from the extension (.txt, .jsonl/.json, .parquet; before .gz/.bz2/.xz/.zst)."
+    format: Literal["auto", "txt", "jsonl", "parquet", "hf"] = Field(
+        default="auto",
+        description=(
+            "auto: from the extension (.txt, .jsonl/.json, .parquet, before .gz/.bz2/.xz/.zst; .arrow is hf), and hf "
+            "for a folder holding dataset_info.json/state.json or dataset_dict.json. hf: a Hugging Face dataset on "
+            "this machine, a folder datasets' save_to_disk wrote (Dataset or DatasetDict) or its .arrow files; "
+            "every split's rows are read (the step holds out its own validation split by hash)."
+        ),
     )
-    text_field: str = Field(default="text", min_length=1, description="jsonl/parquet: the field holding the text.")
+    text_field: str = Field(
+        default="text", min_length=1, description="jsonl/parquet/hf: the field (column) holding the text."
+    )
     txt_documents: Literal["file", "blank_line"] = Field(
         default="file", description="txt: one document per file, or per blank-line-separated block."
     )

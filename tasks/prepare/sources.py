@@ -1,4 +1,5 @@
-"""Reading raw documents from fsspec URLs (txt, jsonl, parquet; optionally compressed) or a built-in corpus."""
+"""Reading raw documents from fsspec URLs (txt, jsonl, parquet; optionally compressed), Hugging Face datasets on
+disk (tasks/prepare/hf.py) or a built-in corpus."""
 
 from __future__ import annotations
 
@@ -12,10 +13,18 @@ import fsspec
 from tasks.errors import TransientError, UserError, is_connection_error
 from tasks.prepare.config import PrepareConfig, SourceConfig
 from tasks.prepare.corpus import stdlib_documents
-from training.storage import StorageConfig, filesystem
+from training.storage import StorageConfig, filesystem, is_local
 
 _COMPRESSION = (".gz", ".bz2", ".xz", ".zst", ".zstd", ".lz4")
-_FORMATS = {".txt": "txt", ".text": "txt", ".md": "txt", ".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet"}
+_FORMATS = {
+    ".txt": "txt",
+    ".text": "txt",
+    ".md": "txt",
+    ".jsonl": "jsonl",
+    ".json": "jsonl",
+    ".parquet": "parquet",
+    ".arrow": "hf",
+}
 
 
 _CHUNK_BYTES = 1 << 20
@@ -65,7 +74,8 @@ def detect_format(path: str, source: SourceConfig) -> str:
             return kind
     raise UserError(
         f"data.prepare.sources: cannot tell the format of {path}",
-        f"name it .txt, .jsonl or .parquet (optionally + {'/'.join(_COMPRESSION)}), or set format: txt|jsonl|parquet",
+        f"name it .txt, .jsonl or .parquet (optionally + {'/'.join(_COMPRESSION)}) or .arrow, or set "
+        "format: txt|jsonl|parquet|hf",
     )
 
 
@@ -74,14 +84,27 @@ def _protocol_url(fs: fsspec.AbstractFileSystem, path: str, like: str) -> str:
 
 
 def expand_sources(sources: list[SourceConfig], storage: StorageConfig) -> list[SourceFile]:
-    """Every file the sources name, sorted per source; a source matching nothing is an error."""
+    """Every file the sources name, sorted per source (a Hugging Face dataset folder: its data files, split by
+    split); a source matching nothing is an error."""
+    from tasks.prepare.hf import is_hf_folder
+
     files: list[SourceFile] = []
     for number, source in enumerate(sources):
         try:
             fs, path = filesystem(source.url, storage)
             matches = sorted(fs.glob(path)) if any(c in path for c in "*?[") else ([path] if fs.exists(path) else [])
-            matches = [m for m in matches if not fs.isdir(m)]
-            entries = [(m, fs.checksum(m)) for m in matches]
+            entries: list[tuple[str, Any]] = []  # (path, checksum); a Hugging Face dataset folder has None
+            for match in matches:
+                if not fs.isdir(match):
+                    entries.append((match, fs.checksum(match)))
+                elif source.format in ("auto", "hf") and is_hf_folder(fs, match):
+                    entries.append((match, None))
+                elif source.format == "hf":
+                    raise UserError(
+                        f"data.prepare.sources[{number}].url={source.url}: {match} is a folder but not a Hugging "
+                        "Face dataset (no dataset_info.json, state.json or dataset_dict.json)",
+                        "point it at a folder datasets' save_to_disk wrote, or at .arrow files",
+                    )
         except Exception as err:
             if is_connection_error(err):
                 raise TransientError(
@@ -96,8 +119,45 @@ def expand_sources(sources: list[SourceConfig], storage: StorageConfig) -> list[
             )
         for match, checksum in entries:
             url = _protocol_url(fs, match, source.url)
-            files.append(SourceFile(url, detect_format(url, source), source, f"{url}:{checksum}"))
+            kind = "hf" if checksum is None else detect_format(url, source)
+            if kind == "hf":
+                files.extend(_hf_files(number, source, url, checksum is None, storage))
+            else:
+                files.append(SourceFile(url, kind, source, f"{url}:{checksum}"))
     return files
+
+
+def _hf_files(number: int, source: SourceConfig, url: str, folder: bool, storage: StorageConfig) -> list[SourceFile]:
+    """The data files of a Hugging Face dataset (every split's: the step splits by hash itself), its text checked."""
+    from tasks.prepare.hf import HfDataError, inspect_hf
+
+    where = f"data.prepare.sources[{number}]"
+    if not is_local(url):
+        raise UserError(
+            f"{where}.url={source.url}: {url} is a Hugging Face dataset (format: hf), which is read from this "
+            "machine only",
+            "copy it to a local folder (e.g. `aws s3 sync`) and point url there, or write it as parquet "
+            "(Dataset.to_parquet) and use format: parquet",
+        )
+    if not folder and not url.lower().endswith(".arrow"):
+        raise UserError(
+            f"{where}.url={source.url}: {url} is neither a save_to_disk folder nor an .arrow file (format: hf)",
+            "set format: auto (or txt|jsonl|parquet) for other files",
+        )
+    try:
+        info = inspect_hf(url, storage)
+    except HfDataError as err:
+        raise UserError(f"{where}.url={source.url}: {err.message}", err.fix) from err
+    column = info.columns.get(source.text_field)
+    if column is None or column.kind != "text":
+        has = ", ".join(f"{name} ({found.kind})" for name, found in info.columns.items())
+        tokens = any(found.kind == "tokens" for found in info.columns.values())
+        raise UserError(
+            f"{where}.text_field={source.text_field!r}: {url} has no text column of that name (columns: {has})",
+            "set text_field to its column of strings"
+            + ("; a dataset of token ids is adopted as it is with data.dataset_url" if tokens else ""),
+        )
+    return [SourceFile(file.url, "hf", source, file.fingerprint) for file in info.files]
 
 
 def _decode(raw: bytes) -> tuple[str, bool]:
@@ -108,9 +168,12 @@ def _decode(raw: bytes) -> tuple[str, bool]:
 
 
 def read_file(file: SourceFile, storage: StorageConfig, limit_bytes: int) -> Iterator[RawDocument]:
-    """The documents of one file; a txt or jsonl record over `limit_bytes` comes back unread."""
+    """The documents of one file; a txt or jsonl record or an hf value over `limit_bytes` comes back unread."""
     opts = storage.fsspec_options(file.url)
     try:
+        if file.format == "hf":
+            yield from _hf(file, storage, limit_bytes)
+            return
         with fsspec.open(file.url, "rb", compression="infer", **opts) as handle:
             if file.format == "parquet":
                 yield from _parquet(handle, file)
@@ -237,6 +300,17 @@ def _parquet(handle: Any, file: SourceFile) -> Iterator[RawDocument]:
         for value in batch.column(0).to_pylist():
             if value is not None:
                 yield RawDocument(value, False, file.url)
+
+
+def _hf(file: SourceFile, storage: StorageConfig, limit_bytes: int) -> Iterator[RawDocument]:
+    """The text column's values of one data file of a Hugging Face dataset; nulls are skipped (as in parquet)."""
+    from tasks.prepare.hf import iter_texts
+
+    for row, text, size in iter_texts(file.url, file.source.text_field, storage, limit_bytes):
+        if text is None:
+            yield RawDocument("", False, f"{file.url}[{row}]", unread_bytes=size)
+        else:
+            yield RawDocument(text, False, file.url)
 
 
 def iter_documents(cfg: PrepareConfig, files: list[SourceFile], storage: StorageConfig) -> Iterator[RawDocument]:

@@ -62,6 +62,7 @@ def check_dataset(data: DataSpec, vocab_size: int, storage: StorageConfig, repor
     logger.info("dataset %s: token suite %s: %s", checked.dataset_url, verdict, checked.splits)
     rows = [{"measure": f"{split} {what}", "value": counts[what]} for split, counts in checked.splits.items()
             for what in ("docs", "tokens")]  # fmt: skip
+    rows += [{"measure": f"adopted source {n}", "value": url} for n, url in enumerate(checked.sources)]
     rows += [
         {"measure": "vocabulary size", "value": checked.vocab_size},
         {"measure": "expectations evaluated", "value": checked.validation.get("evaluated_expectations")},

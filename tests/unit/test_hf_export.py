@@ -305,7 +305,7 @@ def test_a_checkpoint_without_a_card_exports_with_the_specs_model_and_says_so(tm
     cfg = model_config(DENSE_GQA)
     train = train_config(tmp_path, cfg)
     ours = save_checkpoints(train, None, 2)
-    monkeypatch.setattr("tasks.export.task.read_manifest", lambda url, storage: _bytes_manifest())
+    monkeypatch.setattr("tasks.export.task.read_manifest", lambda url, storage, trusted: _bytes_manifest())
     result = export_checkpoint(train, out=tmp_path / "hf")
     assert result.notes and "has no model.json" in result.notes[0]
     ids = torch.randint(0, cfg.vocab_size, (1, cfg.seq_len), generator=torch.Generator().manual_seed(5))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import itertools
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from tasks.acceptance.drills import describe_layout, kill_victim
@@ -191,11 +192,23 @@ def test_the_reshard_falls_back_to_one_rank_when_the_batch_does_not_divide(tmp_p
     assert data_parallel_layout(FOUR, odd) is None  # 6 do not divide over 4 ranks: reshard to one rank instead
 
 
+class _HundredSamples:
+    """A training split of 100 samples from one source (what Sampling.of reads of a TokenDataset)."""
+
+    manifest = SimpleNamespace(blend=[])
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __len__(self) -> int:
+        return 100
+
+
 def test_sampling_of_a_model_parallel_run_is_over_its_data_parallel_ranks(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
-    monkeypatch.setattr("validation.data_consistency.TokenDataset", lambda *a, **k: range(100))
+    monkeypatch.setattr("validation.data_consistency.TokenDataset", _HundredSamples)
     train = _train({"tensor_parallel": 2, "pipeline_parallel": 2}, tmp_path)
     sampling = Sampling.of(train, 8)
-    assert sampling.world_size == 2 and sampling.global_batch == 2 * 2 * 2
+    assert sampling.world_size == 2 and sampling.global_batch == 2 * 2 * 2 and sampling.n_samples == 100
 
 
 def test_the_rank_kill_drill_kills_a_rank_inside_a_tensor_parallel_group() -> None:

@@ -17,6 +17,7 @@ from tasks.prepare.config import PrepareConfig
 from tasks.prepare.pipeline import DataValidationError, prepare_dataset
 from tests.processes import run_group
 from training.dataset import DatasetWriter, TokenDataset, TokenizerInfo, read_manifest
+from training.indexed import parse_index
 from training.sampler import GlobalBatchSampler
 from training.storage import StorageConfig, filesystem
 from validation.data import DataExpectations, SuiteRunner, run_dataset_suite
@@ -94,7 +95,7 @@ def _docs_by_split(url: str) -> dict[bytes, str]:
     for split, info in manifest.splits.items():
         for shard in info.shards:
             tokens = np.fromfile(Path(url) / shard.tokens, dtype="<u2")
-            starts = np.fromfile(Path(url) / shard.index, dtype="<i8")
+            starts = parse_index((Path(url) / shard.index).read_bytes()).document_offsets()
             for a, b in zip(starts[:-1], starts[1:], strict=True):
                 out[tokens[a:b].tobytes()] = split
     return out

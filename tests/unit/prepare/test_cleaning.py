@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
 from pathlib import Path
 
 import pyarrow as pa
@@ -39,7 +40,8 @@ def test_each_rule_removes_and_counts_its_documents() -> None:
     kept = list(clean_documents(docs, CleaningConfig(min_chars=10, max_chars=45), stats))
     assert kept == ["a perfectly fine document of some length"]
     assert stats.read == 7 and stats.kept == 1 and stats.invalid_utf8_seen == 1
-    assert stats.removed == {"invalid_utf8": 1, "empty": 2, "too_short": 1, "too_long": 1, "duplicate": 1}
+    removed = {"invalid_utf8": 1, "empty": 2, "too_short": 1, "too_long": 1, "duplicate": 1, "near_duplicate": 0}
+    assert stats.removed == removed
     assert sum(row[4] for row in stats.rows) == 1 and sum(row[2] for row in stats.rows) == 1
 
 
@@ -138,5 +140,6 @@ def test_spec_refuses_a_vocabulary_too_large_for_the_token_dtype_or_the_model() 
         "model.vocab_size=257: must be >= the dataset's vocabulary (4096, data.prepare.tokenizer); set it to 4096"
         in (caught.value.problems)
     )
-    with pytest.raises(SpecError, match="set exactly one of data.dataset_url and data.prepare"):
+    one_way = "set exactly one of data.dataset_url, data.blend and data.prepare (given: ['dataset_url', 'prepare'])"
+    with pytest.raises(SpecError, match=re.escape(one_way)):
         parse_spec(deep_merge(base, {"data": {"dataset_url": "/tmp/x", "prepare": prepare}}))

@@ -35,6 +35,7 @@ def test_a_refusal_survives_pickling_as_prefect_stores_a_failed_task() -> None:
 def test_a_given_dataset_reads_as_given_with_its_verdict_in_the_summary() -> None:
     checked = CheckedDataset(
         dataset_url="/data/ds",
+        sources=["/data/megatron/corpus"],
         key="k",
         cached=True,
         splits={"train": {"docs": 5, "tokens": 1234}},
@@ -46,6 +47,7 @@ def test_a_given_dataset_reads_as_given_with_its_verdict_in_the_summary() -> Non
     )
     result = DataResult.of_checked(checked)
     assert result.given and result.reused and result.cached_verdict and result.data_docs_url == "/r/index.html"
+    assert result.sources == ["/data/megatron/corpus"]
     assert result.summary() == "`/data/ds` (given): train 1,234 tokens / 5 docs; validation passed (cached verdict)"
 
 

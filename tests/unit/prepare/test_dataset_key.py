@@ -36,13 +36,14 @@ CHANGES_TOKENS: dict[str, Any] = {
     "cleaning.max_chars": 500_000,
     "cleaning.dedup": False,
     "cleaning.invalid_utf8": "replace",
+    "cleaning.near_dup": {"threshold": 0.9},
     "val_fraction": 0.1,
     "tokenizer.kind": "bytes",
     "tokenizer.path": "/tokenizers/tokenizer.json",
     "tokenizer.vocab_size": 8192,
     "tokenizer.min_frequency": 3,
     "tokenizer.eos_token": "</s>",
-    "token_dtype": "uint32",
+    "token_dtype": "int32",
     "shard_tokens": 1 << 20,
 }
 NO_TOKEN_CHANGE: dict[str, Any] = {
@@ -50,6 +51,7 @@ NO_TOKEN_CHANGE: dict[str, Any] = {
     "workers": 4,
     "batch_documents": 64,
     "expectations.max_duplicate_fraction": 0.1,
+    "expectations.max_near_duplicate_fraction": 0.1,
     "expectations.max_invalid_utf8_fraction": 0.5,
     "expectations.max_dropped_fraction": 0.2,
     "expectations.min_documents": 99,

@@ -1,6 +1,7 @@
 """The data step writes the same bytes whatever its speed-ups: the datasets of a small corpus that exercises every
-cleaning rule hash to what the implementation before them wrote (recorded below), and a BPE dataset equals one
-written document by document by a plain reference implementation in this file."""
+cleaning rule hash to what the implementation before them wrote (recorded below; the index and manifest since
+format 2), and a BPE dataset equals one written document by document by a plain reference implementation in this
+file."""
 
 from __future__ import annotations
 
@@ -16,29 +17,37 @@ from tasks.prepare.config import PrepareConfig
 from tasks.prepare.pipeline import prepare_dataset
 from tasks.prepare.sources import expand_sources, iter_documents
 from training.dataset import DatasetWriter, TokenizerInfo, read_manifest
+from training.indexed import parse_index
 from training.storage import StorageConfig
 
 CLEANING = {"min_chars": 8, "max_chars": 2000}
 
-# Recorded with the data step as it was before issue 21 (spawned worker processes, staging for every tokenizer).
+# Per case: the settings, the file count, then two digests. The first was recorded with the data step as it was
+# before issue 21 (spawned worker processes, staging for every tokenizer, format 1) over its token files and its
+# document offsets (`docs-NNNNN.idx`, raw int64); `_previous_files` derives those from today's dataset, so the tokens
+# and where documents start are unchanged. The second covers every file as written since format 2, whose index is
+# Megatron's (`tokens-NNNNN.idx`) and whose manifest changed with it; it was recorded when the format changed.
 RECORDED = {
     "bytes": (
         {"tokenizer": {"kind": "bytes"}, "shard_tokens": 4096, "val_fraction": 0.2, "cleaning": CLEANING},
         60,
-        "b2d4ae8804a770556ce9abe37b61874386506bf65dfb1721358cb0d3c2f20459",
+        "9a31a8875cb3793e91a9d324b76dd1effcd00d001879f0bbfe6e87932753085f",
+        "aaeab14ef98af69e646e4c021ec5400f42ea08f09cf6b4fd67b700aa474b3e25",
     ),
-    "bytes_uint32_nfkc_replace_no_dedup_3_workers": (
+    # Recorded as uint32, which format 2 replaced by int32: the same bytes for ids below 2**31.
+    "bytes_int32_nfkc_replace_no_dedup_3_workers": (
         {
             "tokenizer": {"kind": "bytes"},
             "shard_tokens": 1024,
             "val_fraction": 0.3,
-            "token_dtype": "uint32",
+            "token_dtype": "int32",
             "workers": 3,
             "batch_documents": 7,
             "cleaning": {**CLEANING, "unicode_normalization": "NFKC", "dedup": False, "invalid_utf8": "replace"},
         },
         210,
-        "37b6984cef4f476941caaaf39c055944401cb821bd2c8c075f73b3f4808acfa6",
+        "6560c2348c4fa23899c832ff82ebf6e1105ff46cee5aff1d41a30f0e69c87fc9",
+        "04eb5d8a77ee641865e365e19ed2315a2fb8b82925d12e507d5ddfbb9362f9dc",
     ),
 }
 
@@ -87,20 +96,31 @@ def _files(url: str) -> dict[str, bytes]:
     return out
 
 
+def _previous_files(files: dict[str, bytes]) -> dict[str, bytes]:
+    """The token files as they are and, for each Megatron index, the format-1 index the previous implementation
+    wrote in its place: the token offset of each document's start, then the shard's token count, as int64."""
+    out = {rel: data for rel, data in files.items() if rel.endswith(".bin")}
+    for rel, data in files.items():
+        if rel.endswith(".idx"):
+            offsets = parse_index(data).document_offsets().astype("<i8").tobytes()
+            out[rel.replace("/tokens-", "/docs-")] = offsets
+    return out
+
+
 def _tree_sha256(files: dict[str, bytes]) -> str:
     listing = "".join(f"{rel} {hashlib.sha256(data).hexdigest()}\n" for rel, data in sorted(files.items()))
     return hashlib.sha256(listing.encode()).hexdigest()
 
 
 @pytest.mark.parametrize("case", sorted(RECORDED))
-def test_the_dataset_is_byte_identical_to_the_one_the_previous_implementation_wrote(
-    tmp_path: Path, case: str
-) -> None:
-    settings, n_files, recorded = RECORDED[case]
+def test_the_dataset_is_byte_identical_to_the_one_the_previous_implementation_wrote(tmp_path: Path, case: str) -> None:
+    settings, n_files, previous, recorded = RECORDED[case]
     cfg = PrepareConfig(output_url=str(tmp_path / "out"), sources=_write_corpus(tmp_path), **settings)
     result = prepare_dataset(cfg, StorageConfig(), validate=False)
     files = _files(result.dataset_url)
-    assert len(files) == n_files and _tree_sha256(files) == recorded
+    assert len(files) == n_files
+    assert _tree_sha256(_previous_files(files)) == previous
+    assert _tree_sha256(files) == recorded
 
 
 def _reference_dataset(cfg: PrepareConfig, url: str, tokenizer_json: Path) -> None:

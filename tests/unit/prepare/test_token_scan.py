@@ -14,6 +14,7 @@ import pytest
 
 import validation.data
 from training.dataset import DatasetWriter, TokenizerInfo, read_manifest
+from training.indexed import IndexFormatError, encode_index, parse_index
 from validation.data import (
     DataExpectations,
     DataProblem,
@@ -40,15 +41,17 @@ def _manifest(url: str) -> dict:
 
 
 def _rewrite(url: str, rel: str, data: bytes, fix_checksum: bool) -> None:
-    """Replace a dataset file; with fix_checksum the manifest is made to agree (only other checks can see it)."""
+    """Replace a dataset file; with fix_checksum the manifest's checksum and size are made to agree (only other
+    checks can see it)."""
     (Path(url) / rel).write_bytes(data)
     if fix_checksum:
         manifest = _manifest(url)
         for split in manifest["splits"].values():
             for shard in split["shards"]:
-                for field, key in (("tokens", "tokens_sha256"), ("index", "index_sha256")):
-                    if shard[field] == rel:
-                        shard[key] = hashlib.sha256(data).hexdigest()
+                for suffix, what in ((".bin", "tokens"), (".idx", "index")):
+                    if shard["prefix"] + suffix == rel:
+                        shard[f"{what}_sha256"] = hashlib.sha256(data).hexdigest()
+                        shard[f"{what}_bytes"] = len(data)
         (Path(url) / "manifest.json").write_text(json.dumps(manifest))
 
 
@@ -121,27 +124,42 @@ def test_a_truncated_shard_and_a_missing_index_are_named(tmp_path: Path) -> None
     url = _dataset(tmp_path)
     raw = (Path(url) / SHARD).read_bytes()
     (Path(url) / SHARD).write_bytes(raw[:-3])
-    (Path(url) / "val/docs-00000.idx").unlink()
+    (Path(url) / "val/tokens-00000.idx").unlink()
     found = {p.file: p.problem for p in _problems(url)}
-    n = len(raw) // 2
-    assert found[SHARD] == f"{SHARD} has {len(raw) - 3} bytes, the manifest says {len(raw)} ({n} x uint16), truncated"
-    assert found["val/docs-00000.idx"] == "val/docs-00000.idx is missing"
+    assert (
+        found[SHARD]
+        == f"{SHARD} has {len(raw) - 3} bytes, the manifest says {len(raw)} (token ids of uint16), truncated"
+    )
+    assert found["val/tokens-00000.idx"] == "val/tokens-00000.idx is missing"
+    tables = dataset_tables(url, vocab_size=257)  # the document table leaves the shards it cannot cut out
+    assert table_problems(tables, DataExpectations()) == _problems(url) and tables.documents.empty
 
 
 def test_an_index_that_goes_backwards_or_ends_early_is_named(tmp_path: Path, small_chunks) -> None:
     url = _dataset(tmp_path)
-    rel = "train/docs-00000.idx"
-    offsets = np.fromfile(Path(url) / rel, dtype="<i8")
-    backwards = offsets.copy()
-    backwards[5], backwards[6] = offsets[6], offsets[5]
-    _rewrite(url, rel, backwards.tobytes(), fix_checksum=True)
+    rel = "train/tokens-00000.idx"
+    index = parse_index((Path(url) / rel).read_bytes())
+    lengths, docs, n_seq = index.sequence_lengths, index.document_indices, index.n_sequences
+    backwards = docs.copy()
+    backwards[5], backwards[6] = docs[6], docs[5]
+    _rewrite(url, rel, encode_index("uint16", lengths, backwards), fix_checksum=True)
     [problem] = _problems(url)
-    assert problem.problem == f"{rel} offset {offsets[5]} at entry 6 is below the one before it ({offsets[6]})"
-    short = offsets.copy()
+    assert problem.problem == f"{rel} document index 6 ({docs[5]}) is below the one before it"
+    early = docs.copy()
+    early[-1] -= 1
+    _rewrite(url, rel, encode_index("uint16", lengths, early), fix_checksum=True)
+    [problem] = _problems(url)
+    assert problem.problem == f"{rel} its last document index is {n_seq - 1}, not the sequence count {n_seq}"
+    short = lengths.copy()
     short[-1] -= 1
-    _rewrite(url, rel, short.tobytes(), fix_checksum=True)
+    _rewrite(url, rel, encode_index("uint16", short, docs), fix_checksum=True)
     [problem] = _problems(url)
-    assert problem.problem == f"{rel} ends at offset {offsets[-1] - 1}, the token file holds {offsets[-1]} tokens"
+    n = index.n_tokens
+    assert problem.problem == f"{rel} counts {n - 1} tokens of uint16 ({2 * n - 2} bytes), the .bin has {2 * n} bytes"
+    legacy = index.document_offsets().astype("<i8").tobytes()  # the raw offsets of format 1
+    _rewrite(url, rel, legacy, fix_checksum=True)
+    [problem] = _problems(url)
+    assert problem.problem.startswith(f"{rel} starts with {legacy[:9]!r}, not Megatron's ")
 
 
 def test_split_totals_that_disagree_with_the_shard_files_are_named(tmp_path: Path) -> None:
@@ -227,16 +245,23 @@ def test_the_report_lists_each_problem_escaped() -> None:
 
 
 def _documents_one_by_one(url: str) -> list[tuple[str, int, str]]:
-    """(split, n_tokens, sha256) per document as a plain loop slices them: tokens[offsets[j]:offsets[j + 1]] less
-    a trailing EOS, whatever the index holds."""
+    """(split, n_tokens, sha256) per document as a plain loop slices them: walk the index's sequences, cut at its
+    document indices, less a trailing EOS. A shard whose index does not parse has no documents to list."""
     manifest = read_manifest(url)
     rows = []
     for split, info in manifest.splits.items():
         for shard in info.shards:
             ids = np.fromfile(Path(url) / shard.tokens, dtype="<u2")
-            offsets = np.fromfile(Path(url) / shard.index, dtype="<i8")
-            for begin, end in zip(offsets[:-1], offsets[1:], strict=True):
-                body = ids[begin:end]
+            try:
+                index = parse_index((Path(url) / shard.index).read_bytes())
+            except IndexFormatError:
+                continue
+            starts = [0]
+            for length in index.sequence_lengths:
+                starts.append(starts[-1] + int(length))
+            docs = index.document_indices.tolist()
+            for first, end in zip(docs[:-1], docs[1:], strict=True):
+                body = ids[starts[first] : starts[end]]
                 if manifest.eos_id is not None and body.size and body[-1] == manifest.eos_id:
                     body = body[:-1]
                 rows.append((split, int(body.size), hashlib.sha256(body.tobytes()).hexdigest()))
@@ -250,18 +275,25 @@ def test_the_document_table_slices_documents_as_a_plain_loop_does_even_from_a_br
             writer.add_document("val" if i % 10 == 0 else "train", [(i + j) % 200 for j in range(12)])
         writer.add_document("train", list(range(12)))  # the same tokens as val's first document
         writer.add_document("train", [])
-    rel = "train/docs-00000.idx"
-    offsets = np.fromfile(Path(url) / rel, dtype="<i8")
+    rel = "train/tokens-00000.idx"
+    index = parse_index((Path(url) / rel).read_bytes())
+    lengths, docs = index.sequence_lengths, index.document_indices
     assert dataset_tables(url, vocab_size=257).documents["in_several_splits"].sum() == 2  # both copies
-    for broken in (
-        offsets,
-        np.concatenate(([0, 5, 3, -7, -1000], offsets[5:])),  # backwards, negative, before the start
-        np.concatenate((offsets[:-2], [offsets[-1] + 50, offsets[-1]])),  # past the end
-        offsets[:1],  # no document
+    halves = np.stack((lengths // 2, lengths - lengths // 2), axis=1).ravel()  # Megatron's sentences
+    for raw, valid in (
+        (encode_index("uint16", lengths, docs), True),
+        (encode_index("uint16", halves, docs * 2), True),  # two sequences per document
+        (encode_index("uint16", lengths, np.concatenate(([0, 5, 3], docs[3:]))), False),  # backwards
+        (encode_index("uint16", lengths, np.concatenate((docs[:-1], [docs[-1] + 50]))), False),  # past the end
+        (encode_index("uint16", lengths, docs[:1]), False),  # no document
+        (index.document_offsets().astype("<i8").tobytes(), False),  # format 1's raw offsets, not Megatron's
     ):
-        _rewrite(url, rel, broken.astype("<i8").tobytes(), fix_checksum=True)
-        table = dataset_tables(url, vocab_size=257).documents
+        _rewrite(url, rel, raw, fix_checksum=True)
+        tables = dataset_tables(url, vocab_size=257)
+        table = tables.documents
         rows = list(zip(table["split"], table["n_tokens"], table["doc_hash"], strict=True))
         assert rows == _documents_one_by_one(url)
+        assert (table["split"] == "train").sum() == (index.n_documents if valid else 0)
         several = table.groupby("doc_hash")["split"].transform("nunique") > 1
         assert table["in_several_splits"].tolist() == several.tolist()
+        assert [p.file for p in table_problems(tables, DataExpectations())] == ([] if valid else [rel])
