@@ -34,6 +34,7 @@ offsets) are refused with the command that converts them in place (`convert_lega
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import fcntl
 import hashlib
@@ -779,15 +780,18 @@ class _Shard:
         self.fs, self.path, self.first = f.fs, f.path, f.shard.first_token
         self.dtype = np.dtype(dtype).newbyteorder("<")
         n = f.shard.n_tokens
+        # a plain ndarray over the mapping: slicing a np.memmap costs microseconds a sample (its subclass hooks)
         self.memmap = (
-            np.memmap(f.path, dtype=self.dtype, mode="r", offset=self.first * self.dtype.itemsize, shape=(n,))
+            np.asarray(
+                np.memmap(f.path, dtype=self.dtype, mode="r", offset=self.first * self.dtype.itemsize, shape=(n,))
+            )
             if f.local and n
             else None
         )
 
     def read(self, start: int, count: int) -> np.ndarray:
         if self.memmap is not None:
-            return np.asarray(self.memmap[start : start + count])
+            return self.memmap[start : start + count]
         item, begin = self.dtype.itemsize, self.first + start
         raw = self.fs.cat_file(self.path, start=begin * item, end=(begin + count) * item)
         return np.frombuffer(raw, dtype=self.dtype)
@@ -833,6 +837,7 @@ class TokenDataset:
         counts = [max(0, (info.n_tokens - 1) // seq_len) for info in shards]
         self._shards = [_Shard(f, self.manifest.dtype) for f in files if f.tokens]
         self._first = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        self._starts = self._first.tolist()
         self.source_samples = [0] * self.manifest.n_sources
         for info, count in zip(shards, counts, strict=True):
             self.source_samples[info.source] += count
@@ -850,8 +855,8 @@ class TokenDataset:
         """Tokens of sample `index` (length seq_len + 1)."""
         if not 0 <= index < len(self):
             raise IndexError(f"sample {index} out of range [0, {len(self)})")
-        shard = int(np.searchsorted(self._first, index, side="right")) - 1
-        local = index - int(self._first[shard])
+        shard = bisect.bisect_right(self._starts, index) - 1
+        local = index - self._starts[shard]
         return self._shards[shard].read(local * self.seq_len, self.seq_len + 1)
 
     def batch(self, indices: list[int] | np.ndarray) -> torch.Tensor:
