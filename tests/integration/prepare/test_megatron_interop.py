@@ -9,6 +9,7 @@ adopted by copying the ids.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -37,9 +38,21 @@ STEPS = 4
 
 
 def _indexed() -> Any:
-    """Megatron-Core's indexed_dataset module (imported on first use: importing megatron.core takes seconds)."""
-    from megatron.core.datasets import indexed_dataset
+    """Megatron-Core's indexed_dataset module (imported on first use: importing megatron.core takes seconds).
 
+    megatron.core imports torch's cpp_extension, which imports setuptools; setuptools' distutils shim refuses to
+    load (an AssertionError) when an earlier test of this pytest worker already loaded the standard library's
+    distutils. The shim is told to use that one, for this import only.
+    """
+    previous = os.environ.get("SETUPTOOLS_USE_DISTUTILS")
+    os.environ["SETUPTOOLS_USE_DISTUTILS"] = "stdlib"
+    try:
+        from megatron.core.datasets import indexed_dataset
+    finally:
+        if previous is None:
+            os.environ.pop("SETUPTOOLS_USE_DISTUTILS", None)
+        else:
+            os.environ["SETUPTOOLS_USE_DISTUTILS"] = previous
     return indexed_dataset
 
 
