@@ -239,6 +239,7 @@ def _read_throughput(tokens: int, seq_len: int, repeats: int) -> None:
     """Our reader against Megatron-Core's on one generated dataset: the same fixed-length windows (a sample of
     seq_len + 1 tokens) over the whole split in one random order, read by each side alternately in each round;
     print tokens/s of each and the ratio ours / Megatron's with its goal."""
+    os.environ.setdefault("SETUPTOOLS_USE_DISTUTILS", "stdlib")  # see test_megatron_interop.py `_indexed`
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
     from training.dataset import DatasetWriter, TokenDataset, TokenizerInfo
