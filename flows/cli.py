@@ -530,6 +530,12 @@ def export(
         "--out",
         help="Model folder to write (a local folder or an fsspec URL); default <deployment_dir>/export/step-<N>.",
     ),
+    tokenizer: str | None = typer.Option(
+        None,
+        "--tokenizer",
+        help="tokenizer.json (path or fsspec URL) for a run trained on adopted token ids without one "
+        "(data.tokenizer_url unset); other runs ship their dataset's tokenizer.",
+    ),
 ) -> None:
     """Export a checkpoint as a Hugging Face model folder (config, safetensors, tokenizer) for transformers or vLLM."""
     from tasks.deployment import export_dir
@@ -537,7 +543,7 @@ def export(
 
     parsed = _load(spec)
     cfg = _training_config_prepared(parsed)
-    result = export_checkpoint(cfg, step, out, export_root=export_dir(parsed))
+    result = export_checkpoint(cfg, step, out, export_root=export_dir(parsed), tokenizer_url=tokenizer)
     console.print(f"exported {result.summary()}", markup=False, highlight=False)
     console.print(f"from {result.checkpoint_dir}", markup=False, highlight=False)
     for name in result.files:

@@ -20,6 +20,7 @@ from tasks.deployment import (
     ServingResult,
     SkippedResult,
     calibration_inputs,
+    check_served_data,
     dataset_check_inputs,
     image_inputs,
     node_report_path,
@@ -90,6 +91,7 @@ def deploy_training(spec: SpecSource = "examples/local.yaml") -> Results:
         results["data"] = data = (
             data_step(prepare, spec.storage) if prepare else check_dataset(*dataset_check_inputs(spec))
         )
+        check_served_data(spec, data)
         train = training_config(spec, data)
         image = built.job_image
         step = begin("job")

@@ -395,6 +395,27 @@ def existing_dataset(spec: DeploymentSpec) -> DataResult:
     return DataResult.of_checked(check_dataset_url(*dataset_check_inputs(spec)))
 
 
+def check_served_data(spec: DeploymentSpec, data: DataResult) -> None:
+    """Refuse, before the job, a spec that serves its model while the data has no tokenizer to ship with it.
+
+    Adopted token ids (a Megatron prefix, a Hugging Face ids column) without data.tokenizer_url train fine, but
+    the serving step exports the model, and an export needs the ids' tokenizer: better said now than after
+    the training.
+    """
+    from tasks.errors import UserError
+    from training.dataset import read_manifest
+
+    if spec.serve is None or not data.given:
+        return
+    if read_manifest(data.dataset_url, spec.storage, data.sources).tokenizer.kind == "unknown":
+        sources = ", ".join(s.url for s in spec.data.given)
+        raise UserError(
+            f"serve: the data ({sources}, adopted as {data.dataset_url}) names no tokenizer (data.tokenizer_url is "
+            "unset), and the serving step exports the model with the tokenizer of its ids; nothing was trained",
+            "set data.tokenizer_url to the tokenizer.json that made the ids, or set serve: null",
+        )
+
+
 def training_config(spec: DeploymentSpec, data: DataResult) -> TrainConfig:
     """The training job's config: the spec's training sections on the dataset of the data step."""
     if spec.data.prepare is None:  # the spec's own data, or its adoption: the spec's tokenizer pin stays

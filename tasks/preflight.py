@@ -55,6 +55,7 @@ def spec_paths(spec: DeploymentSpec) -> list[PathCheck]:
         ("data.dataset_url", spec.data.dataset_url, "read", False),
         ("capacity.calibration_url", getattr(spec.capacity, "calibration_url", None), "file", False),
         ("data.prepare.tokenizer.path", prepare.tokenizer.path if prepare else None, "file", False),
+        ("data.tokenizer_url", spec.data.tokenizer_url, "file", False),
         ("nodes.inventory_path", nodes.inventory_path, "file", True),
         ("nodes.ssh_key_path", nodes.ssh_key_path, "file", True),
         ("nodes.known_hosts_path", nodes.known_hosts_path, "file", True),

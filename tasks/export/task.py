@@ -30,16 +30,18 @@ from tasks.errors import TransientError, UserError, is_connection_error, retry_o
 from tasks.export.hf import (
     CONFIG,
     DEFAULT_MAX_SHARD_BYTES,
+    ExportError,
     behaviour_notes,
     export_model_weights,
     unexportable,
     write_configs,
     write_tokenizer,
 )
-from training.checkpoint import CheckpointManager, ModelCard
+from tasks.prepare.tokenizer import read_tokenizer
+from training.checkpoint import CardTokenizer, CheckpointManager, ModelCard
 from training.dataset import read_manifest
 from training.run_output import SkippedCheckpoint
-from training.storage import filesystem, is_local, join, local_path
+from training.storage import check_storage_url, filesystem, is_local, join, local_path
 
 if TYPE_CHECKING:
     from training.config import TrainConfig
@@ -111,6 +113,47 @@ def _card(
         f"model section and the tokenizer that of {train.data.dataset_url}"
     )
     return card, [note]
+
+
+def _with_tokenizer(card: ModelCard, tokenizer_url: str | None, step: int, train: TrainConfig) -> ModelCard:
+    """The card with the tokenizer to ship: the dataset's, or `tokenizer_url` for a run on adopted ids without one.
+
+    A run on adopted token ids with no tokenizer named (data.tokenizer_url unset) is refused before anything is
+    written: a model folder without a tokenizer loads in neither transformers' pipelines nor vLLM.
+    """
+    if tokenizer_url is None:
+        if card.tokenizer.kind == "unknown":
+            raise ExportError(
+                "model.json tokenizer.kind",
+                "unknown",
+                f"checkpoint step {step} was trained on adopted token ids ({card.dataset_url}) and no tokenizer was "
+                "named for them (data.tokenizer_url was unset)",
+                "export with --tokenizer URL (the export_model task's tokenizer_url) naming the tokenizer.json that "
+                "made the ids; set data.tokenizer_url for later runs",
+            )
+        return card
+    if card.tokenizer.kind != "unknown":
+        raise ExportError(
+            "--tokenizer",
+            tokenizer_url,
+            f"checkpoint step {step} was trained with its dataset's own tokenizer ({card.tokenizer.kind}), which the "
+            "export ships",
+            "leave --tokenizer out",
+        )
+    try:
+        check_storage_url(tokenizer_url)
+    except ValueError as err:
+        raise ExportError("--tokenizer", tokenizer_url, str(err), "give a path or URL of a tokenizer.json") from err
+    tokenizer = read_tokenizer(tokenizer_url, train.storage, "--tokenizer")
+    if tokenizer.vocab_size > card.model.vocab_size:
+        raise ExportError(
+            "--tokenizer",
+            tokenizer_url,
+            f"the tokenizer has {tokenizer.vocab_size} tokens, more than the model's vocab_size="
+            f"{card.model.vocab_size}: it did not make the ids this model was trained on",
+            "name the tokenizer.json that made the adopted ids",
+        )
+    return card.model_copy(update={"tokenizer": CardTokenizer(kind="bpe", url=tokenizer_url, sha256=tokenizer.sha256)})
 
 
 def _check_target(final: Path) -> None:
@@ -200,16 +243,19 @@ def export_checkpoint(
     *,
     export_root: str | None = None,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    tokenizer_url: str | None = None,
 ) -> ExportResult:
     """Export checkpoint `step` (None: the newest sound one) of `train`'s checkpoint folder to `out`.
 
     `out` is the model folder (a local path or an object-store URL); None = <export_root>/step-<N>, where
     export_root defaults to `export` beside checkpoint.url (callers with a spec pass export_dir(spec)).
+    `tokenizer_url`: the tokenizer.json of a run trained on adopted ids without one (see _with_tokenizer).
     """
     manager = CheckpointManager(train.checkpoint, train.storage)
     try:
         chosen, commit = _select(manager, step)
         card, notes = _card(manager, chosen, commit, train)
+        card = _with_tokenizer(card, tokenizer_url, chosen, train)
         problems = unexportable(card.model)
         if problems:
             raise problems[0]
@@ -259,11 +305,15 @@ def export_checkpoint(
 
 @task(name="export_model", retries=2, retry_delay_seconds=[5, 30], retry_condition_fn=retry_on_transient)
 def export_model(
-    train: TrainConfig, step: int | None = None, out: str | None = None, export_root: str | None = None
+    train: TrainConfig,
+    step: int | None = None,
+    out: str | None = None,
+    export_root: str | None = None,
+    tokenizer_url: str | None = None,
 ) -> ExportResult:
     """Export a checkpoint as a Hugging Face model folder; publish what was written."""
     logger = get_run_logger()
-    result = export_checkpoint(train, step, out, export_root=export_root)
+    result = export_checkpoint(train, step, out, export_root=export_root, tokenizer_url=tokenizer_url)
     logger.info("export: %s", result.summary())
     rows = "\n".join(f"| `{name}` |" for name in result.files)
     notes = "".join(f"\n- note: {note}" for note in result.notes)

@@ -12,7 +12,10 @@ model's vocabulary:
 - a Hugging Face dataset's token-ids column is copied into Megatron shards of our own (`hf-<n>/` in the
   adopted folder): its train split for training, its validation split (validation, val or test) for
   evaluation, or the last val_fraction of its rows when it has none;
-- several sources are a blend: the manifest records each one's weight, and each shard its source.
+- several sources are a blend: the manifest records each one's weight, and each shard its source;
+- the tokenizer that made the ids (data.tokenizer_url, or the one tokenizer of the tdeploy sources) is copied
+  beside the manifest as tokenizer.json, and ids are held against its vocabulary: the run's model card names it,
+  so the run can be exported and served. Without one the tokenizer is `unknown`.
 
 The manifest is written last; the data step then runs the token suite over the adopted dataset like over any
 dataset given by URL. The training job is told the sources' URLs (DataConfig.sources): the only places
@@ -30,6 +33,7 @@ from typing import Any, Literal
 
 from tasks.errors import UserError
 from tasks.prepare.config import DatasetSource, DataSpec
+from tasks.prepare.tokenizer import TOKENIZER_FILE, TextTokenizer, read_tokenizer
 from training.dataset import (
     FORMAT_VERSION,
     MANIFEST,
@@ -49,7 +53,7 @@ from training.storage import StorageConfig, filesystem, join, sha256_file
 
 log = logging.getLogger(__name__)
 
-ADOPT_VERSION = 1
+ADOPT_VERSION = 2
 """Bump when adoption changes what it writes: every adoption gets a new key."""
 Kind = Literal["tdeploy", "megatron", "hf"]
 _HF_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
@@ -118,7 +122,9 @@ def _identities(url: str, kind: Kind, storage: StorageConfig) -> list[Any]:
     return found
 
 
-def adoption_key(data: DataSpec, kinds: list[Kind], vocab_size: int, storage: StorageConfig) -> str:
+def adoption_key(
+    data: DataSpec, kinds: list[Kind], vocab_size: int, storage: StorageConfig, tokenizer_sha256: str | None = None
+) -> str:
     """The adopted dataset's content address (see the module docstring)."""
     material = {
         "adopt": ADOPT_VERSION,
@@ -130,6 +136,7 @@ def adoption_key(data: DataSpec, kinds: list[Kind], vocab_size: int, storage: St
         "val_fraction": data.val_fraction,
         "splits": [data.train_split, data.val_split],
         "vocab_size": vocab_size,
+        "tokenizer_sha256": tokenizer_sha256,
     }
     return hashlib.sha256(json.dumps(material, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
@@ -144,13 +151,45 @@ class _Member:
     tokenizer: TokenizerInfo
     trusted: str | None
     """The URL the manifest names outside its folder (None: copied inside)."""
+    tokenizer_file: str | None = None
+    """URL of the source's own tokenizer.json (a tdeploy dataset's), which the adopted dataset copies."""
+
+
+@dataclass(frozen=True)
+class _Vocab:
+    """The bound every adopted id must stay below, and what sets it (for the messages)."""
+
+    size: int
+    name: str
+
+
+def _given_tokenizer(data: DataSpec, vocab_size: int, storage: StorageConfig) -> TextTokenizer | None:
+    """data.tokenizer_url parsed and held against the model's vocabulary and data.tokenizer_sha256; None if unset."""
+    url = data.tokenizer_url
+    if url is None:
+        return None
+    tokenizer = read_tokenizer(url, storage, "data.tokenizer_url")
+    if tokenizer.vocab_size > vocab_size:
+        raise AdoptionError(
+            f"data.tokenizer_url={url}: the tokenizer has {tokenizer.vocab_size} tokens, more than "
+            f"model.vocab_size={vocab_size}",
+            f"set model.vocab_size >= {tokenizer.vocab_size}, or name the tokenizer that made these ids",
+        )
+    if data.tokenizer_sha256 is not None and tokenizer.sha256 != data.tokenizer_sha256:
+        raise AdoptionError(
+            f"data.tokenizer_url={url}: has sha256 {tokenizer.sha256}, data.tokenizer_sha256 asks for "
+            f"{data.tokenizer_sha256}",
+            "name the tokenizer the spec pins, or change data.tokenizer_sha256",
+        )
+    return tokenizer
 
 
 def adopt_given(data: DataSpec, vocab_size: int, storage: StorageConfig, adopted_root: str) -> Adoption:
     """Adopt what data.dataset_url or data.blend names (or reuse the identical adoption); see the module."""
     given = data.given
     kinds = [detect_kind(s.url, storage, _field(data, n)) for n, s in enumerate(given)]
-    key = adoption_key(data, kinds, vocab_size, storage)
+    tokenizer = _given_tokenizer(data, vocab_size, storage)
+    key = adoption_key(data, kinds, vocab_size, storage, tokenizer.sha256 if tokenizer else None)
     url = join(adopted_root, key)
     trusted = [s.url for s, kind in zip(given, kinds, strict=True) if kind != "hf"]
     try:
@@ -159,8 +198,13 @@ def adopt_given(data: DataSpec, vocab_size: int, storage: StorageConfig, adopted
         return Adoption(url, trusted, key, True, list(kinds))
     except DatasetError:
         pass
+    vocab = (
+        _Vocab(tokenizer.vocab_size, f"the vocabulary of data.tokenizer_url ({tokenizer.vocab_size} tokens)")
+        if tokenizer is not None
+        else _Vocab(vocab_size, f"model.vocab_size={vocab_size}")
+    )
     members = [
-        _member(data, n, source, kind, vocab_size, storage, url)
+        _member(data, n, source, kind, vocab, storage, url)
         for n, (source, kind) in enumerate(zip(given, kinds, strict=True))
     ]
     dtypes = sorted({m.dtype for m in members})
@@ -178,7 +222,7 @@ def adopt_given(data: DataSpec, vocab_size: int, storage: StorageConfig, adopted
     splits = {}
     for name in (data.train_split, data.val_split):
         splits[name] = split_info([shard for m in members for shard in m.splits[name]])
-    tokenizers = [m.tokenizer for m in members]
+    adopted_tokenizer = _adopted_tokenizer(data, members, tokenizer, storage, url)
     eos = {m.eos_id for m in members}
     blend = None
     if len(given) > 1:
@@ -187,10 +231,10 @@ def adopt_given(data: DataSpec, vocab_size: int, storage: StorageConfig, adopted
             for s, kind in zip(given, kinds, strict=True)
         ]
     manifest = DatasetManifest(
-        vocab_size=vocab_size,  # ids are held against the model's vocabulary (sources' own are <= it)
+        vocab_size=vocab.size,  # ids are held against the tokenizer's vocabulary, else the model's
         dtype=dtypes[0],
         eos_id=eos.pop() if len(eos) == 1 else None,
-        tokenizer=tokenizers[0] if all(t == tokenizers[0] for t in tokenizers) else TokenizerInfo(kind="unknown"),
+        tokenizer=adopted_tokenizer,
         splits=splits,
         blend=blend,
         meta={"adopted": [{"url": s.url, "kind": kind} for s, kind in zip(given, kinds, strict=True)]},
@@ -199,19 +243,59 @@ def adopt_given(data: DataSpec, vocab_size: int, storage: StorageConfig, adopted
     return Adoption(url, trusted, key, False, list(kinds))
 
 
+def _adopted_tokenizer(
+    data: DataSpec, members: list[_Member], given: TextTokenizer | None, storage: StorageConfig, url: str
+) -> TokenizerInfo:
+    """The adopted dataset's tokenizer: data.tokenizer_url's, else the sources' one tokenizer, else unknown.
+
+    A tokenizer file (data.tokenizer_url, or the tokenizer.json of tdeploy sources) is copied into the adopted
+    folder, so that the manifest names no file outside it but the sources' shards.
+    """
+    if given is not None:
+        for n, member in enumerate(members):
+            have = member.tokenizer
+            if have.kind != "unknown" and (have.kind, have.sha256) != ("bpe", given.sha256):
+                raise AdoptionError(
+                    f"data.tokenizer_url={data.tokenizer_url}: {_field(data, n)}={data.given[n].url} was made with "
+                    f"another tokenizer ({have.kind}, sha256 {have.sha256}; data.tokenizer_url has {given.sha256})",
+                    "name the tokenizer that made every source's ids, or leave data.tokenizer_url out",
+                )
+        text = given.json_text
+    else:
+        tokenizers = [m.tokenizer for m in members]
+        if not all(t == tokenizers[0] for t in tokenizers):
+            return TokenizerInfo(kind="unknown")
+        files = [m.tokenizer_file for m in members if m.tokenizer_file is not None]
+        if tokenizers[0].kind != "bpe" or not files:
+            return tokenizers[0]
+        fs, path = filesystem(files[0], storage)
+        raw = fs.cat_file(path)
+        if hashlib.sha256(raw).hexdigest() != tokenizers[0].sha256:
+            raise AdoptionError(
+                f"{files[0]}: its sha256 is not the one its dataset's manifest records (the file was replaced)",
+                "restore the dataset's own tokenizer.json, or rebuild that dataset",
+            )
+        text = raw.decode("utf-8")
+    assert text is not None
+    fs, root = filesystem(url, storage)
+    fs.makedirs(root, exist_ok=True)
+    fs.pipe_file(join(root, TOKENIZER_FILE), text.encode("utf-8"))
+    return TokenizerInfo(kind="bpe", sha256=hashlib.sha256(text.encode("utf-8")).hexdigest(), path=TOKENIZER_FILE)
+
+
 def _name(url: str) -> str:
     return posixpath.basename(url.rstrip("/")) or url
 
 
 def _member(
-    data: DataSpec, number: int, source: DatasetSource, kind: Kind, vocab_size: int, storage: StorageConfig, url: str
+    data: DataSpec, number: int, source: DatasetSource, kind: Kind, vocab: _Vocab, storage: StorageConfig, url: str
 ) -> _Member:
     where = _field(data, number)
     if kind == "megatron":
         return _megatron(data, number, source.url, where, storage)
     if kind == "tdeploy":
-        return _tdeploy(data, number, source.url, where, vocab_size, storage)
-    return _hugging_face(data, number, source, where, vocab_size, storage, url)
+        return _tdeploy(data, number, source.url, where, vocab, storage)
+    return _hugging_face(data, number, source, where, vocab, storage, url)
 
 
 def _megatron(data: DataSpec, number: int, prefix: str, where: str, storage: StorageConfig) -> _Member:
@@ -253,7 +337,7 @@ def _megatron(data: DataSpec, number: int, prefix: str, where: str, storage: Sto
                    prefix)  # fmt: skip
 
 
-def _tdeploy(data: DataSpec, number: int, folder: str, where: str, vocab_size: int, storage: StorageConfig) -> _Member:
+def _tdeploy(data: DataSpec, number: int, folder: str, where: str, vocab: _Vocab, storage: StorageConfig) -> _Member:
     """A dataset of ours, referenced split for split where it is."""
     try:
         manifest = read_manifest(folder, storage)
@@ -265,13 +349,14 @@ def _tdeploy(data: DataSpec, number: int, folder: str, where: str, vocab_size: i
             f"{where}={folder}: no split {missing} (it has {sorted(manifest.splits)})",
             "set data.train_split and data.val_split to splits every source has",
         )
-    if manifest.vocab_size > vocab_size:
+    if manifest.vocab_size > vocab.size:
         raise AdoptionError(
-            f"{where}={folder}: dataset vocab_size={manifest.vocab_size} exceeds model.vocab_size={vocab_size}",
+            f"{where}={folder}: dataset vocab_size={manifest.vocab_size} exceeds {vocab.name}",
             f"set model.vocab_size >= {manifest.vocab_size} or use a dataset of this vocabulary",
         )
-    tokenizer = manifest.tokenizer
-    if tokenizer.path is not None:  # the adopted manifest names no file of the source but its shards
+    tokenizer, tokenizer_file = manifest.tokenizer, None
+    if tokenizer.path is not None:  # copied into the adopted folder (_adopted_tokenizer), never named there
+        tokenizer_file = join(folder, tokenizer.path)
         tokenizer = tokenizer.model_copy(update={"path": None})
     splits = {
         name: [
@@ -280,7 +365,7 @@ def _tdeploy(data: DataSpec, number: int, folder: str, where: str, vocab_size: i
         ]
         for name in (data.train_split, data.val_split)
     }
-    return _Member(splits, manifest.dtype, manifest.eos_id, tokenizer, folder)
+    return _Member(splits, manifest.dtype, manifest.eos_id, tokenizer, folder, tokenizer_file)
 
 
 def _hugging_face(
@@ -288,7 +373,7 @@ def _hugging_face(
     number: int,
     source: DatasetSource,
     where: str,
-    vocab_size: int,
+    vocab: _Vocab,
     storage: StorageConfig,
     url: str,
 ) -> _Member:
@@ -306,8 +391,8 @@ def _hugging_face(
     sub = join(url, f"hf-{number}")
     source_index = number if data.blend is not None else 0
     rel = f"hf-{number}"
-    with DatasetWriter(sub, vocab_size, TokenizerInfo(kind="unknown"), None, storage=storage, overwrite=True,
-                       dtype=token_dtype(vocab_size)) as writer:  # fmt: skip
+    with DatasetWriter(sub, vocab.size, TokenizerInfo(kind="unknown"), None, storage=storage, overwrite=True,
+                       dtype=token_dtype(vocab.size)) as writer:  # fmt: skip
         if val is not None:
             plan = [(train, data.train_split, None), (val, data.val_split, None)]
         else:
@@ -321,10 +406,10 @@ def _hugging_face(
                 for row, ids in enumerate(iter_token_documents(source.url, hf_split, column, storage)):
                     if rows_range is not None and not rows_range[0] <= row < rows_range[1]:
                         continue
-                    if ids.size and int(ids.max()) >= vocab_size:
+                    if ids.size and int(ids.max()) >= vocab.size:
                         raise AdoptionError(
                             f"{where}={source.url}: row {row} of split {hf_split} holds token id {int(ids.max())}, "
-                            f"outside model.vocab_size={vocab_size}",
+                            f"outside {vocab.name}",
                             "use data tokenized for this model's vocabulary, or set model.vocab_size to the "
                             "tokenizer's vocabulary",
                         )

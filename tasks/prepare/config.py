@@ -311,6 +311,13 @@ class DataSpec(StrictModel):
     tokenizer_sha256: str | None = Field(
         default=None, description="With dataset_url: the tokenizer the dataset must have been made with; None = any."
     )
+    tokenizer_url: StorageUrl | None = Field(
+        default=None,
+        description="Adopted token ids (a Megatron prefix, a Hugging Face ids column): the tokenizer.json that made "
+        "them. It is copied beside the adopted manifest, ids are held against its vocabulary, and the run's "
+        "model card names it, so export and serving ship it; None = unknown (the run trains, but exporting it "
+        "needs `tdeploy export --tokenizer`).",
+    )
     prepare: PrepareConfig | None = Field(
         default=None, description="How to prepare the dataset; None = use dataset_url."
     )
@@ -343,6 +350,12 @@ class DataSpec(StrictModel):
             problems.append(
                 (("dataset_url",), self.dataset_url,
                  f"set exactly one of data.dataset_url, data.blend and data.prepare (given: {given or 'none'})")
+            )  # fmt: skip
+        if self.tokenizer_url is not None and self.prepare is not None:
+            problems.append(
+                (("tokenizer_url",), self.tokenizer_url,
+                 "names the tokenizer of adopted data; data.prepare has its own (data.prepare.tokenizer.path): "
+                 "leave data.tokenizer_url out")
             )  # fmt: skip
         if self.blend is not None and not sum(source.weight for source in self.blend) > 0:
             problems.append(

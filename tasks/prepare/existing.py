@@ -102,6 +102,12 @@ def _given_dataset(data: DataSpec, vocab_size: int, storage: StorageConfig, repo
 
     if data.blend is None and data.dataset_url is not None:
         if detect_kind(data.dataset_url, storage, "data.dataset_url") == "tdeploy":
+            if data.tokenizer_url is not None:
+                raise UserError(
+                    f"data.tokenizer_url={data.tokenizer_url}: data.dataset_url={data.dataset_url} is a dataset "
+                    "tdeploy made, which records its own tokenizer",
+                    "leave data.tokenizer_url out (data.tokenizer_sha256 pins a tokenizer)",
+                )
             return data.dataset_url, []
     adoption = adopt_given(data, vocab_size, storage, adopted_root(data, reports_dir))
     log.info("%s adopted as %s (%s)", [s.url for s in data.given], adoption.dataset_url, ", ".join(adoption.kinds))

@@ -86,15 +86,22 @@ def train_bpe(texts: Iterable[str], cfg: TokenizerConfig) -> TextTokenizer:
     return TextTokenizer("bpe", tokenizer.to_str()).with_eos(cfg.eos_token)
 
 
-def load_tokenizer(url: str, cfg: TokenizerConfig, storage: StorageConfig) -> TextTokenizer:
-    """A tokenizer.json from any fsspec URL."""
+def read_tokenizer(url: str, storage: StorageConfig, where: str) -> TextTokenizer:
+    """A tokenizer.json from any fsspec URL, parsed (its EOS not resolved); a UserError naming `where`."""
+    fix = "point it at a tokenizer.json written by the tokenizers library (Tokenizer.save, or a model's tokenizer.json)"
     try:
         with fsspec.open(url, "r", encoding="utf-8", **storage.fsspec_options(url)) as handle:
             text = handle.read()
     except FileNotFoundError as err:
-        raise UserError(f"data.prepare.tokenizer.path={url}: no such file", "point it at a tokenizer.json") from err
+        raise UserError(f"{where}={url}: no such file", fix) from err
+    except (UnicodeDecodeError, IsADirectoryError) as err:
+        raise UserError(f"{where}={url}: not a tokenizers JSON file ({err})", fix) from err
     try:
-        tokenizer = TextTokenizer("bpe", text)
+        return TextTokenizer("bpe", text)
     except Exception as err:
-        raise UserError(f"data.prepare.tokenizer.path={url}: not a tokenizers JSON file ({err})", "") from err
-    return tokenizer.with_eos(cfg.eos_token)
+        raise UserError(f"{where}={url}: not a tokenizers JSON file ({err})", fix) from err
+
+
+def load_tokenizer(url: str, cfg: TokenizerConfig, storage: StorageConfig) -> TextTokenizer:
+    """A tokenizer.json from any fsspec URL, its EOS resolved from cfg.eos_token."""
+    return read_tokenizer(url, storage, "data.prepare.tokenizer.path").with_eos(cfg.eos_token)

@@ -98,6 +98,20 @@ def test_export_of_a_step_that_does_not_exist_exits_2_naming_the_steps_there(tra
     assert not (Path(spec.deployment_dir) / "export" / "step-3").exists()
 
 
+def test_export_tokenizer_option_reaches_the_export_and_is_refused_for_a_run_with_its_own(
+    trained, tmp_path: Path
+) -> None:
+    path, spec = trained
+    given = tmp_path / "tokenizer.json"
+    given.write_text("{}")
+    out = tmp_path / "hf"
+    result = CliRunner().invoke(app, ["export", str(path), "--out", str(out), "--tokenizer", str(given)])
+    text = " ".join(result.output.split())
+    assert result.exit_code == 2, result.output
+    assert f"--tokenizer={given}: checkpoint step 4 was trained with its dataset's own tokenizer (bytes)" in text, text
+    assert "leave --tokenizer out" in text and "Traceback" not in result.output and not out.exists()
+
+
 def test_export_without_any_checkpoint_exits_2_naming_the_folder(tmp_path: Path, tiny_dataset: str) -> None:
     path = _spec_file(tmp_path, "untrained", tiny_dataset)
     result = CliRunner().invoke(app, ["export", str(path)], terminal_width=400)

@@ -214,6 +214,47 @@ def test_a_bpe_tokenizer_encodes_under_autotokenizer_as_ours(tmp_path: Path) -> 
         hf.write_tokenizer(card, StorageConfig(), tmp_path / "hf")
 
 
+def test_a_run_on_adopted_ids_without_a_tokenizer_exports_only_with_one_given(tmp_path: Path) -> None:
+    cfg = model_config(DENSE_GQA)  # vocab_size 300
+    train = train_config(tmp_path, cfg)
+    card = ModelCard(
+        model=cfg, vocab_size=300, eos_id=None, dataset_url="/adopted", tokenizer=CardTokenizer(kind="unknown")
+    )
+    save_checkpoints(train, card, 3)
+    with pytest.raises(ExportError, match=r"tokenizer\.kind=unknown: checkpoint step 3 was trained on adopted token "
+                       r"ids \(/adopted\) and no tokenizer was named") as caught:  # fmt: skip
+        export_checkpoint(train, out=tmp_path / "out" / "hf")
+    assert "--tokenizer" in caught.value.fix and "data.tokenizer_url" in caught.value.fix
+    assert not (tmp_path / "out").exists()  # refused before anything was written
+
+    corpus = [f"row {i}: value + {i % 13} ünïcode" for i in range(200)]
+    given = tmp_path / "given" / "tokenizer.json"
+    given.parent.mkdir()
+    for vocab, problem in ((320, r"the tokenizer has 320 tokens, more than the model's vocab_size=300"), (None, "")):
+        ours = train_bpe(corpus, TokenizerConfig(vocab_size=vocab or 290, min_frequency=1))
+        given.write_text(ours.json_text)
+        if problem:
+            with pytest.raises(ExportError, match=problem):
+                export_checkpoint(train, out=tmp_path / "out" / "hf", tokenizer_url=str(given))
+    result = export_checkpoint(train, out=tmp_path / "out" / "hf", tokenizer_url=str(given))
+    assert (
+        json.loads((tmp_path / "out" / "hf" / EXPORT_RECORD).read_text())["card"]["tokenizer"]["sha256"] == ours.sha256
+    )
+    loaded = transformers.AutoTokenizer.from_pretrained(result.model_dir)
+    for text, ids in zip(corpus[:5], ours.encode_batch(corpus[:5]), strict=True):
+        assert loaded.encode(text) == ids.tolist()
+
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(UserError, match=r"--tokenizer=.*bad\.json: not a tokenizers JSON file"):
+        export_checkpoint(train, out=tmp_path / "other", tokenizer_url=str(tmp_path / "bad.json"))
+    with pytest.raises(ExportError, match=r"--tokenizer=ftp://x/t\.json: .*scheme"):
+        export_checkpoint(train, out=tmp_path / "other", tokenizer_url="ftp://x/t.json")
+    bytes_train = train_config(tmp_path / "bytes", cfg)
+    save_checkpoints(bytes_train, bytes_card(cfg), 2)
+    with pytest.raises(ExportError, match=r"was trained with its dataset's own tokenizer \(bytes\)"):
+        export_checkpoint(bytes_train, out=tmp_path / "other", tokenizer_url=str(given))
+
+
 def test_each_checkpoint_holds_its_model_card_listed_in_the_commit(tmp_path: Path) -> None:
     cfg = model_config(TIED)
     train = train_config(tmp_path, cfg)

@@ -50,6 +50,7 @@ CASES = [
         _prepare(sources=["{tmp}/afile"], tokenizer={"kind": "bpe", "path": "{tmp}/tok.json"}),
         "exist",
     ),
+    ("data.tokenizer_url", {"data": {"tokenizer_url": "{tmp}/no-tokenizer.json"}}, "does not exist"),
     ("capacity.output_url", {"capacity": {"output_url": "/proc/version/plans"}}, "/proc/version is a file"),
     ("acceptance.work_url", {"acceptance": {"work_url": "{tmp}/afile/acceptance"}}, "is a file, not a folder"),
     ("nodes.ssh_key_path", {"nodes": {"ssh_key_path": "{tmp}/no-key"}}, "does not exist"),
