@@ -1,20 +1,19 @@
 """Flow `deploy-training`: capacity -> nodes -> image -> data -> job -> acceptance -> drills -> serving.
 
 Each step is a Prefect task that retries transient errors only. The pure steps
-(plan, image, dataset) are cached on their inputs, so a re-run after a failure
-starts at the failed step. A failed step stops the flow: the diagnosis runs, and
+(plan, image, dataset) are cached on their inputs and the folder they run in, so a
+re-run after a failure starts at the failed step; a cached result whose files are
+gone is void and its step runs again (tasks/cache.py). A failed step stops the flow: the diagnosis runs, and
 the summary page says which step failed and why.
 """
 
 from __future__ import annotations
 
-from datetime import timedelta
-
 from prefect import flow
-from prefect.cache_policies import INPUTS, TASK_SOURCE
 
 from tasks.acceptance.suite import workspace_root
 from tasks.acceptance.task import run_acceptance, run_drills
+from tasks.cache import cached_step_options
 from tasks.capacity.task import estimate_capacity
 from tasks.deployment import (
     ServingResult,
@@ -50,10 +49,9 @@ from tasks.progress import report
 from tasks.serve.task import serving_check
 from tasks.spec import DeploymentSpec
 
-_CACHED = {"cache_policy": INPUTS + TASK_SOURCE, "persist_result": True, "cache_expiration": timedelta(days=7)}
-plan_step = estimate_capacity.with_options(timeout_seconds=1800, **_CACHED)
-image_step = build_image.with_options(**_CACHED)
-data_step = prepare_data.with_options(**_CACHED)
+plan_step = estimate_capacity.with_options(timeout_seconds=1800, **cached_step_options())
+image_step = build_image.with_options(**cached_step_options())
+data_step = prepare_data.with_options(**cached_step_options())
 
 
 def load_or_diagnose(source: SpecSource) -> DeploymentSpec:

@@ -6,7 +6,9 @@ cannot differ. Importing this module loads neither Prefect nor torch.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict
@@ -44,6 +46,12 @@ class StepResult(BaseModel):
         """The step's key figures in one line."""
         raise NotImplementedError
 
+    def artifact_problem(self, inputs: dict[str, Any]) -> str | None:
+        """What is wrong with the files this result points at, for a cached copy of it (None: nothing).
+
+        `inputs` are the step's call arguments (the storage to look with)."""
+        return None
+
 
 class CapacityResult(StepResult):
     """The capacity plan of the requested layout."""
@@ -73,6 +81,19 @@ class CapacityResult(StepResult):
             planned=plan.planned(),
             calibration=plan.calibration.source,
         )
+
+    def artifact_problem(self, inputs: dict[str, Any]) -> str | None:
+        """plan.json must be there and readable."""
+        from training.storage import filesystem
+
+        fs, path = filesystem(self.plan_url, inputs.get("storage"))
+        if not fs.exists(path):
+            return f"{self.plan_url} is missing"
+        try:
+            json.loads(fs.cat_file(path))
+        except ValueError:
+            return f"{self.plan_url} is not whole (not JSON)"
+        return None
 
     def summary(self) -> str:
         """Fit, peak memory per device, step time and where the plan is."""
@@ -132,6 +153,29 @@ class ImageStepResult(StepResult):
             return None
         return self.record.get("reference_by_digest")
 
+    def artifact_problem(self, inputs: dict[str, Any]) -> str | None:
+        """image.json must be there and name the same image; a pushed image must still be in its registry."""
+        from tasks.image.build import IMAGE_JSON
+        from tasks.image.registry import RegistryClient
+
+        if self.record is None:
+            return None
+        path = Path(self.record["record_dir"]) / IMAGE_JSON
+        try:
+            written = json.loads(path.read_text())
+        except FileNotFoundError:
+            return f"{path} is missing"
+        except ValueError:
+            return f"{path} is not whole (not JSON)"
+        if written.get("content_sha256") != self.record.get("content_sha256"):
+            return f"{path} names another image ({written.get('tag')})"
+        image = inputs.get("image")
+        if self.record.get("pushed") and image is not None and image.registry_url:
+            client = RegistryClient(image.registry_url, image.registry_insecure)
+            if client.manifest(image.repository, self.record["tag"]) is None:
+                return f"{self.record['reference']} is no longer in the registry"
+        return None
+
     def summary(self) -> str:
         """Status, the image's reference and why."""
         record = self.record or {}
@@ -173,6 +217,16 @@ class DataResult(StepResult):
         return cls(
             **values, reused=True, given=True, cached_verdict=checked.cached, data_docs_url=checked.data_docs_url
         )
+
+    def artifact_problem(self, inputs: dict[str, Any]) -> str | None:
+        """The dataset's manifest must be there and every file it lists whole (sizes; digests are the job's)."""
+        from training.dataset import DatasetError, verify_dataset
+
+        try:
+            problems = verify_dataset(self.dataset_url, inputs.get("storage"), self.sources, digests=False)
+        except DatasetError as err:
+            return str(err)
+        return f"{self.dataset_url}: {'; '.join(problems)}" if problems else None
 
     def summary(self) -> str:
         """Where the dataset is, whether it was reused or given, its splits' sizes and its validation."""

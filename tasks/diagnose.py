@@ -41,6 +41,10 @@ _UNTRUSTED = re.compile(
     r"UnsafeCheckpointError|CheckpointKeyError|CheckpointFormatError|refusing to load .*\.metadata|"
     r"untrusted checkpoint|TDEPLOY_CHECKPOINT_KEY|DatasetError|climbs out of the dataset|outside the vocabulary"
 )
+# A dataset or checkpoint that is not there at all: a step that never ran or a folder removed, not tampering.
+_MISSING = re.compile(
+    r"DatasetError: .*(?:: the dataset does not exist|is unfinished \(no manifest\.json\)|: \S+ is missing)"
+)
 _LEASE = re.compile(r"LeaseHeld|LeaseRefused|LeaseLost|: held by pid \d+")
 
 
@@ -154,7 +158,18 @@ def diagnose(
                 "or give this deployment its own run.output_url and checkpoint.url",
             )
         )
-    untrusted = _matching_lines(text, _UNTRUSTED)
+    missing = _matching_lines(text, _MISSING)
+    if missing:
+        diagnosis.findings.append(
+            Finding(
+                "dataset or checkpoint missing",
+                missing,
+                "the files the job was given are not there: the step that writes them did not run here, or their "
+                "folder was removed or is not mounted on the nodes; run the deployment again (tdeploy run rebuilds "
+                "the dataset), or point data.dataset_url / checkpoint.url at where the files are",
+            )
+        )
+    untrusted = [line for line in _matching_lines(text, _UNTRUSTED, limit=20) if not _MISSING.search(line)][:5]
     if untrusted:
         diagnosis.findings.append(
             Finding(

@@ -48,6 +48,15 @@ class Sampling:
     drop_last: bool = True
     blend: Blend | None = None
     """A blend of weighted sources: n_samples counts its draws per epoch, which resolve to samples per source."""
+    weights: tuple[float, ...] | None = None
+    """The blend's weights as the dataset's manifest defines them (not as the trainer's Blend applies them): each
+    source's expected share of every epoch's draws. Required with a blend."""
+    source_samples: tuple[int, ...] | None = None
+    """Samples of each source in the dataset (its shards' own counts): which source a fed sample belongs to."""
+
+    def __post_init__(self) -> None:
+        if self.blend is not None and (self.weights is None or self.source_samples is None):
+            raise ValueError("a blend's sampling needs the manifest's weights and the sources' sample counts")
 
     @classmethod
     def of(cls, train: TrainConfig, world_size: int) -> Sampling:
@@ -65,7 +74,11 @@ class Sampling:
         dp = data_parallel_degree(par, world_size)
         blend = blend_of(data, train.run.seed)
         n = blend.epoch_size if blend else len(data)
-        return cls(n, par.micro_batch, par.grad_accum_steps, dp, train.run.seed, train.data.drop_last, blend)
+        weights = tuple(source.weight for source in data.manifest.blend or ()) if blend else None
+        counts = tuple(data.source_samples) if blend else None
+        return cls(
+            n, par.micro_batch, par.grad_accum_steps, dp, train.run.seed, train.data.drop_last, blend, weights, counts
+        )
 
     @property
     def global_batch(self) -> int:
@@ -300,10 +313,14 @@ def _check_sources(
     """A blend, per source: each draw fed a sample of its own source; no sample twice within one of the source's
     cycles (its pass over every sample), across ranks, steps and resumes; every cycle that the ended epochs
     complete covers all of the source's samples (counting the recorded remainder's draws); and every ended epoch
-    gave each source exactly its quota of draws (the weights' share)."""
-    blend = sampling.blend
-    assert blend is not None
-    n_sources = len(blend.quota)
+    gave each source its weight's share of draws: the weights and the sources' sizes are the manifest's, never the
+    trainer's Blend (whose quotas are what is under test)."""
+    blend, weights, counts = sampling.blend, sampling.weights, sampling.source_samples
+    assert blend is not None and weights is not None and counts is not None
+    n_sources = len(weights)
+    shares = [w / sum(weights) for w in weights]
+    first_sample = np.concatenate(([0], np.cumsum(counts))).astype(np.int64)
+    fed_from: dict[int, Counter[int]] = defaultdict(Counter)  # epoch -> source of the sample fed -> draws
     seen: dict[tuple[int, int], Counter[int]] = defaultdict(Counter)  # (source, cycle) -> sample -> count
     per_epoch: dict[int, Counter[int]] = defaultdict(Counter)  # epoch -> source -> draws
     wrong: list[int] = []
@@ -317,6 +334,9 @@ def _check_sources(
         for s, c, x in zip(source.tolist(), cycle.tolist(), local.tolist(), strict=True):
             seen[(s, c)][x] += 1
             per_epoch[epoch][s] += 1
+        fed_from[epoch].update(
+            (np.searchsorted(first_sample, np.asarray(samples, dtype=np.int64), side="right") - 1).tolist()
+        )
         wrong.extend(int(x) for x in np.asarray(samples)[blend.source_of_sample(samples) != source])
 
     for rank, replay in replays.items():
@@ -338,11 +358,13 @@ def _check_sources(
         twice = sorted({x for (src, c), counts in seen.items() if src == s for x, k in counts.items() if k > 1})
         if twice:
             problems.append(f"blend source {s}: samples drawn twice within one pass over the source: {_quote(twice)}")
-        short = [e for e in ended if per_epoch[e][s] != quota]
-        if short:
+        exact = shares[s] * sampling.n_samples  # rounding the shares to whole draws moves each by less than one
+        off = [e for e in ended if abs(fed_from[e][s] - exact) >= 1]
+        if off:
             problems.append(
-                f"blend source {s}: epochs {_quote(short)} drew {[per_epoch[e][s] for e in short[:_SHOWN]]}, its "
-                f"quota is {quota} (weight {blend.weights[s]:.4g} of {blend.epoch_size} draws per epoch)"
+                f"blend source {s}: epochs {_quote(off)} fed {[fed_from[e][s] for e in off[:_SHOWN]]} of its samples, "
+                f"its weight {shares[s]:.4g} gives {exact:.4g} of {sampling.n_samples} draws per epoch (the "
+                f"manifest's weights {list(weights)})"
             )
         done_positions = len(ended) * quota if ended == list(range(len(ended))) else 0
         complete = [c for (src, c) in seen if src == s and (c + 1) * n <= done_positions]
@@ -350,10 +372,10 @@ def _check_sources(
             missing = n - len(seen[(s, c)])
             if missing:
                 problems.append(f"blend source {s}: its pass {c} over the source left {missing} of {n} samples out")
-        observed = sum(per_epoch[e][s] for e in ended)
-        total = sum(sum(per_epoch[e].values()) for e in ended)
+        observed = sum(fed_from[e][s] for e in ended)
+        total = sum(sum(fed_from[e].values()) for e in ended)
         summary.append(
-            {"source": s, "samples": n, "weight": blend.weights[s], "quota": quota,
+            {"source": s, "samples": counts[s], "weight": shares[s], "quota": quota,
              "observed_share": observed / total if total else None, "passes_complete": len(complete)}
         )  # fmt: skip
     return summary

@@ -39,3 +39,18 @@ def test_each_hardening_refusal_is_diagnosed_as_its_own_cause(log: str, cause: s
     findings = diagnose("training failed", log).findings
     assert [f.cause for f in findings] == [cause]
     assert log.strip()[:60] in findings[0].evidence[0]
+
+
+@pytest.mark.parametrize(
+    "log",
+    [
+        "[rank0]: training.dataset.DatasetError: runs/local/datasets/8bc7c958d63cad69: the dataset does not exist; "
+        "prepare it first (tdeploy prepare-data)",
+        "[rank1]: training.dataset.DatasetError: runs/local/datasets/8bc7: is unfinished (no manifest.json); rebuild it",
+        "[rank0]: training.dataset.DatasetError: /data/ds: train/tokens-00000.bin is missing; re-copy the dataset",
+    ],
+)
+def test_a_dataset_that_is_not_there_is_diagnosed_as_missing_not_as_tampered(log: str) -> None:
+    findings = diagnose("training failed", log).findings
+    assert [f.cause for f in findings] == ["dataset or checkpoint missing"]
+    assert "planted" not in findings[0].fix and "run the deployment again" in findings[0].fix

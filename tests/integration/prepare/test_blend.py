@@ -123,7 +123,45 @@ def test_per_source_checks_fail_when_draws_resolve_with_the_wrong_epoch(tmp_path
         if sampler.epoch_done:
             out.append_epoch(EpochEnd(epoch, step, blend.epoch_size, 5, sampler.remainder(epoch).tolist(), []))
     out.close()
-    sampling = Sampling(blend.epoch_size, 5, 1, 1, 3, True, blend)
+    sampling = Sampling(blend.epoch_size, 5, 1, 1, 3, True, blend, (0.5, 0.5), (40, 10))
     result = check_data_consistency(tmp_path, sampling)
     assert not result.passed
     assert "blend source 0: samples drawn twice within one pass over the source" in result.message
+
+
+def _records_of(blend: Blend, folder: Path, epochs: int = 3) -> None:
+    """One rank's sample records of `epochs` epochs drawn through `blend` (5 draws a step)."""
+    from training.run_output import EpochEnd, RunOutputWriter
+    from training.sampler import GlobalBatchSampler
+
+    sampler = GlobalBatchSampler(blend.epoch_size, 5, 1, 1, 0, seed=3)
+    out = RunOutputWriter(str(folder), None)
+    for step in range(1, epochs * sampler.steps_per_epoch + 1):
+        offset = sampler.state.offset if not sampler.epoch_done else 0
+        epoch, (draws,) = sampler.next_step()
+        out.append_samples(0, {"step": step, "epoch": epoch, "offset": offset, "resumed_from": None,
+                               "indices": draws.tolist(), "samples": blend.samples(epoch, draws).tolist()})  # fmt: skip
+        if sampler.epoch_done:
+            out.append_epoch(EpochEnd(epoch, step, blend.epoch_size, 5, sampler.remainder(epoch).tolist(), []))
+    out.close()
+
+
+@pytest.mark.parametrize("applied", [(0.3, 0.7), (0.7, 0.3)], ids=["as-defined", "inverted-by-the-trainer"])
+def test_blend_proportions_are_judged_against_the_manifests_weights_not_the_trainers_quotas(
+    tmp_path: Path, applied: tuple[float, float]
+) -> None:
+    """A trainer that applies the weights inverted (the 0.3 source drawn 70%) hands the check a Blend whose own
+    quotas agree with what it drew; the expected shares come from the manifest's weights."""
+    trainer_blend = Blend(list(applied), [60, 30], seed=3)
+    _records_of(trainer_blend, tmp_path)
+    sampling = Sampling(trainer_blend.epoch_size, 5, 1, 1, 3, True, trainer_blend, (0.3, 0.7), (60, 30))
+    result = check_data_consistency(tmp_path, sampling)
+    shares = {s["source"]: s["observed_share"] for s in result.measured["sources"]}
+    assert shares[0] == pytest.approx(applied[0], abs=0.02)
+    if applied == (0.3, 0.7):
+        assert result.passed, result.message
+    else:
+        assert not result.passed
+        assert "blend source 0: epochs 0, 1, 2 fed [63, 63, 63] of its samples, its weight 0.3 gives 27 of 90" in (
+            result.message
+        )
