@@ -172,12 +172,14 @@ def prometheus_config(
     }
 
 
+_HOST_PORT = re.compile(r"[A-Za-z0-9][A-Za-z0-9.-]{0,252}:(?P<port>[0-9]{1,5})")
+"""ASCII only: str.isdigit takes '²' (which int() refuses) and '٣' (which it reads as 3), isalnum takes 'ö'."""
+
+
 def _check_host_port(value: str, what: str) -> None:
-    host, _, port = value.rpartition(":")
-    ok = bool(host) and port.isdigit() and 0 < int(port) < 65536
-    ok = ok and all(c.isalnum() or c in ".-" for c in host) and not host.startswith(("-", "."))
-    if not ok:
-        raise UserError(f"{what}={value!r} is not host:port", "write e.g. node1:9093 (letters, digits, . and -)")
+    match = _HOST_PORT.fullmatch(value)
+    if match is None or not 0 < int(match["port"]) < 65536:
+        raise UserError(f"{what}={value!r} is not host:port", "write e.g. node1:9093 (ASCII letters, digits, . and -; a port from 1 to 65535)")
 
 
 EXAMPLE_ROUTING = {

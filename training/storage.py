@@ -26,8 +26,10 @@ _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 
 def check_storage_url(value: str) -> str:
     """Refuse URLs with control characters (NUL, newline) or a scheme fsspec storage is not meant to use."""
-    if not value:
-        raise ValueError("must not be empty; give a local path or an s3:// URL")
+    if not value.strip():
+        raise ValueError("must not be empty or blank; give a local path or an s3:// URL")
+    if value != value.strip():
+        raise ValueError("starts or ends with white space (a folder named by spaces?); remove it")
     if _CONTROL.search(value):
         raise ValueError("contains a control character (NUL, newline, tab...); remove it")
     match = _SCHEME.match(value)
