@@ -6,8 +6,10 @@ pipeline modules it needs (torch, Prefect, Great Expectations and the spec model
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -113,14 +115,26 @@ def _root(
     logging.getLogger("great_expectations").setLevel(logging.WARNING)
 
 
-def _load(spec: str) -> DeploymentSpec:
+CHECK_PATHS_HELP = (
+    "Also check every path and URL of the spec as the commands that use them do (inputs exist, outputs are "
+    "writable, object stores answer); needs the cluster's storage."
+)
+PATHS_NOT_CHECKED = (
+    "paths and storage not checked (the commands that use them check them before any work); "
+    "run with --check-paths to check them now"
+)
+
+
+def _load(spec: str, check_paths: bool = True) -> DeploymentSpec:
+    """The validated spec; with `check_paths`, every path and URL in it checked too (`tasks.preflight`)."""
     from tasks.errors import TransientError
     from tasks.preflight import preflight
     from tasks.spec import SpecError, load_spec
 
     try:
         parsed = load_spec(spec)
-        preflight(parsed)
+        if check_paths:
+            preflight(parsed)
         return parsed
     except TransientError as err:
         err_console.print(f"{spec}: {err}", markup=False, highlight=False)
@@ -133,11 +147,15 @@ def _load(spec: str) -> DeploymentSpec:
 
 
 @app.command("validate-spec", epilog=_example("tdeploy validate-spec examples/local.yaml"))
-def validate_spec(spec: str = typer.Argument(..., help=SPEC_HELP)) -> None:
-    """Check a spec; print 'ok' and a summary, or every problem at once."""
-    parsed = _load(spec)
+def validate_spec(
+    spec: str = typer.Argument(..., help=SPEC_HELP),
+    check_paths: bool = typer.Option(False, "--check-paths", help=CHECK_PATHS_HELP),
+) -> None:
+    """Check a spec (offline); print 'ok' and a summary, or every problem at once."""
+    parsed = _load(spec, check_paths)
     console.print("ok", style="green")
     console.print(parsed.summary(), markup=False, highlight=False)
+    console.print("every path and URL checked" if check_paths else PATHS_NOT_CHECKED, markup=False, highlight=False)
 
 
 @app.command(epilog=_example("tdeploy train examples/local.yaml"))
@@ -376,13 +394,15 @@ def plan(
         help="Print only the `parallel:` section of the fastest fitting layout the payload runs (YAML to paste "
         "into the spec); exit 1 if no layout fits.",
     ),
+    check_paths: bool = typer.Option(False, "--check-paths", help=CHECK_PATHS_HELP),
 ) -> None:
-    """Estimate memory, time and communication, search the layouts; exit 1 if the requested one does not fit."""
-    from tasks.capacity.plan import make_plan, write_plan
+    """Estimate memory, time and communication, search the layouts (offline); exit 1 if the requested one does
+    not fit."""
+    from tasks.capacity.plan import make_plan
     from tasks.capacity.report import format_self_check, rich_report
     from tasks.deployment import calibration_inputs, plan_inputs
 
-    parsed = _load(spec)
+    parsed = _load(spec, check_paths)
     result = make_plan(*plan_inputs(parsed), *calibration_inputs(parsed))
     if self_check:
         from tasks.capacity.measure import run_self_check  # imports torch: only when asked
@@ -393,7 +413,7 @@ def plan(
 
             checked = run_parallel_self_check(parsed.model, parsed.parallel, parsed.precision, parsed.cluster)
             result.self_check.append(checked)
-    url = write_plan(result, out)
+    url = _write_plan(result, parsed, out)
     if emit_parallel:
         if result.chosen() is None:
             err = result.error()
@@ -413,11 +433,33 @@ def plan(
         console.print(rich_report(result))
         for check in result.self_check:
             console.print(format_self_check(check), markup=False, highlight=False)
-        console.print(f"plan {url}", markup=False, highlight=False)
+        if url:
+            console.print(f"plan {url}", markup=False, highlight=False)
+        if not check_paths:
+            console.print(PATHS_NOT_CHECKED, markup=False, highlight=False)
     if not result.fits:
         err = result.error()
         err_console.print(f"{err.message}\n{err.fix}", style="red", markup=False, highlight=False)
         raise typer.Exit(1)
+
+
+def _write_plan(result, parsed: DeploymentSpec, out: str | None) -> str | None:  # noqa: ANN001 - CapacityPlan
+    """Write plan.json into --out, else into capacity.output_url when this machine can write there: its URL.
+
+    A spec made for a cluster names a folder of the cluster (`/shared/...`): planning it elsewhere prints the plan
+    and says why plan.json was not written (None) instead of failing.
+    """
+    from tasks.capacity.plan import write_plan
+    from tasks.preflight import path_problem
+
+    if out is None:
+        problem = path_problem(parsed, "capacity.output_url")
+        if problem:
+            err_console.print(
+                f"plan.json not written: {problem}; or pass --out DIR", style="yellow", markup=False, highlight=False
+            )
+            return None
+    return write_plan(result, out)
 
 
 def _training_config_prepared(parsed: DeploymentSpec) -> TrainConfig:
@@ -426,6 +468,22 @@ def _training_config_prepared(parsed: DeploymentSpec) -> TrainConfig:
 
     data = _prepare_with_progress(parsed) if parsed.data.prepare is not None else existing_dataset(parsed)
     return training_config(parsed, data)
+
+
+@contextlib.contextmanager
+def _progress_lines() -> Iterator[None]:
+    """Plain progress lines on stdout while acceptance or the drills run (minutes without other output): each
+    phase, and within one its count every 30 s. They replace the progress logger's lines of the phases."""
+    from tasks.progress import PlainLines, listening
+
+    logger = logging.getLogger("tasks.progress")
+    level = logger.level
+    logger.setLevel(logging.WARNING)
+    try:
+        with listening(PlainLines(lambda text: console.print(text, markup=False, highlight=False))):
+            yield
+    finally:
+        logger.setLevel(level)
 
 
 def _print_acceptance(report, root: Path) -> None:  # noqa: ANN001 - AcceptanceReport
@@ -475,10 +533,11 @@ def accept(
     cfg = _training_config_prepared(parsed)
     acceptance = _with_workspace_base(parsed.acceptance, out)
     root = work_dir(acceptance, cfg)
-    report = run_acceptance(
-        parsed.cluster, cfg, acceptance, root, None, image, soak, parsed.drills, drills,
-        planned=planned_figures(parsed),
-    )  # fmt: skip
+    with _progress_lines():
+        report = run_acceptance(
+            parsed.cluster, cfg, acceptance, root, None, image, soak, parsed.drills, drills,
+            planned=planned_figures(parsed),
+        )  # fmt: skip
     _print_acceptance(report, root)
     mark_latest(Workspace.at(root))
     if not report.passed:
@@ -507,7 +566,8 @@ def drill(
     acceptance = _with_workspace_base(parsed.acceptance, out)
     root = work_dir(acceptance, cfg) / "drills"
     ctx = DrillContext(parsed.cluster, cfg, root, acceptance, parsed.drills, None, image)
-    results = run_drills(ctx, only)
+    with _progress_lines():
+        results = run_drills(ctx, only)
     report = AcceptanceReport([], results, {})
     _print_acceptance(report, root)
     mark_latest(Workspace.at(root.parent))
@@ -574,7 +634,12 @@ def diagnose(
         err_console.print(f"{run_dir}: no such folder; pass a run's output folder", markup=False)
         raise typer.Exit(2)
     result = diagnose_run(run_dir)
-    console.print(result.markdown(), markup=False, highlight=False)
+    if console.is_terminal:
+        from rich.markdown import Markdown
+
+        console.print(Markdown(result.markdown()))
+    else:  # a file or a pipe: the Markdown text itself, as the flow publishes it
+        console.print(result.markdown(), markup=False, highlight=False, soft_wrap=True)
     if result.findings:
         raise typer.Exit(1)
 
@@ -598,7 +663,7 @@ def serve(
     """Export a checkpoint and serve it with vLLM's OpenAI-compatible server until Ctrl-C or SIGTERM."""
     import signal
 
-    from tasks.deployment import export_dir
+    from tasks.deployment import export_dir, serving_dir
     from tasks.serve.server import SERVER_LOG, log_tail, start_server
     from training.storage import is_local, local_path
 
@@ -619,12 +684,15 @@ def serve(
             raise typer.Exit(EXIT_USER_ERROR)
         model_dir = Path(local_path(result.model_dir))
 
+    stopped_by = [signal.SIGINT]  # a KeyboardInterrupt before the handlers below are in place is a Ctrl-C
+
     def stop_on_signal(signum: int, frame: object) -> None:
         for sig in (signal.SIGINT, signal.SIGTERM):  # one stop at a time: Server.stop escalates by itself
             signal.signal(sig, signal.SIG_IGN)
+        stopped_by[0] = signal.Signals(signum)
         raise KeyboardInterrupt(signal.Signals(signum).name)
 
-    log_path = Path(parsed.reports_dir) / SERVER_LOG
+    log_path = Path(serving_dir(parsed)) / SERVER_LOG  # the serving check's folder and log name too
     max_model_len = parsed.serve.max_model_len or parsed.model.seq_len
     console.print(
         f"starting vLLM on {model_dir} (log {log_path}; ready within serve.startup_timeout_s="
@@ -635,7 +703,10 @@ def serve(
     previous = {sig: signal.signal(sig, stop_on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     server = None
     try:
-        server = start_server(model_dir, parsed.serve, parsed.name, max_model_len, log_path, parsed.cluster.accelerator)
+        server = start_server(
+            model_dir, parsed.serve, parsed.name, max_model_len, log_path, parsed.cluster.accelerator,
+            on_wait=lambda waited: console.print(f"waiting for the vLLM server's /health ({waited:.0f} s)"),
+        )  # fmt: skip
         with server:
             console.print(
                 f"serving {parsed.name} at {server.url} (pid {server.pid}); Ctrl-C stops it\n"
@@ -654,7 +725,8 @@ def serve(
         raise typer.Exit(EXIT_FAILED_CHECK)
     except KeyboardInterrupt:
         what = f"stopped the vLLM server (pid {server.pid})" if server else "stopped the vLLM server before it served"
-        console.print(what, markup=False, highlight=False)
+        console.print(f"{what} on {stopped_by[0].name}", markup=False, highlight=False)
+        raise typer.Exit(128 + stopped_by[0]) from None  # as `tdeploy run`: 130 for Ctrl-C, 143 for SIGTERM
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -751,7 +823,7 @@ def baseline(
     """Show the current baseline (the newest accepted ledger entry not rolled back) and, with --run, each figure
     of that run against it; exit 1 when a figure regressed beyond acceptance.regression."""
     from tasks.acceptance.workspace import RUN_ID
-    from tasks.ledger.gate import compare
+    from tasks.ledger.gate import baseline_runs, compare
     from tasks.ledger.registry import cluster_key_of, figures_of_workspace
 
     parsed = _load(spec)
@@ -782,7 +854,9 @@ def baseline(
     if figures is None:
         return
     same_curve = curve_key is None or curve_key == current.curve_key
-    diffs = compare(current, figures, same_curve, parsed.acceptance.regression, parsed.acceptance.thresholds)
+    regression = parsed.acceptance.regression
+    history = baseline_runs(ledger, current, regression)
+    diffs = compare(current, figures, same_curve, regression, parsed.acceptance.thresholds, history)
     table = Table("figure", "baseline", "run", "change", "verdict", show_lines=False)
     for d in diffs:
         style = {"pass": "green", "FAIL": "red"}.get(d.verdict, "yellow")

@@ -11,6 +11,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shlex
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -162,12 +164,21 @@ def ui_hint(flow_run_id: str | None, ephemeral: bool) -> str:
     if not ephemeral:
         base = (settings.ui_url or str(settings.api.url).removesuffix("/api")).rstrip("/")
         return f"Prefect UI: {base}/runs/flow-run/{flow_run_id}"
-    home = settings.home
+    home = shlex.quote(str(settings.home))
     return (
-        f"Prefect UI: flow run {flow_run_id}; the temporary server's records are kept in PREFECT_HOME={home}: "
-        f"run `PREFECT_HOME={home} prefect server start` and open "
-        f"http://127.0.0.1:{UI_PORT}/runs/flow-run/{flow_run_id}"
+        f"Prefect UI: flow run {flow_run_id}; the temporary server's records are kept in PREFECT_HOME={home}; "
+        f"to see them, run\n  PREFECT_HOME={home} {prefect_command()} server start\n"
+        f"and open http://127.0.0.1:{UI_PORT}/runs/flow-run/{flow_run_id}"
     )
+
+
+def prefect_command() -> str:
+    """This environment's `prefect` as a shell runs it: the script beside this Python (a virtual environment's
+    bin folder is seldom on PATH), else `python -m prefect`."""
+    script = Path(sys.executable).parent / "prefect"
+    if script.is_file() and os.access(script, os.X_OK):
+        return shlex.quote(str(script))
+    return f"{shlex.quote(sys.executable)} -m prefect"
 
 
 def print_summary(
@@ -188,34 +199,44 @@ def print_summary(
         else:
             out.print("Diagnosis: no known cause matched; read the step's log first.", markup=False)
     out.print(f"reports: {Path(reports_dir).resolve()} (summary.json, summary.md)", markup=False, highlight=False)
-    out.print(ui_hint(flow_run_id, ephemeral), markup=False, highlight=False)
+    # soft_wrap: never break a path or the command inside the hint, whatever the console's width
+    out.print(ui_hint(flow_run_id, ephemeral), markup=False, highlight=False, soft_wrap=True)
 
 
 class ProgressDrawing:
     """Draws the progress events of the steps: step k of n, its phase, the count where there is one, elapsed."""
 
     def __init__(self, progress: Progress) -> None:
-        from tasks.pipeline import STEPS
-
-        self.progress, self.steps = progress, STEPS
+        self.progress = progress
         self.task_id = progress.add_task("starting", total=None)
 
     def __call__(self, event: ProgressEvent) -> None:
         """Show `event`."""
-        k = f"{self.steps.index(event.step) + 1}/{len(self.steps)} " if event.step in self.steps else ""
         total = event.total if event.done is not None and event.total else None
-        self.progress.update(
-            self.task_id, description=f"[{k}{event.step}] {event.describe()}", completed=event.done or 0, total=total
-        )
+        self.progress.update(self.task_id, description=progress_label(event), completed=event.done or 0, total=total)
+
+
+def progress_label(event: ProgressEvent) -> str:
+    """`[7/9 acceptance] acceptance: distributed run (40/200)`: the pipeline step's place, then the event."""
+    from tasks.pipeline import STEPS
+
+    k = f"{STEPS.index(event.step) + 1}/{len(STEPS)} " if event.step in STEPS else ""
+    return f"[{k}{event.step}] {event.describe()}"
 
 
 @contextlib.contextmanager
 def _drawing_progress() -> Iterator[None]:
-    """A rich progress line under the log while the flow runs; Prefect's log lines print above it."""
+    """A rich progress line under the log while the flow runs (Prefect's log lines print above it); plain
+    progress lines when stdout is not a terminal."""
     from prefect.logging.handlers import PrefectConsoleHandler
 
-    from tasks.progress import listening
+    from tasks.progress import PlainLines, listening
 
+    if not console.is_terminal:  # a file or a pipe (CI logs, tee): a live line draws nothing there
+        lines = PlainLines(lambda text: console.print(text, markup=False, highlight=False), label=progress_label)
+        with listening(lines):
+            yield
+        return
     # Drawn through the console Prefect's log handler prints with, so that its lines go above the live line.
     handler = next((h for h in _all_handlers() if isinstance(h, PrefectConsoleHandler)), None)
     progress = Progress(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from typing import Annotated, Literal
 
@@ -10,6 +11,7 @@ from pydantic import AfterValidator, Field, field_validator, model_validator
 from tasks.launch.config import KubernetesConfig, PreemptionConfig, SlurmConfig, SshLaunchConfig, matching
 from training.config import Problem, StrictModel, raise_problems
 from training.network import COLLECTIVE_TIMEOUT_ENV
+from training.untrusted import escape_untrusted
 
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 # Variables that decide how the job script's shell, the dynamic loader, Python, Slurm or torchrun start the
@@ -19,18 +21,62 @@ RESERVED_ENV = frozenset(
     | {"PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "PYTHONUSERBASE", "PYTHONINSPECT", "PYTHONEXECUTABLE"}
 )
 RESERVED_ENV_PREFIXES = ("LD_", "SLURM_", "SBATCH_", "SRUN_", "PET_", "TDEPLOY_")
+# What a spec may set in cluster.env: tuning variables of NCCL, gloo, torch.distributed, OpenMP and the CUDA
+# runtime. An allow-list, because libraries keep adding variables that load code (NCCL_NET_PLUGIN,
+# CUDA_INJECTION64_PATH, GCONV_PATH, TRITON_CACHE_DIR, ...), which a deny-list only learns of too late.
+ALLOWED_ENV = frozenset(
+    {"GLOO_SOCKET_IFNAME", "GLOO_DEVICE_TRANSPORT", "TORCH_DISTRIBUTED_DEBUG", "TORCH_CPP_LOG_LEVEL"}
+    | {"TORCH_SHOW_CPP_STACKTRACES", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "TOKENIZERS_PARALLELISM"}
+    | {"CUDA_DEVICE_MAX_CONNECTIONS", "CUDA_LAUNCH_BLOCKING", "CUDA_MODULE_LOADING", "PYTORCH_CUDA_ALLOC_CONF"}
+    | {"NVIDIA_TF32_OVERRIDE"}
+)
+ALLOWED_ENV_PREFIXES = ("NCCL_", "TORCH_NCCL_")
+# Words of a variable name that point a library at a file, folder or shared object to read or load: never
+# allowed through a prefix (NCCL_NET_PLUGIN, NCCL_TOPO_FILE, TORCH_NCCL_DEBUG_INFO_TEMP_FILE, ...).
+LOADING_WORDS = frozenset({"PLUGIN", "PATH", "DIR", "FILE", "LIB", "LIBRARY", "LIBRARIES", "SO", "MODULE"})
+ALLOWED_ENV_VAR = "TDEPLOY_ALLOWED_ENV"
+"""The operator's extension of the allow-list: comma-separated names or PREFIX_* (read from tdeploy's environment)."""
+_OPERATOR_ENTRY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\*?")
+
+
+def _loads_code(name: str) -> bool:
+    return any(word in LOADING_WORDS for word in name.split("_"))
+
+
+def operator_allowed_env() -> tuple[frozenset[str], tuple[str, ...]]:
+    """The names and prefixes the operator adds in TDEPLOY_ALLOWED_ENV; ValueError for an entry that is neither."""
+    entries = [e.strip() for e in os.environ.get(ALLOWED_ENV_VAR, "").split(",") if e.strip()]
+    bad = [e for e in entries if not _OPERATOR_ENTRY.fullmatch(e)]
+    if bad:
+        raise ValueError(
+            f"{ALLOWED_ENV_VAR}={os.environ[ALLOWED_ENV_VAR]!r} (the operator's environment): {bad} are not variable "
+            "names or PREFIX_*; write comma-separated names, e.g. UCX_TLS,FI_PROVIDER or UCX_*"
+        )
+    return frozenset(e for e in entries if not e.endswith("*")), tuple(e[:-1] for e in entries if e.endswith("*"))
+
+
+def env_allowed(name: str, names: frozenset[str], prefixes: tuple[str, ...]) -> bool:
+    """Whether a spec may set `name`: listed by name (ours or the operator's), or under an allowed prefix without a
+    word that makes a library load something."""
+    if name in ALLOWED_ENV or name in names:
+        return True
+    return name.startswith(ALLOWED_ENV_PREFIXES + prefixes) and not _loads_code(name)
 
 
 def env_problems(env: dict[str, str], field: str = "env") -> list[Problem]:
     """What is wrong with the names (and NULs in the values) of a job environment; values are never echoed."""
     problems: list[Problem] = []
+    try:
+        names, prefixes = operator_allowed_env()
+    except ValueError as err:
+        return [((field,), "{...}", str(err))] if env else []
     for name, value in env.items():
         if not ENV_NAME.fullmatch(name):
             problems.append(
                 (
                     (field,),
                     name,
-                    f"{name!r} is not an environment variable name; use letters, digits and _, "
+                    f"'{escape_untrusted(name, 64)}' is not an environment variable name; use letters, digits and _, "
                     "not starting with a digit (e.g. NCCL_DEBUG)",
                 )
             )
@@ -42,6 +88,20 @@ def env_problems(env: dict[str, str], field: str = "env") -> list[Problem]:
                     "is reserved: it changes how the shell, the dynamic loader, Python, Slurm or torchrun start "
                     "the job (PATH, IFS, BASH_ENV, LD_*, PYTHONPATH, SLURM_*, PET_*, ...); the operator sets such "
                     "variables on the nodes or in the base image",
+                )
+            )
+        elif not env_allowed(name, names, prefixes):
+            problems.append(
+                (
+                    (field,),
+                    name,
+                    "is not on the allow-list of variables a spec may set (NCCL_* and TORCH_NCCL_* without "
+                    "PLUGIN, PATH, DIR, FILE, LIB, SO or MODULE in the name; GLOO_SOCKET_IFNAME, "
+                    "TORCH_DISTRIBUTED_DEBUG, OMP_NUM_THREADS, PYTORCH_CUDA_ALLOC_CONF and the others the README's "
+                    "Security section lists), as it may make a library load code; if it is safe on your nodes, "
+                    f"the operator allows it by adding it to {ALLOWED_ENV_VAR} in tdeploy's environment "
+                    f"(comma-separated, e.g. {ALLOWED_ENV_VAR}={escape_untrusted(name, 64)}), or sets it on the "
+                    "nodes or in the image",
                 )
             )
         elif "\0" in value:
@@ -228,8 +288,9 @@ class ClusterConfig(StrictModel):
     )
     env: dict[str, str] = Field(
         default_factory=dict,
-        description="Environment of the training processes, e.g. NCCL_IB_HCA, NCCL_DEBUG (not PATH, LD_*, "
-        "PYTHONPATH, SLURM_* and the like: those stay with the operator).",
+        description="Environment of the training processes: NCCL/gloo/torch.distributed/OpenMP tuning variables "
+        "on the allow-list, e.g. NCCL_IB_HCA, NCCL_DEBUG (the operator extends it with TDEPLOY_ALLOWED_ENV; PATH, "
+        "LD_*, PYTHONPATH, SLURM_* and the like stay with the operator).",
     )
     slurm: SlurmConfig = Field(default_factory=SlurmConfig, description="scheduler=slurm: sbatch settings.")
     kubernetes: KubernetesConfig = Field(

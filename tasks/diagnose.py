@@ -46,6 +46,10 @@ _MISSING = re.compile(
     r"DatasetError: .*(?:: the dataset does not exist|is unfinished \(no manifest\.json\)|: \S+ is missing)"
 )
 _LEASE = re.compile(r"LeaseHeld|LeaseRefused|LeaseLost|: held by pid \d+")
+ACCEPTANCE_JSON = "acceptance.json"  # tasks/acceptance/report.py writes it (importing that module takes seconds)
+# An acceptance step's error names its report: "acceptance failed: regression; see runs/x/acceptance/ID/acceptance.json"
+_ACCEPTANCE_REPORT = re.compile(r"see (?P<path>\S+/" + re.escape(ACCEPTANCE_JSON) + r")")
+_FIGURE_SEPARATOR = re.compile(r"; (?![^(]*\))")
 
 
 @dataclass
@@ -96,11 +100,15 @@ def diagnose(
     output_dir: Path | None = None,
     plan: dict[str, Any] | None = None,
     node_report: dict[str, Any] | None = None,
+    acceptance: dict[str, Any] | None = None,
 ) -> Diagnosis:
-    """Findings for a failure, from the error message, the job log, the run's metrics and the reports."""
+    """Findings for a failure, from the error message, the job log, the run's metrics and the reports (an
+    acceptance report: `acceptance`, else the one the error names)."""
     text = f"{error}\n{log_text}"
+    acceptance = acceptance if acceptance is not None else _report_named_in(error)
     diagnosis = Diagnosis(inputs=[k for k, v in {"error": error, "log": log_text, "plan": plan,
-                                                  "node_report": node_report}.items() if v])  # fmt: skip
+                                                  "node_report": node_report, "acceptance": acceptance}.items()
+                                  if v])  # fmt: skip
     if _SPEC.search(error):
         problems = [line.strip().removeprefix("- ") for line in error.splitlines() if line.strip().startswith("- ")]
         diagnosis.findings.append(
@@ -180,9 +188,44 @@ def diagnose(
                 "(or the tdeploy-checkpoint-key Secret block) matches the key the checkpoints were signed with",
             )
         )
+    regression = _regression_finding(acceptance)
+    if regression is not None:
+        diagnosis.findings.append(regression)
     if output_dir is not None:
         diagnosis.findings += _metric_findings(_metrics(RunOutput(output_dir)))
     return diagnosis
+
+
+def _report_named_in(error: str) -> dict[str, Any] | None:
+    """The acceptance report an acceptance step's error points at, where it can be read."""
+    match = _ACCEPTANCE_REPORT.search(error)
+    if match is None:
+        return None
+    try:
+        return json.loads(Path(match["path"]).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _regression_finding(report: dict[str, Any] | None) -> Finding | None:
+    """The regression gate's failure (tasks/ledger/gate.py): each figure that regressed with both values and the
+    limit, the baseline entry, and what to do."""
+    dimensions = (report or {}).get("dimensions") or []
+    failed = next((d for d in dimensions if d.get("name") == "regression" and d.get("passed") is False), None)
+    if failed is None:
+        return None
+    # One line per figure: the gate joins them with "; ", which also sits inside each one's parentheses
+    evidence = [part.strip() for part in _FIGURE_SEPARATOR.split(str(failed.get("message") or "")) if part.strip()]
+    baseline = (failed.get("evidence") or {}).get("baseline_entry")
+    if baseline:
+        evidence.append(f"baseline: ledger entry {baseline} (created {failed['evidence'].get('baseline_created_at')})")
+    return Finding(
+        "regression against the baseline",
+        evidence or ["the regression dimension failed"],
+        "`tdeploy baseline SPEC --run <this acceptance workspace>` shows every figure against the baseline; if "
+        "nothing changed since it, run acceptance again before rolling back (other load on the machines slows a run)"
+        + (f"; else look at {failed['look_first']}" if failed.get("look_first") else ""),
+    )
 
 
 def _failed_hosts(error: str) -> dict[int, str]:
@@ -289,7 +332,13 @@ def diagnose_run(path: Path, error: str = "") -> Diagnosis:
     log_text = "\n".join(p.read_text(errors="replace") for p in logs)
     plan = _nearby_json(path, PLAN_JSON)
     nodes = _nearby_json(path, NODE_REPORT)
-    return diagnose(error, log_text, path, plan, nodes)
+    acceptance = _json_in(path, ACCEPTANCE_JSON)  # an acceptance run's workspace
+    return diagnose(error, log_text, path, plan, nodes, acceptance)
+
+
+def _json_in(folder: Path, name: str) -> dict[str, Any] | None:
+    candidate = folder / name
+    return json.loads(candidate.read_text()) if candidate.is_file() else None
 
 
 def _nearby_json(path: Path, name: str) -> dict[str, Any] | None:

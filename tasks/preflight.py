@@ -101,6 +101,19 @@ def preflight(spec: DeploymentSpec) -> None:
     log.debug("preflight: every path of %s is usable", spec.name)
 
 
+def path_problem(spec: DeploymentSpec, field: str) -> str | None:
+    """`field=value: what is wrong and the fix` for the one path `field` of `spec` (a PathCheck's field name);
+    None when it is usable or unset. For a command that uses only that path (`tdeploy plan` writes plan.json)."""
+    for check in spec_paths(spec):
+        if check.field == field:
+            try:
+                problem = _check(check, spec.storage)
+            except _Unreachable as err:
+                problem = f"storage did not answer ({err})"
+            return f"{check.field}={check.value}: {problem}" if problem else None
+    return None
+
+
 def _check(check: PathCheck, storage: StorageConfig) -> str | None:
     if is_local(check.value):
         path = os.path.expanduser(local_path(check.value))

@@ -2,13 +2,15 @@
 
 Steps call `report(...)` at each phase change ("acceptance: distributed run", step 40 of 200); the
 event is logged (the Prefect UI shows it in the task's log) and handed to the listeners a front end
-registered with `listening(...)` (the CLI draws a rich progress bar). With no listener it is a log line.
+registered with `listening(...)` (the CLI draws a rich progress bar on a terminal, and `PlainLines` where its
+output goes to a file or a pipe). With no listener it is a log line.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -57,3 +59,31 @@ def listening(listener: Listener) -> Iterator[None]:
     finally:
         with _lock:
             _listeners.remove(listener)
+
+
+class PlainLines:
+    """A listener for output that is not a terminal (CI logs, `tee`), where a live progress bar draws nothing:
+    one line per new phase, and within a phase a line at most every `every_s` seconds while its count moves, so
+    that a long phase (a distributed run, a drill, a server start) shows that it advances."""
+
+    def __init__(
+        self,
+        write: Callable[[str], None],
+        every_s: float = 30.0,
+        label: Callable[[ProgressEvent], str] = ProgressEvent.describe,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.write, self.every_s, self.label, self.clock = write, every_s, label, clock
+        self.started = clock()
+        self._phase: tuple[str, str] | None = None
+        self._written_at = 0.0
+
+    def __call__(self, event: ProgressEvent) -> None:
+        """Write `event` as `progress 0:04:10 <label>` unless its phase was written less than every_s ago."""
+        now = self.clock()
+        phase = (event.step, event.phase)
+        if phase == self._phase and now - self._written_at < self.every_s:
+            return
+        self._phase, self._written_at = phase, now
+        elapsed = int(now - self.started)
+        self.write(f"progress {elapsed // 3600}:{elapsed // 60 % 60:02d}:{elapsed % 60:02d} {self.label(event)}")

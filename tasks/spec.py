@@ -9,7 +9,7 @@ from typing import Any
 
 import fsspec
 import yaml
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from tasks.acceptance.config import AcceptanceConfig, DrillConfig
 from tasks.capacity.catalogue import CATALOGUE
@@ -43,11 +43,21 @@ from validation.acceptance import layout_text
 
 MAX_SPEC_BYTES = 1 << 20
 """A spec is a few kB; anything past 1 MiB is the wrong file (or an attack on the parser)."""
+MAX_INT_DIGITS = 64
+"""Longest integer a spec may spell (byte counts and seeds need 20)."""
 MAX_SPEC_DEPTH = 32
 """Deepest nesting of mappings and lists a spec may have (the schema needs 5)."""
 
 
 NAME_PATTERN = r"^[a-z0-9][a-z0-9-]{0,62}$"
+NAME_RULE = "1 to 63 lowercase letters, digits and '-', starting with a letter or digit"
+REMOVED_FIELDS: dict[str, str] = {
+    "data.bootstrap": "data.prepare replaced it: drop data.bootstrap and data.dataset_url and write `data: "
+    "{prepare: {builtin_corpus: python-docs, tokenizer: {kind: bytes}}}` for the byte-level dataset of the "
+    "standard library's documentation it built (its max_bytes is prepare.builtin_max_bytes, its min_doc_chars "
+    "prepare.cleaning.min_chars); examples/local.yaml does the same with a BPE tokenizer",
+}
+"""Fields a spec once had, by dotted path, with what replaced them: an old spec is told, not called a typo."""
 RUNS_DIR = "runs"
 """Deployment folders go under runs/<name>/ (relative to where tdeploy runs) unless deployment_dir says otherwise."""
 _UNNAMED = "unnamed"
@@ -135,7 +145,7 @@ class SpecError(ValueError):
 class DeploymentSpec(StrictModel):
     """A whole deployment: cluster, model, parallelism, precision, optimizer, data, checkpoints, run, storage."""
 
-    name: str = Field(pattern=NAME_PATTERN, description="Deployment name (lowercase, digits, -).")
+    name: str = Field(pattern=NAME_PATTERN, description=f"Deployment name: {NAME_RULE}.")
     deployment_dir: LocalPath = Field(
         default=f"{RUNS_DIR}/{_UNNAMED}",
         description="This deployment's folder: every report (plan.json, node-check.json, image/, acceptance/) "
@@ -169,6 +179,15 @@ class DeploymentSpec(StrictModel):
         description="Serving the trained model with vLLM (tdeploy serve, the pipeline's serving check); "
         "None (the default) = no serving. `serve: {}` takes every serving default.",
     )
+
+    @field_validator("name", mode="before")
+    @classmethod
+    def _name_in_words(cls, value: Any) -> Any:
+        """The name's rule in words, before the pattern (a regex) would say it."""
+        if isinstance(value, str) and re.fullmatch(NAME_PATTERN, value) is None:
+            fixed = re.sub(r"[^a-z0-9-]+", "-", value.lower()).strip("-")[:63].strip("-") or "my-run"
+            raise ValueError(f"must be {NAME_RULE} (it names folders, jobs and flow runs); e.g. {fixed}")
+        return value
 
     @model_validator(mode="before")
     @classmethod
@@ -349,7 +368,7 @@ def parse_spec(data: Any, source: str = "<spec>") -> DeploymentSpec:
     try:
         spec = DeploymentSpec.model_validate(data)
     except ValidationError as err:
-        problems += [p for p in format_validation_error(err) if p not in problems]
+        problems += [p for p in format_validation_error(err, REMOVED_FIELDS) if p not in problems]
     if problems:
         raise SpecError(source, problems)
     return spec
@@ -385,6 +404,18 @@ class _SpecLoader(yaml.SafeLoader):
         finally:
             self._depth -= 1
 
+    def construct_yaml_int(self, node: yaml.ScalarNode) -> int:
+        """An integer of at most MAX_INT_DIGITS digits (Python refuses to parse past 4300 with a bare ValueError)."""
+        digits = sum(ch.isdigit() for ch in str(node.value))
+        if digits > MAX_INT_DIGITS:
+            raise yaml.constructor.ConstructorError(
+                None,
+                None,
+                f"an integer of {digits} digits; no spec field takes more than {MAX_INT_DIGITS}: check the value",
+                node.start_mark,
+            )
+        return super().construct_yaml_int(node)  # type: ignore[no-untyped-call]
+
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
         seen: set[Any] = set()
         for key_node, _ in node.value:
@@ -397,6 +428,9 @@ class _SpecLoader(yaml.SafeLoader):
                 )
             seen.add(key)
         return super().construct_mapping(node, deep)
+
+
+_SpecLoader.add_constructor("tag:yaml.org,2002:int", _SpecLoader.construct_yaml_int)
 
 
 def read_spec_text(source: str) -> str:

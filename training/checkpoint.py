@@ -8,7 +8,12 @@ Layout of one checkpoint::
     <url>/step-00000040/model.json                       the model card: architecture, tokenizer, dataset (ModelCard)
     <url>/step-00000040/COMMIT.json                      written last: file list with sha256 (+ hmac_sha256)
 
-A checkpoint exists only once COMMIT.json is there. Loading takes the newest
+A checkpoint exists only once COMMIT.json is there. On local disks every file of
+the save and its folders are fsynced before COMMIT.json is written (and its name
+after), so a commit never names data still in the page cache; the writer then
+reads COMMIT.json back, and a record that does not list every file written (with
+its size and sha256) is withdrawn and the save fails (CheckpointCommitError).
+Loading takes the newest
 committed checkpoint whose files all match their checksums; a partial or
 corrupt one is skipped with a warning that names it. Model and optimizer state
 load under another world size (DCP reshards); per-rank RNG states then cannot
@@ -100,12 +105,14 @@ from training.checkpoint_trust import (
 from training.config import CheckpointConfig, ModelConfig, StrictModel, first_problem
 from training.run_output import ResumeRecord, RunOutputWriter, SkippedCheckpoint
 from training.storage import (
+    ControlFileError,
     DigestingWriter,
     StorageConfig,
     filesystem,
     is_local,
     join,
     local_path,
+    read_control_file,
     sha256_file,
     sha256_files,
     write_bytes_atomic,
@@ -171,6 +178,17 @@ class CheckpointSaveError(RuntimeError):
     ) -> None:
         super().__init__(f"checkpoint save to {path} failed after {attempts} attempt(s): {cause}")
         self.path, self.attempts, self.no_space, self.step = path, attempts, no_space, step
+
+
+class CheckpointCommitError(CheckpointSaveError):
+    """The save's own check after its commit: COMMIT.json does not list every file the ranks wrote, or a file it
+    lists is not on storage as written. The commit is withdrawn (the checkpoint is partial), not retried: the
+    same save would write the same record."""
+
+    def __init__(self, path: str, step: int, problems: list[str]) -> None:
+        cause = RuntimeError(f"the commit record does not match what was written: {'; '.join(problems)}")
+        super().__init__(path, 1, cause, step=step)
+        self.problems = problems
 
 
 class CheckpointAbortedError(RuntimeError):
@@ -591,7 +609,9 @@ class CheckpointManager:
         fsynced before the commit; an object store has a file once its upload returns."""
         writer: dcp.FileSystemWriter
         if is_local(self.cfg.url):
-            writer = dcp.FileSystemWriter(local_path(path), thread_count=threads)
+            # DCP's own fsync of each file; `_flush` syncs them (and the folders) again before the commit, so a
+            # writer with its sync off cannot commit data that is still in the page cache.
+            writer = dcp.FileSystemWriter(local_path(path), sync_files=True, thread_count=threads)
         else:
             writer = FsspecWriter(
                 path, sync_files=False, thread_count=threads, **self.storage.fsspec_options(self.cfg.url)
@@ -625,7 +645,7 @@ class CheckpointManager:
         """The COMMIT.json of `step`, or None while that checkpoint is unfinished (CheckpointFormatError if bad)."""
         full = join(self._dir(step), COMMIT)
         try:
-            raw = self.fs.cat_file(full)
+            raw = self._read_small(full)
         except FileNotFoundError:
             return None
         return _check_commit(_parse_json(raw, self._url(full)), step, self._url(full))
@@ -636,7 +656,7 @@ class CheckpointManager:
         lists), if that record does not list it: a card added after the commit is not believed."""
         full = join(self._dir(step), MODEL_CARD)
         try:
-            raw = self.fs.cat_file(full)
+            raw = self._read_small(full)
         except FileNotFoundError:
             return None
         if commit is not None and MODEL_CARD not in commit["files"]:
@@ -647,6 +667,14 @@ class CheckpointManager:
         except ValidationError as err:
             problem = f"is not a model card this trainer writes ({first_problem(err, '<card>')})"
             raise CheckpointFormatError(self._url(full), problem) from err
+
+    def _read_small(self, path: str) -> bytes:
+        """A small JSON file of a checkpoint (COMMIT.json, a card, train_state.json, an RNG file), read before
+        anything vouches for it: a regular file of at most a few MiB, or CheckpointFormatError naming it."""
+        try:
+            return read_control_file(self.fs, path)
+        except ControlFileError as err:
+            raise CheckpointFormatError(self._url(path), err.problem) from err
 
     def committed_steps(self) -> list[int]:
         """Steps whose checkpoint has a COMMIT.json (well-formed or not; not verified), ascending."""
@@ -853,13 +881,75 @@ class CheckpointManager:
             for rel, data in job.files.items():
                 write_bytes_atomic(self.fs, join(path, rel), data)
                 digests.add(rel, hashlib.sha256(data).hexdigest(), len(data))
+            self._flush(path, digests.files())  # this rank's files reach the disk before anyone commits
 
         _agree(extras, disk_full, group)
         faults.at_save_phase("after_extras", step)
         if not early:
             nbytes = self._commit(job, path, digests, disk_full)
         faults.at_save_phase("after_commit", step)
+        self._check_committed(job, path, digests, disk_full)
         return nbytes
+
+    def _flush(self, path: str, written: dict[str, tuple[str, int]]) -> None:
+        """fsync each file this rank wrote into the local step folder `path` (DCP's writer may have been told not
+        to), so that the commit never names data that a power loss or node crash would lose from the page cache.
+        Object stores hold a file once its upload returns: nothing to do."""
+        if not is_local(self.cfg.url):
+            return
+        for rel in sorted(written):
+            _fsync_path(os.path.join(local_path(path), rel))
+
+    def _flush_folders(self, path: str) -> None:
+        """fsync the local step folder `path`, every folder inside it and the checkpoint folder that holds it:
+        the files' names (DCP's renames included) are as durable as their data."""
+        if not is_local(self.cfg.url):
+            return
+        top = local_path(path)
+        inner = sorted(os.path.join(d, sub) for d, subs, _ in os.walk(top) for sub in subs)
+        for folder in [*reversed(inner), top, os.path.dirname(top.rstrip("/")) or "."]:
+            _fsync_path(folder)
+
+    def _check_committed(self, job: _SaveJob, path: str, digests: _Digests, disk_full: Callable[[], bool]) -> None:
+        """After the commit, rank 0 reads COMMIT.json back: it must list every file any rank wrote in this save,
+        with the writer's sha256 and size, and each must be on storage with that size. Otherwise the commit is
+        withdrawn (COMMIT.json removed) and every rank raises CheckpointCommitError (recorded by the trainer as a
+        failed save, not left for a later resume to stumble on)."""
+        written = _all_gather(digests.files(), job.group)
+
+        def check() -> list[str]:
+            if self.rank != 0:
+                return []
+            problems = self._commit_problems(job.step, path, {r: e for part in written for r, e in part.items()})
+            if problems:
+                self.fs.rm(join(path, COMMIT))
+                log.error("checkpoint %s withdrawn: %s", self._url(path), "; ".join(problems))
+            return problems
+
+        problems = _broadcast_from_rank0(_agree(check, disk_full, job.group), job.group)
+        if problems:
+            raise CheckpointCommitError(self._url(path), job.step, problems)
+
+    def _commit_problems(self, step: int, path: str, written: dict[str, tuple[str, int]]) -> list[str]:
+        """What COMMIT.json of `step` gets wrong about the files `written` (relative path -> sha256, bytes)."""
+        try:
+            commit = self.read_commit(step)
+        except CheckpointFormatError as err:
+            return [f"{COMMIT} {err.problem}"]
+        if commit is None:
+            return [f"{COMMIT} is missing after the commit"]
+        listed, found = commit["files"], self._listing(path)
+        problems = [f"{rel} was written but {COMMIT} does not list it" for rel in sorted(set(written) - set(listed))]
+        for rel, entry in sorted(listed.items()):
+            if rel in written and (entry["sha256"], entry["bytes"]) != written[rel]:
+                problems.append(f"{rel}: {COMMIT} records {entry['bytes']} bytes, its writer wrote {written[rel][1]}"
+                                if entry["bytes"] != written[rel][1] else f"{rel}: {COMMIT} records another sha256"
+                                " than its writer took")  # fmt: skip
+            if rel not in found:
+                problems.append(f"{rel} is listed in {COMMIT} but not on storage")
+            elif found[rel] != entry["bytes"]:
+                problems.append(f"{rel} has {found[rel]} bytes on storage, {COMMIT} says {entry['bytes']}")
+        return problems
 
     def _commit(self, job: _SaveJob, path: str, digests: _Digests, disk_full: Callable[[], bool]) -> int:
         """Rank 0 lists the step folder and writes COMMIT.json naming every file in it with the sha256 and size
@@ -893,7 +983,9 @@ class CheckpointManager:
             }
             if self.key is not None:
                 record = sign_commit(record, self.key)
+            self._flush_folders(path)  # every rank flushed its files (extras); now their names
             write_bytes_atomic(self.fs, join(path, COMMIT), json.dumps(record, indent=2).encode())
+            self._flush_folders(path)  # COMMIT.json's own name: the commit itself is durable
             return sum(sizes.values())
 
         return _agree(commit, disk_full, job.group)
@@ -1158,10 +1250,10 @@ class CheckpointManager:
         problem = None
         try:
             where = self._url(join(path, TRAIN_STATE))
-            train_state = _check_train_state(_parse_json(self.fs.cat_file(join(path, TRAIN_STATE)), where), step, where)
+            train_state = _check_train_state(_parse_json(self._read_small(join(path, TRAIN_STATE)), where), step, where)
             if rng_needed:
                 rel = join(path, "rng", f"rank-{self.rank:05d}.json")
-                rng = check_rng(_parse_json(self.fs.cat_file(rel), self._url(rel)), self._url(rel))
+                rng = check_rng(_parse_json(self._read_small(rel), self._url(rel)), self._url(rel))
         except CheckpointFormatError as err:
             problem = (err.path, err.problem)
         problems = [p for p in _all_gather(problem) if p]
@@ -1258,6 +1350,8 @@ def _parse_json(raw: bytes, where: str) -> Any:
         return json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise CheckpointFormatError(where, f"is not valid JSON: {err}") from err
+    except (ValueError, RecursionError) as err:  # a 5,000-digit integer, nesting deeper than the stack
+        raise CheckpointFormatError(where, f"is not JSON this trainer writes: {type(err).__name__}") from err
 
 
 def _check_train_state(value: Any, step: int, where: str) -> dict[str, Any]:
@@ -1372,6 +1466,15 @@ def _agree(
         raise CheckpointAbortedError(bug.rank, bug.message)
     first = failed[0]
     raise _StorageFailure(f"rank {first.rank}: {first.message}", no_space=any(o.no_space for o in failed))
+
+
+def _fsync_path(path: str) -> None:
+    """fsync a local file or folder by its path."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _barrier(group: dist.ProcessGroup | None = None) -> None:

@@ -16,8 +16,9 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic_core import PydanticCustomError
 
-from training.secrets import REDACTED, is_credential_name, redact
+from training.secrets import REDACTED, is_credential_name, redact, redact_text
 from training.storage import StorageConfig, StorageUrl
+from training.untrusted import escape_untrusted
 
 # Upper bounds of the counts: far beyond any real run, low enough that every loop and product over them stays cheap.
 MAX_LAYERS = 1024
@@ -90,18 +91,27 @@ def _shown(loc: tuple[str | int, ...], value: Any, limit: int = 200) -> str:
         return REDACTED
     if isinstance(value, dict):
         return "{...}"
-    value = redact(value)
-    shown = value if isinstance(value, str) else json.dumps(value, default=str)
+    if isinstance(value, str):  # cut first: a megabyte in a wrongly typed field costs what its first line costs
+        cut = len(value) > limit
+        head = redact_text(value[:limit], cut=cut)
+        plain = value == "" or value.strip(" \t") == value
+        shown = head if plain else json.dumps(head)  # a blank or padded string shows its quotes
+        shown = escape_untrusted(shown, limit=None)  # a NUL, a newline or a terminal escape shows escaped
+        return f"{shown}... ({len(value)} characters)" if cut else shown
+    shown = json.dumps(redact(value), default=str)
     shown = _CONTROL.sub(lambda m: repr(m.group())[1:-1], shown)  # a NUL or a newline shows escaped
     return shown if len(shown) <= limit else f"{shown[:limit]}... ({len(shown)} characters)"
 
 
-def format_validation_error(error: ValidationError) -> list[str]:
-    """Render a pydantic error as `field.path=value: what is wrong and the fix` lines."""
+def format_validation_error(error: ValidationError, removed: dict[str, str] | None = None) -> list[str]:
+    """Render a pydantic error as `field.path=value: what is wrong and the fix` lines; `removed` maps a field that
+    existed once (`data.bootstrap`) to what replaced it, said instead of "not a known field"."""
     lines = []
     for err in error.errors():
         loc = ".".join(str(part) for part in err["loc"]) or "<spec>"
         message = _describe_constraint(err)
+        if err["type"] == "extra_forbidden" and removed and loc in removed:
+            message = f"was removed; {removed[loc]}"
         if err["type"] == "missing":
             lines.append(f"{loc}: {message}")
         else:

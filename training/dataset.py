@@ -56,11 +56,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from training.config import first_problem
 from training.indexed import WRITE_DTYPES, IndexFormatError, check_bin_size, encode_index, parse_index
 from training.storage import (
+    ControlFileError,
     StorageConfig,
     filesystem,
     is_local,
     join,
     local_path,
+    read_control_file,
     sha256_file,
     write_bytes_atomic,
 )
@@ -71,6 +73,8 @@ FORMAT_VERSION = 2
 LEGACY_VERSION = 1
 """The format before Megatron's index: `docs-NNNNN.idx` of raw int64 offsets, uint16 or uint32 ids."""
 MANIFEST = "manifest.json"
+MANIFEST_MAX_BYTES = 64 << 20
+"""Largest manifest read (about 180,000 shards); anything larger, or no regular file, is refused naming it."""
 TokenDtype = Literal["uint8", "uint16", "int16", "int32", "int64"]
 
 
@@ -363,7 +367,10 @@ def read_manifest(url: str, storage: StorageConfig | None = None, trusted: Seque
 def _manifest_bytes(url: str, storage: StorageConfig | None) -> bytes:
     fs, root = filesystem(url, storage)
     try:
-        return fs.cat_file(join(root, MANIFEST))
+        return read_control_file(fs, join(root, MANIFEST), MANIFEST_MAX_BYTES)
+    except ControlFileError as err:
+        raise DatasetError(url, f"{MANIFEST} {err.problem}", "rebuild the dataset (tdeploy prepare-data)",
+                           file=MANIFEST) from err  # fmt: skip
     except FileNotFoundError as err:
         state = "is unfinished (no manifest.json)" if fs.exists(root) else "does not exist"
         raise DatasetError(
@@ -374,7 +381,7 @@ def _manifest_bytes(url: str, storage: StorageConfig | None) -> bytes:
 def _version_of(raw: bytes) -> Any:
     try:
         return json.loads(raw).get("format_version")
-    except (ValueError, AttributeError):
+    except (ValueError, AttributeError, RecursionError):
         return None
 
 

@@ -109,7 +109,12 @@ class TestFaults(BaseModel):
         default=None, ge=0, description="This rank seeds everything (init, data order) with seed + seed_offset."
     )
     seed_offset: int = Field(default=1, description="Offset added to the seed of seed_offset_rank.")
-    slow_rank: int | None = Field(default=None, ge=0, description="This rank sleeps slow_step_s in every step.")
+    slow_rank: int | None = Field(
+        default=None,
+        ge=0,
+        description="This rank sleeps slow_step_s in every step (waiting, which costs no CPU time: it slows the job "
+        "but the straggler rule, judged on CPU time, does not see it), or computes longer with slow_factor.",
+    )
     slow_step_s: float = Field(default=0.2, ge=0, description="Extra compute time per step of slow_rank.")
     checkpoint_without_optimizer: bool = Field(default=False, description="Checkpoints leave the optimizer out.")
     nan_at_step: int | None = Field(default=None, ge=1, description="The loss of this step is NaN on every rank.")
@@ -151,8 +156,9 @@ class TestFaults(BaseModel):
     slow_factor: float | None = Field(
         default=None,
         gt=1,
-        description="slow_rank computes this many times as long as it would: it sleeps (factor - 1) x its own "
-        "compute time per step (of its last steps; instead of slow_step_s), so the slowness is relative.",
+        description="slow_rank computes this many times as long as it would: it busy-loops (factor - 1) x its own "
+        "compute time per step (CPU time on CPU, of its last steps; instead of slow_step_s's sleep), so the "
+        "slowness is relative and is compute, as a slower core's would be, not waiting.",
     )
 
 
@@ -229,37 +235,49 @@ def sample_order(order: np.ndarray) -> np.ndarray:
 
 
 class _SlowDown:
-    """slow_rank's own compute times of its recent steps (the sleep taken out), and what it slept in this one."""
+    """slow_rank's own compute times of its recent steps (the slow-down taken out), what it added in this one, and
+    whether those times are CPU time (the busy loop then runs by the process's CPU clock)."""
 
     def __init__(self) -> None:
         self.own_compute_s: collections.deque[float] = collections.deque(maxlen=5)
         self.slept_s = 0.0
+        self.cpu_clock = False
 
 
 _slow_down = _SlowDown()
 
 
+def busy_loop(seconds: float, cpu_clock: bool) -> None:
+    """Compute (spin) for `seconds` of this process's CPU time, or of wall time with `cpu_clock` False."""
+    clock = time.process_time if cpu_clock else time.perf_counter
+    end = clock() + seconds
+    while clock() < end:
+        pass
+
+
 def maybe_slow_down() -> None:
-    """Sleep inside the compute part of a step on slow_rank: slow_step_s, or with slow_factor (factor - 1) x
-    its own compute time per step (the median of its last 5 steps, so one busy step does not double the next;
-    no sleep in its first step; see `step_computed`)."""
+    """Slow slow_rank down inside the compute part of a step: sleep slow_step_s, or with slow_factor busy-loop
+    (factor - 1) x its own compute time per step (the median of its last 5 steps, so one busy step does not double
+    the next; nothing in its first step; see `step_computed`)."""
     faults = active()
     if faults.slow_rank is None or faults.slow_rank != _rank():
         return
     if faults.slow_factor is None:
-        seconds = faults.slow_step_s
-    else:
-        own = _slow_down.own_compute_s
-        seconds = (faults.slow_factor - 1) * statistics.median(own) if own else 0.0
+        _slow_down.slept_s = 0.0 if _slow_down.cpu_clock else faults.slow_step_s  # a sleep costs no CPU time
+        time.sleep(faults.slow_step_s)
+        return
+    own = _slow_down.own_compute_s
+    seconds = (faults.slow_factor - 1) * statistics.median(own) if own else 0.0
     _slow_down.slept_s = seconds
-    time.sleep(seconds)
+    busy_loop(seconds, _slow_down.cpu_clock)
 
 
-def step_computed(compute_s: float) -> None:
-    """Note this rank's compute time of the step that ended, for slow_factor (what maybe_slow_down slept taken
-    out)."""
+def step_computed(compute_s: float, cpu_clock: bool = False) -> None:
+    """Note this rank's compute time of the step that ended (CPU time with `cpu_clock`), for slow_factor (what
+    maybe_slow_down added taken out)."""
     _slow_down.own_compute_s.append(max(0.0, compute_s - _slow_down.slept_s))
     _slow_down.slept_s = 0.0
+    _slow_down.cpu_clock = cpu_clock
 
 
 def loss_poison(step: int) -> float:

@@ -34,15 +34,28 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
-from typing import Any, Protocol
+from dataclasses import asdict
+from typing import Annotated, Any, Protocol
 
 import fsspec
 from fsspec.asyn import sync
 from fsspec.implementations.local import LocalFileSystem
+from pydantic import AfterValidator, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic.dataclasses import dataclass
 
 from training import process
-from training.storage import StorageConfig, filesystem, is_local, join, write_bytes_atomic
+from training.config import first_problem
+from training.storage import (
+    CONTROL_FILE_MAX_BYTES,
+    ControlFileError,
+    StorageConfig,
+    filesystem,
+    is_local,
+    join,
+    read_control_file,
+    write_bytes_atomic,
+)
+from training.untrusted import escape_untrusted
 
 log = logging.getLogger(__name__)
 
@@ -51,31 +64,48 @@ LOCK_FILE = ".LEASE.lock"
 DEFAULT_TTL_S = 60.0
 
 
+MAX_UNIX_S = 253402300799.0
+"""9999-12-31T23:59:59Z, the last second `time.gmtime` and strftime spell: a later time in a record is forged."""
+MAX_PID = 2**31 - 1
+"""The largest pid a kernel hands out (Linux's pid_max is at most 2**22) that os.kill still takes."""
+
+
 def _iso(unix_s: float) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(unix_s))
 
 
-@dataclass(frozen=True)
-class LeaseRecord:
-    """The content of LEASE.json: who holds the root, since when, until when."""
+def _printable(value: str) -> str:
+    if not value.isprintable():
+        raise ValueError("holds a control or other non-printable character")
+    return value
 
-    url: str
-    job_id: str
-    host: str
-    pid: int
-    pid_start_time: str | None
-    boot_id: str | None
-    pid_namespace: str | None
-    token: str
-    started_unix_s: float
-    renewed_unix_s: float
-    expires_unix_s: float
+
+# A record is untrusted (anyone who can write the storage can write one): every field typed, bounded and finite.
+_Name = Annotated[str, Field(strict=True, max_length=256), AfterValidator(_printable)]
+_UnixS = Annotated[float, Field(strict=True, ge=0, le=MAX_UNIX_S)]
+
+
+@dataclass(frozen=True, config=ConfigDict(extra="forbid", allow_inf_nan=False))
+class LeaseRecord:
+    """The content of LEASE.json: who holds the root, since when, until when (validated when built or read)."""
+
+    url: Annotated[str, Field(strict=True, max_length=4096)]  # never shown: messages use the job's own URL
+    job_id: _Name
+    host: Annotated[str, Field(strict=True, min_length=1, max_length=255), AfterValidator(_printable)]
+    pid: Annotated[int, Field(strict=True, ge=1, le=MAX_PID)]
+    pid_start_time: _Name | None
+    boot_id: _Name | None
+    pid_namespace: _Name | None
+    token: _Name
+    started_unix_s: _UnixS
+    renewed_unix_s: _UnixS
+    expires_unix_s: _UnixS
 
     def describe(self) -> str:
-        """`pid P on host H (job J) since T (expires E)`."""
+        """`pid P on host H (job J) since T (expires E)`, the holder's names escaped."""
         return (
-            f"pid {self.pid} on host {self.host} (job {self.job_id}) since {_iso(self.started_unix_s)} "
-            f"(expires {_iso(self.expires_unix_s)})"
+            f"pid {self.pid} on host {escape_untrusted(self.host)} (job {escape_untrusted(self.job_id)}) "
+            f"since {_iso(self.started_unix_s)} (expires {_iso(self.expires_unix_s)})"
         )
 
     def machine(self) -> process.Machine:
@@ -88,11 +118,20 @@ class LeaseRecord:
 
     @classmethod
     def from_bytes(cls, data: bytes) -> LeaseRecord:
-        """Inverse of to_bytes; ValueError if it is not a lease record."""
+        """Inverse of to_bytes; ValueError (its text safe to log) if it is not a well-formed lease record."""
         try:
-            return cls(**json.loads(data))
-        except (TypeError, json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise ValueError(f"not a lease record: {err}") from err
+            value = json.loads(data)
+        except (ValueError, RecursionError) as err:  # JSON, UTF-8 and int-digit errors are ValueErrors
+            raise ValueError(f"not a lease record: not JSON ({type(err).__name__})") from err
+        if not isinstance(value, dict):
+            raise ValueError(f"not a lease record: a JSON {type(value).__name__}, not an object")
+        try:
+            return _RECORD.validate_python(value)
+        except ValidationError as err:
+            raise ValueError(f"not a lease record: {escape_untrusted(first_problem(err, '<record>'))}") from err
+
+
+_RECORD = TypeAdapter(LeaseRecord)
 
 
 class LeaseHeld(RuntimeError):
@@ -154,8 +193,7 @@ class _LocalStore:
 
     def _read(self) -> tuple[bytes, str] | None:
         try:
-            with open(self.path, "rb") as handle:
-                data = handle.read()
+            data = read_control_file(self.fs, self.path)
         except FileNotFoundError:
             return None
         return data, _token_of(data)
@@ -194,7 +232,7 @@ class _ReadBackStore:
 
     def read(self) -> tuple[bytes, str] | None:
         try:
-            data = self.fs.cat_file(self.path)
+            data = read_control_file(self.fs, self.path)
         except FileNotFoundError:
             return None
         return data, _token_of(data)
@@ -256,6 +294,11 @@ class _S3Store:
         async def get() -> tuple[bytes, str]:
             response = await self.fs._call_s3("get_object", Bucket=self.bucket, Key=self.key)
             async with response["Body"] as body:
+                size = response.get("ContentLength")
+                if not isinstance(size, int) or size > CONTROL_FILE_MAX_BYTES:
+                    raise ControlFileError(
+                        f"s3://{self.path}", f"holds {size} bytes, more than the {CONTROL_FILE_MAX_BYTES} it may"
+                    )
                 return await body.read(), response["ETag"]
 
         try:
@@ -390,7 +433,7 @@ class Lease:
         if self.clock() > holder.expires_unix_s:
             return f"it expired at {_iso(holder.expires_unix_s)}"
         if process.machine().same_pid_space(holder.machine()) and not process.alive(holder.pid, holder.pid_start_time):
-            return f"its holder pid {holder.pid} on {holder.host} is gone"
+            return f"its holder pid {holder.pid} on {escape_untrusted(holder.host)} is gone"
         return None
 
     def acquire(self, attempts: int = 5) -> Lease:
@@ -407,8 +450,8 @@ class Lease:
             data, version = current
             try:
                 holder: LeaseRecord | None = LeaseRecord.from_bytes(data)
-            except ValueError:
-                holder, reason = None, "its record is unreadable"
+            except ValueError as err:
+                holder, reason = None, f"its record is unreadable ({err})"
             else:
                 reason = self.takeover_reason(holder)
                 if reason is None:

@@ -99,9 +99,11 @@ def apply_model_parallel(model: Transformer, cfg: ParallelConfig, meshes: Meshes
             # An expert's gradient sums the tokens of every EP peer's samples: the mean over all dp ranks'
             # samples divides by dp, not by the expert_dp ranks it is reduced over (torchtitan does the same).
             unit.set_gradient_divide_factor(dims.dp)
-            if meshes.expert_dp.device_type == "cpu":
+            if meshes.expert_dp.device_type == "cpu" and meshes.expert_dp.size() > 1:
                 # gloo has no PREMUL_SUM, which FSDP2 uses for a divide factor other than the group size:
-                # sum, then divide.
+                # sum, then divide. Not on a one-rank group (EP over every data-parallel rank): there FSDP2
+                # skips the collective and divides its copy by the factor, and forcing the sum divided the
+                # gradient a second time (torch 2.13 foreach_reduce), halving every expert's at dp=2.
                 unit.set_force_sum_reduction_for_comms(True)
         fully_shard(block, mesh=meshes.dp, reshard_after_forward=reshard)
     fully_shard(model, mesh=meshes.dp, reshard_after_forward=reshard)

@@ -24,6 +24,14 @@ of a rank, so there the forward runs per group of micro_batch sequences, still w
 Dropout is off: the trainer draws its masks from per-rank RNG streams that no single process reproduces,
 so acceptance compares this run with a distributed run that has dropout off as well.
 
+It trains the same steps twice: first a noise twin, from initial weights each off by one fp32 rounding error
+and with its backward in one part per micro-batch of the distributed job (the same mathematics in the distributed
+job's summation order, and the rounding-level perturbations that MoE routing and long runs amplify), then the
+reference itself.
+Each step's record carries the twin's loss and gradient norm (`twin_loss`, `twin_grad_norm`) and the params
+record at the end the twin's parameters (`twin`): how far they stray from the reference is the clean noise of
+this very job, which acceptance multiplies into its correctness tolerances.
+
 Started as `-m training.train --config run.json` with `reference` set in the config (only the acceptance
 suite sets it); one process only.
 """
@@ -35,6 +43,7 @@ import math
 import os
 import socket
 import time
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -42,12 +51,27 @@ import torch.nn.functional as F
 
 from training.config import OptimConfig, TrainConfig
 from training.dataset import TokenDataset
+from training.holdings import param_pieces, param_record
 from training.metrics import peak_memory_bytes
 from training.model import Transformer
 from training.run_output import Ranks, RunOutputWriter, RunResult
 from training.sampler import blend_of
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _Step:
+    """What one reference step computed."""
+
+    epoch: int
+    indices: np.ndarray
+    lr: float
+    loss: float
+    aux: float
+    grad_norm: float
+    data_s: float
+    elapsed_s: float
 
 
 class ReferenceSetupError(RuntimeError):
@@ -113,20 +137,55 @@ def run_reference(cfg: TrainConfig) -> RunResult:
     if global_batch > n_draws:
         raise ReferenceSetupError(f"global batch {global_batch} exceeds the {n_draws} training samples")
 
-    torch.manual_seed(run.seed)  # the trainer's initial weights: torch seeded with run.seed, then the model built
-    model = Transformer(model_cfg).to(device)
-    matrices = [p for p in model.parameters() if p.dim() >= 2]
-    vectors = [p for p in model.parameters() if p.dim() < 2]
-    optimizer = torch.optim.AdamW(
-        [{"params": matrices, "weight_decay": optim.weight_decay}, {"params": vectors, "weight_decay": 0.0}],
-        lr=optim.lr_peak,
-        betas=(optim.beta1, optim.beta2),
-        eps=optim.eps,
-    )
     coef = model_cfg.moe.aux_loss_coef if model_cfg.moe else 0.0
     # Group k of micro_batch sequences is micro-batch k // world of rank k % world (the sampler's layout).
     group = cfg.parallel.micro_batch if model_cfg.moe else None
     clip = optim.grad_clip_norm if optim.grad_clip_norm is not None else math.inf
+
+    def build(perturbed: bool = False) -> tuple[Transformer, torch.optim.AdamW]:
+        torch.manual_seed(run.seed)  # the trainer's initial weights: torch seeded with run.seed, then the model built
+        model = Transformer(model_cfg).to(device)
+        if perturbed:  # every initial value off by one rounding error of fp32, up or down at random
+            signs = torch.Generator().manual_seed(run.seed)
+            with torch.no_grad():
+                for param in model.parameters():
+                    flip = torch.randint(0, 2, param.shape, generator=signs).to(device=device, dtype=param.dtype)
+                    param.mul_(1 + (2 * flip - 1) * torch.finfo(torch.float32).eps / 2)
+        matrices = [p for p in model.parameters() if p.dim() >= 2]
+        vectors = [p for p in model.parameters() if p.dim() < 2]
+        optimizer = torch.optim.AdamW(
+            [{"params": matrices, "weight_decay": optim.weight_decay}, {"params": vectors, "weight_decay": 0.0}],
+            lr=optim.lr_peak,
+            betas=(optim.beta1, optim.beta2),
+            eps=optim.eps,
+        )
+        model.train()
+        return model, optimizer
+
+    def train_step(model: Transformer, optimizer: torch.optim.AdamW, step: int, parts: int) -> _Step:
+        """0-based `step`; its backward in `parts` equal parts of the global batch (1: one backward)."""
+        started = time.perf_counter()
+        epoch, indices = batch_indices(n_draws, global_batch, run.seed, step, cfg.data.drop_last)
+        tokens = train.batch(blend.samples(epoch, indices) if blend else indices).to(device)
+        data_s = time.perf_counter() - started
+        lr = learning_rate(optim, run.steps, step)
+        for param_group in optimizer.param_groups:
+            param_group["lr"] = lr
+        if parts == 1:
+            loss, aux = _mean_loss(model, tokens, group)
+            (loss + coef * aux).backward()
+        else:
+            losses, auxes = [], []
+            for part in tokens.split(global_batch // parts):
+                part_loss, part_aux = _mean_loss(model, part, group)
+                ((part_loss + coef * part_aux) / parts).backward()
+                losses.append(part_loss.detach())
+                auxes.append(part_aux.detach())
+            loss, aux = torch.stack(losses).mean(), torch.stack(auxes).mean()
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return _Step(epoch, indices, lr, loss.item(), aux.item(), grad_norm, data_s, time.perf_counter() - started)
 
     out = RunOutputWriter(run.output_url, cfg.storage)
     me = {
@@ -153,24 +212,23 @@ def run_reference(cfg: TrainConfig) -> RunResult:
         last_step,
         run.steps,
     )
-    model.train()
+    # The noise twin (see the module's docstring): how far it strays from the reference is the clean noise of this
+    # job's figures, from which acceptance derives its correctness tolerances.
+    parts = max(1, global_batch // cfg.parallel.micro_batch)
+    twin_model, twin_optimizer = build(perturbed=True)
+    twin = [train_step(twin_model, twin_optimizer, step, parts) for step in range(last_step)]
+    twin_pieces = param_pieces(twin_model)
+    del twin_model, twin_optimizer
+
+    model, optimizer = build()
     first_loss = loss_value = None
     for step in range(last_step):
-        started = time.perf_counter()
-        epoch, indices = batch_indices(n_draws, global_batch, run.seed, step, cfg.data.drop_last)
-        tokens = train.batch(blend.samples(epoch, indices) if blend else indices).to(device)
-        data_s = time.perf_counter() - started
-        lr = learning_rate(optim, run.steps, step)
-        for param_group in optimizer.param_groups:
-            param_group["lr"] = lr
-        loss, aux = _mean_loss(model, tokens, group)
-        (loss + coef * aux).backward()
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip))
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        loss_value = loss.item()
+        done = train_step(model, optimizer, step, 1)
+        epoch, indices, lr, grad_norm, data_s, elapsed = (
+            done.epoch, done.indices, done.lr, done.grad_norm, done.data_s, done.elapsed_s
+        )  # fmt: skip
+        loss_value = done.loss
         first_loss = loss_value if first_loss is None else first_loss
-        elapsed = time.perf_counter() - started
         tokens_step = global_batch * model_cfg.seq_len
         out.append_metrics(
             0,
@@ -179,9 +237,12 @@ def run_reference(cfg: TrainConfig) -> RunResult:
                 "epoch": epoch,
                 "loss": loss_value,
                 "rank_loss": loss_value,
-                "aux_loss": aux.item() if model_cfg.moe else None,
+                "aux_loss": done.aux if model_cfg.moe else None,
                 "lr": lr,
                 "grad_norm": grad_norm,
+                "twin_loss": twin[step].loss,
+                "twin_grad_norm": twin[step].grad_norm,
+                "twin_parts": parts,
                 "loss_scale": None,
                 "skipped": False,
                 "tokens_per_s": tokens_step / elapsed,
@@ -215,6 +276,7 @@ def run_reference(cfg: TrainConfig) -> RunResult:
         tokens_seen=last_step * global_batch * model_cfg.seq_len,
         n_params=model.num_params(),
     )
+    out.write_params(replace(param_record(model, 0, last_step, model_cfg), twin=twin_pieces))
     out.write_result(result)
     out.close()
     log.info("reference done: step %d val_loss %.4f", last_step, val_loss)

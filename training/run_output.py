@@ -5,7 +5,11 @@ A run's output folder (`run.output_url`) holds, format version 1:
     ranks.json                    written at start-up by rank 0: format_version, world_size, one entry per rank
                                   (its host, pid, device, ..., and `network`: the NCCL_*/GLOO_*/TORCH_* variables
                                   it ran with and its collective timeout; runs from before it have none)
-    metrics/rank-NNNNN.jsonl      one line per optimizer step and rank (step, loss, lr, tokens/s, memory, ...)
+    metrics/rank-NNNNN.jsonl      one line per optimizer step and rank (step, loss, lr, tokens/s, memory, ...);
+                                  its times: step_time_s, data_wait_s, comm_s, compute_s (wall), cpu_s and
+                                  compute_cpu_s (the process's CPU time of the step, and of its compute without
+                                  data reads and the loss sync; CPU runs), compute_device_s (CUDA events around the
+                                  compute; GPU runs); a field a run did not measure is null or, in older runs, absent
     samples/rank-NNNNN.jsonl      the sample indices each rank consumed per step (run.record_samples)
     epochs.jsonl                  one line per epoch that ended: its last step, the remainder it dropped or the
                                   samples it padded with (rank 0, with run.record_samples)
@@ -13,6 +17,9 @@ A run's output folder (`run.output_url`) holds, format version 1:
     checkpoints.jsonl             one line per save: step and bytes/seconds, or the error of a lost save
     resume.json                   what the checkpoint manager loaded at start-up and which checkpoints it skipped, why
     result.json                   written at the end by rank 0: steps, losses, tokens seen, ...
+    params/rank-NNNNN.json        written at the end by every rank: a digest, sum and sum of squares of each piece
+                                  of each parameter it holds (name, global offset, shape), to check replicas and
+                                  compare with the reference (the reference adds its noise twin's)
     train.log                     the job's log, written by the launcher (not by the trainer)
 
 A step that ran again after a resume appears twice in the JSON-lines files; the
@@ -34,7 +41,17 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, Any, Literal
 
-from training.storage import StorageConfig, filesystem, is_local, join, local_path
+from fsspec.implementations.local import LocalFileSystem
+
+from training.storage import (
+    ControlFileError,
+    StorageConfig,
+    filesystem,
+    is_local,
+    join,
+    local_path,
+    read_control_file,
+)
 
 FORMAT_VERSION = 1
 
@@ -46,6 +63,7 @@ EVALS = "eval.jsonl"
 CHECKPOINTS = "checkpoints.jsonl"
 RESUME = "resume.json"
 RESULT = "result.json"
+PARAMS_DIR = "params"
 TRAIN_LOG = "train.log"
 
 SkipReason = Literal["partial", "corrupt", "untrusted"]
@@ -147,6 +165,39 @@ class RunResult:
     n_params: int
 
 
+@dataclass(frozen=True)
+class ParamPiece:
+    """This rank's piece of one parameter: where it sits in the whole (offset, shape of full_shape), its bytes'
+    sha256, and the sum and sum of squares of its values (float64)."""
+
+    name: str
+    offset: list[int]
+    shape: list[int]
+    full_shape: list[int]
+    sha256: str
+    sum: float
+    sq_sum: float
+
+
+@dataclass(frozen=True)
+class ParamRecord:
+    """params/rank-NNNNN.json: every parameter piece a rank held at the end of the run (`step`). `tied` maps a
+    parameter name to the one it shares its tensor with by definition (model.tie_embeddings); the reference adds
+    `twin`, the same parameters of its noise twin (training/reference.py)."""
+
+    rank: int
+    step: int
+    pieces: list[ParamPiece]
+    tied: dict[str, str] = field(default_factory=dict)
+    twin: list[ParamPiece] = field(default_factory=list)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ParamRecord:
+        """From the parsed file."""
+        pieces = {k: [ParamPiece(**p) for p in data.get(k, [])] for k in ("pieces", "twin")}
+        return cls(**{**data, **pieces})
+
+
 # ---- writer -----------------------------------------------------------------------------------
 
 
@@ -192,6 +243,10 @@ class RunOutputWriter:
         """result.json."""
         self._write_json(RESULT, asdict(result))
 
+    def write_params(self, record: ParamRecord) -> None:
+        """params/rank-NNNNN.json of the record's rank."""
+        self._write_json(f"{PARAMS_DIR}/rank-{record.rank:05d}.json", asdict(record))
+
     def _append(self, name: str, record: dict[str, Any]) -> None:
         handle = self._files.get(name)
         if handle is None:
@@ -236,6 +291,15 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def _read_json(path: Path) -> Any:
+    """A small JSON record of the run: a regular file of at most a few MiB (RunOutputFormatError otherwise)."""
+    try:
+        raw = read_control_file(LocalFileSystem(), str(path))
+    except ControlFileError as err:
+        raise RunOutputFormatError(path, err.problem, "remove it: the job writes this file, nothing else") from err
+    return json.loads(raw)
+
+
 def latest_by_step(records: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
     """One record per step; when a step ran again after a resume, the later attempt wins."""
     return {r["step"]: r for r in records}
@@ -256,10 +320,10 @@ class RunOutput:
         return self.dir / TRAIN_LOG
 
     def _json(self, name: str) -> Any | None:
-        path = self.dir / name
-        if not path.exists():
+        try:
+            return _read_json(self.dir / name)
+        except FileNotFoundError:
             return None
-        return json.loads(path.read_text())
 
     def ranks(self) -> Ranks | None:
         """ranks.json (None before it is written); a newer format than this reader's is refused."""
@@ -351,6 +415,12 @@ class RunOutput:
         """What the last start-up loaded and skipped (None: it never looked, e.g. checkpoint.resume=false)."""
         data = self._json(RESUME)
         return None if data is None else ResumeRecord.from_json(data)
+
+    def params(self) -> dict[int, ParamRecord]:
+        """rank -> what it held at the end of the run ({} before the end, or from runs that did not record it)."""
+        paths = (self.dir / PARAMS_DIR).glob("rank-*.json")
+        records = [ParamRecord.from_json(_read_json(p)) for p in paths]
+        return {r.rank: r for r in sorted(records, key=lambda r: r.rank)}
 
     def result(self) -> RunResult | None:
         """result.json (None until the job finished)."""

@@ -48,7 +48,12 @@ _REFERENCE_WORDS = frozenset(
 # s3fs / fsspec option names and the variables that carry them instead.
 _VARIABLES = {"key": "AWS_ACCESS_KEY_ID", "secret": "AWS_SECRET_ACCESS_KEY", "token": "AWS_SESSION_TOKEN"}
 _WORD = re.compile(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|[0-9]+")
-_URL_PASSWORD = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)(?P<user>[^/@:\s]*):(?P<password>[^/@\s]+)@")
+# `user:password@` right after a `scheme://`. Matched only at each "://" (one pass over the text, each authority
+# scanned once: it ends at the next '/'), never by a search that would retry a long word from every position.
+_SEPARATOR = "://"
+_SCHEME_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+.-")
+_USER_PASSWORD = re.compile(r"[^/@:\s]*:(?P<password>[^/@\s]+)@")
+_USER_PASSWORD_CUT = re.compile(r"[^/@:\s]*:(?P<password>[^/@\s]+)(?:@|\Z)")
 
 
 def _words(name: str) -> list[str]:
@@ -116,9 +121,22 @@ def credential_message(variable: str) -> str:
     )
 
 
-def redact_text(text: str) -> str:
-    """`text` with the password of any `scheme://user:password@host` replaced."""
-    return _URL_PASSWORD.sub(lambda m: f"{m['scheme']}{m['user']}:{REDACTED}@", text)
+def redact_text(text: str, cut: bool = False) -> str:
+    """`text` with the password of any `scheme://user:password@host` replaced, in time linear in its length.
+
+    `cut`: the text is the start of a longer one, so a password that runs to its end (its '@' cut off) is
+    replaced too; cut a long value first and redact what is shown, never the other way round."""
+    pattern = _USER_PASSWORD_CUT if cut else _USER_PASSWORD
+    parts, done = [], 0
+    at = text.find(_SEPARATOR)
+    while at != -1:
+        start = at + len(_SEPARATOR)
+        found = pattern.match(text, start) if at > 0 and text[at - 1] in _SCHEME_CHARS else None
+        if found is not None:
+            parts += [text[done : found.start("password")], REDACTED]
+            done = found.end("password")
+        at = text.find(_SEPARATOR, found.end() if found is not None else start)
+    return "".join(parts) + text[done:] if parts else text
 
 
 def redact(data: Any) -> Any:

@@ -6,6 +6,7 @@ import errno
 import hashlib
 import os
 import re
+import stat
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import IO, Annotated, Any
@@ -17,6 +18,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 from pydantic_core import PydanticCustomError
 
 from training.secrets import REDACTED, credential_message, find_credentials
+from training.untrusted import escape_untrusted
 
 # Schemes a storage URL may use: local files and the object stores fsspec reaches with the spec's options.
 URL_SCHEMES = ("file", "s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "hdfs", "memory")
@@ -204,6 +206,82 @@ class DigestingWriter:
     def close(self) -> None:
         """Close the inner stream."""
         self.inner.close()
+
+
+CONTROL_FILE_MAX_BYTES = 4 << 20
+"""Largest control file read (LEASE.json, COMMIT.json, a dataset's manifest.json, EXPORT.json, a run's small JSON
+records): the biggest real one, a manifest of thousands of shards, is well under 1 MiB."""
+
+
+class ControlFileError(ValueError):
+    """A control file on storage that is no regular file (a link, a FIFO, a device) or is over its size limit."""
+
+    def __init__(self, path: str, problem: str) -> None:
+        super().__init__(
+            f"{path}: {problem}; the file is written as a small regular file, so something else put this there: "
+            "remove it (and check who can write to this storage)"
+        )
+        self.path, self.problem = path, problem
+
+
+def _file_kind(mode: int) -> str:
+    kinds = ((stat.S_ISDIR, "folder"), (stat.S_ISFIFO, "FIFO"), (stat.S_ISCHR, "character device"),
+             (stat.S_ISBLK, "block device"), (stat.S_ISSOCK, "socket"))  # fmt: skip
+    return next((name for test, name in kinds if test(mode)), "special file")
+
+
+_CONTROL_READ_CHUNK = 1 << 20
+
+
+def read_control_file(fs: fsspec.AbstractFileSystem, path: str, limit: int = CONTROL_FILE_MAX_BYTES) -> bytes:
+    """The bytes of a small control file, read without following a link at its name, from a regular file only,
+    and at most `limit` bytes: ControlFileError (naming the file) otherwise, FileNotFoundError when it is absent.
+
+    Local files are opened with O_NOFOLLOW | O_NONBLOCK (a FIFO does not block the open) and checked with fstat;
+    object stores are asked for the size first, and the read is capped again in case it grew meanwhile."""
+    if isinstance(fs, LocalFileSystem):
+        return _read_local_control_file(local_path(path), limit)
+    info = fs.info(path)
+    if info.get("type") != "file":
+        raise ControlFileError(path, f"is a {info.get('type') or 'special entry'}, not a file")
+    size = info.get("size")
+    if size is None or size > limit:
+        raise ControlFileError(path, f"holds {size} bytes, more than the {limit} such a file may")
+    data = fs.cat_file(path, start=0, end=limit + 1)
+    if len(data) > limit:
+        raise ControlFileError(path, f"holds more than the {limit} bytes such a file may")
+    return data
+
+
+def _read_local_control_file(path: str, limit: int) -> bytes:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            target = escape_untrusted(os.readlink(path))
+            raise ControlFileError(path, f"is a symbolic link (to {target}), not a file") from err
+        raise
+    try:
+        mode = os.fstat(fd)
+        if not stat.S_ISREG(mode.st_mode):
+            raise ControlFileError(path, f"is a {_file_kind(mode.st_mode)}, not a regular file")
+        if mode.st_size > limit:
+            raise ControlFileError(path, f"holds {mode.st_size} bytes, more than the {limit} such a file may")
+        handle = os.fdopen(fd, "rb")  # buffered: read(n) loops over short reads (NFS, FUSE)
+    except BaseException:
+        os.close(fd)
+        raise
+    chunks: list[bytes] = []
+    with handle:  # in pieces: read(limit + 1) would allocate the whole limit for a file of a few bytes
+        while (got := sum(map(len, chunks))) <= limit:
+            chunk = handle.read(min(_CONTROL_READ_CHUNK, limit + 1 - got))
+            if not chunk:
+                break
+            chunks.append(chunk)
+    data = b"".join(chunks)
+    if len(data) > limit:
+        raise ControlFileError(path, f"holds more than the {limit} bytes such a file may")
+    return data
 
 
 def write_bytes_atomic(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> None:

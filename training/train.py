@@ -39,6 +39,7 @@ from training.comm_probe import probe_record
 from training.config import OptimConfig, TrainConfig
 from training.dataset import DatasetError, TokenDataset
 from training.grad_clip import clip_grad_norm
+from training.holdings import held_layers, param_record
 from training.lease import Lease
 from training.mesh import Meshes, ParallelDims
 from training.metrics import CommTimer, peak_memory_bytes
@@ -188,6 +189,15 @@ def _to_float(value: torch.Tensor | float) -> float:
     return float(value)
 
 
+def _compute_events(device: torch.device) -> tuple[torch.cuda.Event, torch.cuda.Event] | None:
+    """On a GPU, two timing events with the first recorded now (the start of a step's compute); None on CPU."""
+    if device.type != "cuda":
+        return None
+    events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+    events[0].record()
+    return events
+
+
 @dataclass
 class PendingRecord:
     """A step's metrics record whose device figures (`device`: field -> 0-d tensor) are not read yet; `work` is the
@@ -197,6 +207,8 @@ class PendingRecord:
     device: dict[str, torch.Tensor]
     work: Any
     divide: int = 1
+    compute_events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
+    """CUDA events at the start and the end of the step's compute (GPUs): read as compute_device_s."""
 
 
 class Trainer:
@@ -395,7 +407,12 @@ class Trainer:
             dist.all_reduce(total, group=mesh.get_group())
             groups[name] = {"ranks": ranks, "all_reduce_sum": total.item(),
                             "all_reduce_expected": float(sum(r + 1 for r in ranks))}  # fmt: skip
-        return {"dims": sizes, "coords": {k: m.coords[k] for k in sizes}, "groups": groups}
+        # What this rank runs, beside what the spec defines: acceptance checks that every layer runs on exactly
+        # one pipeline stage and every expert on exactly one expert-parallel rank.
+        moe = self.cfg.model.moe
+        defined = {"n_layers": self.cfg.model.n_layers, "n_experts": moe.n_experts if moe is not None else 0}
+        held = held_layers(self.pipeline.model if self.pipeline is not None else self.model)
+        return {"dims": sizes, "coords": {k: m.coords[k] for k in sizes}, "groups": groups, **held, **defined}
 
     def _write_ranks(self) -> None:
         me = {
@@ -435,15 +452,15 @@ class Trainer:
     def _tensor_parallel(self) -> bool:
         return self.meshes is not None and self.meshes.dims.tp > 1
 
-    def _pipeline_step(self, micro_batches: list[np.ndarray]) -> tuple[torch.Tensor, float]:
+    def _pipeline_step(self, micro_batches: list[np.ndarray]) -> tuple[torch.Tensor, float, float]:
         """One pipelined optimizer step (the schedule folds the accumulation into its microbatches): the data-
-        parallel rank's mean loss on every stage, and the seconds spent reading samples."""
-        fetch = time.perf_counter()
+        parallel rank's mean loss on every stage, and the seconds (wall, then process CPU) spent reading samples."""
+        fetch, fetch_cpu = time.perf_counter(), time.process_time()
         tokens = self.train_data.batch(np.concatenate(micro_batches))
-        data_s = time.perf_counter() - fetch
+        data_s, data_cpu_s = time.perf_counter() - fetch, time.process_time() - fetch_cpu
         faults.maybe_slow_down()
         loss = self.pipeline.train_step(tokens)
-        return self._from_last_stage(loss), data_s
+        return self._from_last_stage(loss), data_s, data_cpu_s
 
     def _from_last_stage(self, loss: torch.Tensor | None) -> torch.Tensor:
         """The last stage's loss on every stage of the pipeline (the others contribute zero to the sum)."""
@@ -472,8 +489,9 @@ class Trainer:
         """One optimizer step over grad_accum_steps micro-batches; its metrics record, whose device figures are
         read with the next `flush_metrics`."""
         cfg = self.cfg
-        started = time.perf_counter()
-        data_s = 0.0
+        started, cpu_started = time.perf_counter(), time.process_time()
+        compute_events = _compute_events(self.device)
+        data_s = data_cpu_s = 0.0
         if not self.model.training:  # evaluate() leaves it in eval mode; train() walks every module
             self.model.train()
         epoch, draws = self.sampler.next_step()
@@ -483,14 +501,15 @@ class Trainer:
         accum = len(micro_batches)
         coef = cfg.model.moe.aux_loss_coef if cfg.model.moe else 0.0
         if self.pipeline is not None:
-            loss_mean, data_s = self._pipeline_step(micro_batches)
+            loss_mean, data_s, data_cpu_s = self._pipeline_step(micro_batches)
             loss_sum, micro_batches_run = loss_mean * accum, []
         else:
             micro_batches_run = micro_batches
         for m, indices in enumerate(micro_batches_run):
-            fetch = time.perf_counter()
+            fetch, fetch_cpu = time.perf_counter(), time.process_time()
             tokens = self.train_data.batch(indices)
             data_s += time.perf_counter() - fetch
+            data_cpu_s += time.process_time() - fetch_cpu
             if m > 0 and faults.active().accum_bug:
                 self.optimizer.zero_grad(set_to_none=True)
             sync = m == accum - 1 and not faults.active().skip_grad_sync
@@ -525,23 +544,29 @@ class Trainer:
         # (gloo) everything is on the host already: one collective carries the loss and the flags.
         flags = torch.tensor(preemption.WATCH.flags(), dtype=torch.float32)
         loss_work = None
+        if compute_events is not None:
+            compute_events[1].record()
         if self.backend == "nccl":
             global_loss = local_loss.reshape(1).clone()
             loss_work = dist.all_reduce(global_loss, op=dist.ReduceOp.AVG, async_op=True)
-            synced = time.perf_counter()  # waiting here for a slower rank is not this rank's compute
+            synced, synced_cpu = time.perf_counter(), time.process_time()  # waiting for a slower rank is no compute
             dist.all_reduce(flags, group=self.host_group)
         else:
-            synced = time.perf_counter()
+            synced, synced_cpu = time.perf_counter(), time.process_time()
             reduced = torch.cat([local_loss.reshape(1), flags])
             dist.all_reduce(reduced)  # gloo has no average: the sum is divided when the record is read
             global_loss, flags = reduced[:1], reduced[1:]
-        loss_sync_s = time.perf_counter() - synced
+        loss_sync_s, loss_sync_cpu_s = time.perf_counter() - synced, time.process_time() - synced_cpu
         self.preempt_signal = self.preempt_signal or preemption.agreed_signal(flags.tolist())
         self.step += 1
         tokens_step = self.sampler.global_batch * cfg.model.seq_len
         self.tokens_seen += tokens_step
-        elapsed = time.perf_counter() - started
+        elapsed, cpu_s = time.perf_counter() - started, time.process_time() - cpu_started
         comm_s = self.comm_timer.take() if self.comm_measured else None
+        # The process's CPU time is what a busy host does not inflate (a descheduled rank's wall time grows, its CPU
+        # time does not), so the straggler rule and the regression gate judge it on CPU. On a GPU the host's CPU
+        # time says nothing about the device's work (it may spin in a synchronisation): CUDA events time it there.
+        on_cpu = self.device.type == "cpu"
         record = {
             "step": self.step,
             "epoch": epoch,
@@ -558,6 +583,10 @@ class Trainer:
             "data_wait_s": data_s,
             "comm_s": comm_s,
             "compute_s": max(0.0, elapsed - data_s - (comm_s or 0.0) - loss_sync_s),
+            "tokens": tokens_step,
+            "cpu_s": cpu_s if on_cpu else None,
+            "compute_cpu_s": max(0.0, cpu_s - data_cpu_s - loss_sync_cpu_s) if on_cpu else None,
+            "compute_device_s": None,  # GPUs: filled in by flush_metrics from compute_events
             "peak_mem_bytes": peak_memory_bytes(self.device),
             "runtime_mem_bytes": self.runtime_mem_bytes,
             "dropped_tokens": self._dropped_tokens(),
@@ -566,11 +595,11 @@ class Trainer:
             "time_unix_s": time.time(),
             **self.telemetry.gpu_readings(),
         }
-        faults.step_computed(record["compute_s"])
+        faults.step_computed(record["compute_cpu_s"] if on_cpu else record["compute_s"], on_cpu)
         device = {"loss": global_loss.reshape(()), "rank_loss": local_loss.reshape(()), "grad_norm": grad_norm}
         if cfg.model.moe:
             device["aux_loss"] = (aux_sum / accum).detach().float().reshape(())
-        pending = PendingRecord(record, device, loss_work, divide=1 if self.backend == "nccl" else self.world)
+        pending = PendingRecord(record, device, loss_work, 1 if self.backend == "nccl" else self.world, compute_events)
         if cfg.run.record_samples and (self.meshes is None or self.meshes.is_data_leader):
             # One record per data-parallel rank (its first-stage, tensor-rank-0 process), keyed by that rank.
             sampler = self.sampler
@@ -602,6 +631,9 @@ class Trainer:
         for p, keys in zip(pending, names, strict=True):
             record = p.record | {n: next(flat) for n in keys}
             record["loss"] /= p.divide
+            if p.compute_events is not None:
+                p.compute_events[1].synchronize()  # already done: the values above were read after it
+                record["compute_device_s"] = p.compute_events[0].elapsed_time(p.compute_events[1]) / 1000
             self.out.append_metrics(self.rank, record)
             self.telemetry.observe(record)
             records.append(record)
@@ -663,13 +695,13 @@ class Trainer:
         try:
             saved = finish()
         except CheckpointSaveError as err:
-            if not self.cfg.checkpoint.continue_on_save_failure:
-                raise
             step = self.step if err.step is None else err.step
-            log.error("checkpoint of step %d lost, training goes on (the next save will try again): %s", step, err)
-            if self.rank == 0:
+            if self.rank == 0:  # the run output says which save failed and why, whether or not training goes on
                 self.out.append_checkpoint(CheckpointEvent(step, error=str(err)))
                 self.out.sync()
+            if not self.cfg.checkpoint.continue_on_save_failure:
+                raise
+            log.error("checkpoint of step %d lost, training goes on (the next save will try again): %s", step, err)
             return
         if saved is None:
             return
@@ -789,6 +821,9 @@ class Trainer:
             "tokens_seen": self.tokens_seen,
             "n_params": self.n_params,
         }
+        # Every rank's parameter pieces: acceptance checks that replicas are bit-identical and compares the
+        # whole parameters with the reference's.
+        self.out.write_params(param_record(self.model, self.rank, self.step, cfg.model))
         if self.rank == 0:
             self.out.write_result(RunResult(**result))
             log.info("done: step %d val_loss %.4f val_ppl %.2f", self.step, result["val_loss"], result["val_ppl"])

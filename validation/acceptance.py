@@ -6,6 +6,7 @@ threshold, the evidence (files, steps), and when it fails, what to look at first
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import statistics
@@ -17,19 +18,28 @@ from typing import Any
 from pydantic import Field
 
 from training.config import StrictModel
-from training.run_output import RANKS, RunOutput
+from training.run_output import RANKS, ParamPiece, ParamRecord, RunOutput
 
 
 class AcceptanceThresholds(StrictModel):
     """Pass thresholds of the acceptance dimensions."""
 
-    correctness_max_rel_deviation: float = Field(
-        default=1e-4,
+    correctness_max_rel_deviation: float | None = Field(
+        default=None,
         gt=0,
-        description="Largest relative loss deviation of the distributed run (fp32, no dropout) from the "
-        "independent reference over acceptance.reference_steps. Set from benchmarks/acceptance_noise.py: "
-        "clean runs deviate by about 1e-7, a rank initialised differently, missing gradient sync or a broken "
-        "accumulation by 3e-3 to 1e-2.",
+        description="Largest relative deviation of the distributed run (fp32, no dropout) from the independent "
+        "reference over acceptance.reference_steps, of each step's loss and gradient norm and of the parameters "
+        "after the last step. None (the default): derived from this job's measured clean noise, "
+        "correctness_noise_factor x how far the reference's noise twin (the same steps in the distributed job's "
+        "summation order) strays from the reference, at least that factor x the fp32 epsilon; a value overrides it.",
+    )
+    correctness_noise_factor: float = Field(
+        default=30.0,
+        gt=1,
+        le=1e6,
+        description="The correctness tolerance as a multiple of the measured clean noise. Clean distributed runs "
+        "deviate by up to about 3x the noise twin's deviation (tests/integration/parallel/"
+        "test_correctness_faults.py prints it per layout); model-parallel faults by 100x or more.",
     )
     scaling_efficiency_min: float = Field(
         default=0.7, gt=0, le=1.5, description="Smallest T_N / (N * T_1) (throughput of N ranks vs one)."
@@ -39,7 +49,9 @@ class AcceptanceThresholds(StrictModel):
         default=1.25,
         gt=1,
         description="Largest ratio of a rank's median compute time per step to the median of the other ranks' "
-        "(a rank above it is a straggler the others wait for).",
+        "(a rank above it is a straggler the others wait for). Compute time is the device's (CUDA events) on GPUs "
+        "and the process's CPU time on CPU, which a busy shared host does not inflate; wall time only for runs "
+        "that recorded neither.",
     )
     gpu_utilization_min: float = Field(default=0.7, gt=0, le=1, description="GPUs: smallest mean utilisation.")
     gpu_memory_max: float = Field(default=0.9, gt=0, le=1, description="GPUs: largest share of device memory used.")
@@ -335,7 +347,75 @@ def mesh_problems(ranks: list[dict[str, Any]], world: int) -> MeshCheck:
         missed = sorted(sized - set(mesh.get("groups") or {}))
         if missed:
             check.problems.append(f"rank {rank}: no collective recorded on its {', '.join(missed)} group(s)")
+    check.problems += placement_problems(meshed, check.coords, dims)
     return check
+
+
+def _layers_text(layers: list[int]) -> str:
+    return ("layer " if len(layers) == 1 else "layers ") + ", ".join(str(x) for x in layers)
+
+
+def placement_problems(
+    meshed: dict[int, dict[str, Any]], coords: dict[int, dict[str, int]], dims: dict[str, int]
+) -> list[str]:
+    """Every layer of the model (its n_layers, from the spec) runs on exactly one stage of each pipeline, and every
+    expert of each MoE layer on exactly one rank of each expert-parallel group, by what the ranks recorded they
+    hold (ranks.json mesh `layers`, `experts`; runs from before they were recorded have nothing to check)."""
+    if not all("layers" in m for m in meshed.values()):
+        return []
+    problems: list[str] = []
+    pipelines: dict[tuple[int, ...], list[int]] = defaultdict(list)
+    for rank in sorted(meshed):
+        pipelines[tuple(coords[rank][d] for d in MESH_DIMS if d != "pp")].append(rank)
+    wrong: dict[str, list[list[int]]] = defaultdict(list)
+    for ranks in pipelines.values():
+        n_layers = meshed[ranks[0]]["n_layers"]
+        runs_on: dict[int, list[int]] = defaultdict(list)
+        for rank in ranks:
+            for layer in meshed[rank]["layers"]:
+                runs_on[layer].append(coords[rank]["pp"])
+        findings = []
+        missing = [x for x in range(n_layers) if not runs_on.get(x)]
+        if missing:
+            findings.append(f"{_layers_text(missing)} of {n_layers} run(s) on no pipeline stage")
+        findings += [f"layer {x} runs on stages {sorted(s)}" for x, s in sorted(runs_on.items()) if len(s) > 1]
+        extra = sorted(x for x in runs_on if not 0 <= x < n_layers)
+        if extra:
+            findings.append(f"{_layers_text(extra)} beyond the model's {n_layers}")
+        if findings:
+            split = " | ".join(
+                f"stage {coords[r]['pp']}: {_layers_text(meshed[r]['layers'])}"
+                for r in sorted(ranks, key=lambda r: coords[r]["pp"])
+            )
+            wrong[f"the pipeline split is wrong: {'; '.join(findings)} ({split})"].append(ranks)
+    ep = dims.get("ep", 1)
+    groups: dict[tuple[int, ...], list[int]] = defaultdict(list)
+    for rank in sorted(meshed):
+        c = coords[rank]
+        groups[(c["pp"], c["cp"], c["tp"], _dp_rank(c, dims) // ep)].append(rank)
+    for ranks in groups.values():
+        n_experts = meshed[ranks[0]].get("n_experts", 0)
+        held: dict[tuple[int, int], list[int]] = defaultdict(list)
+        layers = {int(x) for r in ranks for x in (meshed[r].get("experts") or {})}
+        for rank in ranks:
+            for layer, experts in (meshed[rank].get("experts") or {}).items():
+                for expert in experts:
+                    held[(int(layer), expert)].append(rank)
+        findings = []
+        for layer in sorted(layers):
+            missing = [e for e in range(n_experts) if not held.get((layer, e))]
+            if missing:
+                findings.append(f"experts {missing} of layer {layer} run on no rank")
+            findings += [
+                f"expert {e} of layer {layer} runs on {_ranks_text(sorted(held[(layer, e)]))}"
+                for e in range(n_experts)
+                if len(held.get((layer, e), [])) > 1
+            ]
+        if findings:
+            wrong[f"the experts are misplaced over expert parallelism: {'; '.join(findings)}"].append(ranks)
+    for finding, where in wrong.items():
+        problems.append(f"{finding}; in the group(s) of ranks {', '.join(str(r) for r in where)}")
+    return problems
 
 
 def mesh_of(output_dir: Path, world: int) -> MeshCheck | None:
@@ -356,34 +436,261 @@ def json_key(value: Any) -> str:
 
 CLEAN_REL_DEVIATION = 1e-7
 """The largest relative deviation of clean runs from the reference that benchmarks/acceptance_noise.py measured
-(2 CPU ranks, gloo, fp32, grad_accum_steps 2; the tiny and the embedded default's model, 10 steps)."""
+(2 CPU ranks, gloo, fp32, grad_accum_steps 2; the tiny and the embedded default's model, 10 steps): the noise
+assumed for a reference that recorded no noise twin (runs from before it did)."""
+
+FP32_EPS = 2.0**-23
+"""The float32 machine epsilon: the least noise a tolerance assumes (a twin may happen to agree exactly)."""
+
+
+def _rel(value: float | None, reference: float | None) -> float:
+    """|value - reference| / |reference| (NaN where either is missing; inf where the value is not finite)."""
+    if value is None or reference is None:
+        return math.nan
+    if not math.isfinite(value):
+        return math.inf
+    return abs(value - reference) / max(abs(reference), 1e-30)
+
+
+@dataclass
+class Comparison:
+    """One figure of the distributed run against the reference: its worst relative deviation and where (a step or
+    a parameter), the clean noise measured for it, and the tolerance that noise gives."""
+
+    figure: str
+    deviation: float
+    where: Any
+    noise: float
+    tolerance: float
+    first_bad: Any = None
+    per_item: dict[Any, float] = field(default_factory=dict)
+
+    @property
+    def passed(self) -> bool:
+        """Every item within the tolerance."""
+        return self.first_bad is None
+
+    @property
+    def margin(self) -> float:
+        """The worst deviation in tolerances (a fault should stand far above 1, a clean run far below)."""
+        return self.deviation / self.tolerance
+
+    def to_json(self) -> dict[str, Any]:
+        """The figures, without the per-item table."""
+        return {"max_rel_deviation": self.deviation, "where": self.where, "clean_noise": self.noise,
+                "tolerance": self.tolerance, "margin": self.margin, "first_failing": self.first_bad}  # fmt: skip
+
+
+def _compare(figure: str, deviations: dict[Any, float], noise: float, tolerance: float) -> Comparison:
+    finite = {k: v for k, v in deviations.items() if not math.isnan(v)}
+    worst = max(finite, key=lambda k: finite[k], default=None)
+    first_bad = next((k for k, v in finite.items() if not v <= tolerance), None)
+    value = finite[worst] if worst is not None else math.nan
+    return Comparison(figure, value, worst, noise, tolerance, first_bad, finite)
+
+
+def whole_parameters(pieces: list[ParamPiece], tied: dict[str, str] | None = None) -> dict[str, tuple[float, float]]:
+    """Parameter name -> (sum of squares, sum) of the whole parameter from its distinct pieces (a piece that
+    several ranks hold counts once; a tied name counts under the name it is tied to)."""
+    seen: set[tuple[str, tuple[int, ...], tuple[int, ...]]] = set()
+    whole: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+    for piece in pieces:
+        name = (tied or {}).get(piece.name, piece.name)
+        key = (name, tuple(piece.offset), tuple(piece.shape))
+        if key in seen:
+            continue
+        seen.add(key)
+        whole[name][0] += piece.sq_sum
+        whole[name][1] += piece.sum
+    return {name: (sq, total) for name, (sq, total) in whole.items()}
+
+
+def _param_deviation(value: tuple[float, float], reference: tuple[float, float], numel: int) -> float:
+    """How far a whole parameter is from the reference's: the larger of its norm's relative deviation and its
+    sum's deviation relative to the largest a sum of numbers of that norm can be (sqrt(numel) x norm)."""
+    (sq, total), (ref_sq, ref_total) = value, reference
+    norm, ref_norm = math.sqrt(sq), math.sqrt(ref_sq)
+    if ref_norm == 0:
+        return 0.0 if norm == 0 else math.inf
+    return max(abs(norm - ref_norm) / ref_norm, abs(total - ref_total) / (math.sqrt(max(numel, 1)) * ref_norm))
+
+
+@dataclass
+class ReplicaCheck:
+    """Whether every parameter piece that two or more ranks hold (replicas over TP, DP replicas, tied copies) is
+    bit-identical on all of them at the end of the run."""
+
+    pieces_checked: int = 0
+    mismatched: list[dict[str, Any]] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    max_rel_difference: float = 0.0
+    """Over the mismatched pieces, the largest (max - min) / max of their replicas' norms (0: only the bits)."""
+
+    def to_json(self) -> dict[str, Any]:
+        """The figures and the first mismatched pieces."""
+        return {"pieces_checked": self.pieces_checked, "mismatched": len(self.mismatched),
+                "max_rel_difference": self.max_rel_difference, "first_mismatched": self.mismatched[:5]}  # fmt: skip
+
+
+def replica_problems(records: dict[int, ParamRecord], coords: dict[int, dict[str, int]] | None = None) -> ReplicaCheck:
+    """Every parameter piece held by two or more ranks (the same name, global offset and shape: what the layout
+    replicates) bit-identical on all of them, and every parameter's pieces covering it whole. `coords` (the mesh
+    records, rank -> coordinates) name the mesh dimensions a mismatched piece is replicated over."""
+    check = ReplicaCheck()
+    holders: dict[tuple[str, tuple[int, ...], tuple[int, ...]], list[tuple[int, ParamPiece]]] = defaultdict(list)
+    sizes: dict[str, int] = {}
+    for rank, record in sorted(records.items()):
+        for piece in record.pieces:
+            name = record.tied.get(piece.name, piece.name)
+            holders[(name, tuple(piece.offset), tuple(piece.shape))].append((rank, piece))
+            sizes[name] = math.prod(piece.full_shape)
+    covered: dict[str, int] = defaultdict(int)
+    for (name, _, shape), held in holders.items():
+        covered[name] += math.prod(shape)
+        if len(held) < 2:
+            continue
+        check.pieces_checked += 1
+        if len({p.sha256 for _, p in held}) == 1:
+            continue
+        norms = [math.sqrt(p.sq_sum) for _, p in held]
+        spread = (max(norms) - min(norms)) / max(max(norms), 1e-30)
+        check.max_rel_difference = max(check.max_rel_difference, spread)
+        ranks = sorted({r for r, _ in held})
+        over = sorted({d for d in MESH_DIMS if coords and len({coords.get(r, {}).get(d) for r in ranks}) > 1})
+        # The dimension a difference lies along: two ranks with other bits that differ in that coordinate only.
+        differs = sorted({
+            d for (a, pa), (b, pb) in itertools.combinations(held, 2) if pa.sha256 != pb.sha256 and coords
+            for d in MESH_DIMS if coords.get(a, {}).get(d) != coords.get(b, {}).get(d)
+            and all(coords.get(a, {}).get(o) == coords.get(b, {}).get(o) for o in MESH_DIMS if o != d)
+        })  # fmt: skip
+        names = sorted({p.name for _, p in held})
+        check.mismatched.append({"parameter": " = ".join(names), "offset": list(held[0][1].offset), "ranks": ranks,
+                                 "replicated_over": over, "differs_over": differs,
+                                 "rel_difference": spread})  # fmt: skip
+    if check.mismatched:
+        first = check.mismatched[0]
+        along = first["differs_over"] or first["replicated_over"]
+        over = f" (the replicas differ over {', '.join(along)})" if along else ""
+        more = len(check.mismatched) - 1
+        check.problems.append(
+            f"replicas differ at the end of the run: {first['parameter']} on {_ranks_text(first['ranks'])}{over}, "
+            f"norms {first['rel_difference']:.3g} apart (relative)"
+            + (f", and {more} more replicated piece(s)" if more else "")
+            + f"; largest difference {check.max_rel_difference:.3g}"
+        )
+    gaps = sorted(name for name, size in sizes.items() if covered[name] != size)
+    if gaps:
+        check.problems.append(
+            f"parameter {gaps[0]}: the ranks' pieces hold {covered[gaps[0]]} of its {sizes[gaps[0]]} values"
+            + (f" (and {len(gaps) - 1} more parameters)" if len(gaps) > 1 else "")
+        )
+    return check
 
 
 def check_correctness(
-    distributed: dict[int, dict[str, Any]], reference: dict[int, dict[str, Any]], max_rel: float
+    distributed: dict[int, dict[str, Any]],
+    reference: dict[int, dict[str, Any]],
+    max_rel: float | None = None,
+    *,
+    noise_factor: float = 30.0,
+    params: dict[int, ParamRecord] | None = None,
+    reference_params: ParamRecord | None = None,
+    replicas: dict[str, ReplicaCheck] | None = None,
 ) -> DimensionResult:
-    """Every step's loss within max_rel of the independent reference (same data, seed, global batch)."""
+    """The distributed run against the independent reference (same data, seed, global batch): every step's loss
+    and gradient norm, and the whole parameters after the last step where both runs ended there (`params`, every
+    rank's record, and `reference_params`), each within its tolerance; and `replicas` (run label -> its replica
+    check) without a mismatch.
+
+    A tolerance is `max_rel` where given, else noise_factor x this job's clean noise: how far the reference's noise
+    twin strayed from it over the same steps on the same figure (at least the fp32 epsilon; the benchmarks' figure
+    CLEAN_REL_DEVIATION for a reference that recorded no twin).
+    """
     steps = sorted(set(distributed) & set(reference))
-    threshold = {"max_rel_deviation": max_rel, "clean_rel_deviation_measured": CLEAN_REL_DEVIATION}
+
+    def tolerance(noise: float) -> float:
+        return max_rel if max_rel is not None else noise_factor * max(noise, FP32_EPS)
+
     if not steps:
         return DimensionResult(
-            "correctness", False, None, threshold, {}, "no common steps to compare", "the two runs' metrics"
+            "correctness", False, None, {"max_rel_deviation": max_rel}, {}, "no common steps to compare",
+            "the two runs' metrics",
+        )  # fmt: skip
+    comparisons: list[Comparison] = []
+    for figure, key in (("loss", "loss"), ("gradient norm", "grad_norm")):
+        deviations = {s: _rel(distributed[s].get(key), reference[s].get(key)) for s in steps}
+        twin = [_rel(reference[s].get(f"twin_{key}"), reference[s].get(key)) for s in steps]
+        noise = max((t for t in twin if math.isfinite(t)), default=CLEAN_REL_DEVIATION)
+        if any(not math.isnan(d) for d in deviations.values()) or key == "loss":
+            comparisons.append(_compare(figure, deviations, noise, tolerance(noise)))
+    params_note = "not compared: no params records"
+    if params and reference_params is not None:
+        ended = {r.step for r in params.values()}
+        if ended != {reference_params.step}:
+            params_note = f"not compared: the run ended at step {sorted(ended)}, the reference at {reference_params.step}"
+        else:
+            tied = next(iter(params.values())).tied
+            mine = whole_parameters([p for r in params.values() for p in r.pieces], tied)
+            ref = whole_parameters(reference_params.pieces, reference_params.tied)
+            numel = {p.name: math.prod(p.full_shape) for p in reference_params.pieces}
+            twin = whole_parameters(reference_params.twin, reference_params.tied)
+            deviations = {n: _param_deviation(mine[n], ref[n], numel[n]) if n in mine else math.inf for n in ref}
+            noises = [_param_deviation(twin[n], ref[n], numel[n]) for n in ref if n in twin]
+            noise = max(noises, default=CLEAN_REL_DEVIATION)
+            comparisons.append(_compare(f"parameters after step {reference_params.step}", deviations, noise,
+                                        tolerance(noise)))  # fmt: skip
+            params_note = "compared"
+    failures = [c for c in comparisons if not c.passed]
+    loss = comparisons[0]
+    problems = []
+    for c in failures:
+        at = f"step {c.where}" if isinstance(c.where, int) else c.where
+        first = f"step {c.first_bad}" if isinstance(c.first_bad, int) else c.first_bad
+        problems.append(
+            f"{c.figure} deviates from the reference by {c.deviation:.3g} (relative) at {at}, {c.margin:.3g}x the "
+            f"tolerance {c.tolerance:.3g} (clean noise {c.noise:.3g}); first beyond it: {first}"
         )
-    deviations = {
-        s: abs(distributed[s]["loss"] - reference[s]["loss"]) / max(abs(reference[s]["loss"]), 1e-12) for s in steps
+    for label, check in (replicas or {}).items():
+        problems += [f"{label} run: {p}" for p in check.problems]
+    look = []
+    if any(check.mismatched for check in (replicas or {}).values()):
+        look.append(
+            "the gradient reduction of the replicated parameters named, over the dimension named (a replicated "
+            "weight whose gradient is not all-reduced over its group: sequence-parallel norms over tp), and that "
+            "every replica steps the same optimizer state"
+        )
+    if any(c.figure == "gradient norm" for c in failures) or any(c.figure.startswith("param") for c in failures):
+        look.append(
+            "gradient scaling and clipping: the norm's reduction over every mesh dimension (training/grad_clip.py), "
+            "gradient divide factors (expert parallelism), loss scaling"
+        )
+    if not loss.passed:
+        look.append("data order and seeds per rank (sampler records), then gradient accumulation and sync")
+    margin = max((c.margin for c in comparisons if math.isfinite(c.margin)), default=math.nan)
+    measured: dict[str, Any] = {
+        "max_rel_deviation": loss.deviation,
+        "worst_step": loss.where,
+        "figures": {c.figure: c.to_json() for c in comparisons},
+        "margin": margin,
+        "replicas": {label: check.to_json() for label, check in (replicas or {}).items()},
     }
-    worst = max(deviations, key=lambda s: deviations[s] if math.isfinite(deviations[s]) else math.inf)
-    value = deviations[worst]
-    passed = all(math.isfinite(d) and d <= max_rel for d in deviations.values())
-    first_bad = next((s for s in steps if not (math.isfinite(deviations[s]) and deviations[s] <= max_rel)), None)
+    threshold = {
+        "max_rel_deviation": loss.tolerance,
+        "source": "acceptance.thresholds.correctness_max_rel_deviation" if max_rel is not None else "measured noise",
+        "noise_factor": None if max_rel is not None else noise_factor,
+        "clean_rel_deviation_measured": loss.noise,
+        "tolerances": {c.figure: c.tolerance for c in comparisons},
+        "replicas": "bit-identical",
+    }
     return DimensionResult(
         "correctness",
-        passed,
-        {"max_rel_deviation": value, "worst_step": worst},
+        not problems,
+        measured,
         threshold,
-        {"steps_compared": [steps[0], steps[-1]], "first_failing_step": first_bad, "deviation_per_step": deviations},
-        "" if passed else f"loss deviates from the reference by {value:.3g} (relative) at step {worst}",
-        "" if passed else "data order and seeds per rank (sampler records), then gradient accumulation and sync",
+        {"steps_compared": [steps[0], steps[-1]], "first_failing_step": loss.first_bad,
+         "deviation_per_step": loss.per_item, "parameters": params_note},  # fmt: skip
+        "; ".join(problems),
+        "; ".join(look),
     )
 
 
@@ -394,11 +701,33 @@ def _median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
+COMPUTE_BASES: tuple[tuple[str, str], ...] = (
+    ("compute_device_s", "device time"),
+    ("compute_cpu_s", "CPU time"),
+    ("compute_s", "wall time"),
+)
+"""The per-step compute figures of a metrics record (training/run_output.py) a straggler can be judged by, best
+first: the device's own time (CUDA events, GPUs), the process's CPU time (CPU runs), wall time (older runs). A busy
+host deschedules its ranks unevenly, which lengthens their wall time but not their CPU or device time."""
+
+
+def compute_basis(distributed: dict[int, dict[int, dict[str, Any]]], steps: list[int]) -> str:
+    """The best figure of COMPUTE_BASES that every rank recorded in every one of `steps` it has a record of."""
+    for key, _ in COMPUTE_BASES[:-1]:
+        values = [m[s].get(key) for m in distributed.values() for s in steps if s in m]
+        if values and all(isinstance(v, int | float) and math.isfinite(v) for v in values):
+            return key
+    return COMPUTE_BASES[-1][0]
+
+
 def straggler_ratios(
-    distributed: dict[int, dict[int, dict[str, Any]]], steps: list[int], peers: dict[int, int] | None = None
+    distributed: dict[int, dict[int, dict[str, Any]]],
+    steps: list[int],
+    peers: dict[int, int] | None = None,
+    key: str = "compute_s",
 ) -> dict[int, float]:
-    """Per rank, the median over `steps` of its compute time divided by the median of the OTHER ranks' in the same
-    step; NaN where unknown.
+    """Per rank, the median over `steps` of its compute time (the record's `key`, see COMPUTE_BASES) divided by
+    the median of the OTHER ranks' in the same step; NaN where unknown.
 
     Against the others, not all ranks: with two ranks the median of all sits halfway and hides a 1.5x rank.
     Per step, then the median: load that slows every rank in a step (a busy host, a shared core) cancels out.
@@ -409,12 +738,24 @@ def straggler_ratios(
     role = peers or {}
     per_step: dict[int, list[float]] = {rank: [] for rank in distributed}
     for step in steps:
-        compute = {rank: m[step]["compute_s"] for rank, m in distributed.items() if step in m}
+        compute = {rank: m[step][key] for rank, m in distributed.items() if step in m}
         for rank, value in compute.items():
             others = _median([v for r, v in compute.items() if r != rank and role.get(r) == role.get(rank)])
             if others > 0:
                 per_step[rank].append(value / others)
     return {rank: _median(values) for rank, values in per_step.items()}
+
+
+def job_cpu_s(distributed: dict[int, dict[int, dict[str, Any]]], steps: list[int]) -> dict[int, float] | None:
+    """step -> the largest process CPU time of a rank in that step (the job moves at its slowest rank's pace);
+    None unless every rank recorded cpu_s in every one of `steps` it has."""
+    out = {}
+    for step in steps:
+        values = [m[step].get("cpu_s") for m in distributed.values() if step in m]
+        if not values or not all(isinstance(v, int | float) and v > 0 for v in values):
+            return None
+        out[step] = float(max(values))
+    return out or None
 
 
 def _ranks_text(ranks: list[int]) -> str:
@@ -492,8 +833,9 @@ def check_performance(
     hosts: dict[int, str] | None = None,
 ) -> DimensionResult:
     """Scaling efficiency, communication share (and GPU utilisation/memory), gradient synchronisation that
-    happened; names a rank that lags (compute time above straggler_ratio_max x the median of the others), and
-    its host where `hosts` (rank -> host name, from ranks.json) tells it.
+    happened; names a rank that lags (compute time above straggler_ratio_max x the median of the others; device
+    or CPU time where the records carry it, see COMPUTE_BASES), and its host where `hosts` (rank -> host name,
+    from ranks.json) tells it.
 
     With a model-parallel `mesh` (connectivity's reading of ranks.json): gradient synchronisation is judged
     over the data-parallel degree, stragglers against the ranks of the same pipeline stage, comm_s is the
@@ -511,6 +853,10 @@ def check_performance(
     steps = [s for s in sorted(rank0) if s > skip]
     ref_steps = [s for s in sorted(reference) if s > skip]
     tokens_n = _median([rank0[s]["tokens_per_s"] for s in steps])
+    # The same throughput by CPU time (CPU runs): what the gate compares, since a busy host stretches wall time.
+    cpu = job_cpu_s(distributed, steps)
+    by_cpu = cpu is not None and all(isinstance(rank0[s].get("tokens"), int | float) for s in steps)
+    tokens_cpu = _median([rank0[s]["tokens"] / cpu[s] for s in steps]) if by_cpu else None
     tokens_1 = _median([reference[s]["tokens_per_s"] for s in ref_steps])
     efficiency = tokens_n / (world * tokens_1) if tokens_1 > 0 else float("nan")
     shares = {
@@ -520,8 +866,10 @@ def check_performance(
         for rank, m in distributed.items()
     }
     comm_share = max((v for v in shares.values() if math.isfinite(v)), default=float("nan"))
-    compute = {rank: _median([m[s]["compute_s"] for s in steps if s in m]) for rank, m in distributed.items()}
-    ratios = straggler_ratios(distributed, steps, peers)
+    basis = compute_basis(distributed, steps)
+    compute = {rank: _median([m[s][basis] for s in steps if s in m]) for rank, m in distributed.items()}
+    ratios = straggler_ratios(distributed, steps, peers, basis)
+    basis_text = dict(COMPUTE_BASES)[basis]
     data_wait = {
         rank: _median([m[s]["data_wait_s"] / m[s]["step_time_s"] for s in steps if s in m])
         for rank, m in distributed.items()
@@ -549,8 +897,8 @@ def check_performance(
         on = f" on {hosts[rank]}" if hosts and rank in hosts else ""
         failures.append(
             f"rank {rank}{on} computes {compute[rank]:.3f} s/step, {ratios[rank]:.2f}x {whose} median "
-            f"({others:.3f} s; straggler_ratio_max {limits.straggler_ratio_max}); they wait for it in the "
-            "gradient synchronisation"
+            f"({others:.3f} s of {basis_text}; straggler_ratio_max {limits.straggler_ratio_max}); they wait for it "
+            "in the gradient synchronisation"
         )
     slow_rank = stragglers[0] if stragglers else None
     if no_sync:
@@ -576,11 +924,16 @@ def check_performance(
             "scaling_efficiency": efficiency,
             "tokens_per_s": tokens_n,
             "tokens_per_s_per_rank": tokens_n / world if world else None,
+            "tokens_per_cpu_s": tokens_cpu,
+            "step_cpu_s": _median(list(cpu.values())) if by_cpu else None,
+            "timed_s": sum(rank0[s]["step_time_s"] for s in steps),
+            "cpu_timed_s": sum(cpu.values()) if by_cpu else None,
             "reference_tokens_per_s": tokens_1,
             "comm_share": comm_share,
             "comm_share_per_rank": shares,
             "compute_s_per_rank": compute,
             "straggler_ratio_per_rank": ratios,
+            "straggler_basis": basis,
             "data_wait_share_per_rank": data_wait,
             "slow_rank": slow_rank,
             "slow_host": (hosts or {}).get(slow_rank) if slow_rank is not None else None,

@@ -11,9 +11,11 @@ from training.faults import SAVE_PHASES, SavePhase
 from training.storage import LocalPath, StorageUrl
 from validation.acceptance import AcceptanceThresholds
 
-DrillName = Literal["rank_kill", "kill_during_save", "corrupt_checkpoint", "reshard", "storage_outage", "node_loss"]
+DrillName = Literal[
+    "rank_kill", "kill_during_save", "corrupt_checkpoint", "reshard", "storage_outage", "node_loss", "preemption"
+]
 DRILLS: tuple[DrillName, ...] = (
-    "rank_kill", "kill_during_save", "corrupt_checkpoint", "reshard", "storage_outage", "node_loss",
+    "rank_kill", "kill_during_save", "corrupt_checkpoint", "reshard", "storage_outage", "node_loss", "preemption",
 )  # fmt: skip
 
 
@@ -23,10 +25,18 @@ class RegressionConfig(StrictModel):
 
     enabled: bool = Field(default=True, description="Compare with the current baseline at all.")
     tokens_per_s_drop_max: float | None = Field(
-        default=0.10, ge=0, le=1, description="Largest relative drop of tokens/s below the baseline's (0.10 = 10%)."
+        default=0.10,
+        ge=0,
+        le=1,
+        description="Largest relative drop of tokens/s below the baseline's (0.10 = 10%); on CPU runs of tokens per "
+        "CPU-second, which a busy host does not lower (wall-time tokens/s is then shown, not judged).",
     )
     step_time_rise_max: float | None = Field(
-        default=0.15, ge=0, le=100, description="Largest relative rise of the median step time over the baseline's."
+        default=0.15,
+        ge=0,
+        le=100,
+        description="Largest relative rise of the median step time over the baseline's (on CPU runs: of the step's "
+        "CPU time).",
     )
     comm_share_rise_max: float | None = Field(
         default=None, ge=0, le=1, description="Largest rise of the communication share (absolute, 0.1 = 10 points)."
@@ -52,6 +62,25 @@ class RegressionConfig(StrictModel):
         "bandwidth of a baseline whose timed probe all-reduces took less than this in all (raise run.comm_probe_mb "
         "to judge it), are shown but not judged: a few milliseconds of scheduler noise on a shared host are a large "
         "share of such intervals.",
+    )
+    throughput_min_interval_s: float = Field(
+        default=1.0,
+        ge=0,
+        le=86400,
+        description="tokens/s and step time (wall or CPU) are judged only when the steady-state steps they are "
+        "measured over took at least this long in all, in the baseline and in the run (timed_s, cpu_timed_s; as "
+        "the bus bandwidth is by its timed all-reduces); a shorter interval is shown but not judged.",
+    )
+    noise_multiple: float = Field(
+        default=2.0,
+        ge=0,
+        le=100,
+        description="The limit of a timing figure widens to this many times the baseline's own spread: the "
+        "figure's range over the baseline's last noise_runs runs (ledger entries of the same spec, cluster and "
+        "curve identity), relative to their median (absolute for the communication share).",
+    )
+    noise_runs: int = Field(
+        default=5, ge=2, le=1000, description="The baseline's runs its spread is taken over (2 or more are needed)."
     )
     save_noise_floor_s: float = Field(
         default=1.0,

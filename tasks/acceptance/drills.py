@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -31,11 +32,13 @@ from tasks.acceptance.workspace import (
 from tasks.cluster import ClusterConfig
 from tasks.errors import UserError
 from tasks.launch.base import JobState, JobStatus, find_job
+from tasks.launch.submit import launcher_for
 from tasks.progress import report
-from training.checkpoint import COMMIT, CheckpointManager, step_dir_name
+from training.checkpoint import COMMIT, CheckpointFormatError, CheckpointManager, step_dir_name
 from training.config import ParallelConfig, TrainConfig
 from training.faults import HOLD_MARKER_PREFIX, RELEASE_FILE, SAVE_PHASES, SavePhase, paused_ranks, with_faults
 from training.layout import data_parallel_degree
+from training.preemption import records_since as preemption_records
 from training.run_output import CheckpointEvent, RunOutput
 from validation.acceptance import DimensionResult, check_recovery, layout_text
 from validation.data_consistency import Sampling, check_data_consistency
@@ -62,10 +65,36 @@ class DrillResult:
         return asdict(self)
 
 
+class BrokenCommit(UserError):
+    """A drill job's own save committed a record that is not what the trainer's commit protocol writes."""
+
+
 def committed_steps(train: TrainConfig) -> list[int]:
-    """Steps with a committed checkpoint."""
+    """Steps with a committed checkpoint; BrokenCommit (the drill's finding) for a malformed COMMIT.json, which
+    in a drill's folder only the drill's own jobs wrote."""
     manager = CheckpointManager(train.checkpoint, train.storage)
-    return [s for s in manager.steps_on_storage() if manager.read_commit(s) is not None]
+    steps = []
+    for step in manager.steps_on_storage():
+        try:
+            commit = manager.read_commit(step)
+        except CheckpointFormatError as err:
+            raise BrokenCommit(
+                f"{err.path} {err.problem}: written by this drill's own job, whose save committed a broken record",
+                "the job's checkpoint events (checkpoints.jsonl) and log say which save; fix the trainer's save",
+            ) from err
+        if commit is not None:
+            steps.append(step)
+    return steps
+
+
+def stopped_drill(name: str, err: Exception) -> DrillResult:
+    """The finding of drill `name` that an error stopped: failed, with the error (and its fix, when it has one)."""
+    fix = getattr(err, "fix", None)
+    log.error("drill %s stopped: %s: %s", name, type(err).__name__, err, exc_info=err)
+    return DrillResult(
+        name, False, message=f"the drill stopped: {type(err).__name__}: {err}" + (f"; fix: {fix}" if fix else ""),
+        evidence={"error": type(err).__name__},
+    )  # fmt: skip
 
 
 def _skipped_for(outcome: RunOutcome, step: int, reason: str) -> bool:
@@ -197,14 +226,17 @@ def kill_victim(ranks: list[dict[str, Any]]) -> tuple[int, dict[str, int] | None
     return victim, meshed.get(victim)
 
 
-def _past_first_checkpoint(ctx: DrillContext, name: str) -> tuple[TrainConfig, Job, Callable[[], None]]:
-    """Start drill job `name` and wait until every rank holds one step past its first committed checkpoint
-    (training.faults.StepHold); returns the job and what releases it, to be called once the drill has struck."""
+def _past_first_checkpoint(
+    ctx: DrillContext, name: str, cluster: ClusterConfig | None = None
+) -> tuple[TrainConfig, Job, Callable[[], None]]:
+    """Start drill job `name` (on `cluster`, default the context's) and wait until every rank holds one step past
+    its first committed checkpoint (training.faults.StepHold); returns the job and what releases it, to be called
+    once the drill has struck."""
     train = ctx.train(name)
     first_save = ctx.acceptance.save_every_steps
     markers = ctx.root / name / "hold"
     hold = {"step": first_save + 1, "marker_dir": str(markers), "timeout_s": ctx.acceptance.job_timeout_s}
-    job = ctx.job(train, name, faults=with_faults(ctx.faults, hold_after_step=hold))
+    job = ctx.job(train, name, cluster=cluster, faults=with_faults(ctx.faults, hold_after_step=hold))
     job.wait_until(
         lambda: len(paused_ranks(str(markers), HOLD_MARKER_PREFIX)) == ctx.cluster.world_size,
         f"every rank past the first checkpoint (step {first_save})", ctx.acceptance.job_timeout_s,
@@ -236,6 +268,55 @@ def drill_rank_kill(ctx: DrillContext) -> tuple[DrillResult, DimensionResult]:
          "checkpoint_step": checkpoint, "relaunched": relaunched},
     )  # fmt: skip
     return result, recovery
+
+
+def drill_preemption(ctx: DrillContext) -> DrillResult:
+    """SIGTERM to the job through its launcher, as a scheduler sends it before taking the nodes back: the ranks
+    finish their step, checkpoint it and the job ends `preempted` with its record (preemptions.jsonl); the
+    resubmitted job goes on with the next step (0 steps lost) and matches the uninterrupted run.
+
+    The job runs without elastic restarts, as a scheduler's requeue would: the resubmission is the recovery. A
+    job that stops any other way (a handler that exits without the checkpoint) fails the drill with the steps
+    it lost: trained before the stop, trained again after the resume.
+    """
+    if not launcher_for(ctx.cluster.scheduler).delivers_signals():
+        return DrillResult("preemption", None, message=f"skipped: the {ctx.cluster.scheduler} launcher cannot "
+                           "deliver signals (preempt such jobs through the scheduler)")  # fmt: skip
+    name = "drill-preemption"
+    no_restart = ctx.cluster.model_copy(update={"max_restarts": 0})
+    train, job, release = _past_first_checkpoint(ctx, name, cluster=no_restart)
+    held_at = last_step(job.output_dir)
+    job.launcher.signal(job.handle, signal.SIGTERM)
+    t_fail = time.time()
+    release()
+    stopped = job.wait(ctx.acceptance.job_timeout_s)
+    stopped_at = last_step(job.output_dir)  # the last step the signalled job trained
+    records = preemption_records(str(stopped.output_dir), job.handle.submitted_unix_s)
+    record = records[-1] if records else None
+    committed = [s for s in committed_steps(train) if s <= stopped_at]
+    checkpoint = record.step if record is not None else max(committed, default=None)
+    resumed = ctx.job(train, name).wait(ctx.acceptance.job_timeout_s)  # the resubmission
+    recovery = ctx.recovery(resumed, checkpoint)
+    resumed_from = recovery.measured["resumed_from_step"]
+    lost = stopped_at - (resumed_from or 0)
+    result = _finish(
+        "preemption", recovery, t_fail, resumed, lost,
+        {"signal": "SIGTERM", "held_at_step": held_at, "stopped_at_step": stopped_at,
+         "state": stopped.status.state.value, "exit_code": stopped.status.exit_code,
+         "preemption": None if record is None else asdict(record), "checkpoint_step": checkpoint},
+    )  # fmt: skip
+    problems = []
+    if stopped.status.state is not JobState.PREEMPTED:
+        problems.append(f"the signalled job ended {stopped.status.describe()}, not preempted")
+    if record is None:
+        problems.append("it left no preemption record (its checkpoint at the step boundary was never written)")
+    if lost:
+        problems.append(f"{lost} step(s) lost: it trained to step {stopped_at}, the resubmitted job resumed from "
+                        f"{'nothing' if resumed_from is None else f'step {resumed_from}'}")  # fmt: skip
+    if problems:
+        result.passed = False
+        result.message = "; ".join([*problems, *([result.message] if result.message else [])])
+    return result
 
 
 SAVE_CHAIN = "drill-kill-during-save"
@@ -661,18 +742,21 @@ def run_drills(ctx: DrillContext, only: list[str] | None = None,
     chosen = only if only is not None else (ctx.drills.only if ctx.drills.only is not None else list(DRILLS))
     names = [name for name in DRILLS if name in chosen]
     results = []
+    table: dict[str, Callable[[DrillContext], DrillResult]] = {
+        "rank_kill": lambda c: drill_rank_kill(c)[0],
+        "kill_during_save": drill_kill_during_save,
+        "corrupt_checkpoint": drill_corrupt_checkpoint,
+        "reshard": drill_reshard,
+        "storage_outage": drill_storage_outage,
+        "node_loss": drill_node_loss,
+        "preemption": drill_preemption,
+    }
     for k, name in enumerate(names):
         report(ctx.progress_step, f"drill {name}", k, len(names))
-        if name == "rank_kill":
-            result = drill_rank_kill(ctx)[0]
-        else:
-            result = {
-                "kill_during_save": drill_kill_during_save,
-                "corrupt_checkpoint": drill_corrupt_checkpoint,
-                "reshard": drill_reshard,
-                "storage_outage": drill_storage_outage,
-                "node_loss": drill_node_loss,
-            }[name](ctx)
+        try:
+            result = table[name](ctx)
+        except Exception as err:  # noqa: BLE001 - a drill's failure is that drill's finding; the others still run
+            result = stopped_drill(name, err)
         results.append(result)
         if on_result:
             on_result(result)

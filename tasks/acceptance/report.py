@@ -105,9 +105,9 @@ def table_rows(report: AcceptanceReport) -> list[dict[str, Any]]:
         {
             "check": f"drill: {d.name}",
             "verdict": DRILL_VERDICTS[d.passed],
-            "measured": f"recovery {d.recovery_s:.1f}s, steps lost {d.steps_lost}, state matched {d.state_matched}"
-            if d.recovery_s is not None
-            else f"state matched {d.state_matched}",
+            "measured": (f"recovery {d.recovery_s:.1f}s, " if d.recovery_s is not None else "")
+            + (f"steps lost {d.steps_lost}, " if d.steps_lost is not None else "")
+            + f"state matched {d.state_matched}",
             "threshold": "resume from last complete checkpoint",
             "look first": d.message,
         }

@@ -10,7 +10,7 @@ from typing import Any
 
 from tasks.acceptance.baselines import judge_quality
 from tasks.acceptance.config import DRILLS, AcceptanceConfig, DrillConfig
-from tasks.acceptance.drills import DrillContext, DrillResult, drill_rank_kill, run_drills
+from tasks.acceptance.drills import DrillContext, DrillResult, drill_rank_kill, run_drills, stopped_drill
 from tasks.acceptance.workspace import (
     Job,
     RunOutcome,
@@ -29,6 +29,7 @@ from tasks.ledger.registry import (
     Ledger,
     LedgerEntry,
     LedgerError,
+    NonFiniteFigures,
     Provenance,
     golden_figures,
     ledger_url,
@@ -47,6 +48,7 @@ from validation.acceptance import (
     check_stability,
     mesh_of,
     rank_metrics,
+    replica_problems,
 )
 from validation.data_consistency import Sampling, check_data_consistency, with_resumed_run
 from validation.plan_accuracy import PlanAccuracy, PlannedFigures, compare_plan, with_history
@@ -180,6 +182,31 @@ def run_correctness_pair(
     return pair, reference
 
 
+def correctness_of(
+    side: RunOutcome, dist: RunOutcome, reference: RunOutcome, acceptance: AcceptanceConfig, world: int
+) -> DimensionResult:
+    """Correctness of `side` (the correctness plan's distributed run; the main run `dist` where it serves) against
+    the reference over acceptance.reference_steps: losses, gradient norms, the parameters after the last step;
+    and the replica check (training/run_output.py params records) of `side` and of `dist`, by their meshes."""
+    k = acceptance.reference_steps
+    replicas = {}
+    runs = {"distributed": dist} if side is dist else {"correctness": side, "distributed": dist}
+    for label, run in runs.items():
+        records = run.run.params()
+        if records:  # a run that never reached its end records none: stability reports why
+            mesh = mesh_of(run.output_dir, world)
+            replicas[label] = replica_problems(records, mesh.coords if mesh is not None else None)
+    return check_correctness(
+        {s: m for s, m in side.metrics().items() if s <= k},
+        reference.metrics(),
+        acceptance.thresholds.correctness_max_rel_deviation,
+        noise_factor=acceptance.thresholds.correctness_noise_factor,
+        params=side.run.params(),
+        reference_params=reference.run.params().get(0),
+        replicas=replicas,
+    )
+
+
 def run_acceptance(
     cluster: ClusterConfig,
     train: TrainConfig,
@@ -260,11 +287,17 @@ def run_acceptance(
         pass  # no recovery drill: see the docstring
     elif dist.ok:
         report("acceptance", "recovery: rank_kill drill")
-        kill, recovery = drill_rank_kill(ctx)
+        try:
+            kill, recovery = drill_rank_kill(ctx)
+        except Exception as err:  # noqa: BLE001 - the drill's failure is its finding; the report is still written
+            kill = stopped_drill("rank_kill", err)
+            look = "the rank_kill drill's error above, then its jobs' logs under drill-rank-kill"
+            recovery = DimensionResult("recovery", False, None, None, kill.evidence, kill.message, look)
         drill_results.append(kill)
-        resumed = Sampling.of(ctx.train("drill-rank-kill"), cluster.world_size)
-        resumed_data = check_data_consistency(Path(kill.evidence["output_dir"]), resumed)
-        dimensions = [with_resumed_run(d, resumed_data) if d.name == "data_consistency" else d for d in dimensions]
+        if "output_dir" in kill.evidence:
+            resumed = Sampling.of(ctx.train("drill-rank-kill"), cluster.world_size)
+            resumed_data = check_data_consistency(Path(kill.evidence["output_dir"]), resumed)
+            dimensions = [with_resumed_run(d, resumed_data) if d.name == "data_consistency" else d for d in dimensions]
     else:
         recovery = DimensionResult(
             "recovery",
@@ -272,20 +305,28 @@ def run_acceptance(
             None,
             None,
             {},
-            "not drilled: the distributed run itself failed",
+            "not drilled: the distributed run itself failed"
+            + (f" ({dist.steps_lost.describe()})" if dist.steps_lost else ""),
             "the stability dimension",
         )
     if recovery is not None:
         dimensions.append(recovery)
-    figures = golden_figures(dimensions, dist.output_dir)
-    dimensions.append(regression_of(ledger, current, ledger_problem, figures, curve_key, acceptance))
+    try:
+        figures, not_finite = golden_figures(dimensions, dist.output_dir), None
+    except NonFiniteFigures as err:  # a diverged run: a regression finding, the report is still written
+        figures, not_finite = None, err
+    dimensions.append(regression_of(ledger, current, ledger_problem, figures, curve_key, acceptance, not_finite))
     if with_drills and dist.ok and not canary:
         wanted = ctx.drills.only if ctx.drills.only is not None else list(DRILLS)
         drill_results += run_drills(ctx, [n for n in wanted if n != "rank_kill"])  # rank_kill ran above
     runs = {"distributed": str(dist.output_dir), "reference": str(reference.output_dir)}
     if pair is not None:  # the distributed side of correctness, when the main run could not serve
         runs["correctness"] = str(pair.output_dir)
-    accuracy = None if planned is None else plan_accuracy(planned, ledger, dist, cluster, limits)
+    try:
+        accuracy = None if planned is None else plan_accuracy(planned, ledger, dist, cluster, limits)
+    except (OSError, ValueError) as err:  # the plan beside the run is a note, not a verdict: the report goes on
+        log.warning("plan vs run: not compared: %s", err)
+        accuracy = None
     accepted = AcceptanceReport(dimensions, drill_results, runs, plan_accuracy=accuracy)
     if accepted.passed and record:  # every dimension and drill: the run becomes the current baseline
         gate.record(root, dist.output_dir)
@@ -322,10 +363,17 @@ def regression_of(
     figures: GoldenFigures | None,
     curve_key: str,
     acceptance: AcceptanceConfig,
+    not_finite: NonFiniteFigures | None = None,
 ) -> DimensionResult:
-    """The regression dimension; a ledger that cannot be read fails it with the file and the fix."""
+    """The regression dimension; a ledger that cannot be read fails it with the file and the fix, and so does a
+    run whose loss figures are not finite (nothing to compare, nothing to record)."""
     if problem is not None:
         return DimensionResult("regression", False, {}, {}, {"ledger": ledger.url}, str(problem), problem.fix or "")
+    if not_finite is not None and acceptance.regression.enabled:
+        return DimensionResult(
+            "regression", False, dict(not_finite.figures), {}, {"ledger": ledger.url, "curve_key": curve_key},
+            str(not_finite), "the stability dimension: the first step whose loss was not finite",
+        )  # fmt: skip
     return check_regression(ledger, current, figures, curve_key, acceptance.regression, acceptance.thresholds)
 
 
@@ -405,15 +453,10 @@ def judge(
     """
     limits = acceptance.thresholds
     world = cluster.world_size
-    k = acceptance.reference_steps
     dist_metrics = dist.metrics()
     dimensions = [
         check_connectivity(dist.output_dir, world, limits),
-        check_correctness(
-            {s: m for s, m in (pair or dist).metrics().items() if s <= k},
-            reference.metrics(),
-            limits.correctness_max_rel_deviation,
-        ),
+        correctness_of(pair or dist, dist, reference, acceptance, world),
         check_performance(
             rank_metrics(dist.output_dir),
             reference.metrics(),

@@ -30,6 +30,7 @@ from typing import Any, Literal
 from tasks.cluster import ClusterConfig
 from tasks.errors import TransientError, UserError
 from tasks.launch.base import JobHandle, JobState, JobStatus
+from tasks.launch.history import StepsLost, steps_lost
 from tasks.launch.submit import submit
 from tasks.progress import report
 from training.config import TrainConfig
@@ -245,6 +246,8 @@ class RunOutcome:
     stalled_after_step: int | None = None
     unreachable_hosts: list[str] = field(default_factory=list)
     """Hosts that did not answer when the job stalled (SSH jobs): where a hang started."""
+    steps_lost: StepsLost | None = None
+    """A failed, cancelled or preempted job: the steps it trained after its newest checkpoint (None: it finished)."""
 
     @property
     def ok(self) -> bool:
@@ -312,7 +315,7 @@ class Job:
         while True:
             status = self.status()
             if status.state.terminal:
-                return RunOutcome(self.handle, status, self.output_dir)
+                return RunOutcome(self.handle, status, self.output_dir, steps_lost=self._lost(status))
             step = last_step(self.output_dir)
             if step != seen:
                 progress_at, seen = time.monotonic(), step
@@ -323,21 +326,31 @@ class Job:
                 log.warning("job %s made no progress for %.0fs after step %d%s: cancelling it", self.handle.ref,
                             stall_timeout_s, seen, where)  # fmt: skip
                 self.launcher.cancel(self.handle)
-                return RunOutcome(self.handle, self.status(), self.output_dir, stalled_after_step=seen,
-                                  unreachable_hosts=silent)  # fmt: skip
+                status = self.status()
+                return RunOutcome(self.handle, status, self.output_dir, stalled_after_step=seen,
+                                  unreachable_hosts=silent, steps_lost=self._lost(status))  # fmt: skip
             if time.monotonic() > deadline:
                 self.launcher.cancel(self.handle)
                 raise UserError(f"job {self.handle.ref} did not finish in {timeout_s:.0f}s", "raise job_timeout_s")
             time.sleep(0.2)
 
+    def _lost(self, status: JobStatus) -> StepsLost | None:
+        """The steps a job that ended in `status` lost (None when it succeeded)."""
+        if status.state is JobState.SUCCEEDED:
+            return None
+        lost = steps_lost(self.train, self.output_dir)
+        log.warning("job %s %s: %s", self.handle.ref, status.state.value, lost.describe())
+        return lost
+
     def wait_until(self, predicate: Callable[[], bool], what: str, timeout_s: float, poll_s: float = 0.02) -> None:
-        """Poll until predicate() holds; fails if the job ends first."""
+        """Poll until predicate() holds; fails if the job ends first (with how it ended)."""
         deadline = time.monotonic() + timeout_s
         while not predicate():
-            if self.status().state.terminal:
-                raise UserError(
-                    f"job {self.handle.ref} ended before {what}", "give the drill more steps (acceptance.steps)"
-                )
+            status = self.status()
+            if status.state.terminal:
+                fix = ("give the drill more steps (acceptance.steps)" if status.state is JobState.SUCCEEDED
+                       else f"see its log {self.handle.log_path}")  # fmt: skip
+                raise UserError(f"job {self.handle.ref} ended before {what}: {status.describe()}", fix)
             if time.monotonic() > deadline:
                 raise UserError(f"timed out waiting for {what} in job {self.handle.ref}", "see its log")
             time.sleep(poll_s)

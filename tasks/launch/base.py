@@ -148,6 +148,10 @@ class Launcher(Protocol):
         """Stop the job and every process it started."""
         ...
 
+    def delivers_signals(self) -> bool:
+        """Whether `signal` can deliver a preemption signal on this scheduler (the preemption drill asks first)."""
+        return False
+
     def signal(self, handle: JobHandle, sig: int) -> None:
         """Deliver a preemption signal (SIGTERM or SIGUSR1) to the job as its scheduler would: the trainer
         checkpoints at its step boundary and the job ends PREEMPTED. Launchers that can do so override this."""

@@ -21,7 +21,8 @@ SLURM_TIME = re.compile(
 _SLURM_NAME = re.compile(r"[A-Za-z0-9_.+-]+")
 _SLURM_NAMES = re.compile(r"[A-Za-z0-9_.+-]+(,[A-Za-z0-9_.+-]+)*")
 # A long or short option; its value printable ASCII without spaces, quotes, backslash or # (sbatch syntax).
-_SBATCH_OPTION = re.compile(r"--?[A-Za-z][A-Za-z0-9-]*(=[!$-&(-\[\]-~]+)?")
+_SBATCH_OPTION_VALUE = re.compile(r"[!$-&(-\[\]-~]+")
+_SBATCH_OPTION = re.compile(rf"--?[A-Za-z][A-Za-z0-9-]*(={_SBATCH_OPTION_VALUE.pattern})?")
 _PROGRAM = re.compile(r"[A-Za-z0-9_./+@-]+")
 _MOUNT_PATH = r"/[A-Za-z0-9_./+@=-]*"
 _MOUNT = re.compile(rf"{_MOUNT_PATH}:{_MOUNT_PATH}(:[A-Za-z+]+)?")
@@ -46,6 +47,97 @@ SlurmName = Annotated[str, matching(_SLURM_NAME, "a Slurm name; use letters, dig
 SlurmNames = Annotated[
     str, matching(_SLURM_NAMES, "a Slurm name or comma-separated names; use letters, digits and _ . + - (gpu,cpu)")
 ]
+_FEATURES = re.compile(r"[A-Za-z0-9_.:&|,*()\[\]!-]+")
+_GRES = re.compile(r"[A-Za-z0-9_.-]+(:[A-Za-z0-9_.-]+){0,2}(,[A-Za-z0-9_.-]+(:[A-Za-z0-9_.-]+){0,2})*")
+# A Slurm host list (node[01-04,07],gpu-1); no `/`, which makes --nodelist read a file instead.
+_HOST_LIST = re.compile(
+    r"[A-Za-z0-9_.-]+(\[[0-9,-]+\][A-Za-z0-9_.-]*)?(,[A-Za-z0-9_.-]+(\[[0-9,-]+\][A-Za-z0-9_.-]*)?)*"
+)
+_LICENSES = re.compile(r"[A-Za-z0-9_.@-]+(:[0-9]+)?([,|][A-Za-z0-9_.@-]+(:[0-9]+)?)*")
+_BEGIN = re.compile(r"[A-Za-z0-9:+-]+")
+_COUNT = re.compile(r"[0-9]{1,6}")
+_SIZE = re.compile(r"[0-9]{1,12}[KMGT]?")
+_SWITCHES = re.compile(rf"[0-9]{{1,6}}(@({SLURM_TIME.pattern}))?")
+# The `#SBATCH` options a spec may add (long names only: sbatch takes abbreviations such as --exp for --export,
+# which an exact list refuses), each with the form of its value: None = a flag without a value.
+SBATCH_OPTIONS: dict[str, tuple[re.Pattern[str] | None, str]] = {
+    "--exclusive": (re.compile(r"user|mcs|topo"), "--exclusive or --exclusive=user|mcs|topo"),
+    "--constraint": (_FEATURES, "node features with & | , * [ ] ( ), e.g. --constraint=a100&ib"),
+    "--gres": (_GRES, "name[:type][:count] separated by commas, e.g. --gres=gpu:a100:8"),
+    "--reservation": (_SLURM_NAMES, "reservation names, e.g. --reservation=maint"),
+    "--nodelist": (_HOST_LIST, "a host list without /, e.g. --nodelist=node[01-04],gpu-7"),
+    "--exclude": (_HOST_LIST, "a host list without /, e.g. --exclude=node[05-06]"),
+    "--switches": (_SWITCHES, "a count with an optional @time, e.g. --switches=1@01:00:00"),
+    "--licenses": (_LICENSES, "name[:count] separated by commas, e.g. --licenses=fs_lustre:1"),
+    "--wckey": (_SLURM_NAME, "a workload key, e.g. --wckey=llm"),
+    "--comment": (_SBATCH_OPTION_VALUE, "text without spaces, quotes, \\ or #, e.g. --comment=ablation-3"),
+    "--begin": (_BEGIN, "a time, e.g. --begin=now+1hour or --begin=2030-01-01T08:00:00"),
+    "--hint": (re.compile(r"compute_bound|memory_bound|multithread|nomultithread"), "--hint=nomultithread"),
+    "--threads-per-core": (_COUNT, "a count, e.g. --threads-per-core=1"),
+    "--cores-per-socket": (_COUNT, "a count, e.g. --cores-per-socket=32"),
+    "--sockets-per-node": (_COUNT, "a count, e.g. --sockets-per-node=2"),
+    "--tmp": (_SIZE, "a size in MB or with K, M, G or T, e.g. --tmp=100G"),
+    "--contiguous": (None, "--contiguous"),
+    "--spread-job": (None, "--spread-job"),
+}
+_SBATCH_VALUE_OPTIONAL = frozenset({"--exclusive"})
+# Options with a field of their own, or that tdeploy sets from the spec: one place for each setting.
+_SBATCH_FROM_FIELDS = {
+    "--partition": "cluster.slurm.partition",
+    "--account": "cluster.slurm.account",
+    "--qos": "cluster.slurm.qos",
+    "--nice": "cluster.slurm.nice",
+    "--time": "cluster.slurm.time_limit",
+    "--mem": "cluster.slurm.mem_per_node_mb",
+    "--cpus-per-task": "cluster.slurm.cpus_per_node",
+    "--nodes": "cluster.nodes",
+    "--gpus-per-node": "cluster.procs_per_node",
+    "--ntasks-per-node": "cluster.procs_per_node (one task per node runs torchrun)",
+    "--job-name": "the spec's name",
+    "--signal": "cluster.preemption",
+    "--requeue": "cluster.preemption.enabled",
+}
+# Options that change who the job runs as, where, with what environment, or where it writes: never from a spec.
+_SBATCH_REFUSED = {
+    "--export": "sets the job's environment around cluster.env's allow-list (LD_PRELOAD=, BASH_ENV=, PATH=); "
+    "set allowed variables in cluster.env instead",
+    "--export-file": "reads the job's environment from a file; set allowed variables in cluster.env instead",
+    "--get-user-env": "loads a user's login environment into the job; set allowed variables in cluster.env instead",
+    "--chdir": "moves the job out of the folder tdeploy runs it in; remove it",
+    "--uid": "runs the job as another user; remove it (the job runs as the account that submits it)",
+    "--gid": "runs the job as another group; remove it (the job runs as the account that submits it)",
+    "--output": "moves the job's log away from run.output_url/slurm-%j.out, where `tdeploy logs` reads it; remove it",
+    "--error": "moves the job's errors away from run.output_url/slurm-%j.out, where `tdeploy logs` reads them; "
+    "remove it",
+    "--input": "feeds the job a file from outside its run folder; remove it",
+    "--container": "runs an OCI bundle the spec names; use cluster.slurm.container, which runs the built image",
+    "--wrap": "replaces tdeploy's job script; remove it",
+}
+
+
+def _allowed_sbatch_option(value: str) -> str:
+    """An sbatch option on the allow-list with a value of its form; ValueError naming the fix otherwise."""
+    name, has_value, argument = value.partition("=")
+    if not name.startswith("--"):
+        raise ValueError(f"{value!r}: short options are not accepted; write the long form, e.g. --constraint=a100")
+    if name in _SBATCH_REFUSED:
+        raise ValueError(f"{name} is refused: it {_SBATCH_REFUSED[name]}")
+    if name in _SBATCH_FROM_FIELDS:
+        raise ValueError(f"{name} is set from {_SBATCH_FROM_FIELDS[name]}; set it there and remove {name}")
+    if name not in SBATCH_OPTIONS:
+        raise ValueError(
+            f"{name} is not among the sbatch options a spec may pass ({', '.join(SBATCH_OPTIONS)}); "
+            "remove it (other options are the operator's: partition defaults or the cluster's configuration)"
+        )
+    pattern, form = SBATCH_OPTIONS[name]
+    if pattern is None:
+        if has_value:
+            raise ValueError(f"{name} takes no value; write {form}")
+    elif (has_value or name not in _SBATCH_VALUE_OPTIONAL) and not pattern.fullmatch(argument):
+        raise ValueError(f"{argument!r} is not a value of {name}; write {form}")
+    return value
+
+
 SbatchOption = Annotated[
     str,
     matching(
@@ -53,6 +145,7 @@ SbatchOption = Annotated[
         "an sbatch option; write --option or --option=value, the value without spaces, quotes, \\, # or "
         "control characters (e.g. --exclusive, --constraint=a100&ib)",
     ),
+    AfterValidator(_allowed_sbatch_option),
 ]
 ProgramPath = Annotated[
     str,
@@ -95,7 +188,9 @@ class SlurmConfig(StrictModel):
     )
     rdzv_port: int = Field(default=29500, ge=1, le=65535, description="c10d rendezvous port on the first node.")
     extra_args: list[SbatchOption] = Field(
-        default_factory=list, description="More `#SBATCH` options, e.g. --exclusive."
+        default_factory=list,
+        description="More `#SBATCH` options from an allow-list (SBATCH_OPTIONS: --exclusive, --constraint=, "
+        "--gres=, --reservation=, --nodelist=, --exclude=, ...), e.g. --exclusive.",
     )
 
     @field_validator("time_limit")

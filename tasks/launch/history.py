@@ -17,6 +17,8 @@ from typing import Any, Literal
 
 from tasks.errors import UserError
 from tasks.launch.base import JobHandle, JobState, JobStatus, Launcher
+from training.checkpoint import CheckpointManager
+from training.config import TrainConfig
 from training.preemption import PreemptionFileError, PreemptionRecord, read_records
 from training.run_output import RunOutput
 
@@ -132,6 +134,33 @@ def _now(
         resume = f"; resubmit to resume from step {stopped_at}" if stopped_at is not None else ""
         return [HistoryEvent("stopped", f"stopped: preempted{reason}{resume}", stopped_at)]
     return [HistoryEvent("stopped", f"{status.state.value}{reason}" + (f" at step {last_step}" if last_step else ""))]
+
+
+@dataclass(frozen=True)
+class StepsLost:
+    """What a stopped job loses when it is resubmitted: the steps it trained after its newest committed
+    checkpoint (a resubmission resumes there and trains them again)."""
+
+    trained_to_step: int
+    checkpoint_step: int | None
+
+    @property
+    def steps(self) -> int:
+        """The steps trained after the checkpoint (0: it stopped at a checkpoint)."""
+        return self.trained_to_step - (self.checkpoint_step or 0)
+
+    def describe(self) -> str:
+        """One line for people."""
+        where = "no checkpoint" if self.checkpoint_step is None else f"the checkpoint of step {self.checkpoint_step}"
+        return f"{self.steps} step(s) lost: trained to step {self.trained_to_step}, a resubmission resumes from {where}"
+
+
+def steps_lost(train: TrainConfig, output_dir: str | Path) -> StepsLost:
+    """The steps a failed, cancelled or preempted job of `train` loses: from its run output (the last step rank 0
+    recorded) and its checkpoint folder (the newest commit at or before that step)."""
+    trained = RunOutput(output_dir).last_step()
+    manager = CheckpointManager(train.checkpoint, train.storage)
+    return StepsLost(trained, max((s for s in manager.committed_steps() if s <= trained), default=None))
 
 
 def job_history(handle: JobHandle, launcher: Launcher) -> JobHistory:

@@ -339,6 +339,10 @@ class LocalLauncher(Launcher):
         found = records_since(handle.output_dir, handle.submitted_unix_s, run_id=handle.job_id)
         return found[-1] if found else None
 
+    def delivers_signals(self) -> bool:
+        """Local (and SSH) jobs get their signals from this launcher: yes."""
+        return True
+
     def signal(self, handle: JobHandle, sig: int = signal.SIGTERM) -> None:
         """Deliver SIGTERM or SIGUSR1 to the job as a scheduler does: to each agent, which passes it to its workers
         (they checkpoint at the step boundary and exit 75: the job ends preempted). Only the agents' wrappers get

@@ -11,6 +11,7 @@ from tasks.cluster import ClusterConfig
 from tasks.deployment import JobResult
 from tasks.errors import UserError, retry_on_transient
 from tasks.launch.base import TERMINAL, JobHandle, JobState, JobStatus
+from tasks.launch.history import steps_lost
 from tasks.launch.submit import JobFailed, submit
 from training.config import TrainConfig
 
@@ -51,12 +52,16 @@ def submit_job(
     launcher, handle = submit(cluster, train, name, image, faults=faults, supervised=wait_until == "finished")
     logger.info("submitted %s (output %s)", handle.ref, handle.output_dir)
     status = launcher.wait(handle, _UNTIL[wait_until], timeout_s, on_line=lambda line: logger.info("%s", line))
+    stopped = status.state in (JobState.FAILED, JobState.CANCELLED, JobState.PREEMPTED)
+    lost = steps_lost(train, handle.output_dir) if stopped else None
     create_markdown_artifact(
         key="submit-job",
         markdown=f"# Job `{handle.ref}`\n\n- state: **{status.describe()}**\n- output: `{handle.output_dir}`\n"
-        f"- log: `{handle.log_path}`\n",
+        f"- log: `{handle.log_path}`\n" + (f"- {lost.describe()}\n" if lost else ""),
         description=f"training job {handle.ref}",
     )
+    if lost is not None:
+        logger.warning("job %s %s: %s", handle.ref, status.state.value, lost.describe())
     if status.state in (JobState.FAILED, JobState.CANCELLED):
         raise JobFailed(handle, status)
     if status.state is JobState.PREEMPTED:

@@ -99,6 +99,21 @@ class GoldenFigures(_Record):
     val_loss: float = Field(description="Final validation loss.")
     tokens_per_s: float | None = Field(default=None, gt=0, description="Steady-state tokens/s (all ranks).")
     step_time_s: float | None = Field(default=None, gt=0, description="Median step time of rank 0.")
+    timed_s: float | None = Field(
+        default=None, gt=0, description="Seconds the steady-state steps (tokens/s and step time) took in all, wall."
+    )
+    tokens_per_cpu_s: float | None = Field(
+        default=None,
+        gt=0,
+        description="Steady-state tokens per second of CPU time: a step's tokens over the largest process CPU time "
+        "of a rank in it (CPU runs; a busy host stretches wall time, not CPU time).",
+    )
+    step_cpu_s: float | None = Field(
+        default=None, gt=0, description="Median over steps of the largest process CPU time of a rank (CPU runs)."
+    )
+    cpu_timed_s: float | None = Field(
+        default=None, gt=0, description="CPU seconds of those steps in all (the largest rank's per step)."
+    )
     comm_share: float | None = Field(default=None, ge=0, description="Largest per-rank communication share.")
     checkpoint_save_s: float | None = Field(default=None, ge=0, description="Median checkpoint save time.")
     busbw_gbps: float | None = Field(default=None, ge=0, description="All-reduce bus bandwidth (comm probe).")
@@ -242,11 +257,31 @@ def _finite(value: Any) -> float | None:
     return float(value) if isinstance(value, int | float) and math.isfinite(value) and value > 0 else None
 
 
+class NonFiniteFigures(ValueError):
+    """A finished run's loss figures are NaN or infinite (it diverged): nothing to hold against a baseline or to
+    record as one."""
+
+    def __init__(self, output_dir: Path, figures: dict[str, float]) -> None:
+        bad = ", ".join(f"{name}={value}" for name, value in figures.items() if not math.isfinite(value))
+        super().__init__(
+            f"{output_dir}: {bad}: the run's loss is not finite, so it is neither compared with the baseline nor "
+            "recorded; the stability dimension names the first step whose loss was not finite"
+        )
+        self.output_dir, self.figures = output_dir, figures
+
+
 def golden_figures(dimensions: list[DimensionResult], output_dir: Path) -> GoldenFigures | None:
-    """The figures of a finished acceptance run from its dimensions and its output (None: it wrote no result)."""
+    """The figures of a finished acceptance run from its dimensions and its output (None: it wrote no result);
+    NonFiniteFigures when its losses are not finite numbers."""
     curve = loss_curve(output_dir)
     if curve is None:
         return None
+    finite = [v for v in curve.losses.values() if math.isfinite(v)]
+    if not finite or not math.isfinite(curve.val_loss) or not math.isfinite(curve.first_loss):
+        last = curve.losses[max(curve.losses)]
+        raise NonFiniteFigures(
+            output_dir, {"first_loss": curve.first_loss, "final_loss": last, "val_loss": curve.val_loss}
+        )
     by_name = {d.name: d.measured or {} for d in dimensions}
     perf, probe = by_name.get("performance", {}), by_name.get("connectivity", {}).get("comm_probe") or {}
     run = RunOutput(output_dir)
@@ -261,6 +296,10 @@ def golden_figures(dimensions: list[DimensionResult], output_dir: Path) -> Golde
         val_loss=curve.val_loss,
         tokens_per_s=_finite(perf.get("tokens_per_s")),
         step_time_s=_finite(median(times)) if times else None,
+        timed_s=_finite(perf.get("timed_s")),
+        tokens_per_cpu_s=_finite(perf.get("tokens_per_cpu_s")),
+        step_cpu_s=_finite(perf.get("step_cpu_s")),
+        cpu_timed_s=_finite(perf.get("cpu_timed_s")),
         comm_share=float(comm_share) if isinstance(comm_share, float) and math.isfinite(comm_share) else None,
         checkpoint_save_s=float(median(saves)) if saves else None,
         busbw_gbps=_finite(probe.get("busbw_gbps")),
@@ -468,7 +507,10 @@ def figures_of_workspace(root: Path) -> tuple[GoldenFigures, str | None]:
             f"{path}: not an acceptance report ({type(err).__name__}: {err})",
             "pass an acceptance run workspace (runs/<name>/acceptance/<run-id>) or a ledger entry id",
         ) from err
-    figures = golden_figures(dimensions, output_dir)
+    try:
+        figures = golden_figures(dimensions, output_dir)
+    except NonFiniteFigures as err:
+        raise UserError(str(err), "pass an acceptance run whose loss stayed finite (an accepted one)") from err
     if figures is None:
         raise UserError(f"{output_dir}: the distributed run wrote no result", "pass a finished acceptance run")
     return figures, curve_key if isinstance(curve_key, str) else None

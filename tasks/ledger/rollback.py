@@ -24,7 +24,7 @@ from tasks.launch.submit import JobFailed, submit
 from tasks.ledger.registry import Ledger, LedgerEntry, cluster_key_of, copy_checkpoint
 from training.checkpoint import COMMIT, CheckpointManager, step_dir_name
 from training.config import CheckpointConfig, TrainConfig
-from training.storage import filesystem, join
+from training.storage import ControlFileError, filesystem, join, read_control_file
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +101,11 @@ def restore_checkpoint(plan: RollbackPlan) -> str:
     source = CheckpointManager(CheckpointConfig(url=ref.url), plan.train.storage)
     commit_path = join(source.root, step_dir_name(ref.step), COMMIT)
     try:
-        commit = source.fs.cat_file(commit_path)
+        commit = read_control_file(source.fs, commit_path)
+    except ControlFileError as err:
+        raise RollbackError(
+            f"entry {plan.target.entry_id}'s checkpoint: {err}", "roll back to another entry (--to)"
+        ) from err
     except FileNotFoundError as err:
         raise RollbackError(
             f"entry {plan.target.entry_id}'s checkpoint {source.step_url(ref.step)} is gone",

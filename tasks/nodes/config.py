@@ -110,8 +110,10 @@ class NodesConfig(StrictModel):
     inventory_path: PlainText | None = Field(
         default=None,
         min_length=1,
-        description="An existing Ansible inventory instead of `hosts`; its hosts matching `inventory_pattern` "
-        "are checked, in inventory order (first = rendezvous host).",
+        description="An existing static INI or YAML Ansible inventory instead of `hosts`, read as data (no "
+        "script, plugin or template syntax; among Ansible's variables only ansible_host, ansible_port, ansible_user, "
+        "ansible_python_interpreter and ansible_connection=ssh); its hosts matching `inventory_pattern` are "
+        "checked, in inventory order (first = rendezvous host).",
     )
     inventory_pattern: PlainText = Field(
         default="all", min_length=1, description="Ansible host pattern selecting the nodes in `inventory_path`."

@@ -6,12 +6,15 @@ the unreachable and failed hosts, and the controller-side start and end times of
 
 Every string of the inventory and the extravars reaches Ansible marked unsafe, so Ansible takes it
 literally: ansible-core 2.19 trusts values from `-e` and from inventory files as templates, and a
-spec value such as `{{ lookup('pipe', ...) }}` would otherwise run on the controller.
+spec value such as `{{ lookup('pipe', ...) }}` would otherwise run on the controller. An inventory
+file (nodes.inventory_path) is never handed to Ansible as it is: `list_inventory` reads it as data
+(only the INI and YAML parsers, which template nothing), and the hosts and variables go on as data.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import json
 import logging
 import os
 import shutil
@@ -174,8 +177,44 @@ def ansible_environment(
     }
 
 
+def list_inventory(path: Path, timeout_s: int = 120) -> dict[str, Any]:
+    """`ansible-inventory --list` over one static inventory file: its groups and each host's merged variables, as
+    they are written (listing templates nothing). Only the INI and YAML parsers may read it: no script, no plugin.
+    """
+    with tempfile.TemporaryDirectory(prefix="tdeploy-inventory-") as work:
+        env = {
+            **os.environ,
+            "ANSIBLE_CONFIG": str(PLAYBOOKS / "ansible.cfg"),
+            "ANSIBLE_INVENTORY_ENABLED": "ini,yaml",
+            "ANSIBLE_INVENTORY_UNPARSED_FAILED": "True",
+            "ANSIBLE_INVENTORY_ANY_UNPARSED_IS_FAILED": "True",
+            "ANSIBLE_LOCAL_TEMP": work,
+            "ANSIBLE_NOCOLOR": "1",
+        }
+        command = [str(Path(ansible_playbook_path()) / "ansible-inventory"), "-i", str(path), "--list"]
+        try:
+            done = subprocess.run(
+                command, capture_output=True, text=True, env=env, cwd=work, timeout=timeout_s, check=False
+            )
+        except subprocess.TimeoutExpired as err:
+            raise UserError(
+                f"nodes.inventory_path={path}: ansible-inventory did not list it within {timeout_s} s",
+                "give a static INI or YAML inventory of the nodes, or list them under nodes.hosts",
+            ) from err
+    if done.returncode != 0:
+        tail = " ".join(done.stderr.split())[-1500:] or "(no output)"
+        raise UserError(
+            f"nodes.inventory_path={path}: Ansible cannot read it as an INI or YAML inventory: {tail}",
+            "give a static INI or YAML inventory of the nodes, or list them under nodes.hosts",
+        )
+    listed = json.loads(done.stdout)
+    if not isinstance(listed, dict):
+        raise UserError(f"nodes.inventory_path={path}: ansible-inventory listed no groups", "check the inventory")
+    return listed
+
+
 def run_playbook(
-    inventory: dict[str, Any] | str,
+    inventory: dict[str, Any],
     extravars: dict[str, Any],
     *,
     forks: int,
@@ -199,7 +238,7 @@ def run_playbook(
                 ident="check-nodes",
                 project_dir=str(PLAYBOOKS),
                 playbook=str(PLAYBOOK),
-                inventory=ansible_unsafe(inventory) if isinstance(inventory, dict) else inventory,
+                inventory=ansible_unsafe(inventory),
                 extravars=ansible_unsafe(extravars),
                 envvars=env,
                 forks=forks,

@@ -260,18 +260,44 @@ class DatasetSource(StrictModel):
         return {"url": data} if isinstance(data, str) else data
 
 
+def _blend_weight(value: Any) -> float | None:
+    """A Megatron blend weight: a number, or a string that reads as one (megatron-core's get_blend_from_list takes
+    `["30", A, "70", B]` by float()); None for anything else."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return None
+    return None
+
+
+def _pasted_blend(value: str) -> list[str] | None:
+    """Megatron's `--data-path 0.3 A 0.7 B` pasted as one string: its words, when the first one is a weight (a
+    path may hold spaces, but never starts with a number followed by one); None otherwise."""
+    words = value.split()
+    return words if len(words) > 1 and _blend_weight(words[0]) is not None else None
+
+
 def _blend_entries(value: list[Any]) -> list[Any]:
-    """Megatron's `[0.3, A, 0.7, B]` as `[{url: A, weight: 0.3}, ...]`; a list of URLs or mappings as it is."""
+    """Megatron's `[0.3, A, 0.7, B]` (weights as numbers or strings) as `[{url: A, weight: 0.3}, ...]`; a list of
+    URLs or mappings as it is."""
     if (
         value
-        and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value[0::2])
+        and all(_blend_weight(v) is not None for v in value[0::2])
         and all(isinstance(v, str) for v in value[1::2])
     ):
         if len(value) % 2:
             raise ValueError(
                 f"{value!r}: a Megatron-style blend alternates weight and path; the last weight has no path"
             )
-        return [{"url": url, "weight": weight} for weight, url in zip(value[0::2], value[1::2], strict=True)]
+        return [
+            {"url": url.strip(), "weight": _blend_weight(weight)}
+            for weight, url in zip(value[0::2], value[1::2], strict=True)
+        ]
     if all(isinstance(v, (str, dict)) for v in value):
         return value
     raise ValueError(
@@ -287,7 +313,8 @@ class DataSpec(StrictModel):
         default=None,
         description="Existing data: a dataset `tdeploy prepare-data` made (a folder with manifest.json), a Megatron "
         "indexed dataset's path prefix, or a Hugging Face dataset on disk with a token-ids column (adopted "
-        "without tokenizing). A list (Megatron's `[0.3, A, 0.7, B]`, or URLs/mappings) is a blend.",
+        "without tokenizing). A list (Megatron's `[0.3, A, 0.7, B]`, weights as numbers or strings, or URLs/mappings) "
+        "is a blend, and so is Megatron's `--data-path` pasted as one string (`0.3 A 0.7 B`).",
     )
     blend: list[DatasetSource] | None = Field(
         default=None,
@@ -336,10 +363,22 @@ class DataSpec(StrictModel):
     @model_validator(mode="before")
     @classmethod
     def _list_is_a_blend(cls, data: Any) -> Any:
-        """`dataset_url: [0.3, A, 0.7, B]` (or a list of URLs or mappings) is `blend:`."""
-        if isinstance(data, dict) and isinstance(data.get("dataset_url"), list):
-            data = dict(data)
-            data["blend"] = _blend_entries(data.pop("dataset_url"))
+        """`dataset_url: [0.3, A, 0.7, B]` (or a list of URLs or mappings, or Megatron's `0.3 A 0.7 B` pasted as
+        one string) is `blend:`; `blend:` takes Megatron's forms too."""
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        url = data.get("dataset_url")
+        if isinstance(url, str) and _pasted_blend(url) is not None:
+            url = _pasted_blend(url)
+        if isinstance(url, list):
+            data.pop("dataset_url")
+            data["blend"] = _blend_entries(url)
+        blend = data.get("blend")
+        if isinstance(blend, str) and _pasted_blend(blend) is not None:
+            blend = _pasted_blend(blend)
+        if isinstance(blend, list):
+            data["blend"] = _blend_entries(blend)
         return data
 
     @model_validator(mode="after")

@@ -14,6 +14,9 @@ column of token ids without tokenizing (tasks/prepare/adopt.py).
 
 from __future__ import annotations
 
+import json
+import os
+import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +27,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from tasks.errors import DeployError, TransientError, UserError, is_connection_error
-from training.storage import StorageConfig, filesystem, is_local
+from training.storage import ControlFileError, StorageConfig, filesystem, is_local, read_control_file
+from training.untrusted import escape_untrusted
 
 MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
 """Files that make a folder a saved dataset: state.json and dataset_info.json (a Dataset), dataset_dict.json (a
@@ -37,6 +41,10 @@ ValueErrors, a state.json without its keys a KeyError or TypeError)."""
 _RESAVE = "copy it again (a transfer cut short?) or write it anew with datasets' save_to_disk"
 _TEXT_FIX = "put it under data.prepare.sources with format: hf to tokenize it"
 _NAME_FIX = "name the column of token ids: `{url: ..., column: NAME}` in data.dataset_url or data.blend"
+_INSIDE_FIX = (
+    "save the dataset again with datasets' save_to_disk (its split names and data files are plain names inside "
+    "its folder); a dataset that names files elsewhere was altered: do not adopt it"
+)
 
 
 class HfDataError(UserError):
@@ -306,6 +314,7 @@ def _load(url: str, path: str) -> dict[str, Any]:
             "point at a folder datasets' save_to_disk wrote, or at its .arrow files",
             url,
         )
+    _check_inside(local, url)
     try:
         loaded = datasets.load_from_disk(str(local))
     except _READ_ERRORS as err:
@@ -316,6 +325,81 @@ def _load(url: str, path: str) -> dict[str, Any]:
     if not splits:
         raise HfFormatError(f"{url}: a DatasetDict without splits", "save a dataset that has rows", url)
     return splits
+
+
+def _check_inside(folder: Path, url: str) -> None:
+    """Refuse a save_to_disk folder that makes `datasets` read outside it, before anything is loaded: a split name
+    in dataset_dict.json (`../../other/train`) or a data-file name in a state.json (`../x.arrow`, `/x.arrow`) that
+    is not a plain name, or a split folder or data file that is a link leading out of its folder."""
+    root = folder.resolve()
+    if os.path.lexists(folder / "state.json"):
+        _check_split_files(folder, url)
+    if not os.path.lexists(folder / "dataset_dict.json"):
+        return
+    record = folder / "dataset_dict.json"
+    splits = _json_field(record, "splits", url)
+    if not isinstance(splits, list) or not all(isinstance(name, str) for name in splits):
+        raise HfFormatError(f"{record}: splits is not a list of split names", _INSIDE_FIX, str(record))
+    for name in splits:
+        problem = _plain_name_problem(name)
+        if problem is None and not (folder / name).resolve().is_relative_to(root):
+            problem = f"is a link to {escape_untrusted(str((folder / name).resolve()))}, outside the dataset"
+        if problem is not None:
+            raise HfFormatError(f'{record}: split name "{escape_untrusted(name)}" {problem}', _INSIDE_FIX, str(record))
+        _check_split_files(folder / name, url)
+
+
+def _check_split_files(split: Path, url: str) -> None:
+    """Every data file a split's state.json names is a plain name of a regular file inside the split's folder
+    (dataset_info.json, state.json itself: regular files of bounded size)."""
+    record = split / "state.json"
+    if os.path.lexists(split / "dataset_info.json"):
+        _json_field(split / "dataset_info.json", None, url)
+    files = _json_field(record, "_data_files", url)
+    named = isinstance(files, list) and all(isinstance(f, dict) and isinstance(f.get("filename"), str) for f in files)
+    if not named:
+        raise HfFormatError(f"{record}: _data_files is not a list of {{filename: NAME}}", _INSIDE_FIX, str(record))
+    inside = split.resolve()
+    for entry in files:
+        name = entry["filename"]
+        problem = _plain_name_problem(name)
+        if problem is None and os.path.lexists(split / name):
+            mode = os.lstat(split / name).st_mode
+            target = (split / name).resolve()
+            if stat.S_ISLNK(mode) and (target.parent != inside):
+                problem = f"is a link to {escape_untrusted(str(target))}, outside the split's folder"
+            elif not (split / name).is_file():
+                problem = "is not a regular file"
+        if problem is not None:
+            raise HfFormatError(
+                f'{record}: _data_files filename "{escape_untrusted(name)}" {problem}', _INSIDE_FIX, str(record)
+            )
+
+
+def _plain_name_problem(name: str) -> str | None:
+    """Why `name` is not one plain file or folder name (None when it is)."""
+    if name in ("", ".", ".."):
+        return "is empty, '.' or '..', not a name"
+    if name.startswith("/"):
+        return "is an absolute path, not a name inside the dataset's folder"
+    if "/" in name or "\\" in name:
+        return "holds a path separator, not a plain name inside the dataset's folder"
+    if not name.isprintable():
+        return "holds a control character"
+    return None
+
+
+def _json_field(path: Path, field: str | None, url: str) -> Any:
+    """`field` of a small JSON object file of the dataset at `url` (None: just check that it reads as one)."""
+    try:
+        value = json.loads(read_control_file(filesystem(str(path))[0], str(path)))
+    except ControlFileError as err:
+        raise HfFormatError(f"{path}: {err.problem}", _INSIDE_FIX, str(path)) from err
+    except (OSError, ValueError, RecursionError) as err:  # missing, not UTF-8, not JSON, nested past the stack
+        raise _read_failure(err, url, "a Hugging Face dataset") from err
+    if not isinstance(value, dict):
+        raise HfFormatError(f"{path}: is not a JSON object", _RESAVE, str(path))
+    return value.get(field) if field is not None else value
 
 
 def _culprit(folder: Path) -> str | None:

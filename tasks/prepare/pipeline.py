@@ -40,7 +40,7 @@ from tasks.prepare.encoding import encode_threads
 from tasks.prepare.sources import SourceFile, expand_sources, iter_documents
 from tasks.prepare.tokenizer import BYTE_EOS, TOKENIZER_FILE, TextTokenizer, load_tokenizer, train_bpe
 from training.dataset import FORMAT_VERSION, MANIFEST, DatasetManifest, DatasetWriter, read_manifest
-from training.storage import StorageConfig, filesystem, join, write_bytes_atomic
+from training.storage import StorageConfig, filesystem, join, read_control_file, write_bytes_atomic
 from validation.data import DataProblem, TokenizerExpectation, tokenizer_problems
 
 log = logging.getLogger(__name__)
@@ -389,7 +389,7 @@ def _prepare(cfg: PrepareConfig, storage: StorageConfig, progress: Progress | No
                     f"dataset {url} (reused from the store)", [], None, problems=problems,
                     fix=f"its manifest was moved to {REJECTED_MANIFEST}: the next run rebuilds it",
                 )  # fmt: skip
-            stats = json.loads(fs.cat_file(join(root, PREPARE_FILE)))
+            stats = json.loads(read_control_file(fs, join(root, PREPARE_FILE)))
             return _finish(cfg, url, storage, runner, None, stats["cleaning"], True, seconds, started)
         document_report, cleaning = _build(cfg, storage, files, key, url, runner, progress, seconds, given)
         return _finish(cfg, url, storage, runner, document_report, cleaning, False, seconds, started)

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import Field
 
 from tasks.errors import TransientError, UserError
+from tasks.progress import report as report_progress
 from training.config import ModelConfig, StrictModel, TrainConfig
 from training.storage import is_local, local_path
 from validation.serving import (
@@ -40,7 +41,6 @@ log = logging.getLogger(__name__)
 SERVING_JSON = "serving.json"
 JUNIT = "junit.xml"
 HISTOGRAM = "latency_histogram.png"
-SERVER_LOG = "server.log"
 BENCH_JSON = "bench.json"
 PROMPTS = "prompts.jsonl"
 
@@ -308,13 +308,14 @@ def run_serving_check(
     from tasks.serve.config import unservable
     from tasks.serve.load import run_load_test
     from tasks.serve.report import write_reports
-    from tasks.serve.server import start_server
+    from tasks.serve.server import SERVER_LOG, start_server
 
     problems = unservable(train.model, serve, accelerator) + check_problems(train.model, serve, serve.check)
     if problems:
         raise UserError("; ".join(problems))
     check = serve.check
     out_dir.mkdir(parents=True, exist_ok=True)
+    report_progress("serving", "exporting the checkpoint")
     exported = export_checkpoint(train, step, export_root=export_root)
     if not is_local(exported.model_dir):
         raise UserError(
@@ -327,9 +328,16 @@ def run_serving_check(
     ours = our_greedy(load_our_model(train, exported.step), data.prompts[: check.parity_prompts], check.parity_tokens)
     max_model_len = serve.max_model_len or train.model.seq_len
     started = time.monotonic()
-    server = start_server(model_dir, serve, name, max_model_len, out_dir / SERVER_LOG, accelerator)
+    starting = f"starting the vLLM server (ready within serve.startup_timeout_s={serve.startup_timeout_s:g})"
+    report_progress("serving", starting)
+
+    def waited(seconds: float) -> None:
+        report_progress("serving", starting, int(seconds), int(serve.startup_timeout_s), quiet=True)
+
+    server = start_server(model_dir, serve, name, max_model_len, out_dir / SERVER_LOG, accelerator, waited)
     try:
         log.info("serving %s at %s (up in %.0f s)", model_dir, server.url, time.monotonic() - started)
+        report_progress("serving", "greedy parity, quality and load test")
         served, _ = served_greedy(server, data.prompts[: check.parity_prompts], check.parity_tokens)
         parity = compare_greedy(ours, served, check.parity_tokens)
         _, predictions = served_greedy(server, data.prompts[: check.quality_prompts], check.output_tokens)

@@ -19,6 +19,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -33,8 +34,9 @@ REPO = Path(__file__).resolve().parents[2]
 SERVE_PYTHON_ENV = "TDEPLOY_SERVE_PYTHON"
 """Names the Python of an environment with vLLM; default <repo>/.venv-serve/bin/python."""
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
-SERVER_LOG = "serve/vllm.log"
-"""The server's log, under a deployment's reports folder (runs/<name>/serve/vllm.log)."""
+SERVER_LOG = "server.log"
+"""The server's log in the deployment's serving folder (runs/<name>/serving/server.log), for `tdeploy serve` and
+the serving check alike."""
 ALL_INTERFACES = "0.0.0.0"  # noqa: S104 - the server a Service or other nodes reach
 # vLLM's default request-latency buckets with bounds below 0.3 s added, so that a P99 near the 150 ms target is
 # measured instead of interpolated (ServingLatencyHigh compares the 0.15 s and 0.3 s buckets with the count).
@@ -257,9 +259,16 @@ class Server:
 
 
 def start_server(
-    model_dir: Path, serve: ServeConfig, served_name: str, max_model_len: int, log_path: Path, accelerator: str = "cpu"
+    model_dir: Path,
+    serve: ServeConfig,
+    served_name: str,
+    max_model_len: int,
+    log_path: Path,
+    accelerator: str = "cpu",
+    on_wait: Callable[[float], None] | None = None,
 ) -> Server:
-    """Start vLLM's OpenAI-compatible server on `model_dir` and return once /health answers 200."""
+    """Start vLLM's OpenAI-compatible server on `model_dir` and return once /health answers 200; `on_wait` hears
+    every 30 s how many seconds it has waited (a start takes minutes on a busy machine)."""
     if not (model_dir / "config.json").is_file():
         raise UserError(
             f"{model_dir}: no config.json; not a Hugging Face model folder",
@@ -277,14 +286,16 @@ def start_server(
     url = f"http://{_client_host(serve.host)}:{serve.port}"
     server = Server(url, proc.pid, log_path, served_name, proc, start_time(proc.pid))
     try:
-        _wait_healthy(server, proc, serve.startup_timeout_s)
+        _wait_healthy(server, proc, serve.startup_timeout_s, on_wait)
     except BaseException:
         server.stop()
         raise
     return server
 
 
-def _wait_healthy(server: Server, proc: subprocess.Popen, timeout_s: float) -> None:
+def _wait_healthy(
+    server: Server, proc: subprocess.Popen, timeout_s: float, on_wait: Callable[[float], None] | None = None
+) -> None:
     started = time.monotonic()
     next_note = started + 30
     while True:
@@ -314,5 +325,7 @@ def _wait_healthy(server: Server, proc: subprocess.Popen, timeout_s: float) -> N
             )
         if now >= next_note:
             log.info("waiting for the vLLM server's /health (%.0f s)", now - started)
+            if on_wait is not None:
+                on_wait(now - started)
             next_note = now + 30
         time.sleep(_POLL_S)

@@ -7,6 +7,8 @@ serving environment's Python (TDEPLOY_SERVE_PYTHON) and plays vLLM's part.
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -25,7 +27,8 @@ from tasks.launch.torchrun import free_port
 from tasks.serve import server as server_module
 from tasks.serve.config import ServeConfig
 from tasks.serve.server import SERVE_PYTHON_ENV, ServerStartFailed, ServerStartTimeout, serve_python, start_server
-from tests.conftest import TINY_SPEC, deep_merge
+from tests.conftest import REPO, TINY_SPEC, deep_merge
+from tests.processes import start_group, stop_group
 
 pytestmark = pytest.mark.integration
 
@@ -175,7 +178,7 @@ def test_tdeploy_serve_refuses_an_unservable_model_with_the_reason(tmp_path: Pat
     assert result.exit_code == 2, result.output
     assert "model.head_dim=16 (d_model=64 / n_heads=4): vLLM's CPU attention supports head_dim" in result.output
     assert "or set serve: null to train without serving" in result.output
-    assert "Traceback" not in result.output and not (tmp_path / "deployment" / "serve").exists()
+    assert "Traceback" not in result.output and not (tmp_path / "deployment" / "serving").exists()
 
 
 def test_tdeploy_serve_refuses_a_spec_with_serving_off(tmp_path: Path) -> None:
@@ -189,3 +192,29 @@ def test_tdeploy_serve_help_ends_with_an_example() -> None:
     assert result.exit_code == 0
     assert "--model-dir" in result.output and "--step" in result.output
     assert result.output.rstrip().endswith("tdeploy serve examples/local.yaml --model-dir runs/local/export/step-20")
+
+
+@pytest.mark.parametrize(("sig", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_tdeploy_serve_stopped_by_a_signal_exits_128_plus_it_with_its_log_in_the_serving_folder(
+    model_dir: Path, tmp_path: Path, sig: signal.Signals, code: int
+) -> None:
+    servable = {**TINY_SPEC["model"], "d_model": 64, "n_heads": 2, "n_kv_heads": 1}  # head_dim 32
+    spec = _spec_file(tmp_path, {"model": servable, "serve": {"port": free_port()}})
+    env = {**os.environ, SERVE_PYTHON_ENV: str(_fake_python(tmp_path, HEALTHY_SERVER))}
+    out = tmp_path / "serve.out"
+    command = [sys.executable, "-c", "from flows.cli import main; main()", "serve", str(spec), "--model-dir",
+               str(model_dir)]  # fmt: skip
+    with out.open("w") as sink:
+        proc = start_group(command, stdout=sink, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+    try:
+        deadline = time.monotonic() + 120
+        while "Ctrl-C stops it" not in out.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, out.read_text()
+            time.sleep(0.2)
+        os.kill(proc.pid, sig)
+        assert proc.wait(timeout=60) == code, out.read_text()
+    finally:
+        stop_group(proc)
+    assert "stopped the vLLM server (pid " in out.read_text() and f"on {sig.name}" in out.read_text()
+    assert (tmp_path / "deployment" / "serving" / "server.log").is_file()  # where the serving check writes too
+    assert not (tmp_path / "deployment" / "serve").exists()

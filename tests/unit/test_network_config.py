@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from tasks.cluster import ClusterConfig, NetworkConfig, network_env
+from tasks.cluster import ALLOWED_ENV_VAR, ClusterConfig, NetworkConfig, network_env
 from tasks.launch.kubernetes import render_manifests, validate_pytorchjob
 from tasks.launch.slurm import SlurmLauncher
 from tasks.launch.torchrun import job_env, torchrun_args
@@ -154,7 +154,10 @@ def test_without_a_network_section_the_environment_and_torchrun_arguments_are_un
     assert not [a for a in torchrun_args(cluster, "127.0.0.1:29500", "job", "/run.json") if "rdzv-conf" in a]
 
 
-def test_the_local_launchers_environment_and_torchrun_arguments_carry_the_network_section() -> None:
+def test_the_local_launchers_environment_and_torchrun_arguments_carry_the_network_section(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv(ALLOWED_ENV_VAR, "JOB_NOTE")  # no library's variable: the operator allows it
     cluster = spec_with({"network": NETWORK, "env": {"JOB_NOTE": "x"}}).cluster
     env = job_env(cluster, inherited={"NCCL_DEBUG": "TRACE", "HOME": "/root"})
     assert NETWORK_ENV.items() <= env.items(), "the spec's network wins over what the launcher inherited"

@@ -80,7 +80,7 @@ def test_an_unusable_path_is_refused_by_validate_spec_with_its_field_value_and_f
 
     spec_file = tmp_path / "spec.yaml"
     spec_file.write_text(yaml.safe_dump(data))
-    out = CliRunner().invoke(app, ["validate-spec", str(spec_file)])
+    out = CliRunner().invoke(app, ["validate-spec", str(spec_file), "--check-paths"])
     assert out.exit_code == 2, out.output
     assert f"{field}=" in out.output and "ok" not in out.output.split()
 

@@ -16,21 +16,25 @@ from tests.unit.checkpoints import (
     tiny_model,
 )
 from training import faults
-from training.checkpoint import COMMIT, DCP_METADATA, TRAIN_STATE, rng_file, step_dir_name
+from training.checkpoint import COMMIT, DCP_METADATA, CheckpointCommitError, TRAIN_STATE, rng_file, step_dir_name
 from training.faults import ENV_VAR, SAVE_PHASES, PausedRank, TestFaults, paused_ranks, with_faults
 
 SHARD = "__0_0.distcp"
 
 
 def _phases_seen(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, background: bool = False, **injected: object
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    background: bool = False,
+    seen: dict[str, list[str]] | None = None,
+    **injected: object,
 ) -> dict[str, list[str]]:
     """Save one checkpoint in a drill's job (`background`: with save_async); its folder's files at each phase
-    point (writing_dcp: once written)."""
+    point (writing_dcp: once written), also into `seen` when given (kept when the save raises)."""
     elsewhere = {"phase": "after_commit", "step": 99, "marker_dir": str(tmp_path / "markers")}
     fault = TestFaults(pause_in_save=elsewhere, **injected)
     manager = manager_at(tmp_path / "ckpt")
-    seen: dict[str, list[str]] = {}
+    seen = {} if seen is None else seen
 
     def record(phase: str, step: int, shard_written: bool | None = None) -> None:
         if shard_written is not False:
@@ -60,11 +64,16 @@ def test_each_save_phase_point_sees_exactly_the_files_its_name_says(
     assert seen["after_commit"] == sorted([COMMIT, *dcp_files, *extras])
 
 
-def test_the_commit_before_extras_mutation_commits_right_after_the_dcp_files(tmp_path: Path, monkeypatch) -> None:
-    seen = _phases_seen(tmp_path, monkeypatch, commit_before_extras=True)
-    assert seen["after_dcp"] == [DCP_METADATA, COMMIT, SHARD]
-    commit = json.loads((tmp_path / "ckpt" / step_dir_name(3) / COMMIT).read_text())
-    assert sorted(commit["files"]) == [DCP_METADATA, SHARD]
+def test_the_commit_before_extras_mutation_commits_right_after_the_dcp_files_and_the_writer_withdraws_it(
+    tmp_path: Path, monkeypatch
+) -> None:
+    seen: dict[str, list[str]] = {}
+    with pytest.raises(CheckpointCommitError) as caught:
+        _phases_seen(tmp_path, monkeypatch, seen=seen, commit_before_extras=True)
+    assert seen["after_dcp"] == [DCP_METADATA, COMMIT, SHARD]  # committed listing only the DCP files
+    for extra in (rng_file(0), TRAIN_STATE):  # the writer's own check after the commit names what it left out
+        assert f"{extra} was written but {COMMIT} does not list it" in str(caught.value)
+    assert not (tmp_path / "ckpt" / step_dir_name(3) / COMMIT).exists()
 
 
 def _stop_at_sleep(monkeypatch: pytest.MonkeyPatch) -> type[Exception]:

@@ -58,7 +58,8 @@ BAD_SPECS = [
     ({"checkpoint": {"keep_last": 0}}, "checkpoint.keep_last=0: must be >= 1"),
     ({"checkpoint": {"save_every": 10}}, "checkpoint.save_every=10: is not a known field; remove it"),
     ({"run": {"steps": None}}, "run.steps: is required; add it to the spec"),
-    ({"name": "My Run"}, "name=My Run: must match the pattern ^[a-z0-9][a-z0-9-]{0,62}$"),
+    ({"name": "My Run"}, "name=My Run: must be 1 to 63 lowercase letters, digits and '-', starting with a letter"),
+    ({"data": {"bootstrap": {}}}, "data.bootstrap={...}: was removed; data.prepare replaced it"),
     (
         {"storage": {"options": {"secret": "x"}}},
         "storage.options.secret=<redacted>: looks like a credential; secrets never sit in specs: "

@@ -2,7 +2,8 @@
 
 Each spec is examples/local.yaml with one thing broken: a huge, negative or mistyped count, an infinite or NaN
 float, a control character or an unknown scheme in a URL, an unknown field, a credential nested in a free-form
-section, or a file that is no YAML mapping at all (not UTF-8, an alias bomb, deep nesting, empty, a list).
+section, an sbatch option or an environment name off the allow-lists, or a file that is no YAML mapping at all
+(not UTF-8, an alias bomb, deep nesting, empty, a list).
 Every command must refuse it in well under a second, without a traceback, with exit code 2 (a bad spec, as
 `tdeploy` documents it) and with a message that names the offending field.
 """
@@ -138,6 +139,34 @@ SECRETS: list[tuple[str, str, str]] = [
     ("image-env", "image.env.WANDB_API_KEY", "image.env.WANDB_API_KEY=<redacted>"),
     ("unknown-field", "run.api_key", "run.api_key=<redacted>"),
 ]
+# sbatch options off the allow-list (the environment, working directory, identity or log path of the job) and
+# environment names that make a library load code: refused at the spec, naming the field.
+HOSTILE_SBATCH = [
+    "--export=ALL,LD_PRELOAD=/x.so",
+    "--export=ALL,BASH_ENV=/tmp/x",
+    "--export=PATH=/tmp/evil",
+    "--exp=ALL,LD_PRELOAD=/x.so",
+    "--chdir=/etc",
+    "--output=/etc/cron.d/x",
+    "--error=/etc/cron.d/x",
+    "--uid=0",
+    "--gid=0",
+    "--get-user-env",
+    "-D=/etc",
+    "--nodelist=/etc/hosts",
+]
+HOSTILE_ENV = [
+    "NCCL_NET_PLUGIN",
+    "NCCL_TUNER_PLUGIN",
+    "NCCL_PROFILER_PLUGIN",
+    "CUDA_INJECTION64_PATH",
+    "GCONV_PATH",
+    "GLIBC_TUNABLES",
+    "TORCHINDUCTOR_CACHE_DIR",
+    "TRITON_CACHE_DIR",
+    "TORCH_EXTENSIONS_DIR",
+    "LD_PRELOAD",
+]
 _ALIAS_BOMB = b"".join(
     [b'a: &a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]\n']
     + [f"{chr(98 + i)}: &{chr(98 + i)} [{', '.join(['*' + chr(97 + i)] * 9)}]\n".encode() for i in range(8)]
@@ -191,6 +220,13 @@ def _cases() -> Iterator[Any]:
         yield pytest.param(yaml.safe_dump(_set(BASE, path, value)).encode(), f"- {path}=", id=name)
     for name, path, expected in SECRETS:
         yield pytest.param(yaml.safe_dump(_set(BASE, path, SECRET)).encode(), f"- {expected}", id=f"secret-{name}")
+    for option in HOSTILE_SBATCH:
+        spec = _set(BASE, "cluster.slurm.extra_args", ["--exclusive", option])
+        expected = f"- cluster.slurm.extra_args.1={option}: "
+        yield pytest.param(yaml.safe_dump(spec).encode(), expected, id=f"sbatch-{option}")
+    for name in HOSTILE_ENV:
+        spec = _set(BASE, f"cluster.env.{name}", "/shared/x.so")
+        yield pytest.param(yaml.safe_dump(spec).encode(), f"- cluster.env={name}: ", id=f"env-{name}")
     for name, content, expected in FILES:
         yield pytest.param(content, expected, id=f"file-{name}")
 

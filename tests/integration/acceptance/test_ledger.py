@@ -3,9 +3,10 @@ launcher), and a rollback that resumes from the previous entry's checkpoint.
 
 One module-scoped pair of accepted runs serves every test: the first records the ledger's first entry (no
 baseline yet), the second is compared with it, passes, and becomes the current baseline. Thresholds are loose on
-purpose (no timing thresholds in tests): the injected slow rank sleeps 0.3 s in each of its steps, which costs the
-tiny model's steps (a few ms) far more than the 80% drop of tokens/s the test allows. The slowed run is a
-canary: acceptance without the recovery drill (a third whole acceptance would add its drill jobs).
+purpose (no timing thresholds in tests): the injected slow rank computes 20x as long as it would (a busy loop, so
+its CPU time grows: CPU runs are judged by CPU time, which a busy host does not stretch), far more than the 80% drop
+of tokens per CPU-second the test allows. The slowed run is a canary: acceptance without the recovery drill (a
+third whole acceptance would add its drill jobs).
 """
 
 from __future__ import annotations
@@ -37,10 +38,11 @@ ACCEPT = AcceptanceConfig.model_validate(
         "save_every_steps": 10,
         "reference_steps": 5,
         "regression": {"tokens_per_s_drop_max": 0.8, "step_time_rise_max": 4.0, "checkpoint_save_rise_max": None,
-                       "busbw_drop_max": None, "noise_floor_s": 0.0},
+                       "busbw_drop_max": None, "noise_floor_s": 0.0,
+                       "throughput_min_interval_s": 0.0},
     }
 )  # fmt: skip
-SLOW = {ENV_VAR: json.dumps({"slow_rank": 1, "slow_step_s": 0.3})}
+SLOW = {ENV_VAR: json.dumps({"slow_rank": 1, "slow_factor": 20.0})}
 
 
 def _dims(report: AcceptanceReport) -> dict:
@@ -78,13 +80,15 @@ def test_the_first_accepted_run_records_an_entry_and_the_second_is_compared_with
     regression = _dims(second)["regression"]
     assert regression.evidence["baseline_entry"] == first.ledger_entry
     assert regression.measured["loss_curve"]["verdict"] == "pass"  # same seed, deterministic CPU: the same curve
-    assert regression.measured["tokens_per_s"]["verdict"] == "pass"
+    assert regression.measured["tokens_per_cpu_s"]["verdict"] == "pass"
+    assert regression.measured["tokens_per_s"]["verdict"] == "not judged"  # a CPU run: judged by CPU time
     entries = _ledger(spec).entries()
     assert [e.entry_id for e in entries] == [first.ledger_entry, second.ledger_entry]
     entry = entries[0]
     assert entry.spec_name == spec.name and entry.spec_digest == spec.digest()
     assert entry.checkpoint is not None and entry.checkpoint.step == ACCEPT.steps
     assert entry.figures.tokens_per_s and entry.figures.step_time_s and entry.figures.checkpoint_save_s
+    assert entry.figures.tokens_per_cpu_s and entry.figures.step_cpu_s and entry.figures.cpu_timed_s
     assert entry.figures.loss_curve[ACCEPT.steps] == entry.figures.final_loss
     assert _ledger(spec).current(spec.name, cluster_key_of(spec.cluster)) == entries[1]
 
@@ -101,7 +105,7 @@ def test_a_canary_passes_against_the_baseline_and_one_with_a_slow_rank_stops_the
         roll_out(deployment, train, "registry.local/tdeploy:slow", faults=SLOW)
     message = str(stopped.value)
     assert "rollout of registry.local/tdeploy:slow stopped at the canary" in message
-    assert "regression: tokens/s" in message and f"(entry {second.ledger_entry}; allowed 80%)" in message
+    assert "regression: tokens per CPU-second" in message and f"(entry {second.ledger_entry}; allowed 80%" in message
     assert _ledger(spec).entries() == before  # neither canary is recorded: the current version stays
     assert not (Path(spec.run.output_url) / "job.json").exists()  # the new version's job was never submitted
 

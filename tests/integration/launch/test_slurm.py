@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from tasks.cluster import ALLOWED_ENV_VAR
 from tasks.errors import UserError
 from tasks.launch.base import JobState, wait_for
 from tasks.launch.slurm import SlurmLauncher
@@ -41,8 +42,9 @@ def test_training_job_runs_two_ranks_to_completion_through_sbatch(slurm_cluster,
 
 
 def test_shell_syntax_in_the_output_path_env_and_sbatch_options_is_taken_literally(
-    slurm_cluster, make_spec, tmp_path: Path
+    slurm_cluster, make_spec, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setenv(ALLOWED_ENV_VAR, "JOB_NOTE")  # no library's variable: the operator allows it
     marker = tmp_path / "pwned"
     odd = tmp_path / f'out $(touch {marker}) `touch {marker}` it\'s #1 100% "q"'
     spec = make_spec(

@@ -3,8 +3,9 @@ shell syntax in them never runs on a node.
 
 The spec refuses template syntax at its boundary; these tests go around that boundary (`model_copy`
 does not validate) to prove the second line of defence: the runner marks every inventory and extravars
-string unsafe. The last test shows that the same values, not marked, do run: that is what the marking
-prevents, and what makes the other tests able to fail.
+string unsafe (an inventory file's too, once read as data). `test_without_the_unsafe_marking_the_same_lookup_would_run`
+shows that the same values, not marked, do run: that is what the marking prevents, and what makes the other tests
+able to fail.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+import tasks.nodes.inventory as inventory_module
 import tasks.nodes.runner as runner
 from tasks.nodes.config import NodesConfig, StorageMount
 from tasks.nodes.inventory import plan_checks
@@ -91,3 +93,21 @@ def test_a_rendezvous_address_with_shell_syntax_reaches_the_nodes_shell_quoted(
     assert not marker.exists(), "the address ran as shell syntax on a node"
     connect = result.results["node-b"]["network"]["connect"]
     assert connect["connected"] is False and f"cannot resolve {address}" in connect["error"], connect
+
+
+def test_a_template_in_an_inventory_file_that_got_past_the_check_is_passed_as_data_and_never_runs(
+    consistent: SshdCluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    marker = tmp_path / "from-inventory-file"
+    inventory = tmp_path / "hosts.ini"
+    inventory.write_text(
+        "[trainers]\n"
+        + "".join(f"{h.name} ansible_port={h.port}\n" for h in consistent.hosts)
+        + f'[trainers:vars]\nansible_host="{pipe_lookup(marker)}127.0.0.2"\n'
+    )
+    monkeypatch.setattr(inventory_module, "_text_problem", lambda text: None)  # the first line of defence, off
+    section = consistent.nodes_section()
+    del section["hosts"]
+    result = run(NodesConfig(**section, inventory_path=str(inventory)))
+    assert not marker.exists(), "a template from the inventory file ran on the controller"
+    assert set(result.unreachable) == {"node-a", "node-b"}, "the literal address reaches no node"

@@ -52,11 +52,15 @@ def _loss(model: Transformer, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def _worker(out: Path) -> None:
-    """One EP2 rank: both scenarios, then the zero-token expert; results to OUT/rank<r>.pt."""
+    """One EP2 rank: both scenarios, the trainer's FSDP2 wrapping, then the zero-token expert; results to
+    OUT/rank<r>.pt."""
     import torch.distributed as dist
 
+    from training.config import ParallelConfig
     from training.experts import apply_expert_parallel, set_capacity_factor, take_dropped_tokens
+    from training.grad_clip import clip_grad_norm
     from training.mesh import ParallelDims
+    from training.parallel import apply_model_parallel
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -96,6 +100,16 @@ def _worker(out: Path) -> None:
             "dropped_after_take": take_dropped_tokens(model),
             "keys": sorted(model.state_dict()),
         }
+
+    # The trainer's own synchronisation (training/parallel.py: FSDP2 over the data-parallel ranks, the experts a
+    # unit over the ranks holding the same experts, here one) and its gradient norm (training/grad_clip.py).
+    model = _model()
+    apply_model_parallel(model, ParallelConfig(micro_batch=GLOBAL_BATCH // WORLD, expert_parallel=WORLD), meshes, None)
+    _loss(model, half).backward()
+    result["fsdp2"] = {
+        "grads": {n: p.grad.full_tensor() for n, p in model.named_parameters()},  # experts: this rank's own
+        "grad_norm": clip_grad_norm(model, math.inf, meshes).item(),
+    }
 
     # An expert that no token reaches (positive inputs, a negative router row) still gets a zero gradient.
     model = _model()
@@ -156,6 +170,20 @@ def test_expert_parallel_matches_the_dense_model_on_the_whole_batch(ranks: list[
         assert result["dropped_after_take"] == 0
     # the two EP checkpoints' keys together are exactly the whole model's
     assert set(results[0]["keys"]) | set(results[1]["keys"]) == set(_model().state_dict())
+
+
+@pytest.mark.timeout(300)
+def test_the_trainers_fsdp2_units_give_every_expert_the_dense_models_gradient(ranks: list[dict]) -> None:
+    # The experts' unit reduces over a one-rank group: each gradient is divided by dp once, as the dense
+    # parameters' are (gloo forced to sum had divided it twice, halving every expert's gradient at dp=2).
+    _, ref_grads, _ = _reference(None)
+    for rank, result in enumerate(r["fsdp2"] for r in ranks):
+        experts = {n.split(".experts.")[1].split(".")[0] for n in result["grads"] if ".experts." in n}
+        assert experts == {str(e) for e in range(rank * 2, rank * 2 + 2)}
+        for name, grad in result["grads"].items():
+            torch.testing.assert_close(grad, ref_grads[name], rtol=1e-5, atol=1e-7, msg=name)
+        reference_norm = torch.nn.utils.get_total_norm(list(ref_grads.values())).item()
+        assert math.isclose(result["grad_norm"], reference_norm, rel_tol=1e-5), (result["grad_norm"], reference_norm)
 
 
 @pytest.mark.timeout(300)

@@ -12,7 +12,10 @@ from typer.testing import CliRunner
 from flows.cli import app
 from tasks.errors import UserError
 from tasks.launch.base import JobHandle, JobState, JobStatus
-from tasks.launch.history import build_history
+from tasks.launch.history import build_history, steps_lost
+from tests.conftest import TINY_SPEC
+from tests.unit.checkpoints import saved_steps
+from training.config import TrainConfig
 from training.preemption import PREEMPTIONS_FILE, PreemptionRecord, append_record
 from training.run_output import RunOutputWriter
 from training.storage import StorageConfig
@@ -105,3 +108,20 @@ def test_tdeploy_status_of_a_local_output_folder_prints_the_history(tmp_path: Pa
         "running again from step 2",
         "finished at step 4",
     ], result.output
+
+
+def test_a_stopped_job_loses_the_steps_it_trained_after_its_newest_checkpoint(tmp_path: Path) -> None:
+    train = TrainConfig.model_validate({
+        **{section: TINY_SPEC[section] for section in ("model", "parallel", "precision", "optim")},
+        "data": {"dataset_url": str(tmp_path / "data")}, "checkpoint": {"url": str(tmp_path / "ckpt")},
+        "run": {"output_url": str(tmp_path / "out"), "steps": 20},
+    })  # fmt: skip
+    write_steps(tmp_path / "out", [1, 2, 3, 4, 5, 6, 7], T0)
+    saved_steps(tmp_path / "ckpt", 3, 6, 9)  # step 9: a later run's, past where this one stopped
+
+    lost = steps_lost(train, tmp_path / "out")
+    assert (lost.trained_to_step, lost.checkpoint_step, lost.steps) == (7, 6, 1)
+    assert lost.describe() == "1 step(s) lost: trained to step 7, a resubmission resumes from the checkpoint of step 6"
+    nothing = steps_lost(train.model_copy(update={"checkpoint": train.checkpoint.model_copy(
+        update={"url": str(tmp_path / "none")})}), tmp_path / "out")  # fmt: skip
+    assert nothing.steps == 7 and "resumes from no checkpoint" in nothing.describe()
