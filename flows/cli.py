@@ -895,13 +895,14 @@ def rollback(
         parsed.name,
         parsed.cluster,
         cfg,
+        parsed.image,
         to,
         "finished" if wait else "running",
         on_line=(lambda line: console.print(line, markup=False, highlight=False)) if wait else None,
+        on_plan=lambda line: console.print(line, markup=False, highlight=False),
     )
     console.print(
-        f"{outcome.plan.describe()}\nresumed from {outcome.checkpoint_dir}: job {outcome.job} {outcome.state} "
-        f"(output {outcome.output_dir})",
+        f"resumed from {outcome.checkpoint_dir}: job {outcome.job} {outcome.state} (output {outcome.output_dir})",
         markup=False,
         highlight=False,
     )

@@ -9,8 +9,6 @@ the summary page says which step failed and why.
 
 from __future__ import annotations
 
-from prefect import flow
-
 from tasks.acceptance.suite import workspace_root
 from tasks.acceptance.task import run_acceptance, run_drills
 from tasks.cache import cached_step_options
@@ -42,6 +40,7 @@ from tasks.pipeline import (
     diagnose_failure,
     load_deployment_spec,
     publish_summary,
+    spec_flow,
     spec_label,
 )
 from tasks.prepare.task import check_dataset, prepare_data
@@ -64,7 +63,7 @@ def load_or_diagnose(source: SpecSource) -> DeploymentSpec:
         raise
 
 
-@flow(name="deploy-training", description="Deploy a Transformer training job from its spec, step by step.")
+@spec_flow(name="deploy-training", description="Deploy a Transformer training job from its spec, step by step.")
 def deploy_training(spec: SpecSource = "examples/local.yaml") -> Results:
     """Run the whole deployment sequence for one spec (a DeploymentSpec, its data, or a path/URL of its YAML)."""
     install_user_error_filter()

@@ -7,22 +7,22 @@ nights' only."""
 
 from __future__ import annotations
 
-from prefect import flow
-
 from flows.deploy import load_or_diagnose
 from tasks.acceptance.suite import workspace_root
 from tasks.acceptance.task import run_acceptance, run_drills
 from tasks.deployment import dataset_check_inputs, planned_figures, training_config
 from tasks.ledger.registry import Provenance
 from tasks.logs import install_user_error_filter
-from tasks.pipeline import STEP_TITLES, Results, SpecSource, diagnose_failure, publish_summary
+from tasks.pipeline import STEP_TITLES, Results, SpecSource, diagnose_failure, publish_summary, spec_flow
 from tasks.prepare.task import check_dataset, prepare_data
 from tasks.progress import report
 
 STEPS = ("spec", "data", "acceptance", "drills")
 
 
-@flow(name="nightly-validation", description="Acceptance with a stability soak, and the checkpoint-restore drills.")
+@spec_flow(
+    name="nightly-validation", description="Acceptance with a stability soak, and the checkpoint-restore drills."
+)
 def nightly_validation(spec: SpecSource = "examples/local.yaml") -> Results:
     """Re-accept a deployment: soak-length acceptance, then every drill; publish the report."""
     install_user_error_filter()

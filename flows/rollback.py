@@ -4,18 +4,16 @@ from __future__ import annotations
 
 from typing import Literal
 
-from prefect import flow
-
 from flows.deploy import load_or_diagnose
 from tasks.deployment import dataset_check_inputs, training_config
 from tasks.ledger.rollback import RollbackOutcome
 from tasks.ledger.task import rollback_deployment
 from tasks.logs import install_user_error_filter
-from tasks.pipeline import SpecSource, diagnose_failure
+from tasks.pipeline import SpecSource, diagnose_failure, spec_flow
 from tasks.prepare.task import check_dataset, prepare_data
 
 
-@flow(name="rollback-deployment", description="Roll a deployment back to an earlier accepted ledger entry.")
+@spec_flow(name="rollback-deployment", description="Roll a deployment back to an earlier accepted ledger entry.")
 def rollback(
     spec: SpecSource = "examples/local.yaml",
     to: str | None = None,
@@ -30,7 +28,7 @@ def rollback(
         data = prepare_data(prepare, parsed.storage) if prepare else check_dataset(*dataset_check_inputs(parsed))
         train = training_config(parsed, data)
         step = "job"
-        return rollback_deployment(parsed.name, parsed.cluster, train, parsed.acceptance, to, wait_until)
+        return rollback_deployment(parsed.name, parsed.cluster, train, parsed.acceptance, parsed.image, to, wait_until)
     except Exception as err:
         diagnose_failure(step, str(err), None, None, None)
         raise

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 from typing import Literal
 
-from prefect import flow
-
 from flows.deploy import load_or_diagnose
 from tasks.acceptance.suite import workspace_root
 from tasks.acceptance.task import run_acceptance
@@ -18,11 +16,11 @@ from tasks.launch.task import submit_job
 from tasks.ledger.registry import Provenance
 from tasks.ledger.task import canary_rollout
 from tasks.logs import install_user_error_filter
-from tasks.pipeline import Results, SpecSource, diagnose_failure
+from tasks.pipeline import Results, SpecSource, diagnose_failure, spec_flow
 from tasks.prepare.task import check_dataset, prepare_data
 
 
-@flow(name="rollout", description="Roll a new image out: canary, whole-deployment acceptance, then the job.")
+@spec_flow(name="rollout", description="Roll a new image out: canary, whole-deployment acceptance, then the job.")
 def rollout(
     image: str,
     spec: SpecSource = "examples/local.yaml",

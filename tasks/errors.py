@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from training.storage import no_space_message
+
 
 class DeployError(Exception):
     """A pipeline step failed; `fix` tells the user what to do."""
@@ -55,3 +57,16 @@ def is_connection_error(exc: BaseException) -> bool:
             "ConnectionClosedError",
         }
     )
+
+
+class NoSpaceError(UserError):
+    """A step's write ran out of disk space (ENOSPC or a quota) at `url`; the sizes where they are known."""
+
+    def __init__(self, url: str, what: str, needed_bytes: int | None, free_bytes: int | None, fix: str) -> None:
+        super().__init__(no_space_message(url, what, needed_bytes, free_bytes), fix)
+        self.url, self.what, self.needed_bytes, self.free_bytes = url, what, needed_bytes, free_bytes
+        self._args = (url, what, needed_bytes, free_bytes, fix)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickle by the constructor's arguments (Prefect stores a failed task's exception)."""
+        return (type(self), self._args)

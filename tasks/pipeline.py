@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
-from prefect import get_run_logger, task
+from prefect import Flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 
 from tasks.deployment import StepResult
@@ -54,6 +55,32 @@ SpecSource = DeploymentSpec | dict[str, Any] | str
 """What a flow receives: a validated spec, raw spec data (a deployment's JSON parameter), or a path/URL."""
 
 
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+class RedactedParametersFlow(Flow[P, R]):
+    """A flow whose run parameters reach Prefect with every credential redacted (training/secrets.py `redact`).
+
+    Prefect writes a run's parameters when it creates the run, before any of its tasks: redacting them afterwards
+    leaves the secret in SQLite's write-ahead log (and in freed database pages). The flow's code still receives
+    what it was given, so that load_spec refuses the credential by its field.
+    """
+
+    def serialize_parameters(self, parameters: dict[str, Any]) -> dict[str, Any]:
+        """Prefect's serialised parameters, redacted."""
+        return redact(super().serialize_parameters(parameters))
+
+
+def spec_flow(name: str, description: str) -> Callable[[Callable[P, R]], RedactedParametersFlow[P, R]]:
+    """`@flow(name=..., description=...)` for a flow that takes a spec: its stored parameters are redacted."""
+
+    def decorate(fn: Callable[P, R]) -> RedactedParametersFlow[P, R]:
+        return RedactedParametersFlow(fn, name=name, description=description)
+
+    return decorate
+
+
 def spec_label(spec: SpecSource) -> str:
     """A name for the summary page of a spec that may not have been validated."""
     if isinstance(spec, DeploymentSpec):
@@ -68,8 +95,9 @@ def spec_label(spec: SpecSource) -> str:
 def load_deployment_spec(spec: SpecSource) -> DeploymentSpec:
     """The validated spec: as given, from raw data, or read from a path/URL (storage hiccups are retried).
 
-    A bad spec fails here at once, before any work. A credential in raw spec data is also taken out of the
-    flow run's stored parameters, so that Prefect's database keeps no copy of it.
+    A bad spec fails here at once, before any work. A flow made with `spec_flow` never stored the credential;
+    a run created by the server (a deployment run from the UI or the API) had its parameters stored as sent, so
+    they are redacted here, as early as the flow can.
     """
     if isinstance(spec, DeploymentSpec):
         parsed = spec
@@ -111,6 +139,8 @@ def _redact_flow_run_parameters() -> None:
         return
     with get_client(sync_client=True) as client:
         stored = client.read_flow_run(flow_run.id).parameters
+        if redact(stored) == stored:  # stored redacted already (spec_flow)
+            return
         client.update_flow_run(flow_run.id, parameters=redact(stored))
     get_run_logger().warning("the spec parameter held a credential: redacted in the flow run's stored parameters")
 

@@ -3,11 +3,17 @@
 The checks go through the storage layer the job uses (`training.storage`, fsspec). Nothing is created:
 a local output is writable when it is a writable folder, or when its nearest existing ancestor is one;
 an object-store output is writable when a probe object can be written to and deleted from it.
+
+First, every local path the spec names or implies (outputs, the deployment folder, data inputs) must resolve
+under the operator's roots (`tasks.roots`: TDEPLOY_ALLOWED_ROOTS, else the current folder); so must the symbolic
+links directly inside an output folder. The node files (inventory, SSH key, known_hosts) are read by Ansible and
+ssh on this machine, never written, copied or shown, and usually live in ~/.ssh: they are not confined.
 """
 
 from __future__ import annotations
 
 import glob
+import itertools
 import logging
 import os
 import uuid
@@ -16,13 +22,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tasks.errors import TransientError, is_connection_error
-from tasks.spec import DeploymentSpec, SpecError
+from tasks.roots import AllowedRoots, RootsError, allowed_roots, confinement_problem
+from tasks.spec import DeploymentSpec, SpecError, derived_paths
 from training.storage import StorageConfig, filesystem, is_local, join, local_path
 
 log = logging.getLogger(__name__)
 
 PROBE_PREFIX = ".tdeploy-preflight-"
 _GLOB = "*?["
+UNCONFINED = frozenset({"nodes.inventory_path", "nodes.ssh_key_path", "nodes.known_hosts_path"})
+"""Fields read by Ansible and ssh only (credentials and host lists, usually in ~/.ssh): not held to the roots."""
+_LINKS_CHECKED = 1000
+"""Entries of an output folder looked at for symbolic links leading out of the roots (its own, a few dozen)."""
 
 
 @dataclass(frozen=True)
@@ -45,12 +56,13 @@ def spec_paths(spec: DeploymentSpec) -> list[PathCheck]:
     nodes = spec.nodes
     image = spec.image
     candidates: list[tuple[str, str | None, str, bool]] = [
+        ("deployment_dir", _reports_dir(spec), "write", True),
         ("run.output_url", spec.run.output_url, "write", False),
         ("checkpoint.url", spec.checkpoint.url, "write", False),
         ("data.prepare.output_url", prepare.output_url if prepare else None, "write", False),
         ("capacity.output_url", getattr(spec.capacity, "output_url", None), "write", False),
         ("acceptance.work_url", getattr(spec.acceptance, "work_url", None), "write", True),
-        ("reports folder", _reports_dir(spec), "write", True),
+        ("acceptance.ledger_url", getattr(spec.acceptance, "ledger_url", None), "write", False),
         ("image.storage_dir", image.storage_dir if image else None, "write", True),
         ("data.dataset_url", spec.data.dataset_url, "read", False),
         ("capacity.calibration_url", getattr(spec.capacity, "calibration_url", None), "file", False),
@@ -77,10 +89,14 @@ def _reports_dir(spec: DeploymentSpec) -> str | None:
 
 
 def preflight(spec: DeploymentSpec) -> None:
-    """Raise SpecError naming every path or URL of `spec` that cannot be read or written, with the fix.
+    """Raise SpecError naming every path or URL of `spec` that cannot be read or written, with the fix; first,
+    every local path that leads outside the operator's roots (`confinement_problems`).
 
     TransientError when only unreachable storage kept a check from finishing (retrying may help).
     """
+    outside = confinement_problems(spec)
+    if outside:
+        raise SpecError(spec.name, outside)  # nothing outside the roots is looked at, not even probed
     problems: list[str] = []
     unreachable: list[str] = []
     for check in spec_paths(spec):
@@ -101,11 +117,78 @@ def preflight(spec: DeploymentSpec) -> None:
     log.debug("preflight: every path of %s is usable", spec.name)
 
 
+def confinement_problems(spec: DeploymentSpec) -> list[str]:
+    """`field=value: ...` for every local path of `spec` that leads outside the operator's roots (`tasks.roots`),
+    and for every symbolic link directly inside one of its output folders that does; [] when all stay inside.
+
+    A folder that deployment_dir implies (run.output_url: <deployment_dir>/output, ...) is not named again when
+    deployment_dir itself is refused."""
+    try:
+        roots = allowed_roots()
+    except RootsError as err:
+        return [str(err)]
+    derived = _derived_defaults(spec)
+    problems: list[str] = []
+    for check in spec_paths(spec):
+        if check.field in UNCONFINED or not is_local(check.value):
+            continue
+        if problems and problems[0].startswith("deployment_dir=") and derived.get(check.field) == check.value:
+            continue
+        problem = _outside(check, roots)
+        if problem:
+            problems.append(problem)
+    return problems
+
+
+def _derived_defaults(spec: DeploymentSpec) -> dict[str, str]:
+    """The folders deployment_dir implies, by field name (what `derived_paths` fills in for omitted fields)."""
+    filled = derived_paths({"deployment_dir": _reports_dir(spec), "run": {}, "checkpoint": {}, "data": {"prepare": {}}})
+    return {
+        "run.output_url": filled["run"]["output_url"],
+        "checkpoint.url": filled["checkpoint"]["url"],
+        "capacity.output_url": filled["capacity"]["output_url"],
+        "acceptance.work_url": filled["acceptance"]["work_url"],
+        "data.prepare.output_url": filled["data"]["prepare"]["output_url"],
+    }
+
+
+def _outside(check: PathCheck, roots: AllowedRoots) -> str | None:
+    """Why `check`'s local path leaves the roots: the path itself; for an input also each file a glob matches and
+    a Megatron prefix's .bin and .idx; for an output the symbolic links directly inside the folder."""
+    problem = confinement_problem(check.field, check.value, roots)
+    if problem:
+        return problem
+    path = os.path.expanduser(local_path(check.value))
+    if check.mode == "write":
+        try:
+            with os.scandir(path) as entries:
+                inside = [entry.path for entry in itertools.islice(entries, _LINKS_CHECKED) if entry.is_symlink()]
+        except (NotADirectoryError, FileNotFoundError, PermissionError):
+            return None  # not there yet, or a file: the writability check says what is wrong
+    elif any(c in path for c in _GLOB):
+        inside = glob.glob(path, recursive=True)
+    else:
+        inside = [p for p in (path + ".bin", path + ".idx") if os.path.lexists(p)]
+    for entry in inside:
+        problem = confinement_problem(check.field, check.value, roots, target=entry)
+        if problem:
+            return problem
+    return None
+
+
 def path_problem(spec: DeploymentSpec, field: str) -> str | None:
     """`field=value: what is wrong and the fix` for the one path `field` of `spec` (a PathCheck's field name);
     None when it is usable or unset. For a command that uses only that path (`tdeploy plan` writes plan.json)."""
+    try:
+        roots = allowed_roots()
+    except RootsError as err:
+        return str(err)
     for check in spec_paths(spec):
         if check.field == field:
+            if check.field not in UNCONFINED and is_local(check.value):
+                outside = _outside(check, roots)
+                if outside:
+                    return outside
             try:
                 problem = _check(check, spec.storage)
             except _Unreachable as err:

@@ -13,6 +13,7 @@ import random
 import socket
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import asdict
 from pathlib import Path
@@ -23,6 +24,7 @@ import pytest
 from tasks.launch.torchrun import free_port
 from tasks.prepare.config import PrepareConfig
 from tasks.prepare.pipeline import prepare_dataset
+from tasks.roots import ALLOWED_ROOTS_ENV
 from tasks.spec import DeploymentSpec, parse_spec
 from tests import processes
 from tests.processes import run_group
@@ -68,8 +70,14 @@ def deep_merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Stop the test session's processes at interpreter exit and on SIGTERM, even if pytest never finishes."""
+    """Stop the test session's processes at interpreter exit and on SIGTERM, even if pytest never finishes; the
+    operator's roots (tasks/roots.py) of the session: the repository and the temporary folders its tests use
+    (os.environ, so every tdeploy, torchrun and flow the tests start inherits them)."""
     processes.install_safety_net()
+    roots = [str(REPO), tempfile.gettempdir()]
+    if config.option.basetemp:
+        roots.append(os.path.abspath(config.option.basetemp))
+    os.environ[ALLOWED_ROOTS_ENV] = os.pathsep.join(roots)
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

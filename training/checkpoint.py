@@ -53,6 +53,7 @@ from __future__ import annotations
 import base64
 import binascii
 import concurrent.futures
+import dataclasses
 import errno
 import hashlib
 import json
@@ -62,7 +63,6 @@ import os
 import posixpath
 import random
 import re
-import shutil
 import threading
 import time
 import warnings
@@ -109,9 +109,13 @@ from training.storage import (
     DigestingWriter,
     StorageConfig,
     filesystem,
+    format_bytes,
+    free_bytes,
     is_local,
+    is_no_space,
     join,
     local_path,
+    no_space_message,
     read_control_file,
     sha256_file,
     sha256_files,
@@ -131,6 +135,10 @@ CARD_VERSION = 1
 MODEL_PREFIX = "model."  # DCP's flattened key of a model tensor: "model." + the module's parameter name
 DCP_METADATA = ".metadata"  # DCP's own name (torch.distributed.checkpoint.filesystem)
 _STEP_DIR = re.compile(r"step-(\d{8})$")
+SAVE_HELD_WARN_AFTER_S = 5.0
+"""A caller held this long by a save (a synchronous one, or `wait` on a background one) hears it in a warning that
+names the storage, and again every SAVE_HELD_WARN_EVERY_S."""
+SAVE_HELD_WARN_EVERY_S = 30.0
 PINS_DIR = "pins"
 """Beside the step folders: `pins/step-<N>.<holder>`, one file per holder (a ledger entry) that needs checkpoint N
 kept. Retention (keep_last, and making room on a full disk) never deletes a pinned step."""
@@ -217,7 +225,7 @@ class CheckpointFormatError(ValueError):
 class SavedCheckpoint:
     """A committed save: its step, the bytes its COMMIT.json lists, the seconds from the save call to the commit,
     and the seconds of those the caller was held (all of them for `save`; for `save_async` the wait for the
-    previous save and the copy of the state to host memory)."""
+    previous save, the copy of the state to host memory, and the caller's `wait` for this save to commit)."""
 
     step: int
     nbytes: int
@@ -403,17 +411,7 @@ def _is_storage_leaf(exc: BaseException) -> bool:
 
 
 def _says_no_space(exc: BaseException) -> bool:
-    for _, leaf in _leaves(exc):
-        err: BaseException | None = leaf
-        for _hop in range(16):  # here the implicit context counts: torch's short write hides the OSError in it
-            if err is None:
-                break
-            if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
-                return True
-            if "No space left on device" in str(err) or "Disk quota exceeded" in str(err):
-                return True
-            err = err.__cause__ or err.__context__
-    return False
+    return any(is_no_space(leaf) for _, leaf in _leaves(exc))  # torch's short write hides the OSError in its context
 
 
 def _first_line(exc: BaseException) -> str:
@@ -421,11 +419,7 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
 
 
-def _size(nbytes: float) -> str:
-    for unit, scale in (("GB", 1e9), ("MB", 1e6)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.1f} {unit}"
-    return f"{nbytes / 1e3:.0f} kB"
+_size = format_bytes
 
 
 @dataclass
@@ -597,6 +591,7 @@ class CheckpointManager:
         self._group: dist.ProcessGroup | None = None  # background saves' collectives (made by the first one)
         self._stager: DefaultStager | None = None  # keeps its host buffers from one background save to the next
         self._pending: concurrent.futures.Future[SavedCheckpoint] | None = None
+        self._pending_step, self._pending_started = 0, 0.0
         if self.key is not None and not cfg.verify_checksums and self.rank == 0:
             log.warning("checkpoint.verify_checksums=false is overridden: with TDEPLOY_CHECKPOINT_KEY set every "
                         "checksum is verified, since the signature covers the files only through them")  # fmt: skip
@@ -725,7 +720,8 @@ class CheckpointManager:
         """
         started = time.perf_counter()
         self.wait()
-        nbytes = self._run(self._job(step, model, optimizer, train_state, started, group=None, stage=False))
+        with self._warn_while_held(step, started):
+            nbytes = self._run(self._job(step, model, optimizer, train_state, started, group=None, stage=False))
         seconds = time.perf_counter() - started
         return SavedCheckpoint(step, nbytes, seconds, seconds)
 
@@ -761,12 +757,51 @@ class CheckpointManager:
         # commits, so it is invisible, as after a kill.
         threading.Thread(target=run, name=f"checkpoint-save-{job.step}", daemon=True).start()
         self._pending = pending
+        self._pending_step, self._pending_started = step, started
 
     def wait(self) -> SavedCheckpoint | None:
-        """Block until the background save, if any, is committed; its record (None when there was none). Its
-        failure is raised here: CheckpointSaveError after the retries, a bug as itself."""
+        """Block until the background save, if any, is committed; its record (None when there was none), whose
+        `stall_s` counts this wait too. Its failure is raised here: CheckpointSaveError after the retries, a bug
+        as itself."""
         pending, self._pending = self._pending, None
-        return None if pending is None else pending.result()
+        if pending is None:
+            return None
+        started = time.perf_counter()
+        with self._warn_while_held(self._pending_step, started):
+            saved = pending.result()
+        committed = self._pending_started + saved.seconds  # held until then, not until this thread woke up
+        waited = max(0.0, min(time.perf_counter(), committed) - started)
+        return dataclasses.replace(saved, stall_s=saved.stall_s + waited)
+
+    @contextmanager
+    def _warn_while_held(self, step: int, since: float) -> Iterator[None]:
+        """Rank 0 warns while its caller is held by the save of `step`: SAVE_HELD_WARN_AFTER_S after `since`, then
+        every SAVE_HELD_WARN_EVERY_S, naming the storage and the time held so far (storage that stops answering
+        holds a save until its client's timeouts and the save's retries run out)."""
+        if self.rank != 0:
+            yield
+            return
+        done = threading.Event()
+        endpoint = None if is_local(self.cfg.url) else self.storage.s3_endpoint_url
+        where = self._url(self._dir(step)) + (f" (endpoint {endpoint})" if endpoint else "")
+
+        def watch() -> None:
+            delay = max(0.0, SAVE_HELD_WARN_AFTER_S - (time.perf_counter() - since))
+            while not done.wait(delay):
+                log.warning(
+                    "training has been held %.0fs by the checkpoint save of step %d to %s: the storage is slow or "
+                    "not answering; the save goes on (checkpoint.save_retries=%d, then it fails)",
+                    time.perf_counter() - since, step, where, self.cfg.save_retries,
+                )  # fmt: skip
+                delay = SAVE_HELD_WARN_EVERY_S
+
+        watcher = threading.Thread(target=watch, name=f"checkpoint-held-{step}", daemon=True)
+        watcher.start()
+        try:
+            yield
+        finally:
+            done.set()
+            watcher.join()
 
     def _run_in_background(self, job: _SaveJob, stall_s: float) -> SavedCheckpoint:
         nbytes = self._run(job)
@@ -1002,17 +1037,11 @@ class CheckpointManager:
         }
 
     def _no_space(self, path: str, space: _Space) -> str:
-        free = "unknown" if space.free_bytes is None else _size(space.free_bytes)
-        return f"no space left on {self._url(path)}: checkpoint needs ~{_size(space.needed_bytes)}, {free} free"
+        return no_space_message(self._url(path), "checkpoint", space.needed_bytes, space.free_bytes)
 
     def _free_bytes(self) -> int | None:
         """Free bytes on the local disk of the checkpoint folder (None for object stores)."""
-        if not is_local(self.cfg.url):
-            return None
-        probe = os.path.abspath(local_path(self.root))
-        while not os.path.exists(probe) and os.path.dirname(probe) != probe:
-            probe = os.path.dirname(probe)
-        return shutil.disk_usage(probe).free
+        return free_bytes(self.root) if is_local(self.cfg.url) else None
 
     def _make_room(self, step: int, space: _Space) -> int | None:
         """Rank 0: remove partial, then the oldest committed checkpoints until `space` fits; returns free bytes.

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 from types import FrameType
 from typing import Any
 
-from training.storage import StorageConfig, filesystem, join, write_bytes_atomic
+from training.storage import StorageConfig, filesystem, join, read_control_file, write_bytes_atomic
 
 PREEMPTED_EXIT_CODE = 75
 """EX_TEMPFAIL (sysexits.h): the job stopped on request after saving; run it again to go on."""
@@ -140,10 +140,12 @@ def read_records(output_url: str, storage: StorageConfig | None = None) -> list[
     malformed line."""
     fs, root = filesystem(output_url, storage)
     path = join(root, PREEMPTIONS_FILE)
-    if not fs.exists(path):
+    try:
+        raw = read_control_file(fs, path)  # a regular file of bounded size (ControlFileError naming it otherwise)
+    except FileNotFoundError:
         return []
     records = []
-    for number, text in enumerate(fs.cat_file(path).decode(errors="replace").splitlines(), start=1):
+    for number, text in enumerate(raw.decode(errors="replace").splitlines(), start=1):
         if not text.strip():
             continue
         try:
@@ -169,7 +171,10 @@ def append_record(output_url: str, record: PreemptionRecord, storage: StorageCon
     """Add one line to preemptions.jsonl, replacing the file as a whole (readers never see half a line)."""
     fs, root = filesystem(output_url, storage)
     path = join(root, PREEMPTIONS_FILE)
-    old = fs.cat_file(path) if fs.exists(path) else b""
+    try:
+        old = read_control_file(fs, path)
+    except FileNotFoundError:
+        old = b""
     if old and not old.endswith(b"\n"):
         old += b"\n"
     write_bytes_atomic(fs, path, old + (json.dumps(asdict(record)) + "\n").encode())

@@ -6,6 +6,7 @@ import errno
 import hashlib
 import os
 import re
+import shutil
 import stat
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -140,6 +141,50 @@ def join(url: str, *parts: str) -> str:
     for part in parts:
         out = f"{out}/{part.strip('/')}"
     return out
+
+
+_NO_SPACE_TEXTS = ("No space left on device", "Disk quota exceeded")  # libraries that wrap the OSError in text
+
+
+def is_no_space(exc: BaseException) -> bool:
+    """True when `exc`, or what it was raised from or during, is a full disk or quota (ENOSPC, EDQUOT), also where
+    a library only kept the message (safetensors' SafetensorError, torch's short writes)."""
+    err: BaseException | None = exc
+    for _hop in range(16):  # the implicit context counts too: an error raised while handling ENOSPC hides it there
+        if err is None:
+            return False
+        if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if any(text in str(err) for text in _NO_SPACE_TEXTS):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
+
+
+def free_bytes(url: str) -> int | None:
+    """Free bytes on the local disk that holds `url` (its nearest existing folder); None for object stores."""
+    if not is_local(url):
+        return None
+    probe = os.path.abspath(local_path(url))
+    while not os.path.exists(probe) and os.path.dirname(probe) != probe:
+        probe = os.path.dirname(probe)
+    return shutil.disk_usage(probe).free
+
+
+def format_bytes(nbytes: float) -> str:
+    """A size for a message: GB, MB or kB (decimal units, as `df -H` shows them)."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes / 1e3:.0f} kB"
+
+
+def no_space_message(url: str, what: str, needed_bytes: int | None, free: int | None) -> str:
+    """'no space left on <url>: <what> needs ~X, Y free', saying which of the sizes is unknown."""
+    shown = "unknown" if free is None else format_bytes(free)
+    if needed_bytes is None:
+        return f"no space left on {url}: {what} needs more than the {shown} free there"
+    return f"no space left on {url}: {what} needs ~{format_bytes(needed_bytes)}, {shown} free"
 
 
 def sha256_file(fs: fsspec.AbstractFileSystem, path: str, chunk_bytes: int = 8 << 20) -> str:

@@ -83,6 +83,11 @@ class LoadFigures:
         """Failed requests over all sent."""
         return self.failed / self.requests if self.requests else 1.0
 
+    @property
+    def completed(self) -> int:
+        """Requests that completed (the latencies are theirs)."""
+        return self.requests - self.failed
+
 
 @dataclass(frozen=True)
 class ServerFigures:
@@ -186,13 +191,19 @@ def judge(
     devices: int = 1,
 ) -> list[ServingCheck]:
     """Every gated figure against its threshold, as one table (what, value, limit, upper or lower bound, fix)."""
+    none_completed = (
+        f"none of the load test's {load.requests} requests completed, so no latency was measured: the load "
+        "generator's log and the server log say why (a server that died is named in the check)"
+    )
     table: list[tuple[str, float | None, float | None, bool, str]] = [
         (
             "p99_e2e_latency_ms",
             load.e2e_ms.p99,
             thresholds.p99_e2e_latency_ms_max,
             True,
-            "look at the server log for preemptions (KV cache too small: raise serve.kv_cache_gib) and at "
+            none_completed
+            if load.completed <= 0
+            else "look at the server log for preemptions (KV cache too small: raise serve.kv_cache_gib) and at "
             "waiting requests (raise serve.max_num_seqs), or lower serve.check.max_concurrency",
         ),
         (
@@ -200,7 +211,9 @@ def judge(
             load.ttft_ms.p99,
             thresholds.p99_ttft_ms_max,
             True,
-            "prefill is slow or requests queue: raise serve.max_num_seqs or add replicas",
+            none_completed
+            if load.completed <= 0
+            else "prefill is slow or requests queue: raise serve.max_num_seqs or add replicas",
         ),
         (
             "error_rate",

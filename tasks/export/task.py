@@ -13,6 +13,7 @@ object-store checkpoints are read in place with the spec's storage options.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -26,12 +27,13 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 
 from tasks.deployment import ExportResult
-from tasks.errors import TransientError, UserError, is_connection_error, retry_on_transient
+from tasks.errors import NoSpaceError, TransientError, UserError, is_connection_error, retry_on_transient
 from tasks.export.hf import (
     CONFIG,
     DEFAULT_MAX_SHARD_BYTES,
     ExportError,
     behaviour_notes,
+    byte_tokenizer_json,
     export_model_weights,
     unexportable,
     write_configs,
@@ -41,7 +43,7 @@ from tasks.prepare.tokenizer import read_tokenizer
 from training.checkpoint import CardTokenizer, CheckpointManager, ModelCard
 from training.dataset import read_manifest
 from training.run_output import SkippedCheckpoint
-from training.storage import check_storage_url, filesystem, is_local, join, local_path
+from training.storage import check_storage_url, filesystem, free_bytes, is_local, is_no_space, join, local_path
 
 if TYPE_CHECKING:
     from training.config import TrainConfig
@@ -224,6 +226,28 @@ def _replace(partial: Path, final: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+_SMALL_FILES_BYTES = 64 << 10
+"""Room for config.json, generation_config.json, tokenizer_config.json, the index and EXPORT.json (a few kB)."""
+_HEADER_BYTES_PER_TENSOR = 256  # a safetensors header entry: name, dtype, shape, offsets
+
+
+def _needed_bytes(manager: CheckpointManager, step: int, card: ModelCard, train: TrainConfig) -> int:
+    """About what an export of `step` writes: its tensors with their headers, the tokenizer, the small files."""
+    tensors = manager.model_tensors(step).values()
+    needed = sum(info.nbytes + _HEADER_BYTES_PER_TENSOR for info in tensors) + _SMALL_FILES_BYTES
+    if card.tokenizer.kind == "bytes":
+        return needed + len(byte_tokenizer_json().encode())
+    if card.tokenizer.url is not None:
+        fs, path = filesystem(card.tokenizer.url, train.storage)
+        with contextlib.suppress(FileNotFoundError):  # write_tokenizer refuses it, with the fix
+            needed += int(fs.size(path) or 0)
+    return needed
+
+
+def _no_space(where: str, needed: int, fix: str) -> NoSpaceError:
+    return NoSpaceError(where, "the export", needed, free_bytes(where), fix)
+
+
 def _upload(folder: Path, url: str, train: TrainConfig) -> None:
     """Upload a finished export to an object-store `url`, EXPORT.json last (an earlier one's removed first)."""
     fs, root = filesystem(url, train.storage)
@@ -263,22 +287,41 @@ def export_checkpoint(
         target = (
             str(out) if out is not None else join(export_root or default_export_root(train), step_folder_name(chosen))
         )
-        if is_local(target):
-            final = Path(local_path(target))
-            _check_target(final)
-            final.parent.mkdir(parents=True, exist_ok=True)
-            partial = Path(tempfile.mkdtemp(prefix=f"{PARTIAL_PREFIX}{final.name}-", dir=final.parent))
-            try:
-                record = _write_folder(manager, chosen, commit, card, notes, train, partial, max_shard_bytes)
-                _replace(partial, final)
-            finally:
-                shutil.rmtree(partial, ignore_errors=True)
-            model_dir = str(final)
-        else:
-            with tempfile.TemporaryDirectory(prefix=f"{PARTIAL_PREFIX}export-") as tmp:
-                record = _write_folder(manager, chosen, commit, card, notes, train, Path(tmp), max_shard_bytes)
-                _upload(Path(tmp), target, train)
-            model_dir = target
+        # Written here first: the output folder (beside it), or a local temporary one uploaded from.
+        staging = local_path(target) if is_local(target) else tempfile.gettempdir()
+        fix = (
+            "free space there or export to another folder (--out)"
+            if is_local(target)
+            else "free space there or set TMPDIR to a local folder with room (the export is written there first)"
+        )
+        needed = _needed_bytes(manager, chosen, card, train)
+        try:
+            if is_local(target):
+                final = Path(staging)
+                _check_target(final)
+                final.parent.mkdir(parents=True, exist_ok=True)
+                free = free_bytes(str(final.parent))
+                if free is not None and free < needed:  # refused before a byte is written
+                    raise _no_space(staging, needed, fix)
+                partial = Path(tempfile.mkdtemp(prefix=f"{PARTIAL_PREFIX}{final.name}-", dir=final.parent))
+                try:
+                    record = _write_folder(manager, chosen, commit, card, notes, train, partial, max_shard_bytes)
+                    _replace(partial, final)
+                finally:
+                    shutil.rmtree(partial, ignore_errors=True)
+                model_dir = str(final)
+            else:
+                with tempfile.TemporaryDirectory(prefix=f"{PARTIAL_PREFIX}export-") as tmp:
+                    staging = tmp
+                    record = _write_folder(manager, chosen, commit, card, notes, train, Path(tmp), max_shard_bytes)
+                    _upload(Path(tmp), target, train)
+                model_dir = target
+        except Exception as err:
+            # ENOSPC, or safetensors' own error with the OS's text; the free space is what the disk has once the
+            # partial folder is gone
+            if is_no_space(err):
+                raise _no_space(staging, needed, fix) from err
+            raise
     except Exception as err:
         if is_connection_error(err) or (err.__cause__ is not None and is_connection_error(err.__cause__)):
             raise TransientError(

@@ -15,13 +15,21 @@ exclusively and atomically: on local disks a temporary file hard-linked to its n
 object stores one PUT of a new key. The checkpoint copy writes COMMIT.json last, so an interrupted copy is a
 partial checkpoint, never a finished one. The "current baseline" of a spec and cluster is the newest entry of
 that spec name and cluster identity that is not rolled back; the quality gate (baselines.py) and the regression
-gate (`check_regression`) both compare with it. Entries sit on shared storage and are read as untrusted: a
-malformed one is refused with its name and the fix.
+gate (`check_regression`) both compare with it.
+
+Files sit on shared storage and are read as untrusted. With the checkpoint signing key set (TDEPLOY_CHECKPOINT_KEY,
+or the Prefect Secret block `tdeploy-checkpoint-key` that the flows put into it), every file written here (entries,
+rollback marks, serving records) carries `hmac_sha256`, an HMAC-SHA256 of its canonical JSON without that field,
+made as a checkpoint's COMMIT.json signature is (training/checkpoint_trust.py). A reader with the key refuses a
+file that is unsigned or whose signature differs; without a key files are read unauthenticated, as written before.
+Listing (`entries`, `rolled_back`, a serving figure) skips a refused or malformed file with a warning naming it, so
+one bad file never hides the others; asking for one entry by id raises LedgerError with its name and the fix.
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import logging
 import math
@@ -45,10 +53,18 @@ from tasks.acceptance.workspace import RUN_ID, new_run_id, workspace_base
 from tasks.cluster import ClusterConfig
 from tasks.errors import UserError
 from training.checkpoint import COMMIT, CheckpointManager, step_dir_name
+from training.checkpoint_trust import KEY_ENV, SIGNATURE_FIELD, checkpoint_key, sign_commit
 from training.config import TrainConfig, first_problem
 from training.dataset import DatasetManifest, read_manifest
 from training.run_output import RunOutput
-from training.storage import StorageConfig, filesystem, join, write_bytes_atomic
+from training.storage import (
+    ControlFileError,
+    StorageConfig,
+    filesystem,
+    join,
+    read_control_file,
+    write_bytes_atomic,
+)
 from validation.acceptance import DimensionResult
 from validation.plan_accuracy import PlanAccuracy
 from validation.quality import LossCurve, loss_curve
@@ -313,6 +329,8 @@ class Ledger:
     def __init__(self, url: str, storage: StorageConfig | None = None) -> None:
         self.url, self.storage = url, storage or StorageConfig()
         self.fs, self.root = filesystem(url, self.storage)
+        self.key = checkpoint_key()  # None: files are written unsigned and read unauthenticated
+        self._warned: set[str] = set()
 
     def _path(self, kind: str, entry_id: str) -> str:
         assert RUN_ID.match(entry_id), entry_id  # ids are validated (spec boundary, CLI) or our own
@@ -346,13 +364,56 @@ class Ledger:
         self.fs.pipe_file(path, data)  # one PUT of a new key: visible whole or not at all
         return True
 
+    def _encode(self, record: BaseModel) -> bytes:
+        """The file's content: the record's JSON, signed when the key is set."""
+        data = json.loads(record.model_dump_json())  # JSON types (string keys): what a reader parses back
+        if self.key is not None:
+            data = sign_commit(data, self.key)  # the same signature as a checkpoint's COMMIT.json
+        return json.dumps(data, indent=2).encode()
+
+    def _signature_problem(self, path: str, data: dict[str, Any]) -> LedgerError | None:
+        """Why `data` (a parsed file) must not be believed under the key (None: believe it, or no key is set)."""
+        if self.key is None:
+            return None
+        signature = data.get(SIGNATURE_FIELD)
+        if signature is None:
+            return LedgerError(
+                path,
+                f"not signed ({SIGNATURE_FIELD} is missing) while {KEY_ENV} is set: written by hand, written before "
+                "the key was set, or its signature removed",
+                f"move {path} out of the ledger and check who can write to {self.url}; an entry recorded before "
+                "the key was set is re-recorded signed by accepting the deployment again",
+            )
+        expected = sign_commit(data, self.key)[SIGNATURE_FIELD]
+        if not isinstance(signature, str) or not hmac.compare_digest(signature, expected):
+            return LedgerError(
+                path,
+                f"its signature ({SIGNATURE_FIELD}) does not match {KEY_ENV}: altered after it was written, or "
+                "signed with another key",
+                f"move {path} out of the ledger and check who can write to {self.url}; if the key was changed, set "
+                f"{KEY_ENV} to the key the ledger was written with",
+            )
+        return None
+
     def _read(self, path: str, model: type[BaseModel]) -> Any:
         try:
-            raw = self.fs.cat_file(path)
+            raw = read_control_file(self.fs, path)
+        except ControlFileError as err:
+            raise LedgerError(path, err.problem) from err
         except OSError as err:
             raise LedgerError(path, f"cannot be read ({getattr(err, 'strerror', None) or err})") from err
         try:
-            record = model.model_validate_json(raw)
+            data = json.loads(raw)
+        except (ValueError, RecursionError) as err:  # UnicodeDecodeError is a ValueError
+            raise LedgerError(path, f"not a valid {model.__name__} (not JSON: {type(err).__name__})") from err
+        if not isinstance(data, dict):
+            raise LedgerError(path, f"not a valid {model.__name__} (not a JSON object)")
+        refused = self._signature_problem(path, data)
+        if refused is not None:
+            raise refused
+        data.pop(SIGNATURE_FIELD, None)
+        try:
+            record = model.model_validate(data)
         except ValidationError as err:
             raise LedgerError(path, f"not a valid {model.__name__} ({first_problem(err)})") from err
         name_id = path.rstrip("/").rsplit("/", 1)[-1].removesuffix(".json")
@@ -361,6 +422,22 @@ class Ledger:
         if record.entry_id != name_id:
             raise LedgerError(path, f"records entry {record.entry_id}, not its file name's {name_id}")
         return record
+
+    def _skip(self, err: LedgerError) -> None:
+        """Warn, once per file, that a file is left out of a listing."""
+        if err.path not in self._warned:
+            self._warned.add(err.path)
+            log.warning("%s: skipped; %s", err.message, err.fix)
+
+    def _read_each(self, kind: str, model: type[BaseModel]) -> dict[str, Any]:
+        """The readable files of `kind`, by id; each one refused is skipped with a warning naming it."""
+        records = {}
+        for entry_id in self._ids(kind):
+            try:
+                records[entry_id] = self._read(self._path(kind, entry_id), model)
+            except LedgerError as err:
+                self._skip(err)
+        return records
 
     def _ids(self, kind: str) -> list[str]:
         folder = join(self.root, kind)
@@ -372,16 +449,16 @@ class Ledger:
     def append(self, entry: LedgerEntry) -> str:
         """Write a new entry (never overwrites one); its path."""
         path = self._path(ENTRIES, entry.entry_id)
-        if not self._create(path, entry.model_dump_json(indent=2).encode()):
+        if not self._create(path, self._encode(entry)):
             raise LedgerError(path, "exists already", "entry ids are unique: record the entry under a new id")
         log.info("ledger: recorded entry %s", path)
         return path
 
     def entries(self) -> list[LedgerEntry]:
-        """Every entry, oldest first, with its serving figure where its checkpoint was served; a malformed file
-        raises LedgerError."""
+        """Every entry, oldest first, with its serving figure where its checkpoint was served; a malformed,
+        unsigned or tampered file is skipped with a warning naming it."""
         served = self._ids(SERVING)
-        return [self._with_serving(self._read(self._path(ENTRIES, i), LedgerEntry), served) for i in self._ids(ENTRIES)]
+        return [self._with_serving(e, served) for e in self._read_each(ENTRIES, LedgerEntry).values()]
 
     def plan_accuracies(self, accelerator: str) -> list[PlanAccuracy]:
         """The plan-vs-run records of the accepted runs on `accelerator`, oldest first (rolled-back entries too:
@@ -393,7 +470,7 @@ class Ledger:
         ]
 
     def entry(self, entry_id: str) -> LedgerEntry:
-        """The entry `entry_id` (LedgerError when there is none)."""
+        """The entry `entry_id` (LedgerError when there is none, or its file is malformed, unsigned or tampered)."""
         if not RUN_ID.match(entry_id) or entry_id not in self._ids(ENTRIES):
             known = ", ".join(self._ids(ENTRIES)[-5:]) or "none yet"
             raise LedgerError(join(self.url, ENTRIES), f"has no entry {entry_id!r}", f"use one of: {known}")
@@ -403,7 +480,11 @@ class Ledger:
         """`entry` with its serving record's P99 among its figures (the entry file itself is never rewritten)."""
         if entry.entry_id not in served or entry.figures.serving_p99_ms is not None:
             return entry
-        record = self._read(self._path(SERVING, entry.entry_id), ServingRecord)
+        try:
+            record = self._read(self._path(SERVING, entry.entry_id), ServingRecord)
+        except LedgerError as err:
+            self._skip(err)
+            return entry
         figures = entry.figures.model_copy(update={"serving_p99_ms": record.p99_e2e_ms})
         return entry.model_copy(update={"figures": figures})
 
@@ -419,11 +500,11 @@ class Ledger:
                 f"accepted step {accepted}, but the serving check served step {record.step}",
                 "serve the accepted checkpoint (tdeploy check-serving SPEC --step N) to record its figures",
             )
-        return self._create(self._path(SERVING, record.entry_id), record.model_dump_json(indent=2).encode())
+        return self._create(self._path(SERVING, record.entry_id), self._encode(record))
 
     def rolled_back(self) -> dict[str, RollbackMark]:
-        """The rollback marks, by the entry they mark."""
-        return {i: self._read(self._path(ROLLBACKS, i), RollbackMark) for i in self._ids(ROLLBACKS)}
+        """The rollback marks, by the entry they mark (one refused is skipped with a warning naming it)."""
+        return self._read_each(ROLLBACKS, RollbackMark)
 
     def mark_rolled_back(self, entry_ids: list[str], restored: str, reason: str = "") -> list[str]:
         """Mark `entry_ids` rolled back in favour of `restored` (a mark that exists stays as it is)."""
@@ -431,7 +512,7 @@ class Ledger:
         marked = []
         for entry_id in entry_ids:
             mark = RollbackMark(entry_id=entry_id, rolled_back_at=now, restored_entry=restored, reason=reason)
-            if self._create(self._path(ROLLBACKS, entry_id), mark.model_dump_json(indent=2).encode()):
+            if self._create(self._path(ROLLBACKS, entry_id), self._encode(mark)):
                 marked.append(entry_id)
         return marked
 

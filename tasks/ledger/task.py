@@ -14,6 +14,7 @@ from tasks.acceptance.config import AcceptanceConfig
 from tasks.cluster import ClusterConfig
 from tasks.deployment import ServingResult
 from tasks.errors import retry_on_transient
+from tasks.image.config import ImageConfig
 from tasks.ledger.registry import Ledger, LedgerError, ServingRecord, ledger_url
 from tasks.ledger.rollback import RollbackOutcome, roll_back
 from tasks.ledger.rollout import run_canary
@@ -26,6 +27,7 @@ def rollback_deployment(
     cluster: ClusterConfig,
     train: TrainConfig,
     acceptance: AcceptanceConfig,
+    image: ImageConfig,
     to: str | None = None,
     wait_until: Literal["submitted", "running", "finished"] = "running",
     timeout_s: float | None = None,
@@ -35,7 +37,8 @@ def rollback_deployment(
     second attempt would submit a second job."""
     logger = get_run_logger()
     ledger = Ledger(ledger_url(acceptance, train.run.output_url), train.storage)
-    outcome = roll_back(ledger, name, cluster, train, to, wait_until, timeout_s, lambda line: logger.info("%s", line))
+    outcome = roll_back(ledger, name, cluster, train, image, to, wait_until, timeout_s,
+                        lambda line: logger.info("%s", line), lambda line: logger.info("%s", line))  # fmt: skip
     plan = outcome.plan
     logger.info("%s: job %s %s", plan.describe(), outcome.job, outcome.state)
     create_markdown_artifact(

@@ -19,6 +19,7 @@ dataset suite fails has its manifest moved to `manifest.rejected.json`.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -32,7 +33,7 @@ from pathlib import Path
 from posixpath import relpath
 from typing import Any
 
-from tasks.errors import TransientError, UserError, is_connection_error
+from tasks.errors import NoSpaceError, TransientError, UserError, is_connection_error
 from tasks.prepare.clean import CleaningStats, cleaned_with_digests
 from tasks.prepare.config import PrepareConfig
 from tasks.prepare.corpus import split_of_digest
@@ -40,7 +41,15 @@ from tasks.prepare.encoding import encode_threads
 from tasks.prepare.sources import SourceFile, expand_sources, iter_documents
 from tasks.prepare.tokenizer import BYTE_EOS, TOKENIZER_FILE, TextTokenizer, load_tokenizer, train_bpe
 from training.dataset import FORMAT_VERSION, MANIFEST, DatasetManifest, DatasetWriter, read_manifest
-from training.storage import StorageConfig, filesystem, join, read_control_file, write_bytes_atomic
+from training.storage import (
+    StorageConfig,
+    filesystem,
+    free_bytes,
+    is_no_space,
+    join,
+    read_control_file,
+    write_bytes_atomic,
+)
 from validation.data import DataProblem, TokenizerExpectation, tokenizer_problems
 
 log = logging.getLogger(__name__)
@@ -195,7 +204,9 @@ class _Staging:
                 yield split, batch
 
     def remove(self) -> None:
-        self.close()
+        for handle in self._files.values():
+            with contextlib.suppress(OSError):  # a full disk fails the flush again; the files go anyway
+                handle.close()
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
@@ -456,14 +467,30 @@ def _build(
         write_bytes_atomic(fs, join(root, PREPARE_FILE), json.dumps({"cleaning": stats.to_json()}, indent=2).encode())
         writer.close()  # commits manifest.json
         writing = False
-    except BaseException:
+    except BaseException as err:
         if writing:
             _remove_uncommitted(fs, root, url)
+        if staging is not None:
+            staging.remove()  # before the free space is measured
+        if isinstance(err, Exception) and is_no_space(err):
+            dataset = writing or staging is None
+            raise _no_space(url if dataset else str(staging.dir), dataset) from err
         raise
     finally:
         if staging is not None:
             staging.remove()
     return document_report, stats.to_json()
+
+
+def _no_space(where: str, dataset: bool) -> NoSpaceError:
+    """The full disk named: the dataset's folder, or the local folder where documents wait for the BPE training."""
+    if dataset:
+        return NoSpaceError(where, "the dataset", None, free_bytes(where),
+                            "free space there or point data.prepare.output_url at a disk with more room")  # fmt: skip
+    return NoSpaceError(
+        where, "the staging of the cleaned documents (for the BPE training)", None, free_bytes(where),
+        "free space there or set TMPDIR to a local folder with room (about the corpus's size)",
+    )  # fmt: skip
 
 
 def _checked_documents(cfg: PrepareConfig, stats: CleaningStats, runner: Any, seconds: dict[str, float]) -> Any:

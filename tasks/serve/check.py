@@ -43,6 +43,7 @@ JUNIT = "junit.xml"
 HISTOGRAM = "latency_histogram.png"
 BENCH_JSON = "bench.json"
 PROMPTS = "prompts.jsonl"
+_EXIT_GRACE_S = 5.0  # a request cut by a dying server fails a moment before the process is gone
 
 
 class ServingCheckConfig(StrictModel):
@@ -306,7 +307,6 @@ def run_serving_check(
     measure it, write the reports into `out_dir`, stop the server; the report says whether it passed."""
     from tasks.export.task import export_checkpoint
     from tasks.serve.config import unservable
-    from tasks.serve.load import run_load_test
     from tasks.serve.report import write_reports
     from tasks.serve.server import SERVER_LOG, start_server
 
@@ -338,6 +338,51 @@ def run_serving_check(
     try:
         log.info("serving %s at %s (up in %.0f s)", model_dir, server.url, time.monotonic() - started)
         report_progress("serving", "greedy parity, quality and load test")
+        measured = measure(server, model_dir, data, ours, check, out_dir)
+    finally:
+        server.stop()
+    devices = serve.tensor_parallel if accelerator != "cpu" else 1
+    checks = judge(measured.load, measured.parity, measured.quality, check.thresholds, devices)
+    report = ServingReport(
+        model_dir=str(model_dir),
+        step=exported.step,
+        url=server.url,
+        server_pid=server.pid,
+        accelerator=accelerator,
+        devices=devices,
+        load=measured.load,
+        server=measured.server,
+        parity=measured.parity,
+        quality=measured.quality,
+        checks=checks,
+        per_request_e2e_ms=measured.per_request_e2e_ms,
+        files={},
+    )
+    return write_reports(report, serve, name, out_dir)
+
+
+@dataclass(frozen=True)
+class Measured:
+    """What the serving check measured on a running server."""
+
+    parity: ParityFigures
+    quality: QualityFigures
+    load: LoadFigures
+    per_request_e2e_ms: list[float]
+    server: ServerFigures
+
+
+def measure(
+    server: Server, model_dir: Path, data: HeldOut, ours: list[list[int]], check: ServingCheckConfig, out_dir: Path
+) -> Measured:
+    """Greedy parity against `ours`, generation quality and the load test, on `server`.
+
+    A server process that exited meanwhile is the finding (ServerExited: its exit code, first error and log),
+    whether a request failed because of it or the load generator only counted failed requests."""
+    from tasks.serve.load import run_load_test
+
+    during = "the serving check (parity, quality and load test)"
+    try:
         served, _ = served_greedy(server, data.prompts[: check.parity_prompts], check.parity_tokens)
         parity = compare_greedy(ours, served, check.parity_tokens)
         _, predictions = served_greedy(server, data.prompts[: check.quality_prompts], check.output_tokens)
@@ -347,26 +392,15 @@ def run_serving_check(
         with MetricsSampler(server.url, check.metrics_interval_s) as sampler:
             load, per_request = run_load_test(server, model_dir, prompts_text, check, out_dir)
         figures = sampler.figures(load.output_tokens)
-    finally:
-        server.stop()
-    devices = serve.tensor_parallel if accelerator != "cpu" else 1
-    checks = judge(load, parity, quality, check.thresholds, devices)
-    report = ServingReport(
-        model_dir=str(model_dir),
-        step=exported.step,
-        url=server.url,
-        server_pid=server.pid,
-        accelerator=accelerator,
-        devices=devices,
-        load=load,
-        server=figures,
-        parity=parity,
-        quality=quality,
-        checks=checks,
-        per_request_e2e_ms=per_request,
-        files={},
-    )
-    return write_reports(report, serve, name, out_dir)
+    except Exception as err:
+        exited = server.exited(during, grace_s=_EXIT_GRACE_S)
+        if exited is not None:
+            raise exited from err
+        raise
+    exited = server.exited(during)
+    if exited is not None:
+        raise exited
+    return Measured(parity, quality, load, per_request, figures)
 
 
 def decode(model_dir: Path, sequences: list[list[int]]) -> list[str]:

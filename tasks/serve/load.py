@@ -60,9 +60,11 @@ def bench_command(
 
 
 def _latency(result: dict[str, Any], metric: str) -> LatencyFigures:
+    measured = int(result.get("completed", 0)) > 0  # bench serve reports 0 ms for a load where every request failed
+
     def value(key: str) -> float:
         raw = result.get(key)
-        return float(raw) if raw is not None else math.nan
+        return float(raw) if raw is not None and measured else math.nan
 
     return LatencyFigures(
         p50=value(f"p50_{metric}_ms"),
@@ -73,7 +75,9 @@ def _latency(result: dict[str, Any], metric: str) -> LatencyFigures:
 
 
 def load_figures(result: dict[str, Any], check: ServingCheckConfig) -> tuple[LoadFigures, list[float]]:
-    """The figures of a `bench serve` result file, and each successful request's end-to-end latency in ms."""
+    """The figures of a `bench serve` result file, and each successful request's end-to-end latency in ms.
+
+    Latencies of a load in which no request completed are not measured (NaN), whatever the file says."""
     sent = int(result.get("num_prompts") or check.num_prompts)
     completed = int(result.get("completed", 0))
     figures = LoadFigures(

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 from tasks.errors import TransientError, UserError
 from tasks.serve.config import ServeConfig
@@ -67,6 +68,41 @@ class ServerStartTimeout(TransientError):
     def __init__(self, message: str, fix: str, log_path: Path, log_tail: str, timeout_s: float) -> None:
         super().__init__(_with_log(message, fix, log_path, log_tail))
         self.fix, self.log_path, self.log_tail, self.timeout_s = fix, log_path, log_tail, timeout_s
+
+
+class ServerExited(UserError):
+    """The server process exited while a check still needed it (killed, crashed, out of memory)."""
+
+    def __init__(self, pid: int, returncode: int | None, log_path: Path, log_tail: str, during: str) -> None:
+        cause = first_error(log_path)
+        message = f"the vLLM server (pid {pid}) exited with {describe_exit(returncode)} during {during}" + (
+            f" ({cause})" if cause else ""
+        )
+        fix = (
+            f"read {log_path}; a server killed (SIGKILL) with no error in its log was likely stopped by the kernel's "
+            "out-of-memory killer or by someone: lower serve.kv_cache_gib or serve.max_num_seqs, or look for who "
+            "stopped it"
+        )
+        super().__init__(_with_log(message, fix, log_path, log_tail))
+        self.pid, self.returncode, self.log_path, self.log_tail = pid, returncode, log_path, log_tail
+        self.during = during
+        self._args = (pid, returncode, log_path, log_tail, during)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickle by the constructor's arguments (Prefect stores a failed task's exception)."""
+        return (type(self), self._args)
+
+
+def describe_exit(returncode: int | None) -> str:
+    """'exit code 1', 'signal SIGKILL (-9)', or 'an unknown status' (a server that is not this process's child)."""
+    if returncode is None:
+        return "an unknown status"
+    if returncode < 0:
+        try:
+            return f"signal {signal.Signals(-returncode).name} ({returncode})"
+        except ValueError:
+            return f"signal {-returncode} ({returncode})"
+    return f"exit code {returncode}"
 
 
 def _with_log(message: str, fix: str, log_path: Path, tail: str) -> str:
@@ -219,6 +255,17 @@ class Server:
                 return response.status == 200
         except (urllib.error.URLError, OSError):
             return False
+
+    def exited(self, during: str, grace_s: float = 0.0) -> ServerExited | None:
+        """The error that says this server exited (with its exit code and log), or None while it runs after
+        `grace_s` (a request that failed as the server died can fail before the process is gone)."""
+        deadline = time.monotonic() + grace_s
+        while self.alive():
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.05)
+        code = self._proc.returncode if self._proc is not None else None
+        return ServerExited(self.pid, code, self.log_path, log_tail(self.log_path), during)
 
     def wait(self, poll_s: float = 1.0) -> int | None:
         """Block until the server process exits; its exit code (None when it is not this process's child)."""

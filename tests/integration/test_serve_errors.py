@@ -218,3 +218,41 @@ def test_tdeploy_serve_stopped_by_a_signal_exits_128_plus_it_with_its_log_in_the
     assert "stopped the vLLM server (pid " in out.read_text() and f"on {sig.name}" in out.read_text()
     assert (tmp_path / "deployment" / "serving" / "server.log").is_file()  # where the serving check writes too
     assert not (tmp_path / "deployment" / "serve").exists()
+
+
+# Answers /health; the first completion request kills the server (SIGKILL, as the kernel's OOM killer does).
+DIES_ON_FIRST_REQUEST = """
+import http.server, os, signal
+
+class Dies(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404)
+        self.end_headers()
+
+    def do_POST(self):
+        print("completion request: dying", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+http.server.HTTPServer(("127.0.0.1", PORT), Dies).serve_forever()
+"""
+
+
+def test_a_server_that_dies_during_the_check_is_named_with_its_exit_and_log_not_a_failed_request(
+    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tasks.serve.check import HeldOut, ServingCheckConfig, measure
+    from tasks.serve.server import ServerExited
+
+    monkeypatch.setenv(SERVE_PYTHON_ENV, str(_fake_python(tmp_path, DIES_ON_FIRST_REQUEST)))
+    log_path = tmp_path / "serving" / "server.log"
+    data = HeldOut(prompts=[[1, 2, 3]] * 4, continuations=[[4, 5]] * 4, split="val")
+    with start_server(model_dir, ServeConfig(port=free_port()), "tiny", 32, log_path) as server:
+        with pytest.raises(ServerExited) as caught:
+            measure(server, model_dir, data, [[0] * 8] * 4, ServingCheckConfig(), tmp_path / "serving")
+    err = caught.value
+    assert err.returncode == -9 and err.log_path == log_path and err.pid == server.pid
+    assert str(err).startswith(
+        f"the vLLM server (pid {server.pid}) exited with signal SIGKILL (-9) during the serving check"
+    ), str(err)
+    assert f"read {log_path}" in str(err) and "out-of-memory killer" in str(err)
+    assert "completion request: dying" in err.log_tail

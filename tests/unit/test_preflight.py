@@ -51,7 +51,7 @@ CASES = [
         "exist",
     ),
     ("data.tokenizer_url", {"data": {"tokenizer_url": "{tmp}/no-tokenizer.json"}}, "does not exist"),
-    ("capacity.output_url", {"capacity": {"output_url": "/proc/version/plans"}}, "/proc/version is a file"),
+    ("capacity.output_url", {"capacity": {"output_url": "{tmp}/afile/plans"}}, "afile is a file"),
     ("acceptance.work_url", {"acceptance": {"work_url": "{tmp}/afile/acceptance"}}, "is a file, not a folder"),
     ("nodes.ssh_key_path", {"nodes": {"ssh_key_path": "{tmp}/no-key"}}, "does not exist"),
 ]

@@ -6,12 +6,14 @@ baseline yet), the second is compared with it, passes, and becomes the current b
 purpose (no timing thresholds in tests): the injected slow rank computes 20x as long as it would (a busy loop, so
 its CPU time grows: CPU runs are judged by CPU time, which a busy host does not stretch), far more than the 80% drop
 of tokens per CPU-second the test allows. The slowed run is a canary: acceptance without the recovery drill (a
-third whole acceptance would add its drill jobs).
+third whole acceptance would add its drill jobs). The signing key is set for the whole module: entries, marks and
+checkpoints are signed and checked as a deployment with a key has them.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -25,6 +27,7 @@ from tasks.ledger.rollback import roll_back
 from tasks.ledger.rollout import RolloutStopped, roll_out, run_canary
 from tasks.spec import DeploymentSpec, parse_spec
 from tests.conftest import TINY_SPEC, deep_merge
+from training.checkpoint_trust import KEY_ENV, SIGNATURE_FIELD
 from training.faults import ENV_VAR
 from training.run_output import RunOutput
 
@@ -47,6 +50,13 @@ SLOW = {ENV_VAR: json.dumps({"slow_rank": 1, "slow_factor": 20.0})}
 
 def _dims(report: AcceptanceReport) -> dict:
     return {d.name: d for d in report.dimensions}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _signing_key() -> Iterator[None]:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(KEY_ENV, "ledger-integration-key-0123456789")
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -115,9 +125,11 @@ def test_rollback_resumes_from_the_previous_entrys_checkpoint_and_makes_it_the_b
     ledger = _ledger(spec)
     train = spec.training_config().model_copy(deep=True)
     train = train.model_validate(train.model_dump() | {"run": {**train.run.model_dump(), "steps": ACCEPT.steps + 3}})
-    outcome = roll_back(ledger, spec.name, spec.cluster, train, None, "finished", 600)
+    outcome = roll_back(ledger, spec.name, spec.cluster, train, spec.image, None, "finished", 600)
     assert outcome.state == "succeeded", outcome
-    assert outcome.plan.target.entry_id == first.ledger_entry
+    assert outcome.plan.target.entry_id == first.ledger_entry and outcome.plan.authenticated
+    written = json.loads((Path(ledger.root) / "entries" / f"{first.ledger_entry}.json").read_text())
+    assert isinstance(written[SIGNATURE_FIELD], str)
     resume = RunOutput(outcome.output_dir).resume()
     assert resume is not None and resume.loaded_step == ACCEPT.steps
     assert RunOutput(outcome.output_dir).last_step() == ACCEPT.steps + 3

@@ -23,6 +23,7 @@ from tasks.acceptance.workspace import Job, RunOutcome
 from tasks.spec import DeploymentSpec, parse_spec
 from tests.conftest import TINY_SPEC, deep_merge
 from tests.integration.parallel.model_parallel_faults import patched
+from training.run_output import RunOutput
 from validation.acceptance import DimensionResult
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
@@ -131,6 +132,10 @@ def test_sequence_parallel_norm_grads_not_reduced_over_tp_fail_the_replica_check
 
 def test_a_clean_expert_parallel_run_passes_correctness(ep: Layout) -> None:
     _assert_clean(ep.judge(ep.clean))
+    # ... with the clip threshold active: most steps' norms exceed it, and the parameters still match
+    clip = ep.spec.training_config().optim.grad_clip_norm
+    norms = [m["grad_norm"] for m in RunOutput(ep.clean.output_dir).metrics(0).values()]
+    assert clip is not None and sum(n > clip for n in norms) > len(norms) // 2, (clip, norms)
 
 
 def test_expert_gradients_divided_by_the_wrong_factor_fail_on_the_gradient_norm(ep: Layout) -> None:

@@ -2,7 +2,9 @@
 
 The test starts this file under torchrun as the worker (`python -m torch.distributed.run ... test_experts.py
 OUT`); each rank trains one forward/backward on its half of a fixed global batch with EP2 and saves its loss,
-gradients and counters; the test computes the same with the dense model in one process and compares.
+gradients and counters; the test computes the same with the dense model in one process and compares. One more
+forward/backward runs under the trainer's own wrapping (training/parallel.py: FSDP2, the experts' unit on the
+one rank that holds them) and gradient norm, which the comparison holds to the same gradients.
 """
 
 from __future__ import annotations

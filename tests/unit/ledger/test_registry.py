@@ -3,6 +3,7 @@ current baseline moving with rollback marks."""
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -39,16 +40,19 @@ def test_an_entry_is_never_rewritten_and_no_temporary_file_is_left(ledger: Ledge
         (None, "records entry"),  # another entry's content under this name
     ],
 )
-def test_a_malformed_entry_is_refused_with_its_path_and_the_fix(
-    ledger: Ledger, make_entry, content: bytes | None, problem: str
+def test_a_malformed_entry_is_skipped_by_listings_and_refused_by_id_with_its_path_and_the_fix(
+    ledger: Ledger, make_entry, content: bytes | None, problem: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     good = make_entry()
     ledger.append(good)
     other = make_entry()
     path = Path(ledger.root) / "entries" / f"{other.entry_id}.json"
     path.write_bytes(content if content is not None else good.model_dump_json().encode())
+    with caplog.at_level(logging.WARNING, logger="tasks.ledger.registry"):
+        assert ledger.entries() == [good]  # one bad file does not hide the others
+    assert f"ledger file {path}: {problem}" in caplog.text and "skipped; move" in caplog.text
     with pytest.raises(LedgerError, match=problem) as caught:
-        ledger.entries()
+        ledger.entry(other.entry_id)
     assert str(path) in str(caught.value)
     assert "move" in (caught.value.fix or "") and str(path) in (caught.value.fix or "")
 
@@ -105,12 +109,14 @@ def test_the_serving_check_of_the_accepted_checkpoint_adds_its_p99_to_the_entry_
         ledger.record_serving(_served(entry.entry_id, 30, 41.5))
 
 
-def test_a_malformed_serving_record_is_refused_with_its_path(ledger: Ledger, make_entry) -> None:
+def test_a_malformed_serving_record_is_skipped_with_a_warning_naming_it(
+    ledger: Ledger, make_entry, caplog: pytest.LogCaptureFixture
+) -> None:
     entry = make_entry(checkpoint=CheckpointRef(url="/ckpt", step=20, commit_sha256="c" * 64))
     ledger.append(entry)
     path = Path(ledger.root) / "serving" / f"{entry.entry_id}.json"
     path.parent.mkdir(parents=True)
     path.write_text('{"entry_id": "' + entry.entry_id + '", "p99_e2e_ms": -1}')
-    with pytest.raises(LedgerError, match="not a valid ServingRecord") as caught:
-        ledger.entries()
-    assert str(path) in str(caught.value)
+    with caplog.at_level(logging.WARNING, logger="tasks.ledger.registry"):
+        assert [e.figures.serving_p99_ms for e in ledger.entries()] == [None]
+    assert f"ledger file {path}: not a valid ServingRecord" in caplog.text
