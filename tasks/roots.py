@@ -43,7 +43,7 @@ class AllowedRoots:
         return any(resolved.is_relative_to(root) for root in self.folders)
 
     def describe(self) -> str:
-        """The roots in words: 'a:b (TDEPLOY_ALLOWED_ROOTS)' or 'a (the current folder; TDEPLOY_ALLOWED_ROOTS unset)'."""
+        """The roots in words: 'a:b (TDEPLOY_ALLOWED_ROOTS)', or 'a (the current folder; ... unset)'."""
         listed = os.pathsep.join(str(root) for root in self.folders)
         source = ALLOWED_ROOTS_ENV if self.from_env else f"the current folder; {ALLOWED_ROOTS_ENV} unset"
         return f"{listed} ({source})"
