@@ -19,6 +19,16 @@ def tied_names(model: ModelConfig) -> dict[str, str]:
     return {"lm_head.weight": "tok_emb.weight"} if model.tie_embeddings else {}
 
 
+_WRAPPERS = ("module", "_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")
+"""Attribute names that wrappers put in front of a parameter's name: DDP, torch.compile, activation checkpointing."""
+
+
+def canonical_name(name: str) -> str:
+    """A parameter's name as the bare model spells it (DDP's `module.` and other wrappers' parts left out), so that
+    a wrapped run's records compare with the single-process reference's."""
+    return ".".join(part for part in name.split(".") if part not in _WRAPPERS)
+
+
 @torch.no_grad()
 def param_pieces(model: nn.Module) -> list[ParamPiece]:
     """Every parameter this rank holds, tied ones under each name, as pieces of the whole: a DTensor's local
@@ -27,7 +37,8 @@ def param_pieces(model: nn.Module) -> list[ParamPiece]:
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # noqa: PLC0415
 
     pieces = []
-    for name, param in model.named_parameters(remove_duplicate=False):
+    for wrapped, param in model.named_parameters(remove_duplicate=False):
+        name = canonical_name(wrapped)
         if isinstance(param, DTensor):
             local = param.to_local()
             _, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)

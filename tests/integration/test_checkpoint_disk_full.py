@@ -6,36 +6,16 @@ from __future__ import annotations
 import logging
 import re
 import shutil
-import subprocess
-import warnings
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
 from training.checkpoint import CheckpointManager, CheckpointSaveError, step_dir_name
-from training.checkpoint_trust import KEY_ENV
 from training.config import CheckpointConfig
 from training.storage import StorageConfig
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture
-def small_disk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    """A 2 MB tmpfs (needs root, as in CI and the dev container)."""
-    monkeypatch.delenv(KEY_ENV, raising=False)
-    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)], capture_output=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
-    try:
-        yield mount
-    finally:
-        subprocess.run(["umount", str(mount)], check=True)
 
 
 def _model(n_tensors: int = 1, width: int = 64) -> tuple[torch.nn.Module, torch.optim.Optimizer]:

@@ -5,9 +5,6 @@ from __future__ import annotations
 
 import re
 import shutil
-import subprocess
-import warnings
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,7 +15,6 @@ from tasks.export.task import export_checkpoint
 from tasks.prepare.config import PrepareConfig
 from tasks.prepare.pipeline import prepare_dataset
 from training.checkpoint import CardTokenizer, CheckpointManager, ModelCard
-from training.checkpoint_trust import KEY_ENV
 from training.config import ModelConfig, TrainConfig
 from training.model import Transformer
 from training.storage import StorageConfig
@@ -27,22 +23,6 @@ pytestmark = pytest.mark.integration
 
 MODEL = {"n_layers": 2, "d_model": 64, "n_heads": 2, "n_kv_heads": 1, "ffn_hidden": 96, "vocab_size": 300}
 SIZES = r"needs ~(\d+) kB, (\d+) kB free"
-
-
-@pytest.fixture
-def small_disk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    """A 2 MB tmpfs (needs root, as in CI and the dev container)."""
-    monkeypatch.delenv(KEY_ENV, raising=False)
-    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)], capture_output=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
-    try:
-        yield mount
-    finally:
-        subprocess.run(["umount", str(mount)], check=True)
 
 
 def _fill(disk: Path, leave_free_bytes: int) -> None:

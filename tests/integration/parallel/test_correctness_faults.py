@@ -34,6 +34,7 @@ GOAL = 10.0  # the fault's deviation in tolerances
 
 SP = ({"n_layers": 2, "vocab_size": 258},
       {"tensor_parallel": 2, "sequence_parallel": True, "micro_batch": 2, "grad_accum_steps": 2}, 4)  # fmt: skip
+DDP = ({"n_layers": 2, "vocab_size": 258, "tie_embeddings": False}, {"sharding": "ddp", "micro_batch": 2}, 2)
 EP = ({"n_layers": 2, "vocab_size": 258, "moe": {"n_experts": 4, "top_k": 2}},
       {"expert_parallel": 2, "micro_batch": 2, "grad_accum_steps": 2}, 2)  # fmt: skip
 
@@ -92,6 +93,19 @@ def sp(tiny_dataset: str, tmp_path_factory: pytest.TempPathFactory) -> Layout:
 def ep(tiny_dataset: str, tmp_path_factory: pytest.TempPathFactory) -> Layout:
     """EP2 over a 4-expert MoE: reference and clean run."""
     return Layout(EP, tiny_dataset, tmp_path_factory.mktemp("ep"))
+
+
+def test_a_clean_data_parallel_run_compares_every_parameter_with_the_reference(
+    tiny_dataset: str, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """The default layout wraps the model in DDP, whose parameter names carry `module.`: the records still name
+    the bare model's parameters, so every one is compared (a name the reference lacks read as an infinite
+    deviation and failed the README's main job)."""
+    ddp = Layout(DDP, tiny_dataset, tmp_path_factory.mktemp("ddp"))
+    clean = ddp.judge(ddp.clean)
+    _assert_clean(clean)
+    names = {p.name for r in RunOutput(ddp.clean.output_dir).params().values() for p in r.pieces}
+    assert "lm_head.weight" in names and not any(n.startswith("module.") for n in names), sorted(names)
 
 
 def _margins(name: str, fault: DimensionResult, clean: DimensionResult) -> float:
