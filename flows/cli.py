@@ -487,7 +487,7 @@ def _progress_lines() -> Iterator[None]:
 
 
 def _print_acceptance(report, root: Path) -> None:  # noqa: ANN001 - AcceptanceReport
-    from tasks.acceptance.report import plot_losses, table_rows, write_json, write_junit
+    from tasks.acceptance.report import plot_losses, table_rows, write_junit
 
     table = Table("check", "verdict", "measured", "look first", show_lines=True)
     for row in table_rows(report):
@@ -497,7 +497,7 @@ def _print_acceptance(report, root: Path) -> None:  # noqa: ANN001 - AcceptanceR
     console.print(table)
     if report.plan_accuracy is not None:
         console.print(report.plan_accuracy.line(), markup=False, highlight=False)
-    written = [write_json(report, root / "acceptance.json"), write_junit(report, root / "junit.xml")]
+    written = [report.write(root), write_junit(report, root / "junit.xml")]
     if report.runs:
         written.append(plot_losses(report, root / "loss_curve.png"))
     verdict = report.to_json()["verdict"]
@@ -505,8 +505,8 @@ def _print_acceptance(report, root: Path) -> None:  # noqa: ANN001 - AcceptanceR
 
 
 _WORKSPACE_HELP = (
-    "Folder under which each run gets a fresh workspace <out>/<run-id>/ with its jobs and reports (acceptance.json, "
-    "junit.xml, loss_curve.png; drills in drills/), and latest -> the last one; default acceptance.work_url "
+    "Folder under which each run gets a fresh workspace <out>/<run-id>/ with its jobs and reports (the report as "
+    "JSON, junit.xml, loss_curve.png; drills in drills/), and latest -> the last one; default acceptance.work_url "
     "(runs/<name>/acceptance)."
 )
 
@@ -554,7 +554,8 @@ def drill(
     """Run the checkpoint-restore drills; exit 1 when one fails."""
     from tasks.acceptance.config import DRILLS
     from tasks.acceptance.drills import DrillContext, run_drills
-    from tasks.acceptance.suite import AcceptanceReport, work_dir
+    from tasks.acceptance.record import AcceptanceReport
+    from tasks.acceptance.suite import work_dir
     from tasks.acceptance.workspace import Workspace, mark_latest
 
     parsed = _load(spec)
@@ -568,7 +569,7 @@ def drill(
     ctx = DrillContext(parsed.cluster, cfg, root, acceptance, parsed.drills, None, image)
     with _progress_lines():
         results = run_drills(ctx, only)
-    report = AcceptanceReport([], results, {})
+    report = AcceptanceReport(dimensions=[], drills=results)
     _print_acceptance(report, root)
     mark_latest(Workspace.at(root.parent))
     if not report.passed:

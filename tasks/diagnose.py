@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tasks.acceptance.record import ACCEPTANCE_JSON, AcceptanceReport, UnreadableReport
 from tasks.capacity.plan import PLAN_JSON
 from tasks.deployment import NODE_REPORT
 from training.run_output import RunOutput
@@ -46,8 +47,7 @@ _MISSING = re.compile(
     r"DatasetError: .*(?:: the dataset does not exist|is unfinished \(no manifest\.json\)|: \S+ is missing)"
 )
 _LEASE = re.compile(r"LeaseHeld|LeaseRefused|LeaseLost|: held by pid \d+")
-ACCEPTANCE_JSON = "acceptance.json"  # tasks/acceptance/report.py writes it (importing that module takes seconds)
-# An acceptance step's error names its report: "acceptance failed: regression; see runs/x/acceptance/ID/acceptance.json"
+# An acceptance step's error names its report: "acceptance failed: regression; see <its run workspace>/<the file>"
 _ACCEPTANCE_REPORT = re.compile(r"see (?P<path>\S+/" + re.escape(ACCEPTANCE_JSON) + r")")
 _FIGURE_SEPARATOR = re.compile(r"; (?![^(]*\))")
 
@@ -100,7 +100,7 @@ def diagnose(
     output_dir: Path | None = None,
     plan: dict[str, Any] | None = None,
     node_report: dict[str, Any] | None = None,
-    acceptance: dict[str, Any] | None = None,
+    acceptance: AcceptanceReport | None = None,
 ) -> Diagnosis:
     """Findings for a failure, from the error message, the job log, the run's metrics and the reports (an
     acceptance report: `acceptance`, else the one the error names)."""
@@ -196,35 +196,35 @@ def diagnose(
     return diagnosis
 
 
-def _report_named_in(error: str) -> dict[str, Any] | None:
+def _report_named_in(error: str) -> AcceptanceReport | None:
     """The acceptance report an acceptance step's error points at, where it can be read."""
     match = _ACCEPTANCE_REPORT.search(error)
     if match is None:
         return None
     try:
-        return json.loads(Path(match["path"]).read_text())
-    except (OSError, ValueError):
+        return AcceptanceReport.read(Path(match["path"]))
+    except UnreadableReport:
         return None
 
 
-def _regression_finding(report: dict[str, Any] | None) -> Finding | None:
+def _regression_finding(report: AcceptanceReport | None) -> Finding | None:
     """The regression gate's failure (tasks/ledger/gate.py): each figure that regressed with both values and the
     limit, the baseline entry, and what to do."""
-    dimensions = (report or {}).get("dimensions") or []
-    failed = next((d for d in dimensions if d.get("name") == "regression" and d.get("passed") is False), None)
+    dimensions = report.dimensions if report is not None else []
+    failed = next((d for d in dimensions if d.name == "regression" and d.passed is False), None)
     if failed is None:
         return None
     # One line per figure: the gate joins them with "; ", which also sits inside each one's parentheses
-    evidence = [part.strip() for part in _FIGURE_SEPARATOR.split(str(failed.get("message") or "")) if part.strip()]
-    baseline = (failed.get("evidence") or {}).get("baseline_entry")
+    evidence = [part.strip() for part in _FIGURE_SEPARATOR.split(failed.message) if part.strip()]
+    baseline = failed.evidence.get("baseline_entry")
     if baseline:
-        evidence.append(f"baseline: ledger entry {baseline} (created {failed['evidence'].get('baseline_created_at')})")
+        evidence.append(f"baseline: ledger entry {baseline} (created {failed.evidence.get('baseline_created_at')})")
     return Finding(
         "regression against the baseline",
         evidence or ["the regression dimension failed"],
         "`tdeploy baseline SPEC --run <this acceptance workspace>` shows every figure against the baseline; if "
         "nothing changed since it, run acceptance again before rolling back (other load on the machines slows a run)"
-        + (f"; else look at {failed['look_first']}" if failed.get("look_first") else ""),
+        + (f"; else look at {failed.look_first}" if failed.look_first else ""),
     )
 
 
@@ -332,13 +332,9 @@ def diagnose_run(path: Path, error: str = "") -> Diagnosis:
     log_text = "\n".join(p.read_text(errors="replace") for p in logs)
     plan = _nearby_json(path, PLAN_JSON)
     nodes = _nearby_json(path, NODE_REPORT)
-    acceptance = _json_in(path, ACCEPTANCE_JSON)  # an acceptance run's workspace
+    in_workspace = AcceptanceReport.path_in(path).is_file()  # an acceptance run's workspace
+    acceptance = AcceptanceReport.read(path) if in_workspace else None
     return diagnose(error, log_text, path, plan, nodes, acceptance)
-
-
-def _json_in(folder: Path, name: str) -> dict[str, Any] | None:
-    candidate = folder / name
-    return json.loads(candidate.read_text()) if candidate.is_file() else None
 
 
 def _nearby_json(path: Path, name: str) -> dict[str, Any] | None:

@@ -64,7 +64,8 @@ class AcceptanceThresholds(StrictModel):
         gt=0,
         le=100,
         description="Plan vs run: largest |planned - measured| / measured of the step time and of each rank's peak "
-        "memory that counts as agreement (acceptance.json `plan_accuracy`; shown, never failing a dimension).",
+        "memory that counts as agreement (the acceptance report's `plan_accuracy`; shown, never failing a "
+        "dimension).",
     )
     plan_finding_runs: int = Field(
         default=3,

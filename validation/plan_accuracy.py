@@ -1,8 +1,8 @@
 """The capacity plan against what a run measured: peak memory per rank and step time, each with its error.
 
 The plan (tasks/capacity) predicts the tensor peak of each pipeline stage and the step time of its layout; an
-accepted run measured both. Their relative error, (planned - measured) / measured, is recorded in acceptance.json
-and the ledger after every acceptance run, so the planner is held to what jobs do. One run's error beyond the
+accepted run measured both. Their relative error, (planned - measured) / measured, is recorded in the acceptance
+report and the ledger after every acceptance run, so the planner is held to what jobs do. One run's error beyond the
 tolerance is shown; the same error in each of the last few accepted runs on the same accelerator is a planner
 finding (the planner's model is off for this job, not the run noisy), reported, never hidden by calibration.
 
@@ -118,7 +118,7 @@ class PlanAccuracy(_Record):
         return text + (f". Planner finding: {self.finding}" if self.finding else "")
 
     def to_json(self) -> dict[str, Any]:
-        """For acceptance.json: the record with each error."""
+        """For the acceptance report: the record with each error."""
         return self.model_dump(mode="json") | {
             "step_time_error": self.step_time_error,
             "memory_error": self.memory_error,

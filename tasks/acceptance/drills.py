@@ -7,7 +7,6 @@ matched an uninterrupted run of the same job.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
@@ -20,6 +19,7 @@ from typing import Any
 
 from tasks.acceptance.config import DRILLS, AcceptanceConfig, DrillConfig
 from tasks.acceptance.outage import TcpProxy
+from tasks.acceptance.record import AcceptanceReport, DrillResult
 from tasks.acceptance.workspace import (
     Job,
     RunOutcome,
@@ -44,25 +44,6 @@ from validation.acceptance import DimensionResult, check_recovery, layout_text
 from validation.data_consistency import Sampling, check_data_consistency
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class DrillResult:
-    """What a drill found."""
-
-    name: str
-    passed: bool | None
-    recovery_s: float | None = None
-    detection_s: float | None = None
-    """From the fault to the job noticing it (node_loss: a new rendezvous, or the job's end)."""
-    steps_lost: int | None = None
-    state_matched: bool | None = None
-    message: str = ""
-    evidence: dict[str, Any] = field(default_factory=dict)
-
-    def to_json(self) -> dict[str, Any]:
-        """As a dict."""
-        return asdict(self)
 
 
 class BrokenCommit(UserError):
@@ -185,13 +166,13 @@ def reuse_acceptance(root: Path, ctx: DrillContext) -> tuple[RunOutcome | None, 
     workspace `root`, when they are what the drills would run themselves (the same job but for its folders,
     finished; the drill passed): the drills step then reuses them instead of running both again."""
     try:
-        data = json.loads((root / "acceptance.json").read_text())
-        out = Path(data["runs"]["distributed"])
+        report = AcceptanceReport.read(root)
+        out = Path(report.runs["distributed"])
         accepted = TrainConfig.from_json_file(out / "run.json")
-        kill = next((d for d in data["drills"] if d.get("name") == "rank_kill"), None)
         handle = find_job(str(out))
-    except (OSError, ValueError, KeyError, TypeError, UserError):
+    except (OSError, ValueError, KeyError, TypeError, UserError):  # UnreadableReport is a UserError
         return None, None  # no acceptance step ran here (or it left nothing usable): run them afresh
+    kill = next((d for d in report.drills if d.name == "rank_kill"), None)
 
     def without_folders(cfg: TrainConfig) -> dict[str, Any]:
         """The job but for its folders and the communication probe the acceptance run adds (collectives at
@@ -205,9 +186,9 @@ def reuse_acceptance(root: Path, ctx: DrillContext) -> tuple[RunOutcome | None, 
         return None, None
     reference = RunOutcome(handle, JobStatus(JobState.SUCCEEDED, "finished in the acceptance step"), out)
     reused = None
-    if isinstance(kill, dict) and kill.get("passed") is True:
-        reused = DrillResult(**kill)
-        reused.evidence = {**reused.evidence, "reused_from": str(root / "acceptance.json")}
+    if kill is not None and kill.passed is True:
+        reused = kill
+        reused.evidence = {**reused.evidence, "reused_from": str(AcceptanceReport.path_in(root))}
     return reference, reused
 
 

@@ -1,4 +1,5 @@
-"""acceptance.json, a JUnit XML file, and the loss-curve plot."""
+"""The acceptance report for people and CI: a JUnit XML file, the loss-curve plot and table rows (the report's
+own file is tasks/acceptance/record.py's)."""
 
 from __future__ import annotations
 
@@ -8,20 +9,13 @@ from pathlib import Path
 from typing import Any
 from xml.etree import ElementTree as ET
 
-from tasks.acceptance.suite import AcceptanceReport
+from tasks.acceptance.record import AcceptanceReport
 from training.run_output import RunOutput
 
 VERDICTS = {True: "pass", False: "FAIL", None: "not measured"}
 """A dimension's verdict in the tables (None: it could not be measured)."""
 DRILL_VERDICTS = {True: "pass", False: "FAIL", None: "n/a"}
 """A drill's verdict in the tables (None: it does not apply to the spec)."""
-
-
-def write_json(report: AcceptanceReport, path: Path) -> Path:
-    """acceptance.json."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report.to_json(), indent=2, default=str))
-    return path
 
 
 def write_junit(report: AcceptanceReport, path: Path) -> Path:

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import logging
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from tasks.acceptance.baselines import judge_quality
 from tasks.acceptance.config import DRILLS, AcceptanceConfig, DrillConfig
-from tasks.acceptance.drills import DrillContext, DrillResult, drill_rank_kill, run_drills, stopped_drill
+from tasks.acceptance.drills import DrillContext, drill_rank_kill, run_drills, stopped_drill
+from tasks.acceptance.record import AcceptanceReport, DrillResult
 from tasks.acceptance.workspace import (
     Job,
     RunOutcome,
@@ -59,48 +59,6 @@ log = logging.getLogger(__name__)
 ACCEPTANCE_COMM_PROBE_MB = [1.0, 4.0]
 """The distributed run's start-up communication probe sizes (MiB) where the spec sets none: about 0.3 s with
 4 gloo ranks on 2 CPU cores (1, 8 and 32 MiB take about 1.7 s)."""
-
-
-@dataclass
-class AcceptanceReport:
-    """Every dimension and drill, and the overall verdict."""
-
-    dimensions: list[DimensionResult]
-    drills: list[DrillResult] = field(default_factory=list)
-    runs: dict[str, str] = field(default_factory=dict)
-    ledger_entry: str | None = None
-    """The ledger entry this accepted run recorded (None: not accepted, or the ledger could not be written)."""
-    plan_accuracy: PlanAccuracy | None = None
-    """The capacity plan beside what the distributed run measured (None: no plan given, or no steps)."""
-
-    @property
-    def passed(self) -> bool:
-        """All dimensions passed (one not measured has not) and no drill failed (a drill that does not apply is
-        not a failure)."""
-        return all(d.passed is True for d in self.dimensions) and all(d.passed is not False for d in self.drills)
-
-    @property
-    def failed(self) -> list[str]:
-        """The names of the findings that failed (not those that could not be measured)."""
-        return [d.name for d in self.dimensions if d.passed is False] + [
-            d.name for d in self.drills if d.passed is False
-        ]
-
-    @property
-    def not_measured(self) -> list[str]:
-        """The dimensions that could not be measured."""
-        return [d.name for d in self.dimensions if d.passed is None]
-
-    def to_json(self) -> dict[str, Any]:
-        """acceptance.json."""
-        return {
-            "verdict": "passed" if self.passed else "failed",
-            "dimensions": [d.to_json() for d in self.dimensions],
-            "drills": [d.to_json() for d in self.drills],
-            "runs": self.runs,
-            "ledger_entry": self.ledger_entry,
-            "plan_accuracy": self.plan_accuracy.to_json() if self.plan_accuracy else None,
-        }
 
 
 def workspace_root(acceptance: AcceptanceConfig, train: TrainConfig, nightly: bool = False) -> str:
@@ -252,7 +210,7 @@ def run_acceptance(
     if start is not None:  # one finding; the reference, the correctness pair and the drills would tell nothing
         why = "the distributed job never started training (see start)"
         unmeasured = [DimensionResult.not_measured(name, why, "the start finding") for name in DIMENSIONS]
-        return AcceptanceReport([start, *unmeasured], [], {"distributed": str(dist.output_dir)})
+        return AcceptanceReport(dimensions=[start, *unmeasured], runs={"distributed": str(dist.output_dir)})
     pair, reference = run_correctness_pair(cluster, train, acceptance, root, steps, faults, image)
     report("acceptance", "judging connectivity, correctness, performance, stability, data consistency")
     dimensions = judge(cluster, dist_train, acceptance, dist, reference, pair)
@@ -327,7 +285,7 @@ def run_acceptance(
     except (OSError, ValueError) as err:  # the plan beside the run is a note, not a verdict: the report goes on
         log.warning("plan vs run: not compared: %s", err)
         accuracy = None
-    accepted = AcceptanceReport(dimensions, drill_results, runs, plan_accuracy=accuracy)
+    accepted = AcceptanceReport(dimensions=dimensions, drills=drill_results, runs=runs, plan_accuracy=accuracy)
     if accepted.passed and record:  # every dimension and drill: the run becomes the current baseline
         gate.record(root, dist.output_dir)
         assert figures is not None  # a run without a result fails stability

@@ -10,8 +10,8 @@ from prefect.artifacts import create_table_artifact
 from tasks.acceptance.config import DRILLS, AcceptanceConfig, DrillConfig
 from tasks.acceptance.drills import DrillContext, reuse_acceptance
 from tasks.acceptance.drills import run_drills as run_drill_list
-from tasks.acceptance.report import plot_losses, table_rows, write_json, write_junit
-from tasks.acceptance.suite import AcceptanceReport
+from tasks.acceptance.record import AcceptanceReport
+from tasks.acceptance.report import plot_losses, table_rows, write_junit
 from tasks.acceptance.suite import run_acceptance as run_acceptance_suite
 from tasks.acceptance.workspace import Workspace, mark_latest, open_workspace
 from tasks.cluster import ClusterConfig
@@ -27,10 +27,10 @@ class AcceptanceFailed(UserError):
 
 
 def publish(report: AcceptanceReport, root: Path, key: str, workspace: Workspace | None = None) -> AcceptanceResult:
-    """Write acceptance.json, junit.xml and the loss plot into `root`; publish the table; point latest.json at
+    """Write the report, junit.xml and the loss plot into `root`; publish the table; point latest.json at
     `workspace` (once the reports exist); return the step's result."""
     paths = {
-        "json": str(write_json(report, root / "acceptance.json")),
+        "json": str(report.write(root)),
         "junit": str(write_junit(report, root / "junit.xml")),
         "plot": str(plot_losses(report, root / "loss_curve.png")) if report.runs else None,
     }
@@ -110,7 +110,7 @@ def run_drills(
     results += run_drill_list(
         ctx, chosen, on_result=lambda r: logger.info("drill %s: %s %s", r.name, r.passed, r.message)
     )
-    report = AcceptanceReport([], results, {})
+    report = AcceptanceReport(dimensions=[], drills=results)
     summary = publish(report, workspace.drills, "drills", workspace)
     if any(r.passed is False for r in results):
         failed = [r.name for r in results if r.passed is False]

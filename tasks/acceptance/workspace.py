@@ -66,7 +66,7 @@ class Workspace:
 
     @property
     def root(self) -> Path:
-        """base/run_id: the acceptance jobs and acceptance.json, junit.xml, loss_curve.png."""
+        """base/run_id: the acceptance jobs and their reports (the JSON report, junit.xml, loss_curve.png)."""
         return self.base / self.run_id
 
     @property

@@ -49,6 +49,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from tasks.acceptance.baselines import baseline_key, curve_identity
 from tasks.acceptance.config import AcceptanceConfig
+from tasks.acceptance.record import AcceptanceReport, UnreadableReport
 from tasks.acceptance.workspace import RUN_ID, new_run_id, workspace_base
 from tasks.cluster import ClusterConfig
 from tasks.errors import UserError
@@ -572,24 +573,20 @@ def copy_checkpoint(source: CheckpointManager, step: int, dest_url: str, storage
 
 
 def figures_of_workspace(root: Path) -> tuple[GoldenFigures, str | None]:
-    """The figures of a finished acceptance run workspace (its acceptance.json and distributed run), and its
-    curve key (None when its report does not say)."""
-    path = root / "acceptance.json"
+    """The figures of a finished acceptance run workspace (its report and distributed run), and its curve key
+    (None when its report does not say)."""
+    fix = "pass an acceptance run workspace (runs/<name>/acceptance/<run-id>) or a ledger entry id"
     try:
-        report = json.loads(path.read_text())
-        dimensions = [
-            DimensionResult(d["name"], d["passed"], d.get("measured"), None, {}, "", "") for d in report["dimensions"]
-        ]
-        output_dir = Path(report["runs"]["distributed"])
-        regression = next((d for d in report["dimensions"] if d["name"] == "regression"), {})
-        curve_key = (regression.get("evidence") or {}).get("curve_key")
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        raise UserError(
-            f"{path}: not an acceptance report ({type(err).__name__}: {err})",
-            "pass an acceptance run workspace (runs/<name>/acceptance/<run-id>) or a ledger entry id",
-        ) from err
+        report = AcceptanceReport.read(root)
+    except UnreadableReport as err:
+        raise UserError(err.message, fix) from err
+    if "distributed" not in report.runs:
+        raise UserError(f"{AcceptanceReport.path_in(root)}: the report names no distributed run", fix)
+    output_dir = Path(report.runs["distributed"])
+    regression = next((d for d in report.dimensions if d.name == "regression"), None)
+    curve_key = regression.evidence.get("curve_key") if regression is not None else None
     try:
-        figures = golden_figures(dimensions, output_dir)
+        figures = golden_figures(report.dimensions, output_dir)
     except NonFiniteFigures as err:
         raise UserError(str(err), "pass an acceptance run whose loss stayed finite (an accepted one)") from err
     if figures is None:

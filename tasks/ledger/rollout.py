@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from tasks.acceptance.config import AcceptanceConfig
-from tasks.acceptance.suite import AcceptanceReport, run_acceptance, workspace_root
+from tasks.acceptance.record import AcceptanceReport
+from tasks.acceptance.suite import run_acceptance, workspace_root
 from tasks.acceptance.workspace import new_run_id, open_workspace, workspace_base
 from tasks.cluster import ClusterConfig
 from tasks.errors import UserError
@@ -124,11 +125,11 @@ def run_canary(
             first, root = accept(current_image, None, record=True)
             if not first.passed:
                 reasons = ["the current version itself failed the canary: " + "; ".join(_failures(first))]
-                raise RolloutStopped(image, reasons, str(root / "acceptance.json"))
+                raise RolloutStopped(image, reasons, str(AcceptanceReport.path_in(root)))
     report, root = accept(image, faults, record=False)
     regression = next(d for d in report.dimensions if d.name == "regression")
     if not report.passed:
-        raise RolloutStopped(image, _failures(report), str(root / "acceptance.json"))
+        raise RolloutStopped(image, _failures(report), str(AcceptanceReport.path_in(root)))
     return CanaryOutcome(report, root, regression.evidence.get("baseline_entry"))
 
 
@@ -158,7 +159,7 @@ def roll_out(
     report = run_acceptance(spec.cluster, train, spec.acceptance, root, faults, image, drills=spec.drills,
                             provenance=provenance)  # fmt: skip
     if not report.passed:
-        raise RolloutStopped(image, _failures(report), str(root / "acceptance.json"))
+        raise RolloutStopped(image, _failures(report), str(AcceptanceReport.path_in(root)))
     launcher, handle = submit(spec.cluster, train, spec.name, image, supervised=until == "finished")
     states = {"submitted": frozenset(JobState), "running": frozenset({JobState.RUNNING}), "finished": TERMINAL}
     status = launcher.wait(handle, states[until])

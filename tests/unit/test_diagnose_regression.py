@@ -11,8 +11,7 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from flows import cli
-from tasks.acceptance.report import write_json
-from tasks.acceptance.suite import AcceptanceReport
+from tasks.acceptance.record import AcceptanceReport
 from tasks.diagnose import diagnose
 from validation.acceptance import DimensionResult
 
@@ -30,7 +29,7 @@ def workspace(tmp_path: Path) -> Path:
         f"{DROP}; {CURVE}", f"what changed since entry {ENTRY}: `tdeploy history` lists the entries",
     )  # fmt: skip
     passed = DimensionResult("connectivity", True, {}, {})
-    write_json(AcceptanceReport([passed, regression]), tmp_path / "ws" / "acceptance.json")
+    AcceptanceReport(dimensions=[passed, regression]).write(tmp_path / "ws")
     return tmp_path / "ws"
 
 
@@ -44,7 +43,7 @@ def test_a_regression_is_a_known_cause_with_its_figures_and_the_baseline(workspa
 
 
 def test_the_flows_diagnosis_finds_the_report_its_acceptance_error_names(workspace: Path) -> None:
-    error = f"acceptance failed: regression; see {workspace / 'acceptance.json'}"
+    error = f"acceptance failed: regression; see {AcceptanceReport.path_in(workspace)}"
     (finding,) = diagnose(error).findings
     assert finding.cause == "regression against the baseline" and finding.evidence[:2] == [DROP, CURVE]
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from tasks.acceptance.config import AcceptanceConfig
 from tasks.acceptance.drills import DrillContext, reuse_acceptance
+from tasks.acceptance.record import AcceptanceReport, DrillResult
 from tasks.acceptance.suite import ACCEPTANCE_COMM_PROBE_MB
 from tasks.acceptance.workspace import variant
 from tasks.launch.base import JobHandle
@@ -18,7 +19,7 @@ ACCEPTANCE = AcceptanceConfig(steps=40, save_every_steps=10)
 
 
 def _workspace(tmp_path: Path, make_spec, steps: int = 40, rank_kill_passed: bool = True) -> DrillContext:
-    """A run workspace as the acceptance step leaves it: acceptance.json, the distributed run's folder."""
+    """A run workspace as the acceptance step leaves it: its report, the distributed run's folder."""
     spec = make_spec()
     train = spec.training_config()
     run = {"steps": steps, "comm_probe_mb": ACCEPTANCE_COMM_PROBE_MB}  # as the acceptance step's distributed run
@@ -31,10 +32,9 @@ def _workspace(tmp_path: Path, make_spec, steps: int = 40, rank_kill_passed: boo
     writer = RunOutputWriter(str(out), StorageConfig())
     writer.write_result(RunResult(steps, None, 2, 5.5, 4.0, 4.1, 60.3, 0, 1000, 100))
     writer.close()
-    kill = {"name": "rank_kill", "passed": rank_kill_passed, "recovery_s": 3.0, "steps_lost": 5,
-            "state_matched": rank_kill_passed, "message": "", "evidence": {"killed_rank": 1}}  # fmt: skip
-    acceptance = {"verdict": "passed", "dimensions": [], "drills": [kill], "runs": {"distributed": str(out)}}
-    (tmp_path / "acceptance.json").write_text(json.dumps(acceptance))
+    kill = DrillResult(name="rank_kill", passed=rank_kill_passed, recovery_s=3.0, steps_lost=5,
+                       state_matched=rank_kill_passed, evidence={"killed_rank": 1})  # fmt: skip
+    AcceptanceReport(dimensions=[], drills=[kill], runs={"distributed": str(out)}).write(tmp_path)
     return DrillContext(spec.cluster, train, tmp_path / "drills", ACCEPTANCE)
 
 
@@ -44,7 +44,7 @@ def test_the_acceptance_steps_run_and_passed_rank_kill_are_reused(tmp_path: Path
     assert reference is not None and reference.ok
     assert reference.output_dir == tmp_path / "distributed" / "output"
     assert rank_kill is not None and rank_kill.passed and rank_kill.evidence["killed_rank"] == 1
-    assert rank_kill.evidence["reused_from"] == str(tmp_path / "acceptance.json")
+    assert rank_kill.evidence["reused_from"] == str(AcceptanceReport.path_in(tmp_path))
 
 
 def test_a_run_of_another_job_is_not_reused(tmp_path: Path, make_spec) -> None:
@@ -67,7 +67,7 @@ def test_a_failed_rank_kill_is_run_again_but_the_run_is_reused(tmp_path: Path, m
 
 def test_a_workspace_without_an_acceptance_step_reuses_nothing(tmp_path: Path, make_spec) -> None:
     ctx = _workspace(tmp_path, make_spec)
-    (tmp_path / "acceptance.json").write_text("{not json")
+    AcceptanceReport.path_in(tmp_path).write_text("{not json")
     assert reuse_acceptance(tmp_path, ctx) == (None, None)
-    (tmp_path / "acceptance.json").unlink()
+    AcceptanceReport.path_in(tmp_path).unlink()
     assert reuse_acceptance(tmp_path, ctx) == (None, None)

@@ -10,7 +10,7 @@ from xml.etree import ElementTree as ET
 import pytest
 
 from tasks.acceptance.config import AcceptanceConfig
-from tasks.acceptance.report import plot_losses, table_rows, write_json, write_junit
+from tasks.acceptance.report import plot_losses, table_rows, write_junit
 from tasks.acceptance.suite import check_start, job_error, run_acceptance
 from tasks.acceptance.workspace import RunOutcome
 from tasks.deployment import AcceptanceResult
@@ -42,7 +42,7 @@ def test_a_dataset_made_with_another_tokenizer_is_one_start_finding_and_nothing_
     # the reference, the correctness pair and the drills never ran
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["distributed"]
 
-    data = json.loads(write_json(report, tmp_path / "acceptance.json").read_text())
+    data = json.loads(report.write(tmp_path).read_text())
     assert data["verdict"] == "failed"
     assert [d["status"] for d in data["dimensions"]] == ["failed"] + ["not measured"] * len(DIMENSIONS)
     suite = ET.parse(write_junit(report, tmp_path / "junit.xml")).getroot()

@@ -19,7 +19,8 @@ import pytest
 from tasks.acceptance import drills
 from tasks.acceptance.config import AcceptanceConfig, DrillConfig
 from tasks.acceptance.drills import DrillContext, run_drills
-from tasks.acceptance.report import write_json, write_junit
+from tasks.acceptance.record import AcceptanceReport
+from tasks.acceptance.report import write_junit
 from tasks.acceptance.suite import run_acceptance
 from tests.conftest import REPO
 from training.faults import ENV_VAR
@@ -59,8 +60,9 @@ def test_a_nan_loss_fails_its_dimensions_and_the_report_is_still_written(make_sp
     assert regression.passed is False and "val_loss=nan" in regression.message, regression.message
     assert "the stability dimension" in regression.look_first
     assert not report.passed and report.ledger_entry is None
-    data = json.loads(write_json(report, tmp_path / "acceptance.json").read_text())
-    assert data["verdict"] == "failed"
+    written = report.write(tmp_path)
+    assert json.loads(written.read_text())["verdict"] == "failed"
+    assert AcceptanceReport.read(written).to_json()["dimensions"] == json.loads(written.read_text())["dimensions"]
     suite = ET.parse(write_junit(report, tmp_path / "junit.xml")).getroot()
     failed = {c.get("name") for c in suite.iter("testcase") if c.find("failure") is not None}
     assert {"stability", "regression"} <= failed

@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 
 from tasks.acceptance.config import AcceptanceConfig
-from tasks.acceptance.suite import AcceptanceReport, run_acceptance
+from tasks.acceptance.record import AcceptanceReport
+from tasks.acceptance.suite import run_acceptance
 from tasks.capacity.plan import make_plan
 from tasks.deployment import plan_inputs, planned_figures
 from tasks.ledger.registry import Ledger, Provenance, cluster_key_of, ledger_url

@@ -15,7 +15,8 @@ import pytest
 
 from tasks.acceptance.config import AcceptanceConfig
 from tasks.acceptance.drills import DrillContext, drill_reshard
-from tasks.acceptance.suite import AcceptanceReport, judge, run_acceptance, run_correctness_pair
+from tasks.acceptance.record import AcceptanceReport
+from tasks.acceptance.suite import judge, run_acceptance, run_correctness_pair
 from tasks.acceptance.workspace import Job, RunOutcome, variant
 from tasks.launch.base import JobState, JobStatus, find_job
 from tasks.spec import DeploymentSpec, parse_spec
