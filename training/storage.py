@@ -53,13 +53,19 @@ def _no_password(value: str) -> None:
         )
 
 
+_ENDPOINT = re.compile(
+    r"https?://(?:[A-Za-z0-9][A-Za-z0-9.-]{0,252}|\[[0-9A-Fa-f:.]{2,45}\])(?::[0-9]{1,5})?(?:/\S{0,2048})?"
+)
+"""An endpoint: scheme, host name, IPv4 or [IPv6] address, optional port and path (bounded: no backtracking)."""
+
+
 def check_endpoint_url(value: str) -> str:
     """Refuse an endpoint that is not http(s)://host[:port][/path], or that holds control characters or a password."""
     if _CONTROL.search(value):
         raise ValueError("contains a control character (NUL, newline, tab...); remove it")
-    if not re.match(r"^https?://[^/\s]+(/\S*)?$", value):
-        raise ValueError("must be an http:// or https:// URL, e.g. http://127.0.0.1:9000")
     _no_password(value)
+    if not _ENDPOINT.fullmatch(value):
+        raise ValueError("must be an http:// or https:// URL of a host name or address, e.g. http://127.0.0.1:9000")
     return value
 
 
