@@ -193,9 +193,10 @@ def list_inventory(path: Path, timeout_s: int = 120) -> dict[str, Any]:
         }
         command = [str(Path(ansible_playbook_path()) / "ansible-inventory"), "-i", str(path), "--list"]
         try:
-            done = subprocess.run(
-                command, capture_output=True, text=True, env=env, cwd=work, timeout=timeout_s, check=False
-            )
+            done = subprocess.run(  # stdin: Ansible refuses a non-blocking one (CI, a Prefect worker)
+                command, stdin=subprocess.DEVNULL, capture_output=True, text=True, env=env, cwd=work,
+                timeout=timeout_s, check=False,
+            )  # fmt: skip
         except subprocess.TimeoutExpired as err:
             raise UserError(
                 f"nodes.inventory_path={path}: ansible-inventory did not list it within {timeout_s} s",

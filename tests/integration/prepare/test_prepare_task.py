@@ -14,6 +14,7 @@ def test_prepare_data_task_returns_the_dataset_and_publishes_its_counts(prefect_
     from prefect import flow
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+    from prefect.client.schemas.sorting import ArtifactSort
 
     from tasks.deployment import DataResult
     from tasks.prepare.config import PrepareConfig
@@ -37,8 +38,9 @@ def test_prepare_data_task_returns_the_dataset_and_publishes_its_counts(prefect_
 
     async def artifacts() -> list:
         async with get_client() as client:
-            return await client.read_artifacts(
-                artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["prepare-data"]))
+            return await client.read_artifacts(  # the newest: the session's server holds other tests' too
+                artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["prepare-data"])),
+                sort=ArtifactSort.CREATED_DESC,
             )
 
     table = asyncio.run(artifacts())[0]
