@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict
 
 from tasks.capacity.memory import GIB
+from training.storage import filesystem
 from validation.plan_accuracy import PlannedFigures
 
 if TYPE_CHECKING:
@@ -84,8 +85,6 @@ class CapacityResult(StepResult):
 
     def artifact_problem(self, inputs: dict[str, Any]) -> str | None:
         """plan.json must be there and readable."""
-        from training.storage import filesystem
-
         fs, path = filesystem(self.plan_url, inputs.get("storage"))
         if not fs.exists(path):
             return f"{self.plan_url} is missing"

@@ -323,12 +323,14 @@ def _read_local_control_file(path: str, limit: int) -> bytes:
         os.close(fd)
         raise
     chunks: list[bytes] = []
+    got = 0
     with handle:  # in pieces: read(limit + 1) would allocate the whole limit for a file of a few bytes
-        while (got := sum(map(len, chunks))) <= limit:
+        while got <= limit:
             chunk = handle.read(min(_CONTROL_READ_CHUNK, limit + 1 - got))
             if not chunk:
                 break
             chunks.append(chunk)
+            got += len(chunk)
     data = b"".join(chunks)
     if len(data) > limit:
         raise ControlFileError(path, f"holds more than the {limit} bytes such a file may")
