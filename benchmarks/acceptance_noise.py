@@ -20,7 +20,6 @@ Usage: python benchmarks/acceptance_noise.py [--shape tiny|local] [--steps 10] [
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import tempfile
@@ -32,7 +31,7 @@ from tasks.acceptance.workspace import Job, RunOutcome
 from tasks.prepare.config import PrepareConfig
 from tasks.prepare.pipeline import prepare_dataset
 from tasks.spec import parse_spec
-from training.faults import ENV_VAR
+from tests.faults.job import injected
 from training.storage import StorageConfig
 from validation.acceptance import FP32_EPS, AcceptanceThresholds
 
@@ -80,7 +79,7 @@ def spec_for(shape: str, work: Path, dataset: str, schedule_steps: int) -> Any:
 def deviations(dist: RunOutcome, reference: RunOutcome) -> list[float]:
     """Relative loss deviation per step (1..k) of `dist` from `reference`."""
     d, r = dist.metrics(), reference.metrics()
-    return [abs(d[s]["loss"] - r[s]["loss"]) / abs(r[s]["loss"]) for s in sorted(set(d) & set(r))]
+    return [abs(d[s].loss - r[s].loss) / abs(r[s].loss) for s in sorted(set(d) & set(r))]
 
 
 def main() -> None:
@@ -118,7 +117,7 @@ def main() -> None:
             assert plan.distributed is not None  # dropout 0.1 in `train`: the pair has a distributed run
             if reference is None:  # deterministic and fault-free: one is enough
                 reference = Job(plan.reference_cluster, plan.reference, "reference", None, None).wait(600)
-            env = {ENV_VAR: json.dumps(faults)} if faults else None
+            env = injected(**faults) if faults else None
             dist = Job(spec.cluster, plan.distributed, name, env, None).wait(600)
             runs[name] = deviations(dist, reference)
         clean = max(max(v) for k, v in runs.items() if k.startswith("clean")) or 1e-300  # bit-exact: no noise

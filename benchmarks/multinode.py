@@ -27,8 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tasks.capacity.plan import plan_capacity
-from tasks.deployment import plan_inputs
+from tasks.capacity.step import CapacityInputs
 from tasks.launch.base import JobState
 from tasks.launch.local import run_local
 from tasks.launch.ssh import SshLauncher
@@ -121,20 +120,20 @@ def measure(label: str, spec: DeploymentSpec) -> Measured:
     steps = [m for s, m in sorted(metrics.items()) if s > SKIP_STEPS]
     ranks = run.ranks()
     probe = ranks.ranks[0].get("comm_probe") if ranks is not None else None
-    comm = [m["comm_s"] for m in steps if m.get("comm_s") is not None]
+    comm = [m.comm_s for m in steps if m.comm_s is not None]
     return Measured(
         label=label,
         world=spec.cluster.world_size,
         busbw_gbps=probe["busbw_gbps"] if probe else None,
-        step_s=statistics.median(m["step_time_s"] for m in steps),
+        step_s=statistics.median(m.step_time_s for m in steps),
         comm_s=statistics.median(comm) if comm else None,
-        compute_s=statistics.median(m["step_time_s"] - (m.get("comm_s") or 0.0) for m in steps),
+        compute_s=statistics.median(m.step_time_s - (m.comm_s or 0.0) for m in steps),
     )
 
 
 def predict(spec: DeploymentSpec) -> Predicted:
     """The planner's DP communication seconds and compute seconds per step for the spec's layout."""
-    requested = plan_capacity(*plan_inputs(spec)).requested
+    requested = CapacityInputs.of(spec).estimate().requested
     return Predicted(comm_s=requested.comm.total_seconds, compute_s=requested.compute_seconds)
 
 

@@ -53,7 +53,7 @@ import json, os, resource, sys, time
 from pathlib import Path
 
 import tasks.nodes.runner as runner
-from tasks.cluster import ClusterConfig
+from tasks.launch.cluster import ClusterConfig
 from tasks.nodes.check import run_node_checks
 from tasks.nodes.config import NodesConfig
 from tests.integration.nodes.conftest import free_port

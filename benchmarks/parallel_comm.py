@@ -20,10 +20,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from tasks.capacity.parallel_check import tiny_spec
-from tasks.capacity.plan import plan_capacity
+from tasks.layout_check import tiny_spec
 from tasks.capacity.traffic import DIMS, PLANNER_KEYS, RankTraffic, Traffic, measure
-from tasks.deployment import plan_inputs
+from tasks.capacity.step import CapacityInputs
 from tasks.prepare.config import PrepareConfig
 from tasks.prepare.pipeline import prepare_dataset
 from tasks.spec import DeploymentSpec
@@ -65,7 +64,7 @@ def run_layout(work: Path, dataset: str, name: str, steps: int) -> tuple[Traffic
         traffic = Traffic([RankTraffic(**json.loads((folder / f"rank{r}.json").read_text())) for r in range(procs)])
     else:
         traffic = measure(config, procs, folder, (2, 4), timeout_s=900)
-    predicted = plan_capacity(*plan_inputs(spec)).requested.comm.bytes
+    predicted = CapacityInputs.of(spec).estimate().requested.comm.bytes
     return traffic, {dim: predicted[PLANNER_KEYS[dim]] for dim in DIMS}
 
 

@@ -63,7 +63,7 @@ def one(work: Path, dataset: str, tag: str, sig: signal.Signals, d_model: int, s
     status = job.status()
     [record] = read_records(str(job.output_dir))
     saves = [e["seconds"] for e in read_jsonl(job.output_dir / "checkpoints.jsonl") if e["step"] != record.step]
-    steps = [r["step_time_s"] for r in out.metric_records(0)]
+    steps = [r.step_time_s for r in out.metric_records(0)]
     return {
         "state": status.state.value,
         "exit_s": exited,

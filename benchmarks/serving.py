@@ -179,7 +179,7 @@ def model_shape(args: argparse.Namespace, local: dict[str, Any]) -> dict[str, An
 def export_fresh_model(args: argparse.Namespace, work: Path) -> tuple[Path, Any]:
     """A freshly initialised model of examples/local.yaml's shape (or the preset's), saved as a DCP checkpoint
     with its model card on the spec's dataset (prepared here unless --dataset) and exported; the folder."""
-    from tasks.export.task import export_checkpoint
+    from tasks.export.step import export_checkpoint
     from tasks.prepare.pipeline import prepare_dataset
     from tasks.spec import parse_spec
     from training.checkpoint import CheckpointManager, ModelCard

@@ -10,6 +10,7 @@ import contextlib
 import logging
 import sys
 from collections.abc import Iterator
+from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -20,9 +21,11 @@ from rich.table import Table
 from rich.text import Text
 from typer.core import TyperGroup
 
+from tasks.acceptance.mode import Mode
+
 if TYPE_CHECKING:
-    from tasks.acceptance.config import AcceptanceConfig
-    from tasks.deployment import DataResult
+    from tasks.acceptance.step import AcceptanceStepInputs
+    from tasks.prepare.step import DataInputs, DataResult
     from tasks.spec import DeploymentSpec
     from training.config import TrainConfig
 
@@ -34,9 +37,9 @@ err_console = Console(stderr=True, soft_wrap=True)
 # Named by (module, class) so that the CLI need not import torch to know them: an exception of one of these
 # classes can only exist once its module is loaded, so the handler looks them up in sys.modules.
 _USER_FAILURES: tuple[tuple[str, str], ...] = (
-    ("tasks.errors", "DeployError"), ("tasks.spec", "SpecError"), ("training.dataset", "DatasetError"),
+    ("tasks.errors", "DeployError"), ("training.dataset", "DatasetError"),
     ("training.checkpoint", "CheckpointFormatError"), ("training.lease", "LeaseHeld"),
-    ("training.checkpoint_trust", "UnsafeCheckpointError"), ("training.checkpoint_trust", "CheckpointKeyError"),
+    ("training.checkpoint", "UnsafeCheckpointError"), ("training.checkpoint", "CheckpointKeyError"),
 )  # fmt: skip
 
 SPEC_HELP = "Path or fsspec URL of a deployment spec (YAML)."
@@ -162,10 +165,11 @@ def validate_spec(
 def train(spec: str = typer.Argument(..., help=SPEC_HELP)) -> None:
     """Prepare the data if the spec says how, then run the training job on this machine under torchrun."""
     from tasks.launch.local import TrainingFailed, run_local
+    from tasks.launch.registry import capabilities
     from training.run_output import RunOutput
 
     parsed = _load(spec)
-    if parsed.cluster.scheduler != "local":
+    if not capabilities(parsed.cluster.scheduler).runs_on_this_machine_only:
         err_console.print(
             f"cluster.scheduler={parsed.cluster.scheduler}: `tdeploy train` runs on this machine only; "
             "use scheduler: local here (cluster submission comes with `tdeploy submit`)",
@@ -189,14 +193,14 @@ def train(spec: str = typer.Argument(..., help=SPEC_HELP)) -> None:
     )
 
 
-def _prepare_with_progress(spec: DeploymentSpec) -> DataResult:
-    """Run the data-preparation step with a progress bar."""
+def _data_step(inputs: DataInputs) -> DataResult:
+    """Run the data step: a preparation with a progress bar and its counts printed; a given dataset's check."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
-    from tasks.deployment import DataResult
-    from tasks.prepare.pipeline import prepare_dataset
+    from tasks.prepare.step import run
 
-    assert spec.data.prepare is not None
+    if inputs.prepare is None:
+        return run(inputs)
     with Progress(
         TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console
     ) as bar:
@@ -207,7 +211,7 @@ def _prepare_with_progress(spec: DeploymentSpec) -> DataResult:
                 tasks[stage] = bar.add_task(stage, total=total)
             bar.update(tasks[stage], completed=done, total=total)
 
-        result = DataResult.of(prepare_dataset(spec.data.prepare, spec.storage, progress))
+        result = run(inputs, progress=progress)
     verb = "reused" if result.reused else "prepared"
     removed = ", ".join(f"{rule} {n}" for rule, n in result.cleaning["removed"].items() if n)
     console.print(
@@ -226,11 +230,13 @@ def _prepare_with_progress(spec: DeploymentSpec) -> DataResult:
 @app.command("prepare-data", epilog=_example("tdeploy prepare-data examples/local.yaml"))
 def prepare_data(spec: str = typer.Argument(..., help=SPEC_HELP)) -> None:
     """Clean, tokenize, shard and validate the corpus of data.prepare (reuses a finished identical dataset)."""
+    from tasks.prepare.step import DataInputs
+
     parsed = _load(spec)
     if parsed.data.prepare is None:
         err_console.print("data.prepare is not set: this spec trains on an existing dataset (data.dataset_url)")
         raise typer.Exit(2)
-    _prepare_with_progress(parsed)
+    _data_step(DataInputs.of(parsed))
 
 
 @app.command(
@@ -268,14 +274,18 @@ def build_image(
     ),
 ) -> None:
     """Build and push the training image unless its content-addressed tag exists; write image.json."""
-    from tasks.deployment import image_inputs
-    from tasks.image.build import IMAGE_JSON
+    from tasks.image.step import ImageInputs, run
 
     parsed = _load(spec)
     if parsed.image is None:
         console.print("image: null in the spec: no image to build", markup=False)
         return
-    result = image_inputs(parsed, str(out) if out else None).ensure()
+    run(ImageInputs.of(parsed, str(out) if out else None), _print_image)
+
+
+def _print_image(result) -> None:  # noqa: ANN001 - tasks.image.build.ImageResult (never None: image is set)
+    from tasks.image.build import IMAGE_JSON
+
     style = {"built": "green", "cached": "green", "skipped": "yellow"}[result.status]
     console.print(f"{result.status}: {result.reason}", style=style, markup=False, highlight=False)
     if result.reference and result.status != "skipped":
@@ -295,12 +305,17 @@ def check_nodes(
     ),
 ) -> None:
     """Check that the nodes are consistent, reachable and ready; exit 1 on any blocking finding."""
-    from tasks.deployment import node_report_path
-    from tasks.nodes.check import run_node_checks, write_report
+    from tasks.nodes.check import NodeCheckFailed, NodesUnreachable
+    from tasks.nodes.step import NodesInputs, run
 
     parsed = _load(spec)
-    result = run_node_checks(parsed.nodes, parsed.cluster)
-    path = write_report(result, node_report_path(parsed, str(out) if out else None))
+    try:
+        run(NodesInputs.of(parsed, str(out) if out else None), _print_nodes)
+    except (NodeCheckFailed, NodesUnreachable):  # the table said which and the fix
+        raise typer.Exit(EXIT_FAILED_CHECK) from None
+
+
+def _print_nodes(result, path: Path) -> None:  # noqa: ANN001 - tasks.nodes.report.NodeReport
     table = Table("check", "severity", "values", "finding / fix", show_lines=True)
     style = {"ok": "green", "warning": "yellow", "blocking": "red"}
     for row in result.table():
@@ -310,8 +325,6 @@ def check_nodes(
     console.print(table)
     console.print(result.summary(), style="green" if result.ok else "red", markup=False, highlight=False)
     console.print(f"report {path}", markup=False, highlight=False)
-    if not result.ok:
-        raise typer.Exit(EXIT_FAILED_CHECK)
 
 
 @app.command(epilog=_example("tdeploy submit examples/local.yaml --wait"))
@@ -345,7 +358,7 @@ def status(job: str = typer.Argument(..., help="Job reference (scheduler:id) or 
     where it was preempted (step, signal), what it waits for, from which step it ran again."""
     from tasks.launch.base import find_job
     from tasks.launch.history import job_history
-    from tasks.launch.submit import launcher_for
+    from tasks.launch.registry import launcher_for
 
     handle = find_job(job)
     history = job_history(handle, launcher_for(handle.scheduler))
@@ -359,7 +372,7 @@ def status(job: str = typer.Argument(..., help="Job reference (scheduler:id) or 
 def cancel(job: str = typer.Argument(..., help="Job reference (scheduler:id) or the run's output folder.")) -> None:
     """Cancel a submitted job and every process it started."""
     from tasks.launch.base import find_job
-    from tasks.launch.submit import launcher_for
+    from tasks.launch.registry import launcher_for
 
     handle = find_job(job)
     launcher_for(handle.scheduler).cancel(handle)
@@ -398,18 +411,17 @@ def plan(
 ) -> None:
     """Estimate memory, time and communication, search the layouts (offline); exit 1 if the requested one does
     not fit."""
-    from tasks.capacity.plan import make_plan
     from tasks.capacity.report import format_self_check, rich_report
-    from tasks.deployment import calibration_inputs, plan_inputs
+    from tasks.capacity.step import CapacityInputs
 
     parsed = _load(spec, check_paths)
-    result = make_plan(*plan_inputs(parsed), *calibration_inputs(parsed))
+    result = CapacityInputs.of(parsed).make()
     if self_check:
         from tasks.capacity.measure import run_self_check  # imports torch: only when asked
 
         result.self_check = [run_self_check(parsed.model, parsed.parallel, parsed.precision, parsed.cluster)]
         if parsed.parallel.model_parallel:  # the layout's traffic too, from a tiny model in its shape on gloo
-            from tasks.capacity.parallel_check import run_parallel_self_check
+            from tasks.layout_check import run_parallel_self_check
 
             checked = run_parallel_self_check(parsed.model, parsed.parallel, parsed.precision, parsed.cluster)
             result.self_check.append(checked)
@@ -464,10 +476,9 @@ def _write_plan(result, parsed: DeploymentSpec, out: str | None) -> str | None: 
 
 def _training_config_prepared(parsed: DeploymentSpec) -> TrainConfig:
     """The training config on the spec's dataset, prepared first (with a progress bar) if the spec says how."""
-    from tasks.deployment import existing_dataset, training_config
+    from tasks.prepare.step import data_and_training
 
-    data = _prepare_with_progress(parsed) if parsed.data.prepare is not None else existing_dataset(parsed)
-    return training_config(parsed, data)
+    return data_and_training(parsed, _data_step)[1]
 
 
 @contextlib.contextmanager
@@ -486,8 +497,8 @@ def _progress_lines() -> Iterator[None]:
         logger.setLevel(level)
 
 
-def _print_acceptance(report, root: Path) -> None:  # noqa: ANN001 - AcceptanceReport
-    from tasks.acceptance.report import plot_losses, table_rows, write_junit
+def _print_acceptance(report, files: dict[str, str | None]) -> None:  # noqa: ANN001 - AcceptanceReport
+    from tasks.acceptance.report import table_rows
 
     table = Table("check", "verdict", "measured", "look first", show_lines=True)
     for row in table_rows(report):
@@ -497,9 +508,7 @@ def _print_acceptance(report, root: Path) -> None:  # noqa: ANN001 - AcceptanceR
     console.print(table)
     if report.plan_accuracy is not None:
         console.print(report.plan_accuracy.line(), markup=False, highlight=False)
-    written = [report.write(root), write_junit(report, root / "junit.xml")]
-    if report.runs:
-        written.append(plot_losses(report, root / "loss_curve.png"))
+    written = [path for path in files.values() if path is not None]
     verdict = report.to_json()["verdict"]
     console.print(f"verdict: {verdict}; " + ", ".join(str(p) for p in written), markup=False, highlight=False)
 
@@ -511,37 +520,47 @@ _WORKSPACE_HELP = (
 )
 
 
-def _with_workspace_base(acceptance: AcceptanceConfig, out: Path | None) -> AcceptanceConfig:
-    """acceptance with --out as the folder its run workspaces go under (a fresh <out>/<run-id>/ per run)."""
-    return acceptance if out is None else acceptance.model_copy(update={"work_url": str(out)})
+class AcceptMode(StrEnum):
+    """The modes `tdeploy accept` runs (a canary is `tdeploy rollout`'s)."""
+
+    FULL = Mode.FULL.value
+    SOAK = Mode.SOAK.value
 
 
-@app.command(epilog=_example("tdeploy accept examples/local.yaml --drills --out runs/local/acceptance"))
+def accept_inputs(
+    parsed: DeploymentSpec, cfg: TrainConfig, mode: AcceptMode, drills: bool, image: str | None, out: Path | None
+) -> AcceptanceStepInputs:
+    """What `tdeploy accept` runs: the acceptance step's inputs of `cfg` in `mode`, in a fresh workspace
+    <out>/<run-id>/ (default: under acceptance.work_url)."""
+    from tasks.acceptance.step import AcceptanceStepInputs
+
+    return AcceptanceStepInputs.of(
+        parsed, cfg, image=image, mode=Mode(mode), with_drills=drills, work_url=str(out) if out else None
+    )
+
+
+@app.command(epilog=_example("tdeploy accept examples/local.yaml --drills --out runs/local/acceptance",
+                             "tdeploy accept examples/local.yaml --mode soak"))  # fmt: skip
 def accept(
     spec: str = typer.Argument(..., help=SPEC_HELP),
     drills: bool = typer.Option(False, "--drills", help="Also run every checkpoint-restore drill."),
-    soak: bool = typer.Option(False, "--soak", help="Use acceptance.soak_steps for the stability run."),
+    mode: AcceptMode = typer.Option(
+        AcceptMode.FULL, "--mode",
+        help="full: acceptance.steps; soak: acceptance.soak_steps for the distributed run (the stability soak).",
+    ),  # fmt: skip
     image: str | None = typer.Option(None, "--image", help="Image reference the jobs run in."),
     out: Path | None = typer.Option(None, "--out", help=_WORKSPACE_HELP),
 ) -> None:
-    """Accept the deployment along six dimensions; exit 1 when any fails."""
-    from tasks.acceptance.suite import run_acceptance, work_dir
-    from tasks.acceptance.workspace import Workspace, mark_latest
-    from tasks.deployment import planned_figures
+    """Accept the deployment by every dimension of the check table; exit 1 when any fails."""
+    from tasks.acceptance.step import AcceptanceFailed, run
 
     parsed = _load(spec)
-    cfg = _training_config_prepared(parsed)
-    acceptance = _with_workspace_base(parsed.acceptance, out)
-    root = work_dir(acceptance, cfg)
-    with _progress_lines():
-        report = run_acceptance(
-            parsed.cluster, cfg, acceptance, root, None, image, soak, parsed.drills, drills,
-            planned=planned_figures(parsed),
-        )  # fmt: skip
-    _print_acceptance(report, root)
-    mark_latest(Workspace.at(root))
-    if not report.passed:
-        raise typer.Exit(EXIT_FAILED_CHECK)
+    inputs = accept_inputs(parsed, _training_config_prepared(parsed), mode, drills, image, out)
+    try:
+        with _progress_lines():
+            run(inputs, _print_acceptance)
+    except AcceptanceFailed:  # the table said which check failed
+        raise typer.Exit(EXIT_FAILED_CHECK) from None
 
 
 @app.command(epilog=_example("tdeploy drill examples/local.yaml --only rank_kill --out runs/local/acceptance"))
@@ -553,10 +572,7 @@ def drill(
 ) -> None:
     """Run the checkpoint-restore drills; exit 1 when one fails."""
     from tasks.acceptance.config import DRILLS
-    from tasks.acceptance.drills import DrillContext, run_drills
-    from tasks.acceptance.record import AcceptanceReport
-    from tasks.acceptance.suite import work_dir
-    from tasks.acceptance.workspace import Workspace, mark_latest
+    from tasks.acceptance.step import AcceptanceFailed, DrillsInputs, run_drills
 
     parsed = _load(spec)
     unknown = sorted(set(only or []) - set(DRILLS))
@@ -564,16 +580,12 @@ def drill(
         err_console.print(f"--only {unknown[0]}: no such drill; use one of {list(DRILLS)}", markup=False)
         raise typer.Exit(2)
     cfg = _training_config_prepared(parsed)
-    acceptance = _with_workspace_base(parsed.acceptance, out)
-    root = work_dir(acceptance, cfg) / "drills"
-    ctx = DrillContext(parsed.cluster, cfg, root, acceptance, parsed.drills, None, image)
-    with _progress_lines():
-        results = run_drills(ctx, only)
-    report = AcceptanceReport(dimensions=[], drills=results)
-    _print_acceptance(report, root)
-    mark_latest(Workspace.at(root.parent))
-    if not report.passed:
-        raise typer.Exit(EXIT_FAILED_CHECK)
+    inputs = DrillsInputs.of(parsed, cfg, image=image, only=only, work_url=str(out) if out else None)
+    try:
+        with _progress_lines():
+            run_drills(inputs, _print_acceptance)
+    except AcceptanceFailed:  # the table said which drill failed
+        raise typer.Exit(EXIT_FAILED_CHECK) from None
 
 
 @app.command(
@@ -599,12 +611,11 @@ def export(
     ),
 ) -> None:
     """Export a checkpoint as a Hugging Face model folder (config, safetensors, tokenizer) for transformers or vLLM."""
-    from tasks.deployment import export_dir
-    from tasks.export.task import export_checkpoint
+    from tasks.export.step import ExportInputs, run
 
     parsed = _load(spec)
     cfg = _training_config_prepared(parsed)
-    result = export_checkpoint(cfg, step, out, export_root=export_dir(parsed), tokenizer_url=tokenizer)
+    result = run(ExportInputs.of(parsed, cfg, step, out, tokenizer))
     console.print(f"exported {result.summary()}", markup=False, highlight=False)
     console.print(f"from {result.checkpoint_dir}", markup=False, highlight=False)
     for name in result.files:
@@ -624,17 +635,29 @@ def run(spec: str = typer.Argument(..., help=SPEC_HELP)) -> None:
         raise typer.Exit(code)
 
 
-@app.command(epilog=_example("tdeploy diagnose runs/local/output"))
+@app.command(
+    epilog=_example(
+        "tdeploy diagnose runs/local/output", "tdeploy diagnose runs/local/output --spec examples/local.yaml"
+    )
+)
 def diagnose(
     run_dir: Path = typer.Argument(..., help="A run's output folder (train.log, metrics/), or an acceptance run's."),
+    spec: str | None = typer.Option(
+        None, "--spec", help="The deployment's spec: its plan.json and node-check.json are read too."
+    ),
 ) -> None:
     """Classify a failed run against the known causes, with the evidence and the fix."""
     from tasks.diagnose import diagnose_run
+    from tasks.paths import DeploymentPaths
 
     if not run_dir.is_dir():
         err_console.print(f"{run_dir}: no such folder; pass a run's output folder", markup=False)
         raise typer.Exit(2)
-    result = diagnose_run(run_dir)
+    plan_url = node_report = None
+    if spec is not None:  # the deployment's own reports; none is looked for around the run folder
+        paths = DeploymentPaths.of(_load(spec))
+        plan_url, node_report = paths.plan_url(), paths.node_report()
+    result = diagnose_run(run_dir, "", plan_url, node_report)
     if console.is_terminal:
         from rich.markdown import Markdown
 
@@ -664,7 +687,7 @@ def serve(
     """Export a checkpoint and serve it with vLLM's OpenAI-compatible server until Ctrl-C or SIGTERM."""
     import signal
 
-    from tasks.deployment import export_dir, serving_dir
+    from tasks.paths import DeploymentPaths
     from tasks.serve.server import SERVER_LOG, log_tail, start_server
     from training.storage import is_local, local_path
 
@@ -676,9 +699,10 @@ def serve(
         err_console.print("--step exports a checkpoint, --model-dir serves a folder as it is: give one", markup=False)
         raise typer.Exit(EXIT_USER_ERROR)
     if model_dir is None:
-        from tasks.export.task import export_checkpoint
+        from tasks.export.step import ExportInputs
+        from tasks.export.step import run as export_step
 
-        result = export_checkpoint(_training_config_prepared(parsed), step, export_root=export_dir(parsed))
+        result = export_step(ExportInputs.of(parsed, _training_config_prepared(parsed), step))
         console.print(f"exported {result.summary()}", markup=False, highlight=False)
         if not is_local(result.model_dir):
             err_console.print(f"{result.model_dir}: vLLM serves a local folder; export to one", markup=False)
@@ -693,7 +717,8 @@ def serve(
         stopped_by[0] = signal.Signals(signum)
         raise KeyboardInterrupt(signal.Signals(signum).name)
 
-    log_path = Path(serving_dir(parsed)) / SERVER_LOG  # the serving check's folder and log name too
+    # the serving check's folder and log name too
+    log_path = Path(DeploymentPaths.of(parsed).serving_dir()) / SERVER_LOG
     max_model_len = parsed.serve.max_model_len or parsed.model.seq_len
     console.print(
         f"starting vLLM on {model_dir} (log {log_path}; ready within serve.startup_timeout_s="
@@ -749,16 +774,22 @@ def check_serving(
     ),
 ) -> None:
     """The pipeline's serving check: export, serve with vLLM, load-test, greedy parity, quality; exit 1 on a miss."""
-    from tasks.deployment import serving_inputs
-    from tasks.serve.report import table_rows
-    from tasks.serve.task import check_serving as run_check
+    from tasks.serve.step import ServingCheckFailed, ServingInputs, run
 
     parsed = _load(spec)
     if parsed.serve is None:
         err_console.print("the spec has no serve section: serving is off; add `serve: {}` to check it", markup=False)
         raise typer.Exit(EXIT_USER_ERROR)
-    inputs = serving_inputs(parsed, _training_config_prepared(parsed), str(out) if out else None)
-    report = run_check(*inputs, step=step)
+    inputs = ServingInputs.of(parsed, _training_config_prepared(parsed), str(out) if out else None, step)
+    try:
+        run(inputs, _print_serving)
+    except ServingCheckFailed:  # the table said which figure missed
+        raise typer.Exit(EXIT_FAILED_CHECK) from None
+
+
+def _print_serving(report) -> None:  # noqa: ANN001 - tasks.serve.check.ServingReport
+    from tasks.serve.report import table_rows
+
     for row in table_rows(report):
         console.print(f"{row['check']}: {row['verdict']} ({row['message']})", markup=False, highlight=False)
     load = report.load
@@ -771,14 +802,13 @@ def check_serving(
         markup=False,
         highlight=False,
     )
-    if not report.passed:
-        raise typer.Exit(EXIT_FAILED_CHECK)
 
 
 def _ledger_of(parsed: DeploymentSpec):  # noqa: ANN202 - a tasks.ledger.registry.Ledger
-    from tasks.ledger.registry import Ledger, ledger_url
+    from tasks.ledger.registry import Ledger
+    from tasks.paths import DeploymentPaths
 
-    return Ledger(ledger_url(parsed.acceptance, parsed.run.output_url), parsed.storage)
+    return Ledger(DeploymentPaths.of(parsed).ledger_url, parsed.storage)
 
 
 @app.command(epilog=_example("tdeploy history examples/local.yaml"))
@@ -823,9 +853,10 @@ def baseline(
 ) -> None:
     """Show the current baseline (the newest accepted ledger entry not rolled back) and, with --run, each figure
     of that run against it; exit 1 when a figure regressed beyond acceptance.regression."""
-    from tasks.acceptance.workspace import RUN_ID
+    from tasks.run_id import RUN_ID
     from tasks.ledger.gate import baseline_runs, compare
-    from tasks.ledger.registry import cluster_key_of, figures_of_workspace
+    from tasks.acceptance.ledger_entry import figures_of_workspace
+    from tasks.ledger.registry import cluster_key_of
 
     parsed = _load(spec)
     ledger = _ledger_of(parsed)
@@ -924,7 +955,7 @@ def rollout(
 ) -> None:
     """Roll a new image out: a short canary on acceptance.canary.nodes held to the baseline, then acceptance on
     the whole deployment, then its job; a failing step stops the rollout, leaving the current version in place."""
-    from tasks.ledger.rollout import roll_out
+    from tasks.rollout.canary import roll_out
 
     parsed = _load(spec)
     cfg = _training_config_prepared(parsed)

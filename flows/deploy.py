@@ -1,40 +1,33 @@
 """Flow `deploy-training`: capacity -> nodes -> image -> data -> job -> acceptance -> drills -> serving.
 
-Each step is a Prefect task that retries transient errors only. The pure steps
-(plan, image, dataset) are cached on their inputs and the folder they run in, so a
-re-run after a failure starts at the failed step; a cached result whose files are
-gone is void and its step runs again (tasks/cache.py). A failed step stops the flow: the diagnosis runs, and
-the summary page says which step failed and why.
+The flow walks the step list of tasks/steps.py (DEPLOY); each step is a Prefect task over its package's `run`,
+handed the step's typed inputs (`<Step>Inputs.of(spec, ...)`, as the CLI's command for it), and it retries
+transient errors only. The pure steps (plan, image, dataset) are cached on their inputs and the folder they run
+in, so a re-run after a failure starts at the failed step; a cached result whose files are gone is void and its
+step runs again (tasks/cache.py). A failed step stops the flow: the diagnosis runs, and the summary page says
+which step failed and why.
 """
 
 from __future__ import annotations
 
-from tasks.acceptance.suite import workspace_root
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from tasks.acceptance.step import AcceptanceResult, AcceptanceStepInputs, DrillsInputs
 from tasks.acceptance.task import run_acceptance, run_drills
 from tasks.cache import cached_step_options
+from tasks.capacity.step import CapacityInputs, CapacityResult
 from tasks.capacity.task import estimate_capacity
-from tasks.deployment import (
-    ServingResult,
-    SkippedResult,
-    calibration_inputs,
-    check_served_data,
-    dataset_check_inputs,
-    image_inputs,
-    node_report_path,
-    plan_inputs,
-    plan_url,
-    serving_inputs,
-    training_config,
-)
+from tasks.image.step import ImageInputs, ImageStepResult
 from tasks.image.task import build_image
+from tasks.launch.step import JobInputs
 from tasks.launch.task import submit_job
-from tasks.ledger.registry import Provenance
 from tasks.ledger.task import record_serving_figures
 from tasks.logs import install_user_error_filter
+from tasks.nodes.step import NodesInputs
 from tasks.nodes.task import check_nodes
+from tasks.paths import DeploymentPaths
 from tasks.pipeline import (
-    STEP_TITLES,
-    STEPS,
     Results,
     SpecSource,
     diagnose_failure,
@@ -43,14 +36,31 @@ from tasks.pipeline import (
     spec_flow,
     spec_label,
 )
+from tasks.prepare.step import DataInputs, DataResult, check_served_data, data_and_training
 from tasks.prepare.task import check_dataset, prepare_data
-from tasks.progress import report
+from tasks.progress import report_step
+from tasks.results import SkippedResult, StepResult
+from tasks.serve.step import ServingInputs, ServingResult
 from tasks.serve.task import serving_check
 from tasks.spec import DeploymentSpec
+from tasks.steps import DEPLOY
+from training.config import TrainConfig
 
 plan_step = estimate_capacity.with_options(timeout_seconds=1800, **cached_step_options())
 image_step = build_image.with_options(**cached_step_options())
 data_step = prepare_data.with_options(**cached_step_options())
+
+
+def cached_data_task(inputs: DataInputs) -> DataResult:
+    """The data step as deploy-training runs it: a preparation cached on its inputs, or the spec's own dataset's
+    check (its verdict has a cache of its own)."""
+    return data_step(inputs) if inputs.prepare is not None else check_dataset(inputs)
+
+
+def data_task(inputs: DataInputs) -> DataResult:
+    """The data step as the other flows run it: a preparation (a finished identical dataset is reused), or the
+    spec's own dataset's check."""
+    return prepare_data(inputs) if inputs.prepare is not None else check_dataset(inputs)
 
 
 def load_or_diagnose(source: SpecSource) -> DeploymentSpec:
@@ -63,65 +73,111 @@ def load_or_diagnose(source: SpecSource) -> DeploymentSpec:
         raise
 
 
+@dataclass
+class Deployment:
+    """What the steps of one deploy-training run hand on: the spec, the results so far (the drills reuse the
+    acceptance step's workspace) and the training config on the data step's dataset."""
+
+    spec: DeploymentSpec
+    results: Results = field(default_factory=dict)
+    train: TrainConfig | None = None
+
+    @property
+    def image(self) -> str | None:
+        """The image the jobs run (the image step's pushed image by digest; None: the nodes' environment)."""
+        built = self.results.get("image")
+        return built.job_image if isinstance(built, ImageStepResult) else None
+
+    def trained(self) -> TrainConfig:
+        """The training config (the data step has run)."""
+        assert self.train is not None, "the data step comes before the job"
+        return self.train
+
+
+def _capacity(run: Deployment) -> StepResult:
+    return plan_step(CapacityInputs.of(run.spec))
+
+
+def _nodes(run: Deployment) -> StepResult:
+    return check_nodes(NodesInputs.of(run.spec))
+
+
+def _image(run: Deployment) -> StepResult:
+    return image_step(ImageInputs.of(run.spec))
+
+
+def _data(run: Deployment) -> StepResult:
+    data, run.train = data_and_training(run.spec, cached_data_task)
+    run.results["data"] = data
+    check_served_data(run.spec, data)
+    return data
+
+
+def _job(run: Deployment) -> StepResult:
+    return submit_job(JobInputs.of(run.spec, run.trained(), run.image))
+
+
+def _acceptance(run: Deployment) -> StepResult:
+    built, capacity = run.results.get("image"), run.results.get("capacity")
+    return run_acceptance(
+        AcceptanceStepInputs.of(
+            run.spec, run.trained(), image=built if isinstance(built, ImageStepResult) else None,
+            capacity=capacity if isinstance(capacity, CapacityResult) else None,
+        )
+    )  # fmt: skip
+
+
+def _drills(run: Deployment) -> StepResult:
+    accepted = run.results.get("acceptance")
+    assert isinstance(accepted, AcceptanceResult), "the acceptance step comes before the drills"
+    return run_drills(DrillsInputs.of(run.spec, run.trained(), accepted=accepted, image=run.image))
+
+
+def _serving(run: Deployment) -> StepResult:
+    spec, train = run.spec, run.trained()
+    if spec.serve is None:
+        return SkippedResult(reason="serve: null")
+    served = serving_check(ServingInputs.of(spec, train))
+    accepted = run.results.get("acceptance")
+    entry = getattr(accepted, "report", {}).get("ledger_entry")
+    if isinstance(served, ServingResult) and entry:  # the accepted entry's golden serving figures
+        record_serving_figures(spec.acceptance, train, entry, served)
+    return served
+
+
+RUNNERS: dict[str, Callable[[Deployment], StepResult]] = {
+    "capacity": _capacity,
+    "nodes": _nodes,
+    "image": _image,
+    "data": _data,
+    "job": _job,
+    "acceptance": _acceptance,
+    "drills": _drills,
+    "serving": _serving,
+}
+assert list(RUNNERS) == [step.name for step in DEPLOY[1:]], "one runner per step of DEPLOY, in its order"
+
+
 @spec_flow(name="deploy-training", description="Deploy a Transformer training job from its spec, step by step.")
 def deploy_training(spec: SpecSource = "examples/local.yaml") -> Results:
     """Run the whole deployment sequence for one spec (a DeploymentSpec, its data, or a path/URL of its YAML)."""
     install_user_error_filter()
-    report("deploy", STEP_TITLES["spec"], 0, len(STEPS))
-    spec = load_or_diagnose(spec)
-    results: Results = {}
-    step = "capacity"
-
-    def begin(name: str) -> str:
-        report("deploy", STEP_TITLES[name], STEPS.index(name), len(STEPS))
-        return name
-
+    report_step("deploy", DEPLOY, "spec")
+    parsed = load_or_diagnose(spec)
+    run = Deployment(parsed)
+    step = DEPLOY[1].name
     try:
-        begin(step)
-        results["capacity"] = plan_step(*plan_inputs(spec), *calibration_inputs(spec))
-        step = begin("nodes")
-        results["nodes"] = check_nodes(spec.nodes, spec.cluster, node_report_path(spec))
-        step = begin("image")
-        results["image"] = built = image_step(*image_inputs(spec).args())
-        step = begin("data")
-        prepare = spec.data.prepare
-        results["data"] = data = (
-            data_step(prepare, spec.storage) if prepare else check_dataset(*dataset_check_inputs(spec))
-        )
-        check_served_data(spec, data)
-        train = training_config(spec, data)
-        image = built.job_image
-        step = begin("job")
-        results["job"] = submit_job(spec.cluster, train, spec.name, image)
-        root = workspace_root(spec.acceptance, train)  # this run's own acceptance workspace: nothing resumes
-        step = begin("acceptance")
-        results["acceptance"] = run_acceptance(
-            spec.cluster,
-            train,
-            spec.acceptance,
-            root,
-            image,
-            drills=spec.drills,
-            provenance=Provenance.of(spec, built),
-            planned=results["capacity"].planned,
-        )
-        step = begin("drills")
-        results["drills"] = run_drills(spec.cluster, train, spec.acceptance, spec.drills, root, image=image)
-        step = begin("serving")
-        results["serving"] = served = (
-            serving_check(*serving_inputs(spec, train))
-            if spec.serve is not None
-            else SkippedResult(reason="serve: null")
-        )
-        entry = results["acceptance"].report.get("ledger_entry")
-        if isinstance(served, ServingResult) and entry:  # the accepted entry's golden serving figures
-            record_serving_figures(spec.acceptance, train, entry, served)
+        for entry in DEPLOY[1:]:
+            step = entry.name
+            report_step("deploy", DEPLOY, step)
+            run.results[step] = RUNNERS[step](run)
     except Exception as err:
-        job = results.get("job")
-        run_dir = job.output_dir if job else getattr(getattr(err, "handle", None), "output_dir", None)
-        diagnosis = diagnose_failure(step, str(err), run_dir, plan_url(spec), node_report_path(spec))
-        publish_summary(spec.name, results, step, f"{type(err).__name__}: {err}", diagnosis, spec.reports_dir)
+        job = run.results.get("job")
+        run_dir = getattr(job, "output_dir", None) or getattr(getattr(err, "handle", None), "output_dir", None)
+        paths = DeploymentPaths.of(parsed)
+        diagnosis = diagnose_failure(step, str(err), run_dir, paths.plan_url(), paths.node_report())
+        publish_summary(parsed.name, run.results, step, f"{type(err).__name__}: {err}", diagnosis, parsed.reports_dir)
         raise
-    report("deploy", "done", len(STEPS), len(STEPS))
-    publish_summary(spec.name, results, None, None, None, spec.reports_dir)
-    return results
+    report_step("deploy", DEPLOY, None)
+    publish_summary(parsed.name, run.results, None, None, None, parsed.reports_dir)
+    return run.results

@@ -3,21 +3,41 @@
 The acceptance step holds the soak to the ledger's current baseline of the spec and cluster (the regression
 gate: tokens/s, step time, checkpoint save time, the loss curve at the same seed); the soak's own curve identity
 differs from the deployment's when acceptance.soak_steps is set, so its loss curve is compared with earlier
-nights' only."""
+nights' only. The flow walks the step list NIGHTLY of tasks/steps.py."""
 
 from __future__ import annotations
 
-from flows.deploy import load_or_diagnose
-from tasks.acceptance.suite import workspace_root
-from tasks.acceptance.task import run_acceptance, run_drills
-from tasks.deployment import dataset_check_inputs, planned_figures, training_config
-from tasks.ledger.registry import Provenance
-from tasks.logs import install_user_error_filter
-from tasks.pipeline import STEP_TITLES, Results, SpecSource, diagnose_failure, publish_summary, spec_flow
-from tasks.prepare.task import check_dataset, prepare_data
-from tasks.progress import report
+from collections.abc import Callable
 
-STEPS = ("spec", "data", "acceptance", "drills")
+from flows.deploy import Deployment, data_task, load_or_diagnose
+from tasks.acceptance.mode import Mode
+from tasks.acceptance.step import AcceptanceResult, AcceptanceStepInputs, DrillsInputs
+from tasks.acceptance.task import run_acceptance, run_drills
+from tasks.logs import install_user_error_filter
+from tasks.pipeline import Results, SpecSource, diagnose_failure, publish_summary, spec_flow
+from tasks.prepare.step import data_and_training
+from tasks.progress import report_step
+from tasks.results import StepResult
+from tasks.steps import NIGHTLY
+
+
+def _data(run: Deployment) -> StepResult:
+    data, run.train = data_and_training(run.spec, data_task)  # a prepared dataset is reused; a given one's verdict
+    return data  # is cached
+
+
+def _acceptance(run: Deployment) -> StepResult:  # a fresh workspace per night, under nightly/
+    return run_acceptance(AcceptanceStepInputs.of(run.spec, run.trained(), mode=Mode.SOAK, nightly=True))
+
+
+def _drills(run: Deployment) -> StepResult:
+    accepted = run.results.get("acceptance")
+    assert isinstance(accepted, AcceptanceResult), "the acceptance step comes before the drills"
+    return run_drills(DrillsInputs.of(run.spec, run.trained(), accepted=accepted))
+
+
+RUNNERS: dict[str, Callable[[Deployment], StepResult]] = {"data": _data, "acceptance": _acceptance, "drills": _drills}
+assert list(RUNNERS) == [step.name for step in NIGHTLY[1:]], "one runner per step of NIGHTLY, in its order"
 
 
 @spec_flow(
@@ -26,38 +46,19 @@ STEPS = ("spec", "data", "acceptance", "drills")
 def nightly_validation(spec: SpecSource = "examples/local.yaml") -> Results:
     """Re-accept a deployment: soak-length acceptance, then every drill; publish the report."""
     install_user_error_filter()
-    report("nightly", STEP_TITLES["spec"], 0, len(STEPS))
-    spec = load_or_diagnose(spec)
-    results: Results = {}
-    step = "data"
-
-    def begin(name: str) -> str:
-        report("nightly", STEP_TITLES[name], STEPS.index(name), len(STEPS))
-        return name
-
+    report_step("nightly", NIGHTLY, "spec")
+    parsed = load_or_diagnose(spec)
+    run = Deployment(parsed)
+    step = NIGHTLY[1].name
     try:
-        begin(step)
-        prepare = spec.data.prepare  # a prepared dataset is reused; a given one's verdict is cached
-        results["data"] = prepare_data(prepare, spec.storage) if prepare else check_dataset(*dataset_check_inputs(spec))
-        train = training_config(spec, results["data"])
-        root = workspace_root(spec.acceptance, train, nightly=True)  # a fresh workspace per night
-        step = begin("acceptance")
-        results["acceptance"] = run_acceptance(
-            spec.cluster,
-            train,
-            spec.acceptance,
-            root,
-            soak=True,
-            drills=spec.drills,
-            provenance=Provenance.of(spec),
-            planned=planned_figures(spec),
-        )
-        step = begin("drills")
-        results["drills"] = run_drills(spec.cluster, train, spec.acceptance, spec.drills, root)
+        for entry in NIGHTLY[1:]:
+            step = entry.name
+            report_step("nightly", NIGHTLY, step)
+            run.results[step] = RUNNERS[step](run)
     except Exception as err:
         diagnosis = diagnose_failure(step, str(err), None, None, None)
-        publish_summary(spec.name, results, step, f"{type(err).__name__}: {err}", diagnosis, spec.reports_dir)
+        publish_summary(parsed.name, run.results, step, f"{type(err).__name__}: {err}", diagnosis, parsed.reports_dir)
         raise
-    report("nightly", "done", len(STEPS), len(STEPS))
-    publish_summary(spec.name, results, None, None, None, spec.reports_dir)
-    return results
+    report_step("nightly", NIGHTLY, None)
+    publish_summary(parsed.name, run.results, None, None, None, parsed.reports_dir)
+    return run.results

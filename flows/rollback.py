@@ -4,13 +4,12 @@ from __future__ import annotations
 
 from typing import Literal
 
-from flows.deploy import load_or_diagnose
-from tasks.deployment import dataset_check_inputs, training_config
+from flows.deploy import data_task, load_or_diagnose
 from tasks.ledger.rollback import RollbackOutcome
 from tasks.ledger.task import rollback_deployment
 from tasks.logs import install_user_error_filter
 from tasks.pipeline import SpecSource, diagnose_failure, spec_flow
-from tasks.prepare.task import check_dataset, prepare_data
+from tasks.prepare.step import data_and_training
 
 
 @spec_flow(name="rollback-deployment", description="Roll a deployment back to an earlier accepted ledger entry.")
@@ -24,9 +23,7 @@ def rollback(
     parsed = load_or_diagnose(spec)
     step = "data"
     try:
-        prepare = parsed.data.prepare
-        data = prepare_data(prepare, parsed.storage) if prepare else check_dataset(*dataset_check_inputs(parsed))
-        train = training_config(parsed, data)
+        _, train = data_and_training(parsed, data_task)
         step = "job"
         return rollback_deployment(parsed.name, parsed.cluster, train, parsed.acceptance, parsed.image, to, wait_until)
     except Exception as err:

@@ -8,16 +8,15 @@ from __future__ import annotations
 
 from typing import Literal
 
-from flows.deploy import load_or_diagnose
-from tasks.acceptance.suite import workspace_root
+from flows.deploy import data_task, load_or_diagnose
 from tasks.acceptance.task import run_acceptance
-from tasks.deployment import dataset_check_inputs, planned_figures, training_config
+from tasks.launch.step import JobInputs
 from tasks.launch.task import submit_job
-from tasks.ledger.registry import Provenance
-from tasks.ledger.task import canary_rollout
 from tasks.logs import install_user_error_filter
 from tasks.pipeline import Results, SpecSource, diagnose_failure, spec_flow
-from tasks.prepare.task import check_dataset, prepare_data
+from tasks.prepare.step import data_and_training
+from tasks.rollout.canary import rollout_acceptance
+from tasks.rollout.task import canary_rollout
 
 
 @spec_flow(name="rollout", description="Roll a new image out: canary, whole-deployment acceptance, then the job.")
@@ -32,28 +31,13 @@ def rollout(
     results: Results = {}
     step = "data"
     try:
-        prepare = parsed.data.prepare
-        results["data"] = (
-            prepare_data(prepare, parsed.storage) if prepare else check_dataset(*dataset_check_inputs(parsed))
-        )
-        train = training_config(parsed, results["data"])
+        results["data"], train = data_and_training(parsed, data_task)
         step = "canary"
         canary_rollout(parsed.name, parsed.cluster, train, parsed.acceptance, image)
         step = "acceptance"
-        root = workspace_root(parsed.acceptance, train)
-        provenance = Provenance.of(parsed, image_ref=image)
-        results["acceptance"] = run_acceptance(
-            parsed.cluster,
-            train,
-            parsed.acceptance,
-            root,
-            image,
-            drills=parsed.drills,
-            provenance=provenance,
-            planned=planned_figures(parsed),
-        )
+        results["acceptance"] = run_acceptance(rollout_acceptance(parsed, train, image))
         step = "job"
-        results["job"] = submit_job(parsed.cluster, train, parsed.name, image, wait_until)
+        results["job"] = submit_job(JobInputs.of(parsed, train, image, wait_until))
     except Exception as err:
         diagnose_failure(step, str(err), None, None, None)
         raise

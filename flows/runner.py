@@ -218,9 +218,10 @@ class ProgressDrawing:
 
 def progress_label(event: ProgressEvent) -> str:
     """`[7/9 acceptance] acceptance: distributed run (40/200)`: the pipeline step's place, then the event."""
-    from tasks.pipeline import STEPS
+    from tasks.steps import DEPLOY
 
-    k = f"{STEPS.index(event.step) + 1}/{len(STEPS)} " if event.step in STEPS else ""
+    names = [step.name for step in DEPLOY]
+    k = f"{names.index(event.step) + 1}/{len(names)} " if event.step in names else ""
     return f"[{k}{event.step}] {event.describe()}"
 
 

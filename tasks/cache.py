@@ -56,12 +56,15 @@ class WholeArtifacts(CachePolicy):
 
 
 def artifact_problem(result: Any, inputs: dict[str, Any]) -> str | None:
-    """What is wrong with the files a cached step result points at (None: whole, or it points at none)."""
+    """What is wrong with the files a cached step result points at (None: whole, or it points at none).
+
+    `inputs` are the task's call arguments: a step task takes its typed Inputs as `inputs` (tasks/<step>/step.py),
+    which the result's check looks with (the storage, the registry)."""
     check = getattr(result, "artifact_problem", None)
     if check is None:
         return None
     try:
-        return check(inputs)
+        return check(inputs.get("inputs"))
     except Exception as err:  # a check that cannot even look (storage gone) voids the hit: the step says why
         return f"its artifacts could not be checked ({type(err).__name__}: {err})"
 

@@ -7,7 +7,6 @@ evidence that matched and the fix the deployment guide gives.
 
 from __future__ import annotations
 
-import json
 import re
 import statistics
 from dataclasses import asdict, dataclass, field
@@ -15,9 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from tasks.acceptance.record import ACCEPTANCE_JSON, AcceptanceReport, UnreadableReport
-from tasks.capacity.plan import PLAN_JSON
-from tasks.deployment import NODE_REPORT
-from training.run_output import RunOutput
+from tasks.capacity.record import PlanRecord, read_plan
+from tasks.nodes.report import NodeReport
+from training.run_output import RunOutput, StepRecord
 
 _RENDEZVOUS = re.compile(
     r"RendezvousTimeoutError|RendezvousConnectionError|DistNetworkError|TCPStore|Address already in use|"
@@ -90,7 +89,7 @@ def _matching_lines(text: str, pattern: re.Pattern[str], limit: int = 5) -> list
     return [line.strip()[:300] for line in text.splitlines() if pattern.search(line)][:limit]
 
 
-def _metrics(run: RunOutput) -> dict[int, list[dict[str, Any]]]:
+def _metrics(run: RunOutput) -> dict[int, list[StepRecord]]:
     return {rank: run.metric_records(rank) for rank in run.metric_ranks()}
 
 
@@ -98,8 +97,8 @@ def diagnose(
     error: str = "",
     log_text: str = "",
     output_dir: Path | None = None,
-    plan: dict[str, Any] | None = None,
-    node_report: dict[str, Any] | None = None,
+    plan: PlanRecord | None = None,
+    node_report: NodeReport | None = None,
     acceptance: AcceptanceReport | None = None,
 ) -> Diagnosis:
     """Findings for a failure, from the error message, the job log, the run's metrics and the reports (an
@@ -263,39 +262,33 @@ def _rendezvous_fix(error: str, log_text: str) -> str:
     )
 
 
-def _node_findings(report: dict[str, Any] | None) -> list[str]:
-    if not report:
+def _node_findings(report: NodeReport | None) -> list[str]:
+    if report is None:
         return []
     found = []
-    for row in report.get("rows", []):
-        check = str(row.get("check", ""))
-        if row.get("severity") == "blocking" and any(
-            word in check for word in ("port", "resolv", "hostname", "reach", "network", "ssh")
-        ):
-            found.append(f"node check {check}: {row.get('finding') or ''} {row.get('remediation') or ''}".strip())
+    for row in report.blocking:
+        if any(word in row.check for word in ("port", "resolv", "hostname", "reach", "network", "ssh")):
+            found.append(f"node check {row.check}: {row.finding or ''} {row.remediation or ''}".strip())
     return found
 
 
-def _plan_findings(plan: dict[str, Any] | None) -> list[str]:
-    if not plan or plan.get("fits", True):
+def _plan_findings(plan: PlanRecord | None) -> list[str]:
+    if plan is None or plan.fits:
         return []
-    requested = plan.get("requested") or {}
-    need = requested.get("memory", {}).get("total_bytes", 0) / 2**30
-    usable = requested.get("usable_bytes", 0) / 2**30
-    layout = requested.get("layout", {}).get("name", "the requested layout")
-    found = [f"capacity plan: {layout} needs {need:.1f} GiB per device, {usable:.1f} GiB usable"]
-    best = (plan.get("search") or {}).get("best") or []
-    fitting = [b["layout"]["name"] for b in best if b.get("fits")]
+    requested = plan.requested
+    need, usable = requested.peak_bytes / 2**30, requested.usable_bytes / 2**30
+    found = [f"capacity plan: {requested.name} needs {need:.1f} GiB per device, {usable:.1f} GiB usable"]
+    fitting = plan.fitting()
     if fitting:
         found.append(f"layouts that fit: {', '.join(fitting[:3])}")
     return found
 
 
-def _metric_findings(metrics: dict[int, list[dict[str, Any]]]) -> list[Finding]:
+def _metric_findings(metrics: dict[int, list[StepRecord]]) -> list[Finding]:
     findings = []
     rank0 = metrics.get(0, [])
     if len(rank0) >= 4:
-        shares = [r["data_wait_s"] / r["step_time_s"] for r in rank0[2:] if r.get("step_time_s")]
+        shares = [r.data_wait_s / r.step_time_s for r in rank0[2:] if r.step_time_s and r.data_wait_s is not None]
         if shares and statistics.median(shares) > 0.3:
             findings.append(
                 Finding(
@@ -304,10 +297,10 @@ def _metric_findings(metrics: dict[int, list[dict[str, Any]]]) -> list[Finding]:
                     "use more data-loader workers and prefetching, and larger record files",
                 )
             )
-        losses = [r["loss"] for r in rank0]
+        losses = [r.loss for r in rank0]
         first = statistics.mean(losses[: max(1, len(losses) // 10)])
         last = statistics.mean(losses[-max(1, len(losses) // 10) :])
-        bad = [r["step"] for r in rank0 if r["loss"] != r["loss"] or r["loss"] in (float("inf"), float("-inf"))]
+        bad = [r.step for r in rank0 if r.loss != r.loss or r.loss in (float("inf"), float("-inf"))]
         if bad or last >= first:
             evidence = (
                 [f"loss NaN/Inf from step {bad[0]}"]
@@ -325,21 +318,31 @@ def _metric_findings(metrics: dict[int, list[dict[str, Any]]]) -> list[Finding]:
     return findings
 
 
-def diagnose_run(path: Path, error: str = "") -> Diagnosis:
-    """Diagnose a run folder: its job log (train.log or slurm-*.out), metrics, and plan/node reports beside it."""
+def diagnose_run(
+    path: Path, error: str = "", plan_url: str | None = None, node_report: str | None = None
+) -> Diagnosis:
+    """Diagnose a run folder: its job log (train.log or slurm-*.out) and metrics, with the deployment's plan.json
+    and node-check.json where given (tasks.paths.DeploymentPaths says where they are)."""
     train_log = RunOutput(path).train_log
     logs = ([train_log] if train_log.exists() else []) + sorted(path.glob("slurm-*.out"))
     log_text = "\n".join(p.read_text(errors="replace") for p in logs)
-    plan = _nearby_json(path, PLAN_JSON)
-    nodes = _nearby_json(path, NODE_REPORT)
+    plan = plan_if_written(plan_url)
+    nodes = node_report_if_written(node_report)
     in_workspace = AcceptanceReport.path_in(path).is_file()  # an acceptance run's workspace
     acceptance = AcceptanceReport.read(path) if in_workspace else None
     return diagnose(error, log_text, path, plan, nodes, acceptance)
 
 
-def _nearby_json(path: Path, name: str) -> dict[str, Any] | None:
-    for folder in (path, path.parent, path.parent.parent):
-        candidate = folder / name
-        if candidate.exists():
-            return json.loads(candidate.read_text())
-    return None
+def plan_if_written(url: str | None) -> PlanRecord | None:
+    """The deployment's plan.json: None where no URL is given or no file is there (the capacity step did not run)."""
+    if url is None or not Path(url).is_file():
+        return None
+    return read_plan(url)
+
+
+def node_report_if_written(path: str | None) -> NodeReport | None:
+    """The deployment's node-check.json: None where no path is given or no file is there (the node checks did not
+    run)."""
+    if path is None or not Path(path).is_file():
+        return None
+    return NodeReport.read(path)

@@ -13,12 +13,11 @@ PREFECT_RUN_LOGGERS = ("prefect.task_runs", "prefect.flow_runs", "prefect.engine
 # User-failure classes of modules that may not be imported (training/ pulls in torch): looked up in
 # sys.modules when a record arrives, since an exception of a class implies its module is loaded.
 _LAZY_USER_ERRORS = (
-    ("tasks.spec", "SpecError"),
     ("training.dataset", "DatasetError"),
     ("training.checkpoint", "CheckpointFormatError"),
     ("training.lease", "LeaseHeld"),
-    ("training.checkpoint_trust", "UnsafeCheckpointError"),
-    ("training.checkpoint_trust", "CheckpointKeyError"),
+    ("training.checkpoint", "UnsafeCheckpointError"),
+    ("training.checkpoint", "CheckpointKeyError"),
 )
 _SEEN_LIMIT = 256
 _SEE_ABOVE = "(the error above)"

@@ -12,44 +12,20 @@ from typing import Any, ParamSpec, TypeVar
 from prefect import Flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 
-from tasks.deployment import StepResult
-from tasks.diagnose import diagnose, diagnose_run
+from tasks.diagnose import diagnose, diagnose_run, node_report_if_written, plan_if_written
 from tasks.errors import retry_on_transient
 from tasks.preflight import preflight
+from tasks.results import StepResult
 from tasks.spec import DeploymentSpec, SpecError, credential_problems, load_spec, parse_spec
-from training.checkpoint_trust import KEY_ENV as CHECKPOINT_KEY_ENV
+from tasks.steps import DEPLOY, DIAGNOSIS_ARTIFACT, Step
+from training.checkpoint import KEY_ENV as CHECKPOINT_KEY_ENV
 from training.secrets import redact
 
 # The Prefect Secret block that holds the checkpoint signing key (used when TDEPLOY_CHECKPOINT_KEY is unset).
 CHECKPOINT_KEY_BLOCK = "tdeploy-checkpoint-key"
 
-STEPS = ("spec", "capacity", "nodes", "image", "data", "job", "acceptance", "drills", "serving")
-STEP_TITLES = {
-    "spec": "spec validation",
-    "capacity": "capacity estimation",
-    "nodes": "node environment checks",
-    "image": "image build",
-    "data": "data preprocessing and validation",
-    "job": "job submission",
-    "acceptance": "acceptance tests",
-    "drills": "checkpoint-restore drills",
-    "serving": "serving check",
-}
-ARTIFACTS = {
-    "spec": "diagnosis",
-    "capacity": "capacity-plan",
-    "nodes": "node-checks",
-    "image": "image-build",
-    "data": "prepare-data",
-    "job": "submit-job",
-    "acceptance": "acceptance",
-    "drills": "drills",
-    "serving": "serving",
-}
-
-
 Results = dict[str, StepResult]
-"""The steps' results so far, by step name (see STEPS)."""
+"""The steps' results so far, by step name (tasks/steps.py)."""
 
 SpecSource = DeploymentSpec | dict[str, Any] | str
 """What a flow receives: a validated spec, raw spec data (a deployment's JSON parameter), or a path/URL."""
@@ -151,19 +127,13 @@ def diagnose_failure(
 ) -> dict:
     """Classify a failed step against the known causes; publish the findings."""
     logger = get_run_logger()
-    plan = json.loads(Path(plan_url).read_text()) if plan_url and Path(plan_url).exists() else None
-    nodes = json.loads(Path(nodes_report).read_text()) if nodes_report and Path(nodes_report).exists() else None
     if run_dir and Path(run_dir).exists():
-        result = diagnose_run(Path(run_dir), error)
-        if plan or nodes:
-            extra = diagnose(error, "", None, plan, nodes)
-            known = {f.cause for f in result.findings}
-            result.findings += [f for f in extra.findings if f.cause not in known]
+        result = diagnose_run(Path(run_dir), error, plan_url, nodes_report)
     else:
-        result = diagnose(error, "", None, plan, nodes)
+        result = diagnose(error, "", None, plan_if_written(plan_url), node_report_if_written(nodes_report))
     for finding in result.findings:
         logger.error("diagnosis: %s", finding.describe())
-    create_markdown_artifact(key="diagnosis", markdown=result.markdown(), description=f"why {step} failed")
+    create_markdown_artifact(key=DIAGNOSIS_ARTIFACT, markdown=result.markdown(), description=f"why {step} failed")
     return result.to_json()
 
 
@@ -200,11 +170,6 @@ class RunSummary:
     steps: list[StepRow]
     error: str | None = None
     diagnosis: dict[str, Any] | None = None
-
-    @property
-    def succeeded(self) -> bool:
-        """No step failed."""
-        return self.failed_step is None
 
     @property
     def findings(self) -> list[dict[str, Any]]:
@@ -261,21 +226,27 @@ class RunSummary:
 
 
 def summarize(
-    name: str, results: Results, failed_step: str | None, error: str | None, diagnosis: dict | None
+    name: str,
+    results: Results,
+    failed_step: str | None,
+    error: str | None,
+    diagnosis: dict | None,
+    steps: tuple[Step, ...] = DEPLOY,
 ) -> RunSummary:
-    """The run's summary from the steps' results, the failed step and its error, and the diagnosis."""
+    """The run's summary from the steps' results, the failed step and its error, and the diagnosis: one row per
+    step of the flow's list (tasks/steps.py)."""
     rows = []
-    for step in STEPS:
-        if step in results:
-            verdict, figures = results[step].verdict, results[step].summary()
-        elif step == failed_step:
+    for step in steps:
+        if step.name in results:
+            verdict, figures = results[step.name].verdict, results[step.name].summary()
+        elif step.name == failed_step:
             verdict, figures = "FAILED", _failure(error)
-        elif step == "spec":
+        elif step.name == "spec":
             verdict, figures = "passed", ""
         else:
             verdict, figures = "not run", ""
-        details = f"artifact `{ARTIFACTS[step]}`" if step != "spec" or step == failed_step else "-"
-        rows.append(StepRow(step, STEP_TITLES[step], verdict, figures, details))
+        details = f"artifact `{step.artifact}`" if step.name != "spec" or step.name == failed_step else "-"
+        rows.append(StepRow(step.name, step.title, verdict, figures, details))
     return RunSummary(name, failed_step, rows, error, diagnosis)
 
 

@@ -23,7 +23,8 @@ from pathlib import Path
 
 from tasks.errors import TransientError, is_connection_error
 from tasks.roots import AllowedRoots, RootsError, allowed_roots, confinement_problem
-from tasks.spec import DeploymentSpec, SpecError, derived_paths
+from tasks.paths import derived_paths
+from tasks.spec import DeploymentSpec, SpecError
 from training.storage import StorageConfig, filesystem, is_local, join, local_path
 
 log = logging.getLogger(__name__)

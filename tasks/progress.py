@@ -11,9 +11,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tasks.steps import Step
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +51,16 @@ def report(step: str, phase: str, done: int | None = None, total: int | None = N
         listeners = list(_listeners)
     for listener in listeners:
         listener(event)
+
+
+def report_step(flow: str, steps: Sequence[Step], name: str | None) -> None:
+    """Tell the listeners that `flow` begins its step `name` (its title; step k of the flow's list in
+    tasks/steps.py), or with None that it is done."""
+    if name is None:
+        report(flow, "done", len(steps), len(steps))
+        return
+    index = [step.name for step in steps].index(name)
+    report(flow, steps[index].title, index, len(steps))
 
 
 @contextmanager

@@ -14,10 +14,13 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from tasks.acceptance.config import AcceptanceConfig, DrillConfig
 from tasks.capacity.catalogue import CATALOGUE
 from tasks.capacity.config import CapacityConfig, capacity_problems
-from tasks.cluster import ClusterConfig
-from tasks.errors import TransientError, is_connection_error
+from tasks.errors import TransientError, UserError, is_connection_error
 from tasks.image.config import ImageConfig
+from tasks.launch import registry
+from tasks.launch.cluster import ClusterConfig
+from tasks.names import NAME_PATTERN, NAME_RULE
 from tasks.nodes.config import NodesConfig
+from tasks.paths import RUNS_DIR, UNNAMED, derived_paths
 from tasks.prepare.config import DataSpec
 from tasks.serve.config import ServeConfig, unservable
 from training.config import (
@@ -36,10 +39,9 @@ from training.config import (
     raise_problems,
     training_problems,
 )
-from training.layout import data_parallel_degree, world_problems
+from training.layout import Layout, data_parallel_degree, world_problems
 from training.secrets import REDACTED, credential_message, find_credentials
 from training.storage import LocalPath, StorageConfig, is_local
-from validation.acceptance import layout_text
 
 MAX_SPEC_BYTES = 1 << 20
 """A spec is a few kB; anything past 1 MiB is the wrong file (or an attack on the parser)."""
@@ -49,8 +51,6 @@ MAX_SPEC_DEPTH = 32
 """Deepest nesting of mappings and lists a spec may have (the schema needs 5)."""
 
 
-NAME_PATTERN = r"^[a-z0-9][a-z0-9-]{0,62}$"
-NAME_RULE = "1 to 63 lowercase letters, digits and '-', starting with a letter or digit"
 REMOVED_FIELDS: dict[str, str] = {
     "data.bootstrap": "data.prepare replaced it: drop data.bootstrap and data.dataset_url and write `data: "
     "{prepare: {builtin_corpus: python-docs, tokenizer: {kind: bytes}}}` for the byte-level dataset of the "
@@ -58,10 +58,6 @@ REMOVED_FIELDS: dict[str, str] = {
     "prepare.cleaning.min_chars); examples/local.yaml does the same with a BPE tokenizer",
 }
 """Fields a spec once had, by dotted path, with what replaced them: an old spec is told, not called a typo."""
-RUNS_DIR = "runs"
-"""Deployment folders go under runs/<name>/ (relative to where tdeploy runs) unless deployment_dir says otherwise."""
-_UNNAMED = "unnamed"
-"""Stands in for an invalid name while deriving paths, so the spec fails on the name alone."""
 
 
 def with_precision_default(data: dict[str, Any]) -> dict[str, Any]:
@@ -84,62 +80,30 @@ def with_precision_default(data: dict[str, Any]) -> dict[str, Any]:
     return {**data, "precision": {**precision, "dtype": "bf16"}} if kind == "gpu" else data
 
 
-def derived_paths(data: dict[str, Any]) -> dict[str, Any]:
-    """Raw spec data with every path the deployment's folder implies filled in where the spec omits it.
+def _scheduler_defaults(data: dict[str, Any]) -> dict[str, Any]:
+    """The cluster section with what its scheduler takes from other sections filled in (the launcher says what:
+    an SSH job's hosts come from the nodes section, so the node checks and the job see one inventory)."""
+    cluster = data.get("cluster")
+    found = registry.find(cluster.get("scheduler", "local")) if isinstance(cluster, dict) else None
+    if found is None:
+        return data  # the cluster section's own validation names what is wrong
+    assert isinstance(cluster, dict)
+    return {**data, "cluster": found.launcher.cluster_defaults(cluster, data.get("nodes"))}
 
-    The folder is deployment_dir, else runs/<name>: run.output_url (output/), checkpoint.url (checkpoints/),
-    data.prepare.output_url (datasets/), capacity.output_url (plan.json) and acceptance.work_url (acceptance/).
+
+class SpecError(UserError, ValueError):
+    """A spec that cannot be used; `problems` has one `field=value: what and fix` line per error.
+
+    A UserError (never retried, shown without a traceback) and still the ValueError it always was.
     """
-    name = data.get("name")
-    folder = data.get("deployment_dir")
-    if folder is None:
-        valid = isinstance(name, str) and re.fullmatch(NAME_PATTERN, name) is not None
-        folder = f"{RUNS_DIR}/{name if valid else _UNNAMED}"
-    if not isinstance(folder, str):
-        return data  # the field's own validation reports it
-    base = folder.rstrip("/")
-    out = {**data, "deployment_dir": folder}
-    targets = [
-        ("run", "output_url", f"{base}/output", False),
-        ("checkpoint", "url", f"{base}/checkpoints", False),
-        ("capacity", "output_url", base, True),
-        ("acceptance", "work_url", f"{base}/acceptance", True),
-    ]
-    for section, key, value, optional_section in targets:
-        current = out.get(section, {} if optional_section else None)
-        if isinstance(current, dict) and current.get(key) is None:
-            out[section] = {**current, key: value}
-    data_section = out.get("data")
-    if isinstance(data_section, dict) and isinstance(data_section.get("prepare"), dict):
-        prepare = data_section["prepare"]
-        if prepare.get("output_url") is None:
-            out["data"] = {**data_section, "prepare": {**prepare, "output_url": f"{base}/datasets"}}
-    return _ssh_from_nodes(out)
-
-
-_NODES_TO_SSH = {"ssh_user": "user", "ssh_key_path": "key_path", "known_hosts_path": "known_hosts_path",
-                 "python": "python", "connect_timeout_s": "connect_timeout_s"}  # fmt: skip
-
-
-def _ssh_from_nodes(data: dict[str, Any]) -> dict[str, Any]:
-    """scheduler=ssh without a cluster.ssh section: the agents' hosts and SSH settings are the nodes section's, so
-    the node checks and the job see one inventory."""
-    cluster, nodes = data.get("cluster"), data.get("nodes")
-    if not (isinstance(cluster, dict) and cluster.get("scheduler") == "ssh" and cluster.get("ssh") is None):
-        return data
-    if not isinstance(nodes, dict) or not nodes.get("hosts"):
-        return data  # _cluster_problems names what is missing
-    ssh = {"hosts": nodes["hosts"]}
-    ssh |= {ours: nodes[theirs] for theirs, ours in _NODES_TO_SSH.items() if nodes.get(theirs) is not None}
-    return {**data, "cluster": {**cluster, "ssh": ssh}}
-
-
-class SpecError(ValueError):
-    """A spec that cannot be used; `problems` has one `field=value: what and fix` line per error."""
 
     def __init__(self, source: str, problems: list[str]) -> None:
         super().__init__(f"{source}: invalid deployment spec:\n" + "\n".join(f"  - {p}" for p in problems))
         self.source, self.problems = source, problems
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickle by the constructor's arguments (Prefect stores a failed task's exception)."""
+        return (type(self), (self.source, self.problems))
 
 
 class DeploymentSpec(StrictModel):
@@ -147,7 +111,7 @@ class DeploymentSpec(StrictModel):
 
     name: str = Field(pattern=NAME_PATTERN, description=f"Deployment name: {NAME_RULE}.")
     deployment_dir: LocalPath = Field(
-        default=f"{RUNS_DIR}/{_UNNAMED}",
+        default=f"{RUNS_DIR}/{UNNAMED}",
         description="This deployment's folder: every report (plan.json, node-check.json, image/, acceptance/) "
         "and, where the spec omits them, run.output_url (output/), checkpoint.url (checkpoints/) and "
         "data.prepare.output_url (datasets/); default runs/<name> (relative to where tdeploy runs).",
@@ -192,7 +156,7 @@ class DeploymentSpec(StrictModel):
     @model_validator(mode="before")
     @classmethod
     def _derive_paths(cls, data: Any) -> Any:
-        return with_precision_default(derived_paths(data)) if isinstance(data, dict) else data
+        return with_precision_default(_scheduler_defaults(derived_paths(data))) if isinstance(data, dict) else data
 
     @model_validator(mode="after")
     def _consistent(self) -> DeploymentSpec:
@@ -230,26 +194,11 @@ class DeploymentSpec(StrictModel):
         problems: list[Problem] = []
         world, par = self.cluster.world_size, self.parallel
         scheduler = self.cluster.scheduler
-        if scheduler == "ssh" and self.cluster.ssh is None:
-            problems.append(
-                (
-                    ("cluster", "ssh"),
-                    None,
-                    "cluster.scheduler=ssh starts one torchrun agent per host: list the hosts under nodes.hosts "
-                    "(name, address, port) or give cluster.ssh.hosts",
-                )
-            )
-        elif scheduler == "ssh" and len(self.cluster.ssh.hosts) < self.cluster.nodes:
-            problems.append(
-                (
-                    ("cluster", "nodes"),
-                    self.cluster.nodes,
-                    f"cluster.scheduler=ssh has {len(self.cluster.ssh.hosts)} host(s) to start agents on; list "
-                    f"{self.cluster.nodes} under nodes.hosts or lower cluster.nodes",
-                )
-            )
-        if scheduler in ("local", "ssh", "slurm") and not is_local(self.run.output_url):
-            where = "this machine" if scheduler == "local" else "a filesystem every node shares"
+        launcher = registry.launcher_class(scheduler)
+        problems += [(("cluster", *at), value, why) for at, value, why in launcher.cluster_problems(self.cluster)]
+        if launcher.capabilities.needs_shared_output and not is_local(self.run.output_url):
+            shared = not launcher.capabilities.runs_on_this_machine_only
+            where = "a filesystem every node shares" if shared else "this machine"
             problems.append(
                 (
                     ("run", "output_url"),
@@ -322,6 +271,11 @@ class DeploymentSpec(StrictModel):
         """sha256 of the normalised spec (for cache keys and labels)."""
         return hashlib.sha256(self.model_dump_json().encode()).hexdigest()
 
+    def uses_s3(self) -> bool:
+        """True when any URL of the spec is on S3 (the image then also gets s3fs)."""
+        text = self.model_dump_json()
+        return "s3://" in text or "s3a://" in text or self.storage.s3_endpoint_url is not None
+
     @property
     def data_parallel_degree(self) -> int:
         """Data-parallel ranks of the job: the world size with the tensor and pipeline degrees divided out."""
@@ -330,10 +284,8 @@ class DeploymentSpec(StrictModel):
     def layout(self) -> str:
         """The layout in words, outermost mesh dimension first: "pp2 x dp2 x tp2 (fsdp, sp, 1f1b)", "dp4 (ddp)"."""
         p = self.parallel
-        sizes = {"pp": p.pipeline_parallel, "dp": self.data_parallel_degree, "tp": p.tensor_parallel,
-                 "ep": p.expert_parallel}  # fmt: skip
         extra = (["sp"] if p.sequence_parallel else []) + ([p.pipeline_schedule] if p.pipeline_parallel > 1 else [])
-        return layout_text(sizes, p.sharding, *extra)
+        return Layout.of(p, self.cluster.world_size, self.cluster.procs_per_node).degrees(*extra)
 
     def summary(self) -> str:
         """One short paragraph for humans."""

@@ -29,7 +29,7 @@ from tasks.spec import DeploymentSpec, parse_spec
 from tests import processes
 from tests.processes import run_group
 from training import run_output
-from training.run_output import RunOutput
+from training.run_output import RunOutput, StepRecord
 from training.storage import StorageConfig
 
 REPO = Path(__file__).resolve().parents[1]
@@ -160,7 +160,7 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     return run_output.read_jsonl(path)
 
 
-def metrics_by_step(output_dir: str | Path, rank: int = 0) -> dict[int, dict[str, Any]]:
+def metrics_by_step(output_dir: str | Path, rank: int = 0) -> dict[int, StepRecord]:
     """Per-step metrics of one rank; when a step ran twice (resume), the later attempt wins."""
     return RunOutput(output_dir).metrics(rank)
 

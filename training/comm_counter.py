@@ -24,12 +24,12 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from training.layout import MESH_GROUPS
+
 DIMS = ("dp", "tp", "pp", "ep")
 PLANNER_KEYS = {"dp": "data_parallel", "tp": "tensor_parallel", "pp": "pipeline_parallel", "ep": "expert_parallel"}
-_MESH_DIM_LABELS = {
-    "pp": "pp", "dp_replicate": "dp", "dp_shard": "dp", "dp_mod_ep": "dp", "dp": "dp", "cp": "cp", "tp": "tp",
-    "ep": "ep",
-}  # fmt: skip
+_MESH_DIM_LABELS = {dim: group for group, dims in MESH_GROUPS.items() for dim in dims} | {"dp": "dp", "dp_mod_ep": "dp"}
+"""Each mesh dimension's sub-group label (the expert mesh's dp_mod_ep and the flattened dp count as data parallel)."""
 _NAMESPACES = {"c10d", "_c10d_functional", "c10d_functional", "_c10d_functional_autograd"}
 
 

@@ -295,8 +295,8 @@ class ParallelConfig(StrictModel):
         default=1,
         ge=1,
         le=MAX_RANKS,
-        description="Context (ring-attention) parallel degree. Only 1 is accepted: see training/mesh.py "
-        "(CONTEXT_PARALLEL_UNSUPPORTED).",
+        description="Context (ring-attention) parallel degree. Only 1 is accepted: planned only, see "
+        "training/layout.py (PLANNED_ONLY).",
     )
 
     @property

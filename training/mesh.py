@@ -20,10 +20,7 @@ from functools import cached_property
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from training.config import ParallelConfig, format_validation_error, raise_problems
-from training.layout import data_parallel_degree, world_problems
-
-MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
-EXPERT_MESH_DIMS = ("pp", "dp_mod_ep", "ep", "cp", "tp")
+from training.layout import EXPERT_MESH_DIMS, MESH_DIMS, Layout, world_problems
 
 
 class LayoutError(ValueError):
@@ -49,16 +46,10 @@ class ParallelDims:
             raise_problems("parallel", world_problems(par, world, local_world, where))
         except ValueError as err:  # pydantic's ValidationError
             raise LayoutError("; ".join(format_validation_error(err))) from None  # type: ignore[arg-type]
-        dp = data_parallel_degree(par, world)
-        if par.sharding == "fsdp":
-            replicate, shard = 1, dp
-        elif par.sharding == "hsdp":
-            shard = par.hsdp_shard_size or max(1, local_world // par.tensor_parallel)
-            replicate = dp // shard
-        else:  # ddp: FSDP2 with shard groups of one rank replicates, as DDP does
-            replicate, shard = dp, 1
-        return cls(par.pipeline_parallel, replicate, shard, par.context_parallel, par.tensor_parallel,
-                   par.expert_parallel)  # fmt: skip
+        lo = Layout.of(par, world, local_world)
+        # ddp: FSDP2 with shard groups of one rank replicates, as DDP does; fsdp shards over every dp rank
+        shard = 1 if lo.zero == 0 else lo.shard
+        return cls(lo.pp, lo.dp // shard, shard, lo.cp, lo.tp, lo.ep)
 
     @property
     def dp(self) -> int:
@@ -109,6 +100,11 @@ class Meshes:
         return self.world["tp"]
 
     @property
+    def cp(self) -> DeviceMesh:
+        """Context-parallel sub-mesh (1-D; one rank while context parallelism is planned only)."""
+        return self.world["cp"]
+
+    @property
     def pp(self) -> DeviceMesh:
         """Pipeline sub-mesh (1-D)."""
         return self.world["pp"]
@@ -138,9 +134,3 @@ class Meshes:
         """This rank records its data-parallel rank's samples: first pipeline stage, tensor and context rank 0."""
         c = self.coords
         return c["pp"] == 0 and c["tp"] == 0 and c["cp"] == 0
-
-    @property
-    def is_loss_owner(self) -> bool:
-        """This rank's loss is its data-parallel rank's loss: last pipeline stage, tensor and context rank 0."""
-        c = self.coords
-        return c["pp"] == self.dims.pp - 1 and c["tp"] == 0 and c["cp"] == 0

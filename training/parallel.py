@@ -17,6 +17,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from training.config import ParallelConfig
+from training.layout import Layout
 from training.mesh import Meshes
 from training.metrics import CommTimer
 from training.model import MoE, Transformer
@@ -33,7 +34,7 @@ def data_parallel_mesh(cfg: ParallelConfig, world: int, local_world: int, device
     """1-D mesh for fsdp; (replicate, shard) mesh for hsdp."""
     if cfg.sharding == "fsdp":
         return init_device_mesh(device_type, (world,), mesh_dim_names=("shard",))
-    shard = cfg.hsdp_shard_size or local_world
+    shard = Layout.of(cfg, world, local_world).shard
     if world % shard:
         raise ParallelismError(
             f"parallel.hsdp_shard_size={shard} does not divide the world size {world}; "
@@ -150,7 +151,7 @@ def comm_timed(cfg: ParallelConfig, world: int, local_world: int) -> bool:
     (HSDP with one rank per shard group synchronises through an all-reduce only, which it does not see)."""
     if world == 1:
         return False
-    return cfg.sharding != "hsdp" or (cfg.hsdp_shard_size or local_world) > 1
+    return cfg.sharding != "hsdp" or Layout.of(cfg, world, local_world).shard > 1
 
 
 @contextlib.contextmanager

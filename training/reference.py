@@ -54,7 +54,7 @@ from training.dataset import TokenDataset
 from training.holdings import param_pieces, param_record
 from training.metrics import peak_memory_bytes
 from training.model import Transformer
-from training.run_output import Ranks, RunOutputWriter, RunResult
+from training.run_output import Ranks, RunOutputWriter, RunResult, StepRecord
 from training.sampler import blend_of
 
 log = logging.getLogger(__name__)
@@ -231,29 +231,26 @@ def run_reference(cfg: TrainConfig) -> RunResult:
         first_loss = loss_value if first_loss is None else first_loss
         tokens_step = global_batch * model_cfg.seq_len
         out.append_metrics(
-            0,
-            {
-                "step": step + 1,
-                "epoch": epoch,
-                "loss": loss_value,
-                "rank_loss": loss_value,
-                "aux_loss": done.aux if model_cfg.moe else None,
-                "lr": lr,
-                "grad_norm": grad_norm,
-                "twin_loss": twin[step].loss,
-                "twin_grad_norm": twin[step].grad_norm,
-                "twin_parts": parts,
-                "loss_scale": None,
-                "skipped": False,
-                "tokens_per_s": tokens_step / elapsed,
-                "tokens_per_s_rank": tokens_step / elapsed,
-                "step_time_s": elapsed,
-                "data_wait_s": data_s,
-                "comm_s": None,
-                "compute_s": elapsed - data_s,
-                "peak_mem_bytes": peak_memory_bytes(device),
-                "time_unix_s": time.time(),
-            },
+            StepRecord(
+                rank=0,
+                step=step + 1,
+                epoch=epoch,
+                loss=loss_value,
+                rank_loss=loss_value,
+                aux_loss=done.aux if model_cfg.moe else None,
+                lr=lr,
+                grad_norm=grad_norm,
+                twin_loss=twin[step].loss,
+                twin_grad_norm=twin[step].grad_norm,
+                twin_parts=parts,
+                tokens_per_s=tokens_step / elapsed,
+                tokens_per_s_rank=tokens_step / elapsed,
+                step_time_s=elapsed,
+                data_wait_s=data_s,
+                compute_s=elapsed - data_s,
+                peak_mem_bytes=peak_memory_bytes(device),
+                time_unix_s=time.time(),
+            )
         )
         if run.record_samples:
             out.append_samples(0, {"step": step + 1, "epoch": epoch, "resumed_from": None, "indices": indices.tolist()})

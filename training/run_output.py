@@ -5,7 +5,7 @@ A run's output folder (`run.output_url`) holds, format version 1:
     ranks.json                    written at start-up by rank 0: format_version, world_size, one entry per rank
                                   (its host, pid, device, ..., and `network`: the NCCL_*/GLOO_*/TORCH_* variables
                                   it ran with and its collective timeout; runs from before it have none)
-    metrics/rank-NNNNN.jsonl      one line per optimizer step and rank (step, loss, lr, tokens/s, memory, ...);
+    metrics/rank-NNNNN.jsonl      one StepRecord per optimizer step and rank (step, loss, lr, tokens/s, memory, ...);
                                   its times: step_time_s, data_wait_s, comm_s, compute_s (wall), cpu_s and
                                   compute_cpu_s (the process's CPU time of the step, and of its compute without
                                   data reads and the loss sync; CPU runs), compute_device_s (CUDA events around the
@@ -37,7 +37,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import IO, Any, Literal
 
@@ -92,6 +92,59 @@ class Ranks:
     world_size: int
     ranks: list[dict[str, Any]]
     format_version: int = FORMAT_VERSION
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepRecord:
+    """One line of metrics/rank-NNNNN.jsonl: one optimizer step of one rank, as both trainers write it (the
+    distributed one, training/train.py, and the independent reference, training/reference.py). A figure the run
+    did not measure is None (null in the file; runs from before a field existed leave it out)."""
+
+    rank: int = 0
+    step: int
+    epoch: int | None = None
+    loss: float  # mean over the ranks
+    rank_loss: float | None = None  # this rank's own
+    aux_loss: float | None = None  # MoE load-balancing loss
+    lr: float | None = None
+    grad_norm: float | None = None
+    loss_scale: float | None = None
+    skipped: bool = False  # the loss scaler skipped the optimizer step
+    tokens_per_s: float | None = None  # of the whole job, as this rank timed the step
+    tokens_per_s_rank: float | None = None
+    step_time_s: float | None = None
+    data_wait_s: float | None = None
+    comm_s: float | None = None  # gradient collectives in flight (DDP, FSDP)
+    compute_s: float | None = None  # wall time less data wait, communication and the loss sync
+    tokens: int | None = None  # of the whole job in this step
+    cpu_s: float | None = None  # the process's CPU time of the step (CPU runs)
+    compute_cpu_s: float | None = None  # of that, the compute without data reads and the loss sync (CPU runs)
+    compute_device_s: float | None = None  # CUDA events around the compute (GPU runs)
+    peak_mem_bytes: int | None = None
+    runtime_mem_bytes: int | None = None
+    dropped_tokens: int | None = None  # MoE: tokens over expert capacity
+    comm_bytes: dict[str, float] | None = None  # per mesh dimension ("tp", "dp", ...)
+    comm_s_per_dim: dict[str, float] | None = None
+    time_unix_s: float | None = None  # when the step ended
+    gpu_util: float | None = None  # NVML readings (GPU runs with NVML)
+    gpu_mem_bytes: float | None = None
+    gpu_mem_total_bytes: float | None = None
+    gpu_power_w: float | None = None
+    twin_loss: float | None = None  # the reference's noise twin (training/reference.py)
+    twin_grad_norm: float | None = None
+    twin_parts: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """The line as written."""
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> StepRecord:
+        """From a parsed line (fields this version does not know are ignored); TypeError without step or loss."""
+        return cls(**{k: v for k, v in data.items() if k in _STEP_FIELDS})
+
+
+_STEP_FIELDS = frozenset(f.name for f in fields(StepRecord))
 
 
 @dataclass(frozen=True)
@@ -215,9 +268,9 @@ class RunOutputWriter:
         """ranks.json, with the format version."""
         self._write_json(RANKS, asdict(ranks) | {"format_version": FORMAT_VERSION})
 
-    def append_metrics(self, rank: int, record: dict[str, Any]) -> None:
-        """One step's metrics of `rank`."""
-        self._append(f"{METRICS_DIR}/{rank_file(rank)}", {"rank": rank, **record})
+    def append_metrics(self, record: StepRecord) -> None:
+        """One step's metrics of the record's rank."""
+        self._append(f"{METRICS_DIR}/{rank_file(record.rank)}", record.to_json())
 
     def append_samples(self, rank: int, record: dict[str, Any]) -> None:
         """One step's sample indices of `rank`."""
@@ -355,15 +408,24 @@ class RunOutput:
     def _ranks_in(self, folder: str) -> list[int]:
         return sorted(int(p.stem.split("-")[1]) for p in (self.dir / folder).glob("rank-*.jsonl"))
 
-    def metric_records(self, rank: int = 0) -> list[dict[str, Any]]:
+    def metric_records(self, rank: int = 0) -> list[StepRecord]:
         """Every metrics line of `rank` in order, repeated steps included."""
-        return read_jsonl(self.dir / METRICS_DIR / rank_file(rank))
+        path = self.dir / METRICS_DIR / rank_file(rank)
+        records = []
+        for number, line in enumerate(read_jsonl(path), start=1):
+            try:
+                records.append(StepRecord.from_json(line))
+            except TypeError as err:
+                raise RunOutputFormatError(
+                    path, f"line {number} is not a step record ({err})", "remove it: the trainer writes this file"
+                ) from err
+        return records
 
-    def metrics(self, rank: int = 0) -> dict[int, dict[str, Any]]:
+    def metrics(self, rank: int = 0) -> dict[int, StepRecord]:
         """step -> metrics record of `rank` (later attempts win)."""
-        return latest_by_step(self.metric_records(rank))
+        return {r.step: r for r in self.metric_records(rank)}
 
-    def all_metrics(self) -> dict[int, dict[int, dict[str, Any]]]:
+    def all_metrics(self) -> dict[int, dict[int, StepRecord]]:
         """rank -> step -> metrics record, for every rank that recorded metrics."""
         return {rank: self.metrics(rank) for rank in self.metric_ranks()}
 

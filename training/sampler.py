@@ -26,8 +26,6 @@ from typing import Any
 
 import numpy as np
 
-from training import faults
-
 
 @dataclass
 class SamplerState:
@@ -71,7 +69,7 @@ class GlobalBatchSampler:
     def permutation(self, epoch: int) -> np.ndarray:
         """The sample order of `epoch`."""
         if epoch != self._perm_epoch:
-            self._perm = faults.sample_order(np.random.default_rng([self.seed, epoch]).permutation(self.n_samples))
+            self._perm = np.random.default_rng([self.seed, epoch]).permutation(self.n_samples)
             self._perm_epoch = epoch
         return self._perm
 

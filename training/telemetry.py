@@ -30,37 +30,39 @@ from training.config import RunConfig
 if TYPE_CHECKING:
     import torch
 
+    from training.run_output import StepRecord
+
 log = logging.getLogger(__name__)
 
 LABELS = ("rank", "host", "train_job")
 
 # name -> (help, value from a step record or None when the record has none)
-STEP_GAUGES: dict[str, tuple[str, Callable[[dict[str, Any]], float | None]]] = {
-    "tdeploy_train_step": ("Last completed optimizer step.", lambda r: r["step"]),
+STEP_GAUGES: dict[str, tuple[str, Callable[[StepRecord], float | None]]] = {
+    "tdeploy_train_step": ("Last completed optimizer step.", lambda r: r.step),
     "tdeploy_train_last_step_timestamp_seconds": (
         "Unix time at which the last step ended (no progress: time() minus this grows).",
-        lambda r: r["time_unix_s"],
+        lambda r: r.time_unix_s,
     ),
-    "tdeploy_train_step_time_seconds": ("Wall time of the last step.", lambda r: r["step_time_s"]),
+    "tdeploy_train_step_time_seconds": ("Wall time of the last step.", lambda r: r.step_time_s),
     "tdeploy_train_tokens_per_second": (
         "Tokens per second of the whole job in the last step, as this rank timed it.",
-        lambda r: r["tokens_per_s"],
+        lambda r: r.tokens_per_s,
     ),
     "tdeploy_train_loss": (
         "Training loss of the last step, mean over ranks (NaN or Inf once it diverges).",
-        lambda r: r["loss"],
+        lambda r: r.loss,
     ),
     "tdeploy_train_data_wait_ratio": (
         "Share of the last step spent waiting for the input pipeline (0..1).",
-        lambda r: r["data_wait_s"] / r["step_time_s"],
+        lambda r: None if r.data_wait_s is None or not r.step_time_s else r.data_wait_s / r.step_time_s,
     ),
     "tdeploy_train_communication_ratio": (
         "Share of the last step with a gradient reduction in flight (0..1; measured under DDP only).",
-        lambda r: None if r.get("comm_s") is None else r["comm_s"] / r["step_time_s"],
+        lambda r: None if r.comm_s is None or not r.step_time_s else r.comm_s / r.step_time_s,
     ),
     "tdeploy_train_peak_memory_bytes": (
         "Peak memory of this rank: allocated on its GPU, resident set size on CPU.",
-        lambda r: r["peak_mem_bytes"],
+        lambda r: r.peak_mem_bytes,
     ),
 }
 MEMORY_CAPACITY = "tdeploy_train_memory_capacity_bytes"
@@ -279,7 +281,7 @@ class Telemetry:
         """Keys for the step's metrics record ({} without NVML or GPU)."""
         return self.gpu.read() if self.gpu is not None else {}
 
-    def observe(self, record: dict[str, Any]) -> None:
+    def observe(self, record: StepRecord) -> None:
         """Publish one step's metrics record."""
         if self._server is None:
             return
@@ -288,7 +290,7 @@ class Telemetry:
             value = value_of(record)
             if value is not None:
                 self._gauges[name].labels(*values).set(value)
-        if not math.isfinite(record["loss"]):
+        if not math.isfinite(record.loss):
             self._nonfinite.inc()
 
     def close(self) -> None:

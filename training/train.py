@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from training import faults, preemption, process
+from training import drill_points, preemption, process
 from training.checkpoint import CheckpointManager, CheckpointSaveError, ModelCard, SavedCheckpoint
 from training.comm_probe import probe_record
 from training.config import OptimConfig, TrainConfig
@@ -47,7 +47,7 @@ from training.model import Transformer
 from training.network import collective_timeout, network_record
 from training.parallel import comm_timed, gradient_sync, parallelize
 from training.reference import run_reference
-from training.run_output import CheckpointEvent, EpochEnd, Ranks, RunOutputWriter, RunResult
+from training.run_output import CheckpointEvent, EpochEnd, Ranks, RunOutputWriter, RunResult, StepRecord
 from training.sampler import GlobalBatchSampler, SamplerState, blend_of
 from training.telemetry import Telemetry
 from training.tensor_parallel import lm_loss, loss_context
@@ -252,12 +252,12 @@ class Trainer:
         if par.model_parallel:
             self.meshes = ParallelDims.from_config(par, self.world, self.env.local_world_size).build(self.device.type)
             self.dp_rank, self.dp_size = self.meshes.coords["dp"], self.meshes.dims.dp
-        seed = faults.seed_for(cfg.run.seed)
+        seed = cfg.run.seed
         self.blend = blend_of(self.train_data, seed)  # None unless the dataset mixes weighted sources
         self.sampler = GlobalBatchSampler(
             self.blend.epoch_size if self.blend else len(self.train_data),
             par.micro_batch, par.grad_accum_steps, self.dp_size,
-            faults.sample_rank(self.dp_rank), seed, drop_last=cfg.data.drop_last,
+            self.dp_rank, seed, drop_last=cfg.data.drop_last,
         )  # fmt: skip
 
         # On CPU the peak resident set is the only memory figure: what the runtime held before the model was built
@@ -279,12 +279,10 @@ class Trainer:
             self.comm_measured = comm_timed(par, self.world, self.env.local_world_size)
         else:
             self.model = self._model_parallel(model)
-            faults.maybe_reseed_tp_shards(self.model, self.meshes.coords["tp"], cfg.run.seed)
             # FSDP2's reduce-scatter is timed; a replicate-only data dimension synchronises by an all-reduce the
             # timer does not see, so its comm_s is not measured rather than zero.
             self.comm_measured = self.meshes.dims.dp_shard > 1
         self.optimizer = build_optimizer(self.model, cfg.optim, self.device.type)
-        faults.scale_lr(self.optimizer)  # before the scheduler takes the groups' lr as its base
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg.optim, cfg.run.steps))
         self.autocast_dtype = _AUTOCAST[cfg.precision.dtype]
         self.scaler = torch.amp.GradScaler(
@@ -391,7 +389,7 @@ class Trainer:
 
     def _mesh_record(self) -> dict[str, Any] | None:
         """Model-parallel layouts: this rank's mesh coordinates and an all-reduce of rank+1 on each of its
-        sub-groups (tensor, pipeline, data, expert) against the sum those ranks should give."""
+        sub-groups (tensor, context, pipeline, data, expert) against the sum those ranks should give."""
         if self.meshes is None:
             return None
         m = self.meshes
@@ -399,7 +397,7 @@ class Trainer:
         sizes = {"pp": dims.pp, "dp": dims.dp, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard,
                  "cp": dims.cp, "tp": dims.tp, "ep": dims.ep}  # fmt: skip
         groups: dict[str, Any] = {}
-        for name, mesh in (("tp", m.tp), ("pp", m.pp), ("dp", m.dp_flat), ("ep", m.ep)):
+        for name, mesh in (("tp", m.tp), ("cp", m.cp), ("pp", m.pp), ("dp", m.dp_flat), ("ep", m.ep)):
             if mesh is None or mesh.size() == 1:
                 continue
             ranks = mesh.mesh.flatten().tolist()
@@ -458,7 +456,6 @@ class Trainer:
         fetch, fetch_cpu = time.perf_counter(), time.process_time()
         tokens = self.train_data.batch(np.concatenate(micro_batches))
         data_s, data_cpu_s = time.perf_counter() - fetch, time.process_time() - fetch_cpu
-        faults.maybe_slow_down()
         loss = self.pipeline.train_step(tokens)
         return self._from_last_stage(loss), data_s, data_cpu_s
 
@@ -510,14 +507,8 @@ class Trainer:
             tokens = self.train_data.batch(indices)
             data_s += time.perf_counter() - fetch
             data_cpu_s += time.process_time() - fetch_cpu
-            if m > 0 and faults.active().accum_bug:
-                self.optimizer.zero_grad(set_to_none=True)
-            sync = m == accum - 1 and not faults.active().skip_grad_sync
-            with gradient_sync(self.model, enabled=sync), loss_context(self._tensor_parallel):
+            with gradient_sync(self.model, enabled=m == accum - 1), loss_context(self._tensor_parallel):
                 loss, aux = self._loss(tokens)
-                loss = loss * faults.loss_poison(self.step + 1)
-                if m == 0:
-                    faults.maybe_slow_down()
                 objective = loss + coef * aux if coef else loss  # a tensor-parallel loss is a DTensor, aux is not
                 self.scaler.scale(objective / accum).backward()
             loss_sum += _to_tensor(loss.detach())
@@ -595,7 +586,6 @@ class Trainer:
             "time_unix_s": time.time(),
             **self.telemetry.gpu_readings(),
         }
-        faults.step_computed(record["compute_cpu_s"] if on_cpu else record["compute_s"], on_cpu)
         device = {"loss": global_loss.reshape(()), "rank_loss": local_loss.reshape(()), "grad_norm": grad_norm}
         if cfg.model.moe:
             device["aux_loss"] = (aux_sum / accum).detach().float().reshape(())
@@ -615,7 +605,7 @@ class Trainer:
                 self.out.append_epoch(end)
         return pending
 
-    def flush_metrics(self) -> list[dict[str, Any]]:
+    def flush_metrics(self) -> list[StepRecord]:
         """Read the pending steps' device figures in one host transfer, write their records (in step order),
         and return them."""
         pending, self._pending = self._pending, []
@@ -629,12 +619,13 @@ class Trainer:
         flat = iter(values.tolist())
         records = []
         for p, keys in zip(pending, names, strict=True):
-            record = p.record | {n: next(flat) for n in keys}
-            record["loss"] /= p.divide
+            figures = p.record | {n: next(flat) for n in keys}
+            figures["loss"] /= p.divide
             if p.compute_events is not None:
                 p.compute_events[1].synchronize()  # already done: the values above were read after it
-                record["compute_device_s"] = p.compute_events[0].elapsed_time(p.compute_events[1]) / 1000
-            self.out.append_metrics(self.rank, record)
+                figures["compute_device_s"] = p.compute_events[0].elapsed_time(p.compute_events[1]) / 1000
+            record = StepRecord(rank=self.rank, **figures)
+            self.out.append_metrics(record)
             self.telemetry.observe(record)
             records.append(record)
         return records
@@ -760,7 +751,8 @@ class Trainer:
             every = cfg.checkpoint.save_every_steps
             evaluating = bool(cfg.run.eval_every_steps and self.step % cfg.run.eval_every_steps == 0)
             saving = bool(every and self.step % every == 0 and self.step < last_step)
-            stopping = self.preempt_signal is not None or faults.stops_after(self.step) or self.step == last_step
+            holding = drill_points.holds_after(self.step)
+            stopping = self.preempt_signal is not None or holding or self.step == last_step
             # The step's records are written before anything that reads or keeps them (the log line, an
             # evaluation, a checkpoint, a stop), and at least every metrics_sync_every steps.
             if (
@@ -770,11 +762,11 @@ class Trainer:
                 or self.step % cfg.run.log_every_steps == 0
                 or (self.step % self.metrics_sync_every == 0)
             ):
-                for record in self.flush_metrics():
-                    last = record
-                    first_loss = first_loss if first_loss is not None else record["loss"]
-                    if not math.isfinite(record["loss"]) and not record["skipped"]:
-                        log.error("step %d: loss is %s", record["step"], record["loss"])
+                for step_record in self.flush_metrics():
+                    last = step_record
+                    first_loss = first_loss if first_loss is not None else step_record.loss
+                    if not math.isfinite(step_record.loss) and not step_record.skipped:
+                        log.error("step %d: loss is %s", step_record.step, step_record.loss)
             if (
                 self.rank == 0
                 and last is not None
@@ -782,8 +774,8 @@ class Trainer:
             ):
                 log.info(
                     "step %d/%d loss %.4f lr %.2e grad_norm %.3f tok/s %.0f mem %.0f MiB",
-                    self.step, cfg.run.steps, last["loss"], last["lr"], last["grad_norm"],
-                    last["tokens_per_s"], last["peak_mem_bytes"] / 2**20,
+                    self.step, cfg.run.steps, last.loss, last.lr, last.grad_norm,
+                    last.tokens_per_s, last.peak_mem_bytes / 2**20,
                 )  # fmt: skip
             if self.step % cfg.run.log_every_steps == 0:
                 self.out.sync()
@@ -794,12 +786,10 @@ class Trainer:
             if self.preempt_signal is not None and self.step < last_step:
                 self._preempt(self.preempt_signal)
                 break
-            faults.maybe_crash(self.step)
-            faults.maybe_pause(self.step)
-            if faults.holds_after(self.step):
-                self._await_save()  # the drill strikes with this run's checkpoints committed
+            if holding:  # a drill (rank_kill, node_loss) strikes here, with this run's checkpoints committed
+                self._await_save()
                 self.out.sync()
-                faults.hold(self.step)
+                drill_points.hold(self.step)
         if self.preempted is not None:  # stopped early: no final evaluation, save or result
             self.out.close()
             self.telemetry.close()
@@ -814,7 +804,7 @@ class Trainer:
             "resumed_from_step": self.resumed_from,
             "world_size": self.world,
             "first_loss": first_loss,
-            "final_loss": last["loss"] if last else None,
+            "final_loss": last.loss if last else None,
             "val_loss": last_eval["val_loss"],
             "val_ppl": last_eval["val_ppl"],
             "skipped_steps": self.skipped_steps,

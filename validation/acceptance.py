@@ -1,7 +1,8 @@
-"""The six acceptance dimensions as plain functions over run artifacts (read through training/run_output.py).
+"""The acceptance dimensions judged from run artifacts, as plain functions (read through training/run_output.py).
 
-Every check returns a `DimensionResult`: passed or not, the measured value, the
-threshold, the evidence (files, steps), and when it fails, what to look at first.
+Every check returns a `DimensionResult`: passed or not, its named figures (typed, what other steps read), the
+measured detail, the threshold, the evidence (files, steps), and when it fails, what to look at first. Which
+dimensions a report holds, and how each is run, is the check table's (tasks/acceptance/checks.py).
 """
 
 from __future__ import annotations
@@ -11,14 +12,16 @@ import json
 import math
 import statistics
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, Self, TypeVar
 
-from pydantic import Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from training.config import StrictModel
-from training.run_output import RANKS, ParamPiece, ParamRecord, RunOutput
+from training.layout import MESH_DIMS, MESH_GROUPS, Layout
+from training.run_output import RANKS, ParamPiece, ParamRecord, RunOutput, StepRecord
 
 
 class AcceptanceThresholds(StrictModel):
@@ -104,21 +107,104 @@ class AcceptanceThresholds(StrictModel):
     )
 
 
-DIMENSIONS = ("connectivity", "correctness", "performance", "stability", "data_consistency", "recovery")
-"""The six acceptance dimensions, in report order."""
+class Figures(BaseModel):
+    """A dimension's named figures: what other steps (the ledger, the drills) read of its verdict, by attribute.
+
+    The report file keeps them among the dimension's `measured` values (where reports always had them), so a
+    report reads back, an older one included, with its figures typed (`of`)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    dimension: ClassVar[str]
+    """The dimension whose figures these are."""
+
+    @classmethod
+    def of(cls, measured: Any) -> Self | None:
+        """The figures among a dimension's `measured` values as written (fields an older report lacks: None)."""
+        if not isinstance(measured, dict):
+            return None
+        return cls.model_validate({k: v for k, v in measured.items() if k in cls.model_fields})
 
 
-@dataclass
+class ConnectivityFigures(Figures):
+    """Connectivity: the world the job formed and the start-up probe's all-reduce bus bandwidth."""
+
+    dimension: ClassVar[str] = "connectivity"
+
+    world_size: int | None = Field(default=None, description="Ranks that joined the job (ranks.json).")
+    busbw_gbps: float | None = Field(
+        default=None, description="All-reduce bus bandwidth of the largest probe message, GB/s (None: probe off)."
+    )
+    busbw_timed_s: float | None = Field(
+        default=None, description="Seconds the probe's timed all-reduces of that size took in all."
+    )
+
+    @classmethod
+    def of(cls, measured: Any) -> Self | None:
+        """As `Figures.of`; a report from before the bus bandwidth was a figure has it under comm_probe only."""
+        if isinstance(measured, dict) and "busbw_gbps" not in measured and isinstance(measured.get("comm_probe"), dict):
+            probe = measured["comm_probe"]
+            measured = {**measured, "busbw_gbps": probe.get("busbw_gbps"), "busbw_timed_s": probe.get("busbw_timed_s")}
+        return super().of(measured)
+
+
+class PerformanceFigures(Figures):
+    """Performance: throughput, its timing intervals, the communication share and the slowest rank."""
+
+    dimension: ClassVar[str] = "performance"
+
+    scaling_efficiency: float | None = Field(default=None, description="T_N / (N * T_1).")
+    tokens_per_s: float | None = Field(default=None, description="Steady-state tokens/s of all ranks (rank 0's).")
+    tokens_per_s_per_rank: float | None = Field(default=None, description="tokens_per_s / the world size.")
+    tokens_per_cpu_s: float | None = Field(
+        default=None, description="Tokens per CPU-second of the slowest rank (CPU runs; None: not recorded)."
+    )
+    step_cpu_s: float | None = Field(default=None, description="Median CPU time of a step (the slowest rank's).")
+    timed_s: float | None = Field(default=None, description="Seconds the steady-state steps took in all, wall.")
+    cpu_timed_s: float | None = Field(default=None, description="The same steps' CPU seconds in all.")
+    reference_tokens_per_s: float | None = Field(default=None, description="The one-process reference's tokens/s.")
+    comm_share: float | None = Field(default=None, description="Largest rank's share of step time in communication.")
+    slow_rank: int | None = Field(default=None, description="The straggler named first (None: none).")
+    slow_host: str | None = Field(default=None, description="Its host, where ranks.json tells it.")
+    layout: str | None = Field(default=None, description='The layout in words ("dp4 (ddp)").')
+
+
+class RecoveryFigures(Figures):
+    """Recovery: where the relaunched job resumed and how its losses compared."""
+
+    dimension: ClassVar[str] = "recovery"
+
+    resumed_from_step: int | None = Field(default=None, description="The step it resumed from (None: it did not).")
+    steps_compared: int | None = Field(default=None, description="Steps after the resume compared with the reference.")
+    first_mismatch: int | None = Field(default=None, description="The first step whose loss differed (None: none).")
+
+
+FIGURES: dict[str, type[Figures]] = {f.dimension: f for f in (ConnectivityFigures, PerformanceFigures, RecoveryFigures)}
+"""Dimension name -> the model of its named figures (dimensions without one have only `measured`)."""
+
+F = TypeVar("F", bound=Figures)
+
+
+@dataclass(kw_only=True)
 class DimensionResult:
     """One dimension's verdict: passed, failed, or not measured (`passed` None: nothing to judge it by)."""
 
     name: str
     passed: bool | None
-    measured: Any
-    threshold: Any
+    measured: Any = None
+    """What was measured, for people and the report (the figures among it)."""
+    threshold: Any = None
     evidence: dict[str, Any] = field(default_factory=dict)
     message: str = ""
     look_first: str = ""
+    figures: Figures | None = None
+    """The dimension's named figures (FIGURES); read back from `measured` where not given."""
+
+    def __post_init__(self) -> None:
+        if self.figures is not None:
+            self.measured = {**self.figures.model_dump(), **(self.measured or {})}
+        elif self.name in FIGURES:
+            self.figures = FIGURES[self.name].of(self.measured)
 
     @property
     def status(self) -> str:
@@ -128,14 +214,24 @@ class DimensionResult:
     @classmethod
     def not_measured(cls, name: str, why: str, look_first: str = "") -> DimensionResult:
         """A dimension that could not be measured (not a failure of its own: `why` names the finding that is)."""
-        return cls(name, None, None, None, {}, f"not measured: {why}", look_first)
+        return cls(name=name, passed=None, message=f"not measured: {why}", look_first=look_first)
+
+    def figures_as(self, kind: type[F]) -> F:
+        """Its figures, of `kind`: what its dimension's check always sets (an internal invariant)."""
+        assert isinstance(self.figures, kind), (self.name, self.figures)
+        return self.figures
 
     def to_json(self) -> dict[str, Any]:
-        """As a dict, with its status."""
-        return {**asdict(self), "status": self.status}
+        """As a dict, with its status (the figures are among `measured`)."""
+        return {**{k: v for k, v in asdict(self).items() if k != "figures"}, "status": self.status}
 
 
-def rank_metrics(output_dir: Path) -> dict[int, dict[int, dict[str, Any]]]:
+def figures_of(dimensions: list[DimensionResult], kind: type[F]) -> F | None:
+    """The figures of type `kind` among `dimensions` (None: no dimension measured them)."""
+    return next((d.figures for d in dimensions if isinstance(d.figures, kind)), None)
+
+
+def rank_metrics(output_dir: Path) -> dict[int, dict[int, StepRecord]]:
     """rank -> step -> metrics record."""
     return RunOutput(output_dir).all_metrics()
 
@@ -151,8 +247,10 @@ def check_connectivity(
     path, record = output_dir / RANKS, RunOutput(output_dir).ranks()
     if record is None:
         return DimensionResult(
-            "connectivity", False, None, expected_world, {"file": str(path)}, f"{RANKS} was never written",
-            "the job did not get through rendezvous: check the node checks (ports, hostnames) and the job log",
+            name="connectivity", passed=False, threshold=expected_world, evidence={"file": str(path)},
+            message=f"{RANKS} was never written",
+            look_first="the job did not get through rendezvous: check the node checks (ports, hostnames) and the job "
+            "log",
         )  # fmt: skip
     ranks = record.ranks
     problems = []
@@ -180,7 +278,11 @@ def check_connectivity(
     problems += mesh.problems
     bandwidth = bandwidth_findings(ranks, limits or AcceptanceThresholds())
     problems += bandwidth.problems
-    measured: dict[str, Any] = {"world_size": record.world_size, "hosts": {h: len(v) for h, v in by_host.items()}}
+    probe = bandwidth.measured or {}
+    figures = ConnectivityFigures(
+        world_size=record.world_size, busbw_gbps=probe.get("busbw_gbps"), busbw_timed_s=probe.get("busbw_timed_s")
+    )
+    measured: dict[str, Any] = {"hosts": {h: len(v) for h, v in by_host.items()}}
     if bandwidth.measured is not None:
         measured["comm_probe"] = bandwidth.measured
     evidence: dict[str, Any] = {"file": str(path), "backend": sorted({r["backend"] for r in ranks})}
@@ -201,13 +303,14 @@ def check_connectivity(
             "host_pair_bandwidth_ratio_min": limits.host_pair_bandwidth_ratio_min,
         }
     return DimensionResult(
-        "connectivity",
-        not problems,
-        measured,
-        threshold,
-        evidence,
-        "; ".join(problems),
-        look if problems else "",
+        name="connectivity",
+        passed=not problems,
+        figures=figures,
+        measured=measured,
+        threshold=threshold,
+        evidence=evidence,
+        message="; ".join(problems),
+        look_first=look if problems else "",
     )
 
 
@@ -263,12 +366,6 @@ def bandwidth_findings(ranks: list[dict[str, Any]], limits: AcceptanceThresholds
             f"below host_pair_bandwidth_ratio_min={least:g}"
         )
     return check
-
-
-MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
-"""The world mesh's dimensions (training/mesh.py), outermost first; their product is the world size."""
-MESH_GROUPS = {"tp": ("tp",), "pp": ("pp",), "dp": ("dp_replicate", "dp_shard"), "ep": ("ep",)}
-"""A sub-group's name in ranks.json and the coordinates its ranks differ in (an EP group: consecutive dp ranks)."""
 
 
 @dataclass
@@ -588,9 +685,17 @@ def replica_problems(records: dict[int, ParamRecord], coords: dict[int, dict[str
     return check
 
 
+_Figure = Callable[[StepRecord], float | None]
+_COMPARED_FIGURES: tuple[tuple[str, _Figure, _Figure], ...] = (
+    ("loss", lambda r: r.loss, lambda r: r.twin_loss),
+    ("gradient norm", lambda r: r.grad_norm, lambda r: r.twin_grad_norm),
+)
+"""The per-step figures correctness compares with the reference: (name, the figure, the reference's noise twin's)."""
+
+
 def check_correctness(
-    distributed: dict[int, dict[str, Any]],
-    reference: dict[int, dict[str, Any]],
+    distributed: dict[int, StepRecord],
+    reference: dict[int, StepRecord],
     max_rel: float | None = None,
     *,
     noise_factor: float = 30.0,
@@ -614,15 +719,15 @@ def check_correctness(
 
     if not steps:
         return DimensionResult(
-            "correctness", False, None, {"max_rel_deviation": max_rel}, {}, "no common steps to compare",
-            "the two runs' metrics",
+            name="correctness", passed=False, threshold={"max_rel_deviation": max_rel},
+            message="no common steps to compare", look_first="the two runs' metrics",
         )  # fmt: skip
     comparisons: list[Comparison] = []
-    for figure, key in (("loss", "loss"), ("gradient norm", "grad_norm")):
-        deviations = {s: _rel(distributed[s].get(key), reference[s].get(key)) for s in steps}
-        twin = [_rel(reference[s].get(f"twin_{key}"), reference[s].get(key)) for s in steps]
+    for figure, value, twin_value in _COMPARED_FIGURES:
+        deviations = {s: _rel(value(distributed[s]), value(reference[s])) for s in steps}
+        twin = [_rel(twin_value(reference[s]), value(reference[s])) for s in steps]
         noise = max((t for t in twin if math.isfinite(t)), default=CLEAN_REL_DEVIATION)
-        if any(not math.isnan(d) for d in deviations.values()) or key == "loss":
+        if any(not math.isnan(d) for d in deviations.values()) or figure == "loss":
             comparisons.append(_compare(figure, deviations, noise, tolerance(noise)))
     params_note = "not compared: no params records"
     if params and reference_params is not None:
@@ -684,14 +789,14 @@ def check_correctness(
         "replicas": "bit-identical",
     }
     return DimensionResult(
-        "correctness",
-        not problems,
-        measured,
-        threshold,
-        {"steps_compared": [steps[0], steps[-1]], "first_failing_step": loss.first_bad,
-         "deviation_per_step": loss.per_item, "parameters": params_note},  # fmt: skip
-        "; ".join(problems),
-        "; ".join(look),
+        name="correctness",
+        passed=not problems,
+        measured=measured,
+        threshold=threshold,
+        evidence={"steps_compared": [steps[0], steps[-1]], "first_failing_step": loss.first_bad,
+                  "deviation_per_step": loss.per_item, "parameters": params_note},  # fmt: skip
+        message="; ".join(problems),
+        look_first="; ".join(look),
     )
 
 
@@ -702,27 +807,32 @@ def _median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
-COMPUTE_BASES: tuple[tuple[str, str], ...] = (
-    ("compute_device_s", "device time"),
-    ("compute_cpu_s", "CPU time"),
-    ("compute_s", "wall time"),
+COMPUTE_BASES: tuple[tuple[str, str, Callable[[StepRecord], float | None]], ...] = (
+    ("compute_device_s", "device time", lambda r: r.compute_device_s),
+    ("compute_cpu_s", "CPU time", lambda r: r.compute_cpu_s),
+    ("compute_s", "wall time", lambda r: r.compute_s),
 )
 """The per-step compute figures of a metrics record (training/run_output.py) a straggler can be judged by, best
 first: the device's own time (CUDA events, GPUs), the process's CPU time (CPU runs), wall time (older runs). A busy
 host deschedules its ranks unevenly, which lengthens their wall time but not their CPU or device time."""
 
 
-def compute_basis(distributed: dict[int, dict[int, dict[str, Any]]], steps: list[int]) -> str:
+def _compute_of(basis: str) -> Callable[[StepRecord], float | None]:
+    """The figure of COMPUTE_BASES named `basis`."""
+    return next(value for name, _, value in COMPUTE_BASES if name == basis)
+
+
+def compute_basis(distributed: dict[int, dict[int, StepRecord]], steps: list[int]) -> str:
     """The best figure of COMPUTE_BASES that every rank recorded in every one of `steps` it has a record of."""
-    for key, _ in COMPUTE_BASES[:-1]:
-        values = [m[s].get(key) for m in distributed.values() for s in steps if s in m]
+    for key, _, value in COMPUTE_BASES[:-1]:
+        values = [value(m[s]) for m in distributed.values() for s in steps if s in m]
         if values and all(isinstance(v, int | float) and math.isfinite(v) for v in values):
             return key
     return COMPUTE_BASES[-1][0]
 
 
 def straggler_ratios(
-    distributed: dict[int, dict[int, dict[str, Any]]],
+    distributed: dict[int, dict[int, StepRecord]],
     steps: list[int],
     peers: dict[int, int] | None = None,
     key: str = "compute_s",
@@ -739,7 +849,7 @@ def straggler_ratios(
     role = peers or {}
     per_step: dict[int, list[float]] = {rank: [] for rank in distributed}
     for step in steps:
-        compute = {rank: m[step][key] for rank, m in distributed.items() if step in m}
+        compute = {rank: _compute_of(key)(m[step]) for rank, m in distributed.items() if step in m}
         for rank, value in compute.items():
             others = _median([v for r, v in compute.items() if r != rank and role.get(r) == role.get(rank)])
             if others > 0:
@@ -747,12 +857,12 @@ def straggler_ratios(
     return {rank: _median(values) for rank, values in per_step.items()}
 
 
-def job_cpu_s(distributed: dict[int, dict[int, dict[str, Any]]], steps: list[int]) -> dict[int, float] | None:
+def job_cpu_s(distributed: dict[int, dict[int, StepRecord]], steps: list[int]) -> dict[int, float] | None:
     """step -> the largest process CPU time of a rank in that step (the job moves at its slowest rank's pace);
     None unless every rank recorded cpu_s in every one of `steps` it has."""
     out = {}
     for step in steps:
-        values = [m[step].get("cpu_s") for m in distributed.values() if step in m]
+        values = [m[step].cpu_s for m in distributed.values() if step in m]
         if not values or not all(isinstance(v, int | float) and v > 0 for v in values):
             return None
         out[step] = float(max(values))
@@ -764,7 +874,7 @@ def _ranks_text(ranks: list[int]) -> str:
 
 
 def grad_sync_problem(
-    distributed: dict[int, dict[int, dict[str, Any]]], world: int, sharding: str, always_timed: bool | None = None
+    distributed: dict[int, dict[int, StepRecord]], world: int, sharding: str, always_timed: bool | None = None
 ) -> str | None:
     """What shows that a multi-rank data-parallel job never synchronised gradients, or None.
 
@@ -780,7 +890,7 @@ def grad_sync_problem(
     timed = sharding != "hsdp" if always_timed is None else always_timed
     unmeasured, silent = [], []
     for rank, metrics in sorted(distributed.items()):
-        comm = [m["comm_s"] for m in metrics.values() if m.get("comm_s") is not None]
+        comm = [m.comm_s for m in metrics.values() if m.comm_s is not None]
         if not comm and timed:
             unmeasured.append(rank)
         zero = sum(1 for c in comm if c == 0)
@@ -800,32 +910,31 @@ def grad_sync_problem(
     return "; ".join(problems) or None
 
 
-def layout_text(sizes: dict[str, int], sharding: str, *extra: str) -> str:
-    """A layout in words, outermost dimension first, from its degrees (pp, dp, cp, tp, ep; a missing one is 1):
-    "pp2 x dp2 x tp2 (fsdp)", "dp4 (ddp)"."""
-    text = " x ".join(f"{d}{sizes.get(d, 1)}" for d in ("pp", "dp", "cp", "tp") if sizes.get(d, 1) > 1 or d == "dp")
-    ep = sizes.get("ep", 1)
-    return text + (f" ep{ep}" if ep > 1 else "") + f" ({', '.join([sharding, *extra])})"
-
-
-def _mesh_sizes(dims: dict[str, int] | None, world: int) -> dict[str, int]:
+def _mesh_layout(dims: dict[str, int] | None, world: int, sharding: str) -> Layout:
+    """The layout the ranks' mesh records show (none recorded: `world` data-parallel ranks)."""
+    zero = 0 if sharding == "ddp" else 3
     if not dims:
-        return {"dp": world}
-    return {**dims, "dp": dims["dp_replicate"] * dims["dp_shard"]}
+        return Layout(dp=world, zero=zero, shard_group=world if sharding == "hsdp" else None)
+    dp = dims["dp_replicate"] * dims["dp_shard"]
+    shard = dims["dp_shard"] if sharding == "hsdp" else None
+    return Layout(dp=dp, tp=dims["tp"], pp=dims["pp"], cp=dims["cp"], ep=dims.get("ep", 1), zero=zero,
+                  shard_group=shard)  # fmt: skip
 
 
-def _per_dimension(rank0: dict[int, dict[str, Any]], steps: list[int], key: str) -> dict[str, float]:
-    """The median over `steps` of a per-dimension record (comm_bytes: {"tp": ..., "dp": ...}) of rank 0."""
+def _per_dimension(
+    rank0: dict[int, StepRecord], steps: list[int], figure: Callable[[StepRecord], dict[str, float] | None]
+) -> dict[str, float]:
+    """The median over `steps` of a per-dimension figure (comm_bytes: {"tp": ..., "dp": ...}) of rank 0."""
     values: dict[str, list[float]] = defaultdict(list)
     for s in steps:
-        for dim, value in (rank0[s].get(key) or {}).items():
+        for dim, value in (figure(rank0[s]) or {}).items():
             values[dim].append(float(value))
     return {dim: _median(v) for dim, v in sorted(values.items())}
 
 
 def check_performance(
-    distributed: dict[int, dict[int, dict[str, Any]]],
-    reference: dict[int, dict[str, Any]],
+    distributed: dict[int, dict[int, StepRecord]],
+    reference: dict[int, StepRecord],
     world: int,
     limits: AcceptanceThresholds,
     gpu: dict[str, float] | None = None,
@@ -853,26 +962,26 @@ def check_performance(
     rank0 = distributed.get(0, {})
     steps = [s for s in sorted(rank0) if s > skip]
     ref_steps = [s for s in sorted(reference) if s > skip]
-    tokens_n = _median([rank0[s]["tokens_per_s"] for s in steps])
+    tokens_n = _median([rank0[s].tokens_per_s for s in steps])
     # The same throughput by CPU time (CPU runs): what the gate compares, since a busy host stretches wall time.
     cpu = job_cpu_s(distributed, steps)
-    by_cpu = cpu is not None and all(isinstance(rank0[s].get("tokens"), int | float) for s in steps)
-    tokens_cpu = _median([rank0[s]["tokens"] / cpu[s] for s in steps]) if by_cpu else None
-    tokens_1 = _median([reference[s]["tokens_per_s"] for s in ref_steps])
+    by_cpu = cpu is not None and all(isinstance(rank0[s].tokens, int | float) for s in steps)
+    tokens_cpu = _median([rank0[s].tokens / cpu[s] for s in steps]) if by_cpu else None
+    tokens_1 = _median([reference[s].tokens_per_s for s in ref_steps])
     efficiency = tokens_n / (world * tokens_1) if tokens_1 > 0 else float("nan")
     shares = {
         rank: _median(
-            [m[s]["comm_s"] / m[s]["step_time_s"] for s in steps if s in m and m[s].get("comm_s") is not None]
+            [m[s].comm_s / m[s].step_time_s for s in steps if s in m and m[s].comm_s is not None]
         )
         for rank, m in distributed.items()
     }
     comm_share = max((v for v in shares.values() if math.isfinite(v)), default=float("nan"))
     basis = compute_basis(distributed, steps)
-    compute = {rank: _median([m[s][basis] for s in steps if s in m]) for rank, m in distributed.items()}
+    compute = {rank: _median([_compute_of(basis)(m[s]) for s in steps if s in m]) for rank, m in distributed.items()}
     ratios = straggler_ratios(distributed, steps, peers, basis)
-    basis_text = dict(COMPUTE_BASES)[basis]
+    basis_text = next(text for name, text, _ in COMPUTE_BASES if name == basis)
     data_wait = {
-        rank: _median([m[s]["data_wait_s"] / m[s]["step_time_s"] for s in steps if s in m])
+        rank: _median([m[s].data_wait_s / m[s].step_time_s for s in steps if s in m])
         for rank, m in distributed.items()
     }
     failures, look = [], []
@@ -918,39 +1027,44 @@ def check_performance(
         )
         if max(data_wait.values(), default=0) > 0.2:
             look.append("data-loader wait is high: more workers, prefetch, larger record files")
+    figures = PerformanceFigures(
+        scaling_efficiency=efficiency,
+        tokens_per_s=tokens_n,
+        tokens_per_s_per_rank=tokens_n / world if world else None,
+        tokens_per_cpu_s=tokens_cpu,
+        step_cpu_s=_median(list(cpu.values())) if by_cpu else None,
+        timed_s=sum(rank0[s].step_time_s for s in steps),
+        cpu_timed_s=sum(cpu.values()) if by_cpu else None,
+        reference_tokens_per_s=tokens_1,
+        comm_share=comm_share,
+        slow_rank=slow_rank,
+        slow_host=(hosts or {}).get(slow_rank) if slow_rank is not None else None,
+        layout=_mesh_layout(dims, world, sharding).degrees(),
+    )
     return DimensionResult(
-        "performance",
-        not failures,
-        {
-            "scaling_efficiency": efficiency,
-            "tokens_per_s": tokens_n,
-            "tokens_per_s_per_rank": tokens_n / world if world else None,
-            "tokens_per_cpu_s": tokens_cpu,
-            "step_cpu_s": _median(list(cpu.values())) if by_cpu else None,
-            "timed_s": sum(rank0[s]["step_time_s"] for s in steps),
-            "cpu_timed_s": sum(cpu.values()) if by_cpu else None,
-            "reference_tokens_per_s": tokens_1,
-            "comm_share": comm_share,
+        name="performance",
+        passed=not failures,
+        figures=figures,
+        measured={
             "comm_share_per_rank": shares,
             "compute_s_per_rank": compute,
             "straggler_ratio_per_rank": ratios,
             "straggler_basis": basis,
             "data_wait_share_per_rank": data_wait,
-            "slow_rank": slow_rank,
-            "slow_host": (hosts or {}).get(slow_rank) if slow_rank is not None else None,
-            "layout": layout_text(_mesh_sizes(dims, world), sharding),
-            **({"comm_bytes_per_dim": _per_dimension(rank0, steps, "comm_bytes")} if dims else {}),
-            **({"comm_s_per_dim": _per_dimension(rank0, steps, "comm_s_per_dim")} if dims else {}),
+            **({"comm_bytes_per_dim": _per_dimension(rank0, steps, lambda r: r.comm_bytes)} if dims else {}),
+            **({"comm_s_per_dim": _per_dimension(rank0, steps, lambda r: r.comm_s_per_dim)} if dims else {}),
             **({"gpu": gpu} if gpu else {}),
         },
-        {
+        threshold={
             "scaling_efficiency_min": limits.scaling_efficiency_min,
             "comm_share_max": limits.comm_share_max,
             "straggler_ratio_max": limits.straggler_ratio_max,
         },
-        {"steps": [steps[0], steps[-1]] if steps else [], "sharding": sharding, "data_parallel_ranks": sync_ranks},
-        "; ".join(failures),
-        "; ".join(look),
+        evidence={
+            "steps": [steps[0], steps[-1]] if steps else [], "sharding": sharding, "data_parallel_ranks": sync_ranks
+        },
+        message="; ".join(failures),
+        look_first="; ".join(look),
     )
 
 
@@ -958,7 +1072,7 @@ def check_performance(
 
 
 def check_stability(
-    metrics: dict[int, dict[str, Any]],
+    metrics: dict[int, StepRecord],
     limits: AcceptanceThresholds,
     exit_ok: bool,
     exit_reason: str = "",
@@ -977,7 +1091,7 @@ def check_stability(
         first_bad = stalled_after_step
     recent: list[float] = []
     for step in sorted(metrics):
-        loss = metrics[step]["loss"]
+        loss = metrics[step].loss
         if not math.isfinite(loss):
             problems.append(f"loss is {loss} at step {step}")
             first_bad = step if first_bad is None else min(first_bad, step)
@@ -993,13 +1107,15 @@ def check_stability(
         recent.append(loss)
     steps = sorted(metrics)
     return DimensionResult(
-        "stability",
-        not problems,
-        {"steps": len(steps), "first_bad_step": first_bad},
-        {"loss_spike_factor": limits.loss_spike_factor, "stall_timeout_s": limits.stall_timeout_s},
-        {"steps": [steps[0], steps[-1]] if steps else []},
-        "; ".join(problems),
-        "" if not problems else "the learning rate against the batch size, then the data around the first bad step",
+        name="stability",
+        passed=not problems,
+        measured={"steps": len(steps), "first_bad_step": first_bad},
+        threshold={"loss_spike_factor": limits.loss_spike_factor, "stall_timeout_s": limits.stall_timeout_s},
+        evidence={"steps": [steps[0], steps[-1]] if steps else []},
+        message="; ".join(problems),
+        look_first=""
+        if not problems
+        else "the learning rate against the batch size, then the data around the first bad step",
     )
 
 
@@ -1007,8 +1123,8 @@ def check_stability(
 
 
 def check_recovery(
-    reference: dict[int, dict[str, Any]],
-    resumed: dict[int, dict[str, Any]],
+    reference: dict[int, StepRecord],
+    resumed: dict[int, StepRecord],
     checkpoint_step: int | None,
     resumed_from_step: int | None,
     resumed_samples: dict[int, dict[int, dict[str, Any]]] | None = None,
@@ -1031,15 +1147,15 @@ def check_recovery(
         for s in after
         if s in reference
         and (
-            resumed[s]["loss"] != reference[s]["loss"]
+            resumed[s].loss != reference[s].loss
             if bit_identical
-            else abs(resumed[s]["loss"] - reference[s]["loss"]) > 1e-4 * abs(reference[s]["loss"])
+            else abs(resumed[s].loss - reference[s].loss) > 1e-4 * abs(reference[s].loss)
         )
     ]
     if mismatched:
         problems.append(
             f"loss after the resume differs from the uninterrupted run from step {mismatched[0]} "
-            f"({resumed[mismatched[0]]['loss']!r} vs {reference[mismatched[0]]['loss']!r})"
+            f"({resumed[mismatched[0]].loss!r} vs {reference[mismatched[0]].loss!r})"
         )
     if resumed_samples is not None and reference_samples is not None:
         for rank, recs in resumed_samples.items():
@@ -1051,15 +1167,14 @@ def check_recovery(
             if wrong:
                 problems.append(f"rank {rank} was fed other samples after the resume (step {wrong[0]})")
     return DimensionResult(
-        "recovery",
-        not problems,
-        {
-            "resumed_from_step": resumed_from_step,
-            "steps_compared": len(after),
-            "first_mismatch": mismatched[0] if mismatched else None,
-        },
-        {"resume_step": checkpoint_step, "loss": "bit-identical" if bit_identical else "within 1e-4"},
-        {},
-        "; ".join(problems),
-        "" if not problems else "what the checkpoint holds (optimizer, scheduler, RNG, sampler position)",
+        name="recovery",
+        passed=not problems,
+        figures=RecoveryFigures(
+            resumed_from_step=resumed_from_step,
+            steps_compared=len(after),
+            first_mismatch=mismatched[0] if mismatched else None,
+        ),
+        threshold={"resume_step": checkpoint_step, "loss": "bit-identical" if bit_identical else "within 1e-4"},
+        message="; ".join(problems),
+        look_first="" if not problems else "what the checkpoint holds (optimizer, scheduler, RNG, sampler position)",
     )

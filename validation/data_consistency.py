@@ -281,9 +281,9 @@ def check_data_consistency(output_dir: Path, sampling: Sampling) -> DimensionRes
         "minus the recorded remainder" if sampling.drop_last else "plus the recorded padding"
     )
     return DimensionResult(
-        "data_consistency",
-        not problems,
-        {
+        name="data_consistency",
+        passed=not problems,
+        measured={
             "epochs": epochs,
             "epochs_complete_checked": [e for e, s in epochs.items() if s["ended"]],
             "steps": [all_steps[0], all_steps[-1]] if all_steps else [],
@@ -294,16 +294,17 @@ def check_data_consistency(output_dir: Path, sampling: Sampling) -> DimensionRes
             "epochs_after_resume": sorted({step_epoch[s] for s in after if s in step_epoch}),
             **({"sources": sources} if sources is not None else {}),
         },
-        {
+        threshold={
             "overlap": 0,
             "coverage": coverage,
             "steps_per_epoch": sampling.steps_per_epoch,
             "remainder": sampling.remainder_size,
             "padding": sampling.padding_size,
         },
-        {"records": str(output_dir / SAMPLES_DIR), "epochs": str(output_dir / EPOCHS)},
-        "; ".join(problems[:_SHOWN]) + (f" (+{len(problems) - _SHOWN} more)" if len(problems) > _SHOWN else ""),
-        _look_first(problems),
+        evidence={"records": str(output_dir / SAMPLES_DIR), "epochs": str(output_dir / EPOCHS)},
+        message="; ".join(problems[:_SHOWN])
+        + (f" (+{len(problems) - _SHOWN} more)" if len(problems) > _SHOWN else ""),
+        look_first=_look_first(problems),
     )
 
 
@@ -399,11 +400,11 @@ def with_resumed_run(dimension: DimensionResult, resumed: DimensionResult) -> Di
         problems.append("resumed run: its sample records show no resume, so the resume order went unchecked")
     message = "; ".join(p for p in [dimension.message, *problems] if p)
     return DimensionResult(
-        dimension.name,
-        dimension.passed and resumed.passed and not problems,
-        {**(dimension.measured or {}), "resume": resumed.measured},
-        dimension.threshold,
-        {**dimension.evidence, "resume": resumed.evidence},
-        message,
-        dimension.look_first or resumed.look_first or ("the rank_kill drill's run" if problems else ""),
+        name=dimension.name,
+        passed=dimension.passed and resumed.passed and not problems,
+        measured={**(dimension.measured or {}), "resume": resumed.measured},
+        threshold=dimension.threshold,
+        evidence={**dimension.evidence, "resume": resumed.evidence},
+        message=message,
+        look_first=dimension.look_first or resumed.look_first or ("the rank_kill drill's run" if problems else ""),
     )

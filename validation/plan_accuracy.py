@@ -19,6 +19,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from training.run_output import StepRecord
+
 
 class _Record(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
@@ -134,13 +136,13 @@ def relative_error(planned: float, measured: float) -> float:
     return (planned - measured) / measured
 
 
-def measured_memory(record: dict[str, Any]) -> float | None:
+def measured_memory(record: StepRecord) -> float | None:
     """A metrics record's training memory: the GPU allocator's peak, or on CPU the peak resident set less the
     runtime's (None: not recorded)."""
-    peak = record.get("peak_mem_bytes")
+    peak = record.peak_mem_bytes
     if not isinstance(peak, int | float) or peak <= 0:
         return None
-    runtime = record.get("runtime_mem_bytes")
+    runtime = record.runtime_mem_bytes
     if isinstance(runtime, int | float) and runtime > 0:
         return float(peak - runtime) if peak > runtime else None
     return float(peak)
@@ -148,7 +150,7 @@ def measured_memory(record: dict[str, Any]) -> float | None:
 
 def compare_plan(
     planned: PlannedFigures,
-    metrics: dict[int, dict[int, dict[str, Any]]],
+    metrics: dict[int, dict[int, StepRecord]],
     stage_of: dict[int, int],
     tolerance: float,
     warmup_steps: int,
@@ -166,15 +168,15 @@ def compare_plan(
         used = measured_memory(last)
         if used is None:
             continue
-        if last.get("runtime_mem_bytes"):
+        if last.runtime_mem_bytes:
             measure = "peak resident set less the runtime's before the model was built (CPU)"
         stage = min(stage_of.get(rank, 0), len(planned.stage_peak_bytes) - 1)
         memory.append(RankMemory(rank=rank, stage=stage, planned_bytes=planned.stage_peak_bytes[stage],
                                  measured_bytes=used))  # fmt: skip
     rank0 = metrics.get(0, {})
-    times = [m["step_time_s"] for s, m in rank0.items() if s > warmup_steps and _positive(m.get("step_time_s"))]
+    times = [m.step_time_s for s, m in rank0.items() if s > warmup_steps and _positive(m.step_time_s)]
     if not times:  # a short run: every step but the first
-        times = [m["step_time_s"] for s, m in rank0.items() if s > 1 and _positive(m.get("step_time_s"))]
+        times = [m.step_time_s for s, m in rank0.items() if s > 1 and _positive(m.step_time_s)]
     return PlanAccuracy(
         accelerator=planned.accelerator,
         layout=planned.layout,

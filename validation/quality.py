@@ -54,7 +54,7 @@ def loss_curve(output_dir: str | Path) -> LossCurve | None:
     """The curve of a finished run (rank 0's metrics, later attempts winning; result.json); None if unfinished."""
     run = RunOutput(output_dir)
     result = run.result()
-    losses = {step: float(m["loss"]) for step, m in run.metrics().items()}
+    losses = {step: float(m.loss) for step, m in run.metrics().items()}
     if result is None or not losses:
         return None
     return LossCurve(losses, float(result.val_loss), losses[min(losses)])

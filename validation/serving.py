@@ -7,7 +7,7 @@ completions requested from the server; this module only judges them against `Ser
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import Field
@@ -247,8 +247,3 @@ def judge(
         ("bleu4", quality.bleu4, thresholds.bleu4_min, False, "as for rouge_l"),
     ]
     return [_gate(*row) for row in table]
-
-
-def figures_json(*parts: Any) -> list[dict[str, Any]]:
-    """Dataclass figures as JSON-ready dicts."""
-    return [asdict(p) for p in parts]

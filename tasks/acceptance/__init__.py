@@ -1,1 +1,1 @@
-"""Acceptance tests along six dimensions and checkpoint-restore drills, run through the launchers."""
+"""Acceptance by a table of checks (checks.py) and checkpoint-restore drills, run through the launchers."""

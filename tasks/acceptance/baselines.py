@@ -35,8 +35,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from tasks.acceptance.config import AcceptanceConfig
-from tasks.acceptance.workspace import workspace_base
 from tasks.errors import UserError
+from tasks.paths import workspace_base
 from training.config import TrainConfig, first_problem
 from training.dataset import DatasetManifest, read_manifest
 from validation.quality import LossCurve, QualityResult, check_quality, loss_curve, not_measured
@@ -67,8 +67,10 @@ class Baseline(BaseModel):
     format_version: int = Field(default=FORMAT_VERSION, description="Format of this file.")
     key: str = Field(pattern=_KEY.pattern, description="sha256 of `identity`; the file's name.")
     created_at: str = Field(description="When it was recorded (UTC, ISO 8601).")
-    deployment_dir: str = Field(
-        description="The deployment folder its acceptance ran under (runs/<spec name> unless the spec says otherwise)."
+    deployment_dir: str | None = Field(
+        default=None,
+        description="The deployment folder its acceptance ran under (runs/<spec name> unless the spec says "
+        "otherwise; None: its acceptance was run without a spec's folder).",
     )
     run_id: str = Field(description="The acceptance run workspace it came from (its folder name).")
     workspace: str = Field(description="That workspace's folder.")
@@ -201,14 +203,15 @@ class QualityGate:
     curve: LossCurve | None = None
     baseline: Baseline | None = None
 
-    def record(self, workspace: Path, output_dir: Path) -> bool:
-        """Record the run as its key's baseline (call only when the whole acceptance passed); True when written."""
+    def record(self, workspace: Path, output_dir: Path, deployment_dir: str | None = None) -> bool:
+        """Record the run as its key's baseline (call only when the whole acceptance passed), with the deployment
+        folder it ran under (tasks.paths); True when written."""
         if self.key is None or self.curve is None or self.baseline is not None:
             return False
         baseline = Baseline(
             key=self.key,
             created_at=datetime.now(UTC).isoformat(timespec="seconds"),
-            deployment_dir=str(self.registry.folder.parent.parent),
+            deployment_dir=deployment_dir,
             run_id=workspace.name,
             workspace=str(workspace),
             output_dir=str(output_dir),

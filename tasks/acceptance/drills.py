@@ -29,18 +29,20 @@ from tasks.acceptance.workspace import (
     single_process,
     variant,
 )
-from tasks.cluster import ClusterConfig
 from tasks.errors import UserError
+from tasks.hosts import NodeHost
+from tasks.launch import registry
 from tasks.launch.base import JobState, JobStatus, find_job
-from tasks.launch.submit import launcher_for
+from tasks.launch.cluster import ClusterConfig
+from tasks.launch.environment import JobEnvironment
 from tasks.progress import report
 from training.checkpoint import COMMIT, CheckpointFormatError, CheckpointManager, step_dir_name
-from training.config import ParallelConfig, TrainConfig
-from training.faults import HOLD_MARKER_PREFIX, RELEASE_FILE, SAVE_PHASES, SavePhase, paused_ranks, with_faults
-from training.layout import data_parallel_degree
+from training.config import TrainConfig
+from training.drill_points import HOLD_MARKER_PREFIX, RELEASE_FILE, SAVE_PHASES, SavePhase, paused_ranks
+from training.layout import Layout
 from training.preemption import records_since as preemption_records
 from training.run_output import CheckpointEvent, RunOutput
-from validation.acceptance import DimensionResult, check_recovery, layout_text
+from validation.acceptance import DimensionResult, RecoveryFigures, check_recovery
 from validation.data_consistency import Sampling, check_data_consistency
 
 log = logging.getLogger(__name__)
@@ -95,7 +97,7 @@ class DrillContext:
         root: Path,
         acceptance: AcceptanceConfig,
         drills: DrillConfig | None = None,
-        faults: dict[str, str] | None = None,
+        environment: JobEnvironment | None = None,
         image: str | None = None,
         reference: RunOutcome | None = None,
         progress_step: str = "drills",
@@ -103,7 +105,7 @@ class DrillContext:
         self.cluster, self.root, self.acceptance = cluster, root, acceptance
         self.progress_step = progress_step
         self.drills = drills or DrillConfig()
-        self.faults, self.image = faults or {}, image
+        self.environment, self.image = environment or JobEnvironment(), image
         self.base = variant(
             train, root, "drill-base", run={"steps": acceptance.steps},
             checkpoint={"save_every_steps": acceptance.save_every_steps},
@@ -124,12 +126,16 @@ class DrillContext:
         return self._reference
 
     def job(
-        self, train: TrainConfig, name: str, cluster: ClusterConfig | None = None, faults: dict[str, str] | None = None
+        self,
+        train: TrainConfig,
+        name: str,
+        cluster: ClusterConfig | None = None,
+        environment: JobEnvironment | None = None,
     ) -> Job:
-        """Submit a drill job (its training steps reported as progress of `progress_step`); `faults` replace the
-        context's fault variables for this job alone."""
-        variables = self.faults if faults is None else faults
-        return Job(cluster or self.cluster, train, name, variables, self.image, self.progress_step, name)
+        """Submit a drill job (its training steps reported as progress of `progress_step`); `environment` replaces
+        the context's job environment for this job alone."""
+        chosen = self.environment if environment is None else environment
+        return Job(cluster or self.cluster, train, name, chosen, self.image, self.progress_step, name)
 
     def recovery(
         self, resumed: RunOutcome, checkpoint_step: int | None, bit_identical: bool | None = None
@@ -146,7 +152,7 @@ class DrillContext:
 
 def _finish(name: str, recovery: DimensionResult, t_fail: float, outcome: RunOutcome, steps_lost: int | None,
             extra: dict[str, Any] | None = None) -> DrillResult:  # fmt: skip
-    resumed_from = recovery.measured["resumed_from_step"]
+    resumed_from = recovery.figures_as(RecoveryFigures).resumed_from_step
     t_first = (
         first_step_time_after(outcome.output_dir, (resumed_from or 0) + 1, t_fail) if resumed_from is not None else None
     )
@@ -184,7 +190,8 @@ def reuse_acceptance(root: Path, ctx: DrillContext) -> tuple[RunOutcome | None, 
     result = RunOutput(out).result()
     if without_folders(accepted) != without_folders(ctx.base) or result is None or result.steps != ctx.base.run.steps:
         return None, None
-    reference = RunOutcome(handle, JobStatus(JobState.SUCCEEDED, "finished in the acceptance step"), out)
+    finished = JobStatus(JobState.SUCCEEDED, "finished in the acceptance step")
+    reference = RunOutcome(handle, finished, out, checkpoint_url=accepted.checkpoint.url)
     reused = None
     if kill is not None and kill.passed is True:
         reused = kill
@@ -211,13 +218,13 @@ def _past_first_checkpoint(
     ctx: DrillContext, name: str, cluster: ClusterConfig | None = None
 ) -> tuple[TrainConfig, Job, Callable[[], None]]:
     """Start drill job `name` (on `cluster`, default the context's) and wait until every rank holds one step past
-    its first committed checkpoint (training.faults.StepHold); returns the job and what releases it, to be called
+    its first committed checkpoint (training.drill_points.StepHold); returns the job and what releases it, to be called
     once the drill has struck."""
     train = ctx.train(name)
     first_save = ctx.acceptance.save_every_steps
     markers = ctx.root / name / "hold"
     hold = {"step": first_save + 1, "marker_dir": str(markers), "timeout_s": ctx.acceptance.job_timeout_s}
-    job = ctx.job(train, name, cluster=cluster, faults=with_faults(ctx.faults, hold_after_step=hold))
+    job = ctx.job(train, name, cluster=cluster, environment=ctx.environment.with_drill_points(hold_after_step=hold))
     job.wait_until(
         lambda: len(paused_ranks(str(markers), HOLD_MARKER_PREFIX)) == ctx.cluster.world_size,
         f"every rank past the first checkpoint (step {first_save})", ctx.acceptance.job_timeout_s,
@@ -260,7 +267,7 @@ def drill_preemption(ctx: DrillContext) -> DrillResult:
     job that stops any other way (a handler that exits without the checkpoint) fails the drill with the steps
     it lost: trained before the stop, trained again after the resume.
     """
-    if not launcher_for(ctx.cluster.scheduler).delivers_signals():
+    if not registry.capabilities(ctx.cluster.scheduler).delivers_signals:
         return DrillResult("preemption", None, message=f"skipped: the {ctx.cluster.scheduler} launcher cannot "
                            "deliver signals (preempt such jobs through the scheduler)")  # fmt: skip
     name = "drill-preemption"
@@ -278,7 +285,7 @@ def drill_preemption(ctx: DrillContext) -> DrillResult:
     checkpoint = record.step if record is not None else max(committed, default=None)
     resumed = ctx.job(train, name).wait(ctx.acceptance.job_timeout_s)  # the resubmission
     recovery = ctx.recovery(resumed, checkpoint)
-    resumed_from = recovery.measured["resumed_from_step"]
+    resumed_from = recovery.figures_as(RecoveryFigures).resumed_from_step
     lost = stopped_at - (resumed_from or 0)
     result = _finish(
         "preemption", recovery, t_fail, resumed, lost,
@@ -337,9 +344,9 @@ def _stopped_save(
     Returns the job's outcome, the time of the kill and, when the ranks never all stopped, why (kill time None).
     """
     markers = str(ctx.root / name / "save-pause")
-    faults = with_faults(ctx.faults, pause_in_save={"phase": phase, "step": save_step, "marker_dir": markers})
+    pause = {"phase": phase, "step": save_step, "marker_dir": markers}
     no_restart = ctx.cluster.model_copy(update={"max_restarts": 0})  # the next launch is the recovery
-    job = ctx.job(train, name, cluster=no_restart, faults=faults)
+    job = ctx.job(train, name, cluster=no_restart, environment=ctx.environment.with_drill_points(pause_in_save=pause))
     try:
         job.wait_until(
             lambda: len(paused_ranks(markers)) == ctx.cluster.world_size,
@@ -388,7 +395,7 @@ def _judge_relaunch(
     if relaunch.run.ranks() is None:
         return  # it never got to training (the problem above says why)
     recovery = ctx.recovery(relaunch, killed.expected_step)
-    killed.resumed_from = recovery.measured["resumed_from_step"]
+    killed.resumed_from = recovery.figures_as(RecoveryFigures).resumed_from_step
     killed.state_matched = recovery.passed
     if not recovery.passed:
         killed.problems.append(recovery.message)
@@ -471,7 +478,11 @@ def drill_kill_during_save(ctx: DrillContext) -> DrillResult:
 
 def _copy_reference_checkpoints(ctx: DrillContext, target: TrainConfig) -> list[int]:
     """Copy the reference run's committed checkpoints into `target`'s folder (local checkpoints)."""
-    source = variant(ctx.base, ctx.reference().output_dir.parent.parent, ctx.reference().output_dir.parent.name)
+    reference = ctx.reference()
+    assert reference.checkpoint_url is not None, "the drills' reference is a Job's outcome or the acceptance run's"
+    source = ctx.base.model_copy(
+        update={"checkpoint": ctx.base.checkpoint.model_copy(update={"url": reference.checkpoint_url})}
+    )
     src, dst = Path(source.checkpoint.url), Path(target.checkpoint.url)
     dst.mkdir(parents=True, exist_ok=True)
     copied = []
@@ -558,8 +569,8 @@ def drill_reshard(ctx: DrillContext) -> DrillResult:
     job = ctx.job(train, "drill-reshard", cluster=to_cluster)
     outcome = job.wait(ctx.acceptance.job_timeout_s)
     resumed = outcome.run.resume()
-    from_layout = describe_layout(ctx.base.parallel, ctx.cluster)
-    to_layout = describe_layout(train.parallel, to_cluster)
+    from_layout = Layout.of(ctx.base.parallel, ctx.cluster.world_size, ctx.cluster.procs_per_node).degrees()
+    to_layout = Layout.of(train.parallel, to_cluster.world_size, to_cluster.procs_per_node).degrees()
     # Same processes, other layout: every rank finds its own RNG file, so the manager may not call it resharded
     reported = resumed is not None and resumed.resharded
     resharded = resumed is not None and resumed.loaded_step == midpoint and (reported or from_layout != to_layout)
@@ -581,13 +592,6 @@ def drill_reshard(ctx: DrillContext) -> DrillResult:
             f"the {to_layout} job did not resume from the {from_layout} checkpoint of step {midpoint}"
         )
     return result
-
-
-def describe_layout(par: ParallelConfig, cluster: ClusterConfig) -> str:
-    """A layout in words: "pp2 x dp2 x tp2 (fsdp)", "dp4 (ddp)"."""
-    sizes = {"pp": par.pipeline_parallel, "dp": data_parallel_degree(par, cluster.world_size),
-             "tp": par.tensor_parallel, "ep": par.expert_parallel}  # fmt: skip
-    return layout_text(sizes, par.sharding)
 
 
 def drill_storage_outage(ctx: DrillContext) -> DrillResult:
@@ -630,7 +634,7 @@ def drill_storage_outage(ctx: DrillContext) -> DrillResult:
         outcome = job.wait(ctx.acceptance.job_timeout_s)
         ref = ctx.reference().metrics()
         got = outcome.metrics()
-        matched = outcome.ok and all(got[s]["loss"] == ref[s]["loss"] for s in ref if s in got) and set(got) == set(ref)
+        matched = outcome.ok and all(got[s].loss == ref[s].loss for s in ref if s in got) and set(got) == set(ref)
         lost_committed = lost in committed_steps(train)
         return DrillResult(
             "storage_outage",
@@ -654,9 +658,11 @@ def drill_node_loss(ctx: DrillContext) -> DrillResult:
     checkpoint; otherwise the job fails and is relaunched, on a spare host in place of the lost one where the
     SSH inventory lists more hosts than cluster.nodes, which gives the same world and so the same losses."""
     cluster = ctx.cluster
-    if cluster.nodes < 2 or cluster.scheduler not in ("local", "ssh"):
+    launcher = registry.launcher_class(cluster.scheduler)
+    if cluster.nodes < 2 or not launcher.capabilities.can_lose_node:
         why = "needs cluster.nodes >= 2" if cluster.nodes < 2 else f"not drilled on scheduler {cluster.scheduler}"
-        return DrillResult("node_loss", None, message=f"skipped: {why} (local or ssh)")
+        able = " or ".join(name for name in registry.names() if registry.capabilities(name).can_lose_node)
+        return DrillResult("node_loss", None, message=f"skipped: {why} ({able})")
     train, job, release = _past_first_checkpoint(ctx, "drill-node-loss")
     lost = job.kill_node(cluster.nodes - 1)
     t_fail = time.time()
@@ -671,7 +677,7 @@ def drill_node_loss(ctx: DrillContext) -> DrillResult:
         relaunch_cluster = None
     else:
         detection = time.time() - t_fail  # the job ended: every survivor noticed
-        relaunch_cluster = _without_host(cluster, lost["host"])
+        relaunch_cluster = launcher.relaunch_cluster(cluster, lost["host"])
         outcome = ctx.job(train, "drill-node-loss", cluster=relaunch_cluster).wait(ctx.acceptance.job_timeout_s)
     world = outcome.ranks().world_size
     same_world = world == cluster.world_size
@@ -688,33 +694,20 @@ def drill_node_loss(ctx: DrillContext) -> DrillResult:
     result = _finish(
         "node_loss", recovery, t_fail, outcome, killed_at - (checkpoint or 0),
         {"lost": lost, "killed_at_step": killed_at, "checkpoint_step": checkpoint, "elastic": elastic,
-         "relaunched_on": None if relaunch_cluster is None else _host_names(relaunch_cluster),
+         "relaunched_on": None if relaunch_cluster is None else _host_names(launcher.hosts(relaunch_cluster)),
          "world_after": world, "hosts_after": hosts, "losses_compared": same_world,
          "data_consistency": None if data is None else {"passed": data.passed, "message": data.message}},
     )  # fmt: skip
     result.detection_s = detection
     if result.passed and data is not None and not data.passed:
         result.passed, result.message = False, f"data consistency across the lost host's resume: {data.message}"
-    if result.passed and lost["host"] in hosts and cluster.scheduler == "ssh":
+    if result.passed and lost["host"] in hosts and launcher.capabilities.replaces_lost_host:
         result.passed, result.message = False, f"the lost host {lost['host']} is still in the job's ranks"
     return result
 
 
-def _host_names(cluster: ClusterConfig) -> list[str] | None:
-    return None if cluster.ssh is None else [h.name for h in cluster.ssh.hosts[: cluster.nodes]]
-
-
-def _without_host(cluster: ClusterConfig, host: str) -> ClusterConfig:
-    """The cluster for a relaunch after losing `host`: over SSH a spare host takes its place where the inventory
-    has one; otherwise the same hosts (the host came back, or a scheduler replaced it)."""
-    ssh = cluster.ssh
-    if cluster.scheduler != "ssh" or ssh is None:
-        return cluster
-    others = [h for h in ssh.hosts if h.name != host]
-    if len(others) < cluster.nodes:
-        log.warning("node_loss: no spare host for %s in cluster.ssh.hosts: relaunching on the same hosts", host)
-        return cluster
-    return cluster.model_copy(update={"ssh": ssh.model_copy(update={"hosts": others})})
+def _host_names(hosts: list[NodeHost] | None) -> list[str] | None:
+    return None if hosts is None else [h.name for h in hosts]
 
 
 def run_drills(ctx: DrillContext, only: list[str] | None = None,

@@ -18,6 +18,16 @@ DRILL_VERDICTS = {True: "pass", False: "FAIL", None: "n/a"}
 """A drill's verdict in the tables (None: it does not apply to the spec)."""
 
 
+def write_files(report: AcceptanceReport, root: Path) -> dict[str, str | None]:
+    """Write the report's files into `root`: the report itself (record.py's writer), junit.xml and, where it
+    names runs, the loss plot; their paths by kind (json, junit, plot). The flows' steps and the CLI both call it."""
+    return {
+        "json": str(report.write(root)),
+        "junit": str(write_junit(report, root / "junit.xml")),
+        "plot": str(plot_losses(report, root / "loss_curve.png")) if report.runs else None,
+    }
+
+
 def write_junit(report: AcceptanceReport, path: Path) -> Path:
     """One test case per dimension and per drill, so CI systems show each (one not measured, or a drill that does
     not apply, as skipped)."""
@@ -60,9 +70,9 @@ def plot_losses(report: AcceptanceReport, path: Path) -> Path:
         if not folder:
             continue
         metrics = RunOutput(folder).metrics()
-        steps = sorted(s for s in metrics if math.isfinite(metrics[s]["loss"]))
+        steps = sorted(s for s in metrics if math.isfinite(metrics[s].loss))
         if steps:
-            ax.plot(steps, [metrics[s]["loss"] for s in steps], style, label=label)
+            ax.plot(steps, [metrics[s].loss for s in steps], style, label=label)
             curves += 1
     for drill in report.drills:
         resumed = drill.evidence.get("resumed_from_step")

@@ -1,28 +1,35 @@
-"""The acceptance suite: a distributed run and an independent single-process reference, judged along six dimensions."""
+"""The acceptance suite: a distributed run and an independent single-process reference, judged by the check table
+(tasks/acceptance/checks.py); and the drills, reusing what an acceptance run left in its workspace."""
 
 from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from pydantic import BaseModel, ConfigDict
+
 from tasks.acceptance.baselines import judge_quality
+from tasks.acceptance.checks import Judged, dimension_names, in_report_order, judge_runs, not_started, rows
 from tasks.acceptance.config import DRILLS, AcceptanceConfig, DrillConfig
-from tasks.acceptance.drills import DrillContext, drill_rank_kill, run_drills, stopped_drill
+from tasks.acceptance.drills import DrillContext, drill_rank_kill, reuse_acceptance, run_drills, stopped_drill
+from tasks.acceptance.ledger_entry import record_entry, run_identity
+from tasks.acceptance.mode import Mode
 from tasks.acceptance.record import AcceptanceReport, DrillResult
 from tasks.acceptance.workspace import (
     Job,
     RunOutcome,
+    Workspace,
     data_parallel_ranks,
-    new_run_id,
     open_workspace,
     threads_per_rank,
     variant,
-    workspace_base,
 )
-from tasks.cluster import ClusterConfig
 from tasks.launch.base import parse_root_cause
+from tasks.launch.cluster import ClusterConfig
+from tasks.launch.environment import JobEnvironment
 from tasks.ledger.gate import check_regression
 from tasks.ledger.registry import (
     GoldenFigures,
@@ -32,24 +39,12 @@ from tasks.ledger.registry import (
     NonFiniteFigures,
     Provenance,
     golden_figures,
-    ledger_url,
-    record_entry,
-    run_identity,
 )
+from tasks.paths import ledger_url, workspace_base
 from tasks.progress import report
+from tasks.run_id import new_run_id
 from training.config import TrainConfig
-from validation.acceptance import (
-    DIMENSIONS,
-    AcceptanceThresholds,
-    DimensionResult,
-    check_connectivity,
-    check_correctness,
-    check_performance,
-    check_stability,
-    mesh_of,
-    rank_metrics,
-    replica_problems,
-)
+from validation.acceptance import AcceptanceThresholds, DimensionResult, mesh_of, rank_metrics
 from validation.data_consistency import Sampling, check_data_consistency, with_resumed_run
 from validation.plan_accuracy import PlanAccuracy, PlannedFigures, compare_plan, with_history
 from validation.quality import with_quality
@@ -119,7 +114,7 @@ def run_correctness_pair(
     acceptance: AcceptanceConfig,
     root: Path,
     steps: int,
-    faults: dict[str, str] | None = None,
+    environment: JobEnvironment | None = None,
     image: str | None = None,
 ) -> tuple[RunOutcome | None, RunOutcome]:
     """Run the correctness plan's jobs: the distributed side (None when the main run serves), the reference."""
@@ -128,71 +123,63 @@ def run_correctness_pair(
     if plan.distributed is not None:
         phase = f"correctness run ({cluster.world_size} ranks, fp32, no dropout)"
         report("acceptance", phase, 0, acceptance.reference_steps)
-        pair = Job(cluster, plan.distributed, "accept-correctness", faults, image, phase=phase).wait(
+        pair = Job(cluster, plan.distributed, "accept-correctness", environment, image, phase=phase).wait(
             acceptance.job_timeout_s, acceptance.thresholds.stall_timeout_s
         )
     phase = "independent reference (one process, fp32)"
     report("acceptance", phase, 0, acceptance.reference_steps)
-    # No faults: the reference runs none of the trainer's code, so no test fault reaches it.
+    # No job environment: the reference runs none of the trainer's code, so no test fault reaches it.
     reference = Job(plan.reference_cluster, plan.reference, "accept-reference", None, image, phase=phase).wait(
         acceptance.job_timeout_s
     )
     return pair, reference
 
 
-def correctness_of(
-    side: RunOutcome, dist: RunOutcome, reference: RunOutcome, acceptance: AcceptanceConfig, world: int
-) -> DimensionResult:
-    """Correctness of `side` (the correctness plan's distributed run; the main run `dist` where it serves) against
-    the reference over acceptance.reference_steps: losses, gradient norms, the parameters after the last step;
-    and the replica check (training/run_output.py params records) of `side` and of `dist`, by their meshes."""
-    k = acceptance.reference_steps
-    replicas = {}
-    runs = {"distributed": dist} if side is dist else {"correctness": side, "distributed": dist}
-    for label, run in runs.items():
-        records = run.run.params()
-        if records:  # a run that never reached its end records none: stability reports why
-            mesh = mesh_of(run.output_dir, world)
-            replicas[label] = replica_problems(records, mesh.coords if mesh is not None else None)
-    return check_correctness(
-        {s: m for s, m in side.metrics().items() if s <= k},
-        reference.metrics(),
-        acceptance.thresholds.correctness_max_rel_deviation,
-        noise_factor=acceptance.thresholds.correctness_noise_factor,
-        params=side.run.params(),
-        reference_params=reference.run.params().get(0),
-        replicas=replicas,
-    )
+class AcceptanceInputs(BaseModel):
+    """What an acceptance run (and the drills) needs: the deployment's cluster, its training config and acceptance
+    section, the mode, and where its jobs run."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    cluster: ClusterConfig
+    train: TrainConfig
+    acceptance: AcceptanceConfig
+    mode: Mode = Mode.FULL
+    drills: DrillConfig | None = None
+    """The drills' settings (the recovery dimension's rank_kill drill included); None: the defaults."""
+    with_drills: bool = False
+    """Also run the other drills (drills.only, else every one) after the suite (not in canary mode)."""
+    image: str | None = None
+    """The image reference the jobs run in (None: the nodes' own environment)."""
+    environment: JobEnvironment | None = None
+    """Variables the trainer's jobs get beside cluster.env (tasks/launch/environment.py): the tests', never a
+    spec's."""
+    provenance: Provenance | None = None
+    """What the run was made from (spec, image), recorded in its ledger entry."""
+    record: bool = True
+    """An accepted run is recorded in the ledger (False: a new version's canary, before its full rollout)."""
+    planned: PlannedFigures | None = None
+    """The capacity plan's figures for the layout, to record the measured ones beside."""
+    deployment_dir: str | None = None
+    """The deployment's folder (tasks.paths), recorded in the quality baseline an accepted run writes (None: none
+    recorded)."""
 
 
-def run_acceptance(
-    cluster: ClusterConfig,
-    train: TrainConfig,
-    acceptance: AcceptanceConfig,
-    root: Path,
-    faults: dict[str, str] | None = None,
-    image: str | None = None,
-    soak: bool = False,
-    drills: DrillConfig | None = None,
-    with_drills: bool = False,
-    provenance: Provenance | None = None,
-    canary: bool = False,
-    record: bool = True,
-    planned: PlannedFigures | None = None,
-) -> AcceptanceReport:
-    """Run the distributed job and the reference through the spec's scheduler and judge them, against the
-    ledger's current baseline; an accepted run is recorded in the ledger (with `provenance`: spec and image).
+def run_acceptance(inputs: AcceptanceInputs, root: Path) -> AcceptanceReport:
+    """Run the distributed job and the reference through the spec's scheduler in the run workspace `root` and
+    judge them by the check table of `inputs.mode`, against the ledger's current baseline; an accepted run is
+    recorded in the ledger (with `inputs.provenance`: spec and image).
 
-    The jobs get cluster.env from the launcher; `faults` are test-only fault variables (training/faults.py).
-    A `canary` (tdeploy rollout) is judged without the recovery drill: it asks whether a new version computes
-    and performs like the baseline, not whether checkpoints restore (the full acceptance after it does).
-    `record` False: an accepted run is not recorded (a new version's canary, before its full rollout).
-    `planned`: the capacity plan's figures for the layout; the run's measured peak memory per rank and step time
-    are recorded beside them with the error (a planner finding when it persists over the ledger's runs).
+    The jobs get cluster.env from the launcher. A canary (tdeploy rollout) is judged without the recovery drill:
+    it asks whether a new version computes and performs like the baseline, not whether checkpoints restore (the
+    full acceptance after it does). With `inputs.planned` the run's measured peak memory per rank and step time
+    are recorded beside the plan's with the error (a planner finding when it persists over the ledger's runs).
     """
-    provenance = provenance or Provenance()
+    cluster, train, acceptance, mode = inputs.cluster, inputs.train, inputs.acceptance, inputs.mode
+    environment, image, drills = inputs.environment, inputs.image, inputs.drills
+    soak = mode is Mode.SOAK and acceptance.soak_steps is not None
+    provenance = inputs.provenance or Provenance()
     limits = acceptance.thresholds
-    steps = acceptance.soak_steps if soak and acceptance.soak_steps else acceptance.steps
+    steps = acceptance.soak_steps if soak and acceptance.soak_steps is not None else acceptance.steps
     probe_mb = train.run.comm_probe_mb or ACCEPTANCE_COMM_PROBE_MB
     dist_train = variant(
         train,
@@ -201,19 +188,18 @@ def run_acceptance(
         run={"steps": steps, "comm_probe_mb": probe_mb},
         checkpoint={"save_every_steps": acceptance.save_every_steps},
     )
-    phase = f"{'stability soak' if soak and acceptance.soak_steps else 'distributed run'} ({cluster.world_size} ranks)"
+    phase = f"{'stability soak' if soak else 'distributed run'} ({cluster.world_size} ranks)"
     report("acceptance", phase, 0, steps)
-    dist = Job(cluster, dist_train, "accept-distributed", faults, image, phase=phase).wait(
+    dist = Job(cluster, dist_train, "accept-distributed", environment, image, phase=phase).wait(
         acceptance.job_timeout_s, limits.stall_timeout_s
     )
     start = check_start(dist)
     if start is not None:  # one finding; the reference, the correctness pair and the drills would tell nothing
-        why = "the distributed job never started training (see start)"
-        unmeasured = [DimensionResult.not_measured(name, why, "the start finding") for name in DIMENSIONS]
-        return AcceptanceReport(dimensions=[start, *unmeasured], runs={"distributed": str(dist.output_dir)})
-    pair, reference = run_correctness_pair(cluster, train, acceptance, root, steps, faults, image)
-    report("acceptance", "judging connectivity, correctness, performance, stability, data consistency")
-    dimensions = judge(cluster, dist_train, acceptance, dist, reference, pair)
+        return AcceptanceReport(dimensions=not_started(start, mode), runs={"distributed": str(dist.output_dir)})
+    pair, reference = run_correctness_pair(cluster, train, acceptance, root, steps, environment, image)
+    judged_here = [c.name.replace("_", " ") for c in rows(mode) if c.judge is not None]
+    report("acceptance", f"judging {', '.join(judged_here)}")
+    dimensions = judge(cluster, dist_train, acceptance, dist, reference, pair, mode)
     world = data_parallel_ranks(cluster, train)
     ledger = Ledger(ledger_url(acceptance, train.run.output_url), train.storage)
     curve_key, cluster_key, _ = run_identity(cluster, dist_train, world)
@@ -234,15 +220,15 @@ def run_acceptance(
         root,
         acceptance,
         drills,
-        faults,
+        environment,
         image,
         reference=dist if steps == acceptance.steps and dist.ok else None,
         progress_step="acceptance",
     )
     drill_results: list[DrillResult] = []
     recovery: DimensionResult | None = None
-    if canary:
-        pass  # no recovery drill: see the docstring
+    if "recovery" not in dimension_names(mode):
+        pass  # no recovery drill (a canary's): see the docstring
     elif dist.ok:
         report("acceptance", "recovery: rank_kill drill")
         try:
@@ -250,7 +236,9 @@ def run_acceptance(
         except Exception as err:  # noqa: BLE001 - the drill's failure is its finding; the report is still written
             kill = stopped_drill("rank_kill", err)
             look = "the rank_kill drill's error above, then its jobs' logs under drill-rank-kill"
-            recovery = DimensionResult("recovery", False, None, None, kill.evidence, kill.message, look)
+            recovery = DimensionResult(
+                name="recovery", passed=False, evidence=kill.evidence, message=kill.message, look_first=look
+            )
         drill_results.append(kill)
         if "output_dir" in kill.evidence:
             resumed = Sampling.of(ctx.train("drill-rank-kill"), cluster.world_size)
@@ -258,14 +246,11 @@ def run_acceptance(
             dimensions = [with_resumed_run(d, resumed_data) if d.name == "data_consistency" else d for d in dimensions]
     else:
         recovery = DimensionResult(
-            "recovery",
-            False,
-            None,
-            None,
-            {},
-            "not drilled: the distributed run itself failed"
+            name="recovery",
+            passed=False,
+            message="not drilled: the distributed run itself failed"
             + (f" ({dist.steps_lost.describe()})" if dist.steps_lost else ""),
-            "the stability dimension",
+            look_first="the stability dimension",
         )
     if recovery is not None:
         dimensions.append(recovery)
@@ -274,20 +259,22 @@ def run_acceptance(
     except NonFiniteFigures as err:  # a diverged run: a regression finding, the report is still written
         figures, not_finite = None, err
     dimensions.append(regression_of(ledger, current, ledger_problem, figures, curve_key, acceptance, not_finite))
-    if with_drills and dist.ok and not canary:
+    if inputs.with_drills and dist.ok and mode is not Mode.CANARY:
         wanted = ctx.drills.only if ctx.drills.only is not None else list(DRILLS)
         drill_results += run_drills(ctx, [n for n in wanted if n != "rank_kill"])  # rank_kill ran above
     runs = {"distributed": str(dist.output_dir), "reference": str(reference.output_dir)}
     if pair is not None:  # the distributed side of correctness, when the main run could not serve
         runs["correctness"] = str(pair.output_dir)
     try:
-        accuracy = None if planned is None else plan_accuracy(planned, ledger, dist, cluster, limits)
+        accuracy = None if inputs.planned is None else plan_accuracy(inputs.planned, ledger, dist, cluster, limits)
     except (OSError, ValueError) as err:  # the plan beside the run is a note, not a verdict: the report goes on
         log.warning("plan vs run: not compared: %s", err)
         accuracy = None
-    accepted = AcceptanceReport(dimensions=dimensions, drills=drill_results, runs=runs, plan_accuracy=accuracy)
-    if accepted.passed and record:  # every dimension and drill: the run becomes the current baseline
-        gate.record(root, dist.output_dir)
+    accepted = AcceptanceReport(
+        dimensions=in_report_order(dimensions), drills=drill_results, runs=runs, plan_accuracy=accuracy
+    )
+    if accepted.passed and inputs.record:  # every dimension and drill: the run becomes the current baseline
+        gate.record(root, dist.output_dir, inputs.deployment_dir)
         assert figures is not None  # a run without a result fails stability
         accepted.ledger_entry = _record(ledger, cluster, train, dist_train, world, figures, provenance, root, accuracy)
     return accepted
@@ -326,11 +313,15 @@ def regression_of(
     """The regression dimension; a ledger that cannot be read fails it with the file and the fix, and so does a
     run whose loss figures are not finite (nothing to compare, nothing to record)."""
     if problem is not None:
-        return DimensionResult("regression", False, {}, {}, {"ledger": ledger.url}, str(problem), problem.fix or "")
+        return DimensionResult(
+            name="regression", passed=False, measured={}, threshold={}, evidence={"ledger": ledger.url},
+            message=str(problem), look_first=problem.fix or "",
+        )  # fmt: skip
     if not_finite is not None and acceptance.regression.enabled:
         return DimensionResult(
-            "regression", False, dict(not_finite.figures), {}, {"ledger": ledger.url, "curve_key": curve_key},
-            str(not_finite), "the stability dimension: the first step whose loss was not finite",
+            name="regression", passed=False, measured=dict(not_finite.figures), threshold={},
+            evidence={"ledger": ledger.url, "curve_key": curve_key}, message=str(not_finite),
+            look_first="the stability dimension: the first step whose loss was not finite",
         )  # fmt: skip
     return check_regression(ledger, current, figures, curve_key, acceptance.regression, acceptance.thresholds)
 
@@ -374,27 +365,21 @@ def check_start(dist: RunOutcome) -> DimensionResult | None:
     """None once the distributed job trained a step; else the one finding that it never started, with its error.
 
     A job refused at start-up (a dataset made with another tokenizer, a spec the trainer rejects, a rendezvous
-    that never completed) has nothing for the six dimensions to judge: failing all of them would bury the cause.
+    that never completed) has nothing for the other dimensions to judge: failing all of them would bury the cause.
     """
     if dist.ok or rank_metrics(dist.output_dir):
         return None
     error = job_error(dist)
     return DimensionResult(
-        "start",
-        False,
-        {"state": dist.status.state.value, "steps_trained": 0},
-        {"steps_trained": ">= 1"},
-        {"job": dist.handle.ref, "log": dist.handle.log_path, "output": str(dist.output_dir)},
-        f"the distributed job never started training: {error}",
-        "the error above: a spec, dataset or environment problem the job refused at start-up (fix it in the spec "
-        f"or the data, not by rerunning); then the job's log {dist.handle.log_path}",
+        name="start",
+        passed=False,
+        measured={"state": dist.status.state.value, "steps_trained": 0},
+        threshold={"steps_trained": ">= 1"},
+        evidence={"job": dist.handle.ref, "log": dist.handle.log_path, "output": str(dist.output_dir)},
+        message=f"the distributed job never started training: {error}",
+        look_first="the error above: a spec, dataset or environment problem the job refused at start-up (fix it in "
+        f"the spec or the data, not by rerunning); then the job's log {dist.handle.log_path}",
     )
-
-
-def _hosts_of(outcome: RunOutcome) -> dict[int, str] | None:
-    """Rank -> host name from the run's ranks.json (None before it was written)."""
-    ranks = outcome.run.ranks()
-    return None if ranks is None else {r["rank"]: r["host"] for r in ranks.ranks}
 
 
 def judge(
@@ -404,29 +389,37 @@ def judge(
     dist: RunOutcome,
     reference: RunOutcome,
     pair: RunOutcome | None = None,
+    mode: Mode = Mode.FULL,
 ) -> list[DimensionResult]:
-    """Connectivity, correctness, performance, stability and data consistency of a finished distributed run.
+    """The check table's dimensions of `mode` judged from a finished distributed run's artifacts (connectivity,
+    correctness, performance, stability and data consistency today). Correctness compares `pair` (the
+    correctness plan's distributed run; None: `dist`) with the reference."""
+    return judge_runs(Judged(cluster, train, acceptance, dist, reference, pair), mode)
 
-    Correctness compares `pair` (the correctness plan's distributed run; None: `dist`) with the reference.
-    """
-    limits = acceptance.thresholds
-    world = cluster.world_size
-    dist_metrics = dist.metrics()
-    dimensions = [
-        check_connectivity(dist.output_dir, world, limits),
-        correctness_of(pair or dist, dist, reference, acceptance, world),
-        check_performance(
-            rank_metrics(dist.output_dir),
-            reference.metrics(),
-            world,
-            limits,
-            sharding=train.parallel.sharding,
-            mesh=mesh_of(dist.output_dir, world),
-            hosts=_hosts_of(dist),
-        ),
-        check_stability(
-            dist_metrics, limits, dist.ok, dist.status.describe(), dist.stalled_after_step, dist.unreachable_hosts
-        ),  # fmt: skip
-    ]
-    dimensions.append(check_data_consistency(dist.output_dir, Sampling.of(train, world)))
-    return dimensions
+
+def run_drill_suite(
+    inputs: AcceptanceInputs,
+    root: Path,
+    only: list[str] | None = None,
+    on_result: Callable[[DrillResult], None] | None = None,
+) -> AcceptanceReport:
+    """The drills (`only`, else drills.only, else every one) in `root`/drills of the run workspace `root`,
+    reusing what an acceptance run left there (its uninterrupted run and a passed rank_kill drill,
+    `reuse_acceptance`); their report. What `tdeploy drill` and the flows' drills step both run."""
+    folder = Workspace.at(root).drills
+    drills = inputs.drills or DrillConfig()
+    args = (inputs.cluster, inputs.train, folder, inputs.acceptance, drills, inputs.environment, inputs.image)
+    reference, rank_kill = reuse_acceptance(root, DrillContext(*args))
+    ctx = DrillContext(*args, reference=reference)
+    chosen = only if only is not None else (drills.only if drills.only is not None else list(DRILLS))
+    results = []
+    if rank_kill is not None and "rank_kill" in chosen:
+        log.info("drill rank_kill: reused from the acceptance run in %s", root)
+        results.append(rank_kill)
+        if on_result:
+            on_result(rank_kill)
+        chosen = [name for name in chosen if name != "rank_kill"]
+    if reference is not None:
+        log.info("drills compare with the acceptance run's uninterrupted run %s", reference.output_dir)
+    results += run_drills(ctx, chosen, on_result=on_result)
+    return AcceptanceReport(dimensions=[], drills=results)

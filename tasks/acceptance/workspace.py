@@ -8,34 +8,30 @@ symlink) name the last run whose reports were written; older workspaces beyond `
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
-import re
-import secrets
 import shutil
 import signal
-import socket
-import subprocess
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal
 
-from tasks.cluster import ClusterConfig
 from tasks.errors import TransientError, UserError
 from tasks.launch.base import JobHandle, JobState, JobStatus
+from tasks.launch.cluster import ClusterConfig
+from tasks.launch.environment import JobEnvironment
 from tasks.launch.history import StepsLost, steps_lost
 from tasks.launch.submit import submit
 from tasks.progress import report
+from tasks.run_id import RUN_ID, new_run_id
 from training.config import TrainConfig
 from training.layout import data_parallel_degree
-from training.run_output import Ranks, RunOutput
+from training.run_output import Ranks, RunOutput, StepRecord
 
 log = logging.getLogger(__name__)
 
@@ -43,20 +39,6 @@ LATEST = "latest.json"
 """Beside the run workspaces: the last run whose reports were written (see `mark_latest`, `latest_run`)."""
 LATEST_LINK = "latest"
 """A symlink beside the run workspaces to the same run, for people (`ls runs/<name>/acceptance/latest/`)."""
-RUN_ID = re.compile(r"^\d{8}T\d{6}\.\d{6}Z-[0-9a-f]{6}$")
-_last_time = datetime.min.replace(tzinfo=UTC)
-_id_lock = threading.Lock()
-
-
-def new_run_id(now: datetime | None = None) -> str:
-    """A unique run id that sorts by time: `20260102T030405.123456Z-1a2b3c` (later ids of a process sort later)."""
-    global _last_time
-    with _id_lock:
-        stamp = max(now or datetime.now(UTC), _last_time + timedelta(microseconds=1))
-        _last_time = stamp
-    return f"{stamp.strftime('%Y%m%dT%H%M%S.%f')}Z-{secrets.token_hex(3)}"
-
-
 @dataclass(frozen=True)
 class Workspace:
     """One acceptance invocation's folder: `root` = base/run_id, the drills' jobs and reports under `drills`."""
@@ -81,16 +63,6 @@ class Workspace:
         if not RUN_ID.match(path.name):
             raise ValueError(f"{path}: not a run workspace (its name must be a run id such as {new_run_id()})")
         return cls(path.parent, path.name)
-
-
-def workspace_base(work_url: str | None, output_url: str, nightly: bool = False) -> Path:
-    """Where run workspaces go: acceptance.work_url (the spec sets it to <deployment_dir>/acceptance), else
-    'acceptance' beside run.output_url (an AcceptanceConfig used on its own); the nightly runs under nightly/."""
-    if work_url:
-        base = Path(work_url.removeprefix("file://")).resolve()
-    else:
-        base = Path(output_url.removeprefix("file://")).resolve().parent / "acceptance"
-    return base / "nightly" if nightly else base
 
 
 def run_workspaces(base: Path) -> list[Path]:
@@ -248,6 +220,8 @@ class RunOutcome:
     """Hosts that did not answer when the job stalled (SSH jobs): where a hang started."""
     steps_lost: StepsLost | None = None
     """A failed, cancelled or preempted job: the steps it trained after its newest checkpoint (None: it finished)."""
+    checkpoint_url: str | None = None
+    """Where the job saved its checkpoints (its checkpoint.url; None: not known to whoever made this outcome)."""
 
     @property
     def ok(self) -> bool:
@@ -259,7 +233,7 @@ class RunOutcome:
         """What the job wrote."""
         return RunOutput(self.output_dir)
 
-    def metrics(self, rank: int = 0) -> dict[int, dict[str, Any]]:
+    def metrics(self, rank: int = 0) -> dict[int, StepRecord]:
         """Per-step metrics of a rank (later attempts win)."""
         return self.run.metrics(rank)
 
@@ -288,14 +262,14 @@ class Job:
         cluster: ClusterConfig,
         train: TrainConfig,
         name: str,
-        faults: dict[str, str] | None,
+        environment: JobEnvironment | None,
         image: str | None,
         step: str = "acceptance",
         phase: str | None = None,
     ) -> None:
         self.cluster, self.train = cluster, train
         self.progress_step, self.phase = step, phase or name
-        self.launcher, self.handle = submit(cluster, train, name, image, faults=faults)
+        self.launcher, self.handle = submit(cluster, train, name, image, environment=environment)
         self.output_dir = Path(self.handle.output_dir)
         self.run = RunOutput(self.output_dir)
 
@@ -315,7 +289,8 @@ class Job:
         while True:
             status = self.status()
             if status.state.terminal:
-                return RunOutcome(self.handle, status, self.output_dir, steps_lost=self._lost(status))
+                return RunOutcome(self.handle, status, self.output_dir, steps_lost=self._lost(status),
+                                  checkpoint_url=self.train.checkpoint.url)  # fmt: skip
             step = last_step(self.output_dir)
             if step != seen:
                 progress_at, seen = time.monotonic(), step
@@ -328,7 +303,8 @@ class Job:
                 self.launcher.cancel(self.handle)
                 status = self.status()
                 return RunOutcome(self.handle, status, self.output_dir, stalled_after_step=seen,
-                                  unreachable_hosts=silent, steps_lost=self._lost(status))  # fmt: skip
+                                  unreachable_hosts=silent, steps_lost=self._lost(status),
+                                  checkpoint_url=self.train.checkpoint.url)  # fmt: skip
             if time.monotonic() > deadline:
                 self.launcher.cancel(self.handle)
                 raise UserError(f"job {self.handle.ref} did not finish in {timeout_s:.0f}s", "raise job_timeout_s")
@@ -356,55 +332,19 @@ class Job:
             time.sleep(poll_s)
 
     def kill_rank(self, rank: int, sig: int = signal.SIGKILL) -> dict[str, Any]:
-        """Send `sig` to one rank's process (directly on this host, over SSH or through srun on another)."""
+        """Send `sig` to one rank's process, through the job's launcher (which knows how to reach its host)."""
         record = next(r for r in self.ranks_record().ranks if r["rank"] == rank)
-        if self.cluster.scheduler == "ssh":
-            from tasks.launch.ssh import signal_remote
-
-            signal_remote(self.handle, self.handle.details["hosts"].index(record["host"]), record["pid"], sig)
-        elif record["host"] == socket.gethostname() or self.cluster.scheduler == "local":
-            os.kill(record["pid"], sig)
-        else:
-            subprocess.run(
-                ["srun", f"--jobid={self.handle.job_id}", "--overlap", "-w", record["host"], "-N1", "-n1",
-                 "kill", f"-{int(sig)}", str(record["pid"])],
-                check=True, timeout=60,
-            )  # fmt: skip
+        self.launcher.kill_rank(self.handle, record, sig)
         return record
 
     def unreachable_hosts(self) -> list[str]:
-        """The job's hosts that do not answer now (SSH jobs; none known for the other schedulers)."""
-        if self.cluster.scheduler != "ssh":
-            return []
-        from tasks.launch.ssh import unreachable_hosts
-
-        return unreachable_hosts(self.handle)
+        """The job's hosts that do not answer now (as far as its launcher can tell)."""
+        return self.launcher.unreachable_hosts(self.handle)
 
     def kill_node(self, node: int, sig: int = signal.SIGKILL) -> dict[str, Any]:
-        """Send `sig` to every process of agent `node` (the torchrun agent and its workers) at once: a lost node.
-        Local and SSH jobs, whose agents record where they run."""
-        from tasks.launch.local import AGENTS_DIR
-
-        record_path = self.output_dir / AGENTS_DIR / f"node{node}.json"
-        try:
-            agent = json.loads(record_path.read_text())
-        except (OSError, ValueError) as err:
-            raise UserError(f"job {self.handle.ref}: agent {node} left no record ({record_path})",
-                            "node loss is drilled on the local and ssh schedulers") from err  # fmt: skip
-        ranks = self.ranks_record().ranks
-        if self.cluster.scheduler == "ssh":
-            from tasks.launch.ssh import signal_remote
-
-            host = self.handle.details["hosts"][node]
-            victims = [r for r in ranks if r["host"] == host]
-            signal_remote(self.handle, node, [agent["pid"], *(r["pid"] for r in victims)], sig)
-        else:
-            host = agent["host"]
-            victims = [r for r in ranks if _parent_pid(r["pid"]) == agent["pid"]]
-            for pid in [agent["pid"], *(r["pid"] for r in victims)]:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, sig)
-        return {"node": node, "host": host, "agent_pid": agent["pid"], "ranks": sorted(r["rank"] for r in victims)}
+        """Send `sig` to every process of agent `node` (the torchrun agent and its workers) at once: a lost node,
+        on the launchers that can lose one (`Capabilities.can_lose_node`)."""
+        return self.launcher.kill_node(self.handle, node, self.ranks_record().ranks, sig)
 
     def ranks_record(self) -> Ranks:
         """The ranks of the current attempt."""
@@ -420,18 +360,9 @@ class Job:
         self.launcher.cancel(self.handle)
 
 
-def _parent_pid(pid: int) -> int | None:
-    """A process's parent on this machine (None when it is gone)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return int(stat[stat.rindex(")") + 2 :].split()[1])
-
-
 def first_step_time_after(output_dir: Path, step: int, since_unix_s: float) -> float | None:
     """When rank 0 recorded `step` after `since_unix_s` (a resumed run's first step)."""
     for record in RunOutput(output_dir).metric_records():
-        if record["step"] == step and record["time_unix_s"] >= since_unix_s:
-            return float(record["time_unix_s"])
+        if record.step == step and record.time_unix_s is not None and record.time_unix_s >= since_unix_s:
+            return float(record.time_unix_s)
     return None

@@ -12,8 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tasks.capacity.catalogue import Accelerator
-from tasks.capacity.memory import Layout, Precision
+from tasks.capacity.memory import Precision
 from tasks.capacity.params import Architecture, ParamCount
+from training.layout import Layout
 
 
 @dataclass(slots=True)  # built per evaluated layout: a frozen dataclass's __init__ is slower
@@ -129,7 +130,7 @@ def communication(
     whole = tokens * arch.d_model * precision.act_bytes
     split_boundary = lo.sequence_parallel or scatter_gather
     boundary = whole / (tp if split_boundary else 1)
-    chunks = lo.virtual_stages if lo.pp_schedule == "interleaved" else 1
+    chunks = lo.virtual_stages if lo.pp_schedule == "interleaved-1f1b" else 1
     sends = 2 * chunks - (1 if pp == 2 else 0)
     pp_bytes = sends * m * boundary if pp > 1 else 0.0
     sent["pipeline_parallel"] = pp_bytes
@@ -168,7 +169,7 @@ def communication(
     exposed += secs["data_parallel"] - hidden
     bubble = 0.0
     if pp > 1:
-        bubble = compute_seconds * (pp - 1) / (m * (lo.virtual_stages if lo.pp_schedule == "interleaved" else 1))
+        bubble = compute_seconds * (pp - 1) / (m * (lo.virtual_stages if lo.pp_schedule == "interleaved-1f1b" else 1))
     total = sum(secs.values())
     ratio = total / compute_seconds if compute_seconds else float("inf")
     warnings = []

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tasks.capacity.memory import Recompute
+from training.layout import Recompute
 from tasks.capacity.params import Architecture, count_params
 
 SECONDS_PER_DAY = 86400.0
@@ -162,11 +162,6 @@ class BudgetTime:
 def budget_time(flops: float, gpus: int, peak_flops_per_gpu: float, mfu: float) -> BudgetTime:
     """Time to do `flops` on `gpus` at `mfu` of their peak (the FLOPs in the convention the utilization is of)."""
     return BudgetTime(seconds=flops / (gpus * peak_flops_per_gpu * mfu))
-
-
-def narayanan_training_days(params: float, tokens: float, gpus: int, achieved_flops_per_gpu: float) -> float:
-    """Narayanan et al. 2021 eq. 4: end-to-end training time 8TP / (nX) with activation recompute, in days."""
-    return budget_time(8 * tokens * params, gpus, achieved_flops_per_gpu, 1.0).days
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from tasks.capacity.catalogue import CATALOGUE, Accelerator, accelerator_names, resolve_accelerator
 from training.config import (
@@ -18,7 +18,7 @@ from training.config import (
     divisors,
     raise_problems,
 )
-from training.layout import balanced_split
+from training.layout import layout_problems, world_problems
 from training.storage import StorageUrl
 
 _MAX_FIGURE = 1e9  # GiB, TFLOP/s, TB/s, GB/s: a million times today's largest accelerator
@@ -58,8 +58,13 @@ class AcceleratorOverride(StrictModel):
         return self.model_dump(exclude_none=True)
 
 
+_RENAMED = {"pipeline_schedule": {"interleaved": "interleaved-1f1b"}}
+"""Values capacity.layout once took that now read as in `parallel` (field: {old: new})."""
+
+
 class LayoutOverride(StrictModel):
-    """Plan a layout beyond what the payload runs: tensor, pipeline and expert parallelism, ZeRO-1/2."""
+    """Plan a layout beyond what the payload runs (context parallelism, ZeRO-1/2, ...): the degrees and schedule
+    of a `parallel` section, with its field names and values, over the spec's sharding and batching."""
 
     tensor_parallel: int = Field(default=1, ge=1, le=MAX_RANKS, description="Tensor-parallel degree (within a node).")
     pipeline_parallel: int = Field(default=1, ge=1, le=MAX_RANKS, description="Pipeline stages.")
@@ -79,8 +84,12 @@ class LayoutOverride(StrictModel):
         description="Sharding over the data-parallel group; None = from parallel.sharding (ddp 0, fsdp 3).",
     )
     sequence_parallel: bool = Field(default=False, description="Megatron sequence parallelism (needs TP > 1).")
-    pipeline_schedule: Literal["1f1b", "interleaved"] = Field(default="1f1b", description="Pipeline schedule.")
-    virtual_stages: int = Field(default=1, ge=1, le=1024, description="interleaved: model chunks per pipeline stage.")
+    pipeline_schedule: Literal["gpipe", "1f1b", "interleaved-1f1b"] = Field(
+        default="1f1b", description="Pipeline schedule, as parallel.pipeline_schedule names it."
+    )
+    virtual_stages: int = Field(
+        default=1, ge=1, le=1024, description="interleaved-1f1b: model chunks per pipeline stage (>= 2)."
+    )
     pipeline_split: list[int] | None = Field(
         default=None,
         max_length=MAX_LAYERS,
@@ -88,6 +97,21 @@ class LayoutOverride(StrictModel):
         "model.n_layers, uneven allowed: 126 layers on 16 stages); None = balanced, the extra layers last (what the "
         "payload runs by default).",
     )
+
+    @field_validator("pipeline_schedule", mode="before")
+    @classmethod
+    def _renamed(cls, value: object, info: ValidationInfo) -> object:
+        new = _RENAMED[info.field_name].get(value) if isinstance(value, str) else None
+        if new is not None:
+            raise ValueError(
+                f"{value} is named {new} now, as in parallel.{info.field_name}; set capacity.layout."
+                f"{info.field_name}: {new}"
+            )
+        return value
+
+    def applied_to(self, parallel: ParallelConfig) -> ParallelConfig:
+        """The `parallel` section this layout plans: its degrees and schedule over `parallel`'s other fields."""
+        return parallel.model_copy(update=self.model_dump(exclude={"zero_stage"}))
 
 
 class CapacityConfig(StrictModel):
@@ -339,85 +363,16 @@ def capacity_problems(
             )
     world = nodes * procs_per_node
     lo = capacity.layout
-    tp, pp, ep = (lo.tensor_parallel, lo.pipeline_parallel, lo.expert_parallel) if lo else (1, 1, 1)
-    cp = lo.context_parallel if lo else 1
-    loc = ("capacity", "layout")
-    if cp > 1:
-        problems += _context_parallel_problems(cp, capacity.attention, model.seq_len, world, tp * pp)
-    if tp > 1 and procs_per_node % tp:
-        problems.append(
-            (
-                (*loc, "tensor_parallel"),
-                tp,
-                f"does not divide cluster.procs_per_node={procs_per_node}; use {_choices(divisors(procs_per_node))}",
-            )
-        )
-    for heads, name in ((model.n_heads, "n_heads"), (model.kv_heads, "kv heads (n_kv_heads)")):
-        if heads % tp:
-            valid = [d for d in divisors(heads) if procs_per_node % d == 0]
-            problems.append(((*loc, "tensor_parallel"), tp, f"must divide model {name}={heads}; use {_choices(valid)}"))
-    if world % (tp * pp) == 0 and (world // (tp * pp)) % cp:
-        valid = [d for d in divisors(world // (tp * pp)) if model.seq_len % (2 * d) == 0]
-        problems.append(
-            (
-                (*loc, "context_parallel"),
-                cp,
-                f"must divide the {world // (tp * pp)} ranks left after tensor_parallel x pipeline_parallel = "
-                f"{tp * pp} of {world} GPUs; use {_choices(valid)}",
-            )
-        )
-    if world % (tp * pp):
-        valid = [d for d in divisors(world // tp if world % tp == 0 else world) if model.n_layers % d == 0]
-        problems.append(
-            (
-                (*loc, "pipeline_parallel"),
-                pp,
-                f"tensor_parallel x pipeline_parallel = {tp * pp} does not divide the {world} GPUs; "
-                f"with tensor_parallel={tp} use pipeline_parallel {_choices(valid)}",
-            )
-        )
-    chunks = pp * (lo.virtual_stages if lo and lo.pipeline_schedule == "interleaved" else 1)
-    split = lo.pipeline_split if lo else None
-    if split is not None:
-        if len(split) != chunks or sum(split) != model.n_layers or min(split, default=0) < 1:
-            problems.append(
-                (
-                    (*loc, "pipeline_split"),
-                    split,
-                    f"must list {chunks} chunk sizes (pipeline_parallel x virtual_stages), each >= 1, summing to "
-                    f"model.n_layers={model.n_layers}; for example {balanced_split(model.n_layers, chunks)}",
-                )
-            )
-    elif chunks > model.n_layers:
-        valid = [d for d in divisors(world // tp if world % tp == 0 else world) if d <= model.n_layers]
-        problems.append(
-            (
-                (*loc, "pipeline_parallel"),
-                pp,
-                f"pipeline chunks {chunks} (pipeline_parallel x virtual_stages) exceed model.n_layers="
-                f"{model.n_layers}: each chunk needs a layer; use pipeline_parallel {_choices(valid)}",
-            )
-        )
-    if lo and lo.pipeline_schedule == "interleaved" and (pp == 1 or lo.virtual_stages == 1):
-        problems.append(
-            ((*loc, "pipeline_schedule"), "interleaved", "needs pipeline_parallel > 1 and virtual_stages > 1")
-        )
-    if lo and lo.sequence_parallel and tp == 1:
-        problems.append(((*loc, "sequence_parallel"), True, "needs tensor_parallel > 1; remove it or raise TP"))
+    tp, pp, cp = (lo.tensor_parallel, lo.pipeline_parallel, lo.context_parallel) if lo else (1, 1, 1)
+    if lo is not None:  # the same checks as the payload's section, of what a planned layout has to make sense
+        planned = lo.applied_to(parallel).model_copy(update={"data_parallel": None})
+        loc = ("capacity", "layout")
+        where = f"cluster.nodes x cluster.procs_per_node = {world}"
+        problems += layout_problems(model, planned, None, loc=loc, planned=True)
+        problems += world_problems(planned, world, procs_per_node, where, loc=loc, planned=True)
+        if cp > 1:
+            problems += _context_parallel_problems(cp, capacity.attention, model.seq_len, world, tp * pp)
     dp = world // (tp * pp * cp) if world % (tp * pp * cp) == 0 else 0
-    if ep > 1:
-        if model.moe is None:
-            problems.append(((*loc, "expert_parallel"), ep, "applies to MoE models only (model.moe is null); use 1"))
-        elif dp and (dp % ep or model.moe.n_experts % ep):
-            valid = [d for d in divisors(model.moe.n_experts) if dp % d == 0]
-            problems.append(
-                (
-                    (*loc, "expert_parallel"),
-                    ep,
-                    f"must divide the data-parallel degree {dp} and model.moe.n_experts={model.moe.n_experts}; "
-                    f"use {_choices(valid)}",
-                )
-            )
     if lo is None and world % (parallel.tensor_parallel * parallel.pipeline_parallel) == 0:
         dp = world // (parallel.tensor_parallel * parallel.pipeline_parallel)  # the payload's own layout
     if dp:

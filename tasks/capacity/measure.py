@@ -22,12 +22,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from tasks.capacity.catalogue import CATALOGUE
-from tasks.capacity.memory import Layout, MemoryBreakdown, MemoryModel, Precision, Runtime
+from tasks.capacity.memory import MemoryBreakdown, MemoryModel, Precision, Runtime
 from tasks.capacity.params import Architecture
 from tasks.capacity.search import Estimator
 from tasks.capacity.timing import StepTime
-from tasks.cluster import ClusterConfig
+from tasks.launch.cluster import ClusterConfig
 from training.config import ModelConfig, OptimConfig, ParallelConfig, PrecisionConfig
+from training.layout import Layout
 from training.model import Transformer
 from training.train import build_optimizer
 

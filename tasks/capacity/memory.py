@@ -15,16 +15,14 @@ under FSDP also the end of a block's backward, before its gradients are reduce-s
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 from typing import Literal
 
 from tasks.capacity.params import Architecture, ParamCount, count_params
 from tasks.capacity.units import GIB
-from training.layout import balanced_split
+from training.layout import Layout, Recompute
 
-Recompute = Literal["none", "selective", "full"]
 Recipe = Literal["fp32", "autocast", "master-weights", "pure-16bit"]
 Optimizer = Literal["adamw", "sgd-momentum", "adafactor", "adam-8bit"]
 Offload = Literal["none", "optimizer", "optimizer+params"]
@@ -168,92 +166,6 @@ def optimizer_state_bytes(
 
 
 @dataclass(frozen=True)
-class Layout:
-    """How a job is spread: degrees, sharding, micro-batching and recompute.
-
-    `zero` is the sharding stage over the data-parallel group (0: DDP; 1: optimizer states; 2: + gradients;
-    3: + weights, i.e. FSDP). `shard_group` is the number of ranks a ZeRO/FSDP shard spans (hsdp: a node);
-    None means the whole data-parallel group. Experts are spread over `ep` ranks of the data-parallel group.
-    `cp` context-parallel ranks split each sequence (Llama 3's all-gather attention, torch's ring attention):
-    they hold the same weights, reduce gradients with the data-parallel ranks and, sharded, shard over both
-    (torchtitan's dp_shard x cp).
-    """
-
-    dp: int
-    tp: int = 1
-    pp: int = 1
-    ep: int = 1
-    zero: int = 0
-    shard_group: int | None = None
-    micro_batch: int = 1
-    grad_accum: int = 1
-    recompute: Recompute = "none"
-    sequence_parallel: bool = False
-    pp_schedule: Literal["1f1b", "interleaved", "gpipe"] = "1f1b"
-    virtual_stages: int = 1
-    cp: int = 1
-    split: tuple[int, ...] | None = None
-    """Layers of each pipeline chunk in order (pp x virtual_stages of them); None = balanced (the payload's
-    training.layout.balanced_split: the extra layers on the later chunks)."""
-
-    @property
-    def chunks(self) -> int:
-        """Pipeline chunks: pp, times the virtual stages when interleaved."""
-        return self.pp * (self.virtual_stages if self.pp > 1 and self.pp_schedule == "interleaved" else 1)
-
-    def chunk_layers(self, n_layers: int) -> list[int]:
-        """Layers of each chunk, in model order."""
-        return list(self.split) if self.split else balanced_split(n_layers, self.chunks)
-
-    def stage_layers(self, n_layers: int) -> tuple[int, ...]:
-        """Layers of each pipeline stage: stage r holds chunks r, r + pp, ... (as the payload places them)."""
-        return _stage_layers(n_layers, self.pp, self.chunks, self.split)
-
-    @property
-    def world(self) -> int:
-        """Ranks in the job."""
-        return self.dp * self.tp * self.pp * self.cp
-
-    @property
-    def shard(self) -> int:
-        """Ranks one ZeRO/FSDP shard spans."""
-        return self.shard_group or self.dp
-
-    @property
-    def global_batch(self) -> int:
-        """Sequences per optimizer step."""
-        return self.dp * self.micro_batch * self.grad_accum
-
-    def describe(self) -> str:
-        """Short human name, e.g. `dp8 tp2 pp1 zero3 mb4x2 sel sp`."""
-        name = f"dp{self.dp} tp{self.tp} pp{self.pp}"
-        if self.cp > 1:
-            name += f" cp{self.cp}"
-        if self.ep > 1:
-            name += f" ep{self.ep}"
-        name += f" zero{self.zero}"
-        if self.zero and self.shard != self.dp:
-            name += f"/{self.shard}"
-        name += f" mb{self.micro_batch}x{self.grad_accum} {self.recompute}"
-        if self.sequence_parallel:
-            name += " sp"
-        if self.pp > 1 and self.pp_schedule == "interleaved":
-            name += f" v{self.virtual_stages}"
-        if self.pp > 1 and self.pp_schedule == "gpipe":
-            name += " gpipe"
-        if self.split and len(set(self.split)) > 1:
-            name += " split " + "-".join(str(n) for n in self.split)
-        return name
-
-
-@functools.lru_cache(maxsize=4096)
-def _stage_layers(n_layers: int, pp: int, chunks: int, split: tuple[int, ...] | None) -> tuple[int, ...]:
-    """Layers per stage (memoised: a search asks for the same few splits many times)."""
-    sizes = list(split) if split else balanced_split(n_layers, chunks)
-    return tuple(sum(sizes[stage::pp]) for stage in range(pp))
-
-
-@dataclass(frozen=True)
 class Runtime:
     """What the estimate assumes about the software stack.
 
@@ -385,55 +297,6 @@ def model_states(params: StageParams, precision: Precision, lo: Layout, offload:
     )
 
 
-@dataclass(frozen=True)
-class DeepSpeedEstimate:
-    """One row of DeepSpeed's ZeRO-2/ZeRO-3 model-state estimators: bytes per GPU and per node's CPU memory."""
-
-    per_gpu_bytes: int
-    per_cpu_bytes: int
-
-
-def deepspeed_estimate(
-    total_params: float,
-    gpus_per_node: int,
-    nodes: int,
-    zero: Literal[2, 3],
-    offload: Offload,
-    largest_layer_params: float = 0,
-    zero_init: bool = True,
-    buffer_factor: float = 1.5,
-) -> DeepSpeedEstimate:
-    """What DeepSpeed's estimate_zero2_model_states_mem_needs / estimate_zero3_model_states_mem_needs return
-    (deepspeed/runtime/zero/stage_1_and_2.py, stage3.py), built on `model_states`.
-
-    DeepSpeed's convention is not the planner's. Its mixed precision keeps 16-bit weights, an fp32 gradient
-    partition, fp32 master weights and Adam moments (master-weights with grad_dtype fp32: 2 + 4 + 12 = 18 bytes per
-    parameter under ZeRO-3); ZeRO-2 without offload also counts the 16-bit gradient partition beside the fp32 one
-    (2 bytes more); ZeRO-3 adds 4 bytes per parameter of the largest layer to the GPU (its gathered 16-bit weights
-    and gradients; the planner counts gathered blocks as buffers). ZeRO-2 offloads only the optimizer. The CPU
-    figure is one node's: `buffer_factor` times the larger of its ranks' offloaded states and the fp32 model each
-    process builds before ZeRO partitions it (with zero.Init, ZeRO-3: nothing when offloading, the largest layer
-    when not). When it offloads, ZeRO-2's estimator puts every GPU of the job on that CPU, states and fp32 models
-    alike (ZeRO-3's counts a node's): kept as DeepSpeed has it. The planner adds no buffer factor or model build.
-    """
-    gpus = gpus_per_node * nodes
-    precision = Precision.of("bf16", "master-weights", grad_dtype="fp32")
-    whole = StageParams(dense_layer=0.0, expert_layer=0.0, embed=0.0, head=0.0, dense=float(total_params), expert=0.0)
-    states = model_states(whole, precision, Layout(dp=gpus, zero=zero), offload)
-    gpu = states.total
-    if zero == 2 and offload == "none":
-        gpu += 2 * total_params / gpus  # the 16-bit gradient partition
-    if zero == 3:
-        gpu += 4 * largest_layer_params
-    ranks = gpus if zero == 2 and offload != "none" else gpus_per_node
-    if offload == "none":
-        cpu = 4 * (largest_layer_params if zero == 3 and zero_init else total_params) * gpus_per_node
-    else:
-        built = 0.0 if zero == 3 and zero_init else 4 * total_params * ranks
-        cpu = max(built, states.host * ranks)
-    return DeepSpeedEstimate(per_gpu_bytes=int(gpu), per_cpu_bytes=int(cpu * buffer_factor))
-
-
 # ---- activations -------------------------------------------------------------------------------------------------
 
 
@@ -527,16 +390,6 @@ def layer_activations(arch: Architecture, p: Precision, rt: Runtime, recompute: 
 def _mlp_inner(arch: Architecture, p: Precision) -> float:
     """Bytes per token kept inside one (expert) MLP: SwiGLU w1 x, silu, w3 x, product; GeLU input and output."""
     return (4 if arch.mlp == "swiglu" else 2) * arch.ffn_hidden * p.act_bytes
-
-
-def korthikanti_bytes_per_layer(s: int, b: int, h: int, a: int, tp: int, sp: bool, recompute: Recompute) -> float:
-    """Korthikanti et al. 2022 Table 2: activation bytes of one GPT layer (16-bit, dropout, math attention)."""
-    if recompute == "full":
-        return 2 * s * b * h / (tp if sp else 1)
-    attn_scores = 0 if recompute == "selective" else 5 * a * s / h
-    if sp:
-        return s * b * h * (34 + attn_scores) / tp
-    return s * b * h * (10 + 24 / tp + attn_scores / tp)
 
 
 def kv_cache_bytes(arch: Architecture, batch: int, context: int, bytes_per_element: int = 2, tp: int = 1) -> float:
@@ -703,7 +556,7 @@ def micro_batches_in_flight(lo: Layout, index: int) -> float:
     m = float(lo.grad_accum)
     if lo.pp_schedule == "gpipe":
         return m
-    if lo.pp_schedule == "interleaved" and lo.virtual_stages > 1:
+    if lo.pp_schedule == "interleaved-1f1b" and lo.virtual_stages > 1:
         v = lo.virtual_stages
         return min(m, (2 * (lo.pp - index - 1) + (v - 1) * lo.pp + 1) / v)
     return min(m, float(lo.pp - index))

@@ -11,12 +11,8 @@ from typing import Any
 
 import yaml
 
-from tasks.capacity.memory import Layout
 from training.config import ModelConfig, ParallelConfig, Problem
-from training.layout import layout_problems, world_problems
-
-_SCHEDULES = {"1f1b": "1f1b", "interleaved": "interleaved-1f1b", "gpipe": "gpipe"}
-_PLANNER_SCHEDULES = {v: k for k, v in _SCHEDULES.items()}
+from training.layout import Layout, layout_problems, world_problems
 
 LAYOUT_FIELDS = (
     "sharding",
@@ -45,16 +41,11 @@ def _sharding(lo: Layout) -> tuple[str, int | None]:
     return "fsdp", None
 
 
-def planner_schedule(schedule: str) -> str:
-    """The planner's name of a payload pipeline schedule."""
-    return _PLANNER_SCHEDULES[schedule]
-
-
 def parallel_section(lo: Layout, base: ParallelConfig) -> ParallelConfig:
     """The `parallel` section that runs `lo`: its degrees, sharding and batching, the rest of `base` kept."""
     sharding, shard = _sharding(lo)
     model_parallel = lo.tp > 1 or lo.pp > 1 or lo.ep > 1
-    interleaved = lo.pp > 1 and lo.pp_schedule == "interleaved"
+    interleaved = lo.pp > 1 and lo.pp_schedule == "interleaved-1f1b"
     update: dict[str, Any] = {
         "sharding": sharding,
         "hsdp_shard_size": shard,
@@ -62,7 +53,7 @@ def parallel_section(lo: Layout, base: ParallelConfig) -> ParallelConfig:
         "tensor_parallel": lo.tp,
         "sequence_parallel": lo.sequence_parallel and lo.tp > 1,
         "pipeline_parallel": lo.pp,
-        "pipeline_schedule": _SCHEDULES[lo.pp_schedule] if lo.pp > 1 else "1f1b",
+        "pipeline_schedule": lo.pp_schedule if lo.pp > 1 else "1f1b",
         "virtual_stages": lo.virtual_stages if interleaved else 1,
         # The payload folds gradient accumulation into the pipeline's microbatches: one per planned micro-batch.
         "pipeline_microbatches": None,

@@ -2,31 +2,20 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
-
-import fsspec
 
 from tasks.capacity import calibration as calib
 from tasks.capacity.calibration import Calibration
 from tasks.capacity.catalogue import Accelerator, resolve_accelerator
 from tasks.capacity.compute import SECONDS_PER_DAY, budget_time, flops_conventions, flops_per_token
 from tasks.capacity.config import CapacityConfig
-from tasks.capacity.memory import (
-    GIB,
-    Layout,
-    Margin,
-    MemoryBreakdown,
-    MemoryModel,
-    Precision,
-    Runtime,
-    kv_cache_bytes,
-)
+from tasks.capacity.memory import GIB, Margin, MemoryBreakdown, MemoryModel, Precision, Runtime, kv_cache_bytes
 from tasks.capacity.params import Architecture, count_params
-from tasks.capacity.payload import parallel_section, parallel_yaml, payload_problems, planner_schedule, problem_lines
+from tasks.capacity.record import write_plan_file
+from tasks.capacity.payload import parallel_section, parallel_yaml, payload_problems, problem_lines
 from tasks.capacity.scaling import CHINCHILLA_FIT, tokens_per_param_optimal
 from tasks.capacity.search import (
     Estimator,
@@ -38,9 +27,11 @@ from tasks.capacity.search import (
     search,
 )
 from tasks.capacity.serving import ServingPlan, ServingSettings, plan_serving
-from tasks.cluster import ClusterConfig
 from tasks.errors import UserError
+from tasks.launch.cluster import ClusterConfig
+from tasks.paths import plan_location
 from training.config import ModelConfig, ParallelConfig, PrecisionConfig, Problem, RunConfig
+from training.layout import PLANNED_ONLY, Layout
 from training.storage import StorageConfig
 from validation.plan_accuracy import PlannedFigures
 
@@ -348,50 +339,27 @@ def _evaluation_json(ev: Evaluation) -> dict[str, Any]:
 
 
 def requested_layout(capacity: CapacityConfig, cluster: ClusterConfig, parallel: ParallelConfig) -> Layout:
-    """The layout the spec asks for: the payload's `parallel` section, or `capacity.layout` on top of DDP/FSDP/HSDP."""
-    lo = capacity.layout
-    world = cluster.world_size
-    zero = {"ddp": 0, "fsdp": 3, "hsdp": 3}[parallel.sharding]
-    if lo is None:
-        tp, pp, ep, sp = (parallel.tensor_parallel, parallel.pipeline_parallel, parallel.expert_parallel,
-                          parallel.sequence_parallel)  # fmt: skip
-        schedule, virtual = planner_schedule(parallel.pipeline_schedule), parallel.virtual_stages
-        split = parallel.pipeline_split
-        micro = parallel.micro_batch
-        cp = parallel.context_parallel
-        dp = world // (tp * pp * cp)
-        default_batch = parallel.micro_batch * parallel.grad_accum_steps * dp
-        if pp > 1:  # the pipeline splits micro_batch x grad_accum_steps sequences into its microbatches
-            micro = parallel.micro_batch * parallel.grad_accum_steps // parallel.n_microbatches
-    else:
-        tp, pp, ep, sp = lo.tensor_parallel, lo.pipeline_parallel, lo.expert_parallel, lo.sequence_parallel
-        schedule, virtual, split = lo.pipeline_schedule, lo.virtual_stages, lo.pipeline_split
-        cp = lo.context_parallel
-        dp = world // (tp * pp * cp)
-        default_batch = parallel.micro_batch * parallel.grad_accum_steps * world
-        micro = parallel.micro_batch
-        if lo.zero_stage is not None:
-            zero = lo.zero_stage
+    """The layout the spec asks for: the payload's `parallel` section (Layout.of), or `capacity.layout` applied to
+    it: the override's degrees and schedule over the section's sharding and micro-batch, a global batch of
+    micro_batch x grad_accum_steps x every rank and the override's zero_stage where set."""
+    world, per_node = cluster.world_size, cluster.procs_per_node
+    override = capacity.layout
+    if override is None:
+        lo = Layout.of(parallel, world, per_node, capacity.global_batch)
+        return replace(lo, shard_group=None) if lo.shard_group == lo.dp else lo
+    section = override.applied_to(parallel).model_copy(update={"pipeline_microbatches": None})
+    planned = Layout.of(section, world, per_node)
+    zero = override.zero_stage if override.zero_stage is not None else planned.zero
     shard = None
     if parallel.sharding == "hsdp" and zero == 3:
-        node_shard = cluster.procs_per_node // tp if parallel.model_parallel else cluster.procs_per_node
-        shard = parallel.hsdp_shard_size or node_shard
-    global_batch = capacity.global_batch or default_batch
-    return Layout(
-        dp=dp,
-        tp=tp,
-        pp=pp,
-        ep=ep,
-        cp=cp,
+        shard = parallel.hsdp_shard_size or (per_node // planned.tp if parallel.model_parallel else per_node)
+    batch = capacity.global_batch or parallel.micro_batch * parallel.grad_accum_steps * world
+    return replace(
+        planned,
         zero=zero,
-        shard_group=shard if shard != dp else None,
-        micro_batch=micro,
-        grad_accum=global_batch // (dp * micro),
-        recompute=parallel.activation_recompute,
-        sequence_parallel=sp,
-        pp_schedule=schedule,  # type: ignore[arg-type]
-        virtual_stages=virtual,
-        split=tuple(split) if split and pp > 1 else None,
+        shard_group=shard if shard != planned.dp else None,
+        micro_batch=parallel.micro_batch,
+        grad_accum=batch // (planned.dp * parallel.micro_batch),
     )
 
 
@@ -493,7 +461,9 @@ def plan_capacity(
         cluster.procs_per_node,
         layout.global_batch,
         capacity.max_micro_batch,
-        context_parallel=not capacity.search_runnable_only and capacity.attention == "flash",
+        # a planned-only degree is searched when the whole search is asked for (PLANNED_ONLY: what the payload runs)
+        context_parallel=capacity.attention == "flash"
+        and ("context_parallel" not in PLANNED_ONLY or not capacity.search_runnable_only),
     )
     if capacity.search_runnable_only:
         layouts = (lo for lo in layouts if not check(lo))
@@ -586,24 +556,10 @@ def serving_plan(arch: Architecture, accelerator: Accelerator, serve: ServeConfi
     return plan_serving(arch, accelerator, ServingSettings.of(serve, accelerator), serve.max_model_len)
 
 
-PLAN_JSON = "plan.json"
-"""The plan's file name (its reader: the diagnosis)."""
-
-
-def plan_location(name: str, capacity: CapacityConfig, folder: str | None = None) -> str:
-    """Where plan.json goes: `folder`, else capacity.output_url (a spec sets it to its deployment_dir,
-    runs/<name>), else runs/<name>."""
-    return f"{(folder or capacity.output_url or f'runs/{name}').rstrip('/')}/{PLAN_JSON}"
-
-
 def write_plan(plan: CapacityPlan, folder: str | None = None) -> str:
-    """Write plan.json (see plan_location); returns its URL."""
+    """Write plan.json (see plan_location; tasks.capacity.record reads it back); returns its URL."""
     url = plan_location(plan.name, plan.capacity, folder)
-    root = url.rsplit("/", 1)[0]
-    fs, path = fsspec.core.url_to_fs(url)
-    fs.makedirs(root if "://" not in root else path.rsplit("/", 1)[0], exist_ok=True)
-    with fs.open(path, "w") as handle:
-        json.dump(plan.to_json(), handle, indent=2)
+    write_plan_file(url, plan.to_json())
     return url
 
 

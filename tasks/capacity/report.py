@@ -183,7 +183,7 @@ def markdown_report(plan: CapacityPlan) -> str:
 
 def format_self_check(check: dict[str, Any]) -> str:
     """One line per component of a self-check (see measure.Comparison.as_dict), or per mesh dimension of a
-    traffic self-check (parallel_check.run_parallel_self_check)."""
+    traffic self-check (tasks/layout_check.py)."""
     if check.get("kind") == "traffic":
         lines = [
             f"self-check {check['label']} on {check['device']}: parameters per rank measured "

@@ -12,11 +12,12 @@ from dataclasses import dataclass, field
 from tasks.capacity.catalogue import Accelerator
 from tasks.capacity.comm import CommEstimate, communication
 from tasks.capacity.compute import flops_per_token, flops_utilization
-from tasks.capacity.memory import Layout, MemoryBreakdown, MemoryModel
+from tasks.capacity.memory import MemoryBreakdown, MemoryModel
 from tasks.capacity.params import Architecture
 from tasks.capacity.timing import StepTime, memory_bound
 from tasks.capacity.units import gib, sig
 from training.config import divisors
+from training.layout import Layout
 
 
 @dataclass(slots=True)  # built per evaluated layout: a frozen dataclass's __init__ is slower
@@ -203,7 +204,7 @@ def _layouts_of(
     schedules: list[tuple[str, int]] = [("1f1b", 1)]
     # Interleaving splits each stage into v chunks of equal layers: any v > 1 that divides an even stage.
     if pp > 1 and arch.n_layers % pp == 0:
-        schedules += [("interleaved", v) for v in divisors(arch.n_layers // pp) if v > 1]
+        schedules += [("interleaved-1f1b", v) for v in divisors(arch.n_layers // pp) if v > 1]
     shards = [dp]
     node_shard = gpus_per_node // tp
     if 1 < node_shard < dp and dp % node_shard == 0:
@@ -222,7 +223,7 @@ def _layouts_of(
                     for recompute in ("none", "selective", "full"):
                         for sp in (False, True) if tp > 1 else (False,):
                             for schedule, v in schedules:
-                                if schedule == "interleaved" and accum % pp:
+                                if schedule == "interleaved-1f1b" and accum % pp:
                                     continue
                                 yield Layout(
                                     dp=dp,

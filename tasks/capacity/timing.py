@@ -17,8 +17,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tasks.capacity.memory import Layout, Precision
+from tasks.capacity.memory import Precision
 from tasks.capacity.params import Architecture
+from training.layout import Layout
 
 BACKWARD_BYTES = 2.0
 """Backward bytes of an elementwise kernel as a multiple of its forward bytes."""

@@ -242,7 +242,7 @@ def export_model_weights(
     `max_shard_bytes`, with model.safetensors.index.json), one shard in memory at a time.
 
     The caller has checked the step with `checkpoints.sound(step)` (commit, signature, checksums); DCP's
-    metadata is unpickled with the allow-list and tensors are read as plain data (training/checkpoint_trust.py).
+    metadata is unpickled with the allow-list and tensors are read as plain data (training/checkpoint/trust.py).
     """
     from safetensors.torch import save_file
 

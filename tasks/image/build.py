@@ -8,7 +8,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
@@ -20,9 +20,6 @@ from tasks.image.containerfile import BuildInputs, render
 from tasks.image.errors import BaseImageMissing, CannotBuildHere
 from tasks.image.payload import build_wheel, payload_source, pinned_dependencies, source_revision
 from tasks.image.registry import RegistryClient
-
-if TYPE_CHECKING:
-    from tasks.spec import DeploymentSpec
 
 logger = logging.getLogger(__name__)
 
@@ -230,12 +227,6 @@ def _ensure_base(builder: Builder, cfg: ImageConfig) -> None:
         )
     logger.info("pulling base image %s with %s", cfg.base_image, builder.name)
     builder.pull(cfg.base_image, cfg.build_timeout_s)
-
-
-def uses_s3(spec: DeploymentSpec) -> bool:
-    """True when any URL of the spec is on S3 (the image then also gets s3fs)."""
-    text = spec.model_dump_json()
-    return "s3://" in text or "s3a://" in text or spec.storage.s3_endpoint_url is not None
 
 
 def image_markdown(result: ImageResult) -> str:

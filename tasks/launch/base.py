@@ -1,7 +1,8 @@
 """The launcher interface: job handles, one small set of job states, failure reports, waiting.
 
 A job's environment has two sources, kept apart: the spec's `cluster.env` (every launcher applies it
-itself) and, for drills and tests only, `faults` (the fault-injection variables of training/faults.py).
+itself) and, for drills and tests only, a `JobEnvironment` (tasks/launch/environment.py: drill points, a test
+plugin).
 """
 
 from __future__ import annotations
@@ -15,12 +16,15 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
-from tasks.cluster import ClusterConfig
 from tasks.errors import TransientError, UserError
-from training.config import TrainConfig
-from training.faults import ENV_VAR as FAULTS_ENV
+from tasks.hosts import NodeHost
+from training.config import Problem, TrainConfig
+
+if TYPE_CHECKING:
+    from tasks.launch.cluster import ClusterConfig
+    from tasks.launch.environment import JobEnvironment
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +101,7 @@ class JobHandle:
     submitted_unix_s: float = field(default_factory=time.time)
     details: dict[str, Any] = field(default_factory=dict)
     env: dict[str, str] = field(default_factory=dict)  # the spec's cluster.env, as the job got it
-    faults: dict[str, str] = field(default_factory=dict)  # test-only fault variables, never part of `env`
+    extra_env: dict[str, str] = field(default_factory=dict)  # the JobEnvironment's variables, never part of `env`
 
     @property
     def ref(self) -> str:
@@ -114,14 +118,61 @@ class JobHandle:
         return cls(**data)
 
 
-class Launcher(Protocol):
-    """Submit, inspect, stop and wait for training jobs on one kind of scheduler.
+@dataclass(frozen=True)
+class Capabilities:
+    """What a scheduler's launcher can do: what callers ask instead of which scheduler it is."""
 
-    Implementations subclass it explicitly and so share `wait` (and `hopeless`, which a scheduler that can
-    tell a job that will never start overrides).
+    runs_image: bool
+    """The job runs in the built image; False: the hosts' own Python runs it (the image step may be skipped)."""
+    runs_on_this_machine_only: bool
+    """Every process of the job runs on this machine (`tdeploy train`; the node checks check localhost)."""
+    needs_shared_output: bool
+    """run.output_url must be a folder: on this machine, or on a filesystem every node shares (not an object store)."""
+    delivers_signals: bool
+    """`signal` delivers a preemption signal to the job (the preemption drill asks first)."""
+    can_lose_node: bool
+    """`kill_node` kills every process of one node at once (the node-loss drill asks first)."""
+    replaces_lost_host: bool
+    """A relaunch after a lost node runs on a spare host, so the lost one must not be among the job's ranks."""
+
+
+class Launcher(Protocol):
+    """Submit, inspect, stop and wait for training jobs on one kind of scheduler, and answer what callers would
+    otherwise branch on the scheduler for: its capabilities, its hosts, killing a rank or a node, relaunching.
+
+    Implementations subclass it explicitly and so share the defaults here (`wait`; `hopeless`, which a scheduler
+    that can tell a job that will never start overrides; the refusals of what a scheduler cannot do). The
+    class methods answer from the cluster section alone, without the scheduler's tools.
     """
 
     scheduler: str
+    capabilities: ClassVar[Capabilities]
+
+    @classmethod
+    def cluster_defaults(cls, cluster: dict[str, Any], nodes: Any) -> dict[str, Any]:
+        """The raw cluster section with what this scheduler takes from the spec's raw nodes section filled in."""
+        return cluster
+
+    @classmethod
+    def cluster_problems(cls, cluster: ClusterConfig) -> list[Problem]:
+        """What this scheduler cannot run in the cluster section (paths relative to it), fix included."""
+        return []
+
+    @classmethod
+    def hosts(cls, cluster: ClusterConfig) -> list[NodeHost] | None:
+        """The hosts the job runs on, where the launcher decides them (None: the scheduler places the job)."""
+        return None
+
+    @classmethod
+    def rdzv_port(cls, cluster: ClusterConfig) -> int | None:
+        """The rendezvous port the job's agents meet on (None: torchrun's default or a free one)."""
+        return cluster.rdzv_port
+
+    @classmethod
+    def relaunch_cluster(cls, cluster: ClusterConfig, lost_host: str) -> ClusterConfig:
+        """Restart policy after losing `lost_host`: the cluster the relaunched job runs on (the same by default:
+        the host came back, or the scheduler replaces it)."""
+        return cluster
 
     def submit(
         self,
@@ -130,10 +181,11 @@ class Launcher(Protocol):
         name: str,
         image: str | None = None,
         *,
-        faults: Mapping[str, str] | None = None,
+        environment: JobEnvironment | None = None,
         supervised: bool = True,
     ) -> JobHandle:
-        """Start the job with `cluster.env` (and the test `faults`, if any) in its environment; returns at once."""
+        """Start the job with `cluster.env` (and `environment`'s variables, if any) in its environment; returns at
+        once."""
         ...
 
     def status(self, handle: JobHandle) -> JobStatus:
@@ -148,10 +200,6 @@ class Launcher(Protocol):
         """Stop the job and every process it started."""
         ...
 
-    def delivers_signals(self) -> bool:
-        """Whether `signal` can deliver a preemption signal on this scheduler (the preemption drill asks first)."""
-        return False
-
     def signal(self, handle: JobHandle, sig: int) -> None:
         """Deliver a preemption signal (SIGTERM or SIGUSR1) to the job as its scheduler would: the trainer
         checkpoints at its step boundary and the job ends PREEMPTED. Launchers that can do so override this."""
@@ -159,6 +207,29 @@ class Launcher(Protocol):
             f"job {handle.ref}: the {self.scheduler} launcher cannot deliver signals",
             "preempt it through its scheduler (scancel --signal=USR1 JOBID, kubectl delete pod)",
         )
+
+    def kill_rank(self, handle: JobHandle, rank: Mapping[str, Any], sig: int) -> None:
+        """Send `sig` to one rank's process (`rank`: its record in ranks.json: rank, host, pid)."""
+        raise UserError(
+            f"job {handle.ref}: the {self.scheduler} launcher cannot signal rank {rank['rank']} on {rank['host']}",
+            "drill rank kills on the local, ssh or slurm scheduler",
+        )
+
+    def kill_node(self, handle: JobHandle, node: int, ranks: list[dict[str, Any]], sig: int) -> dict[str, Any]:
+        """Send `sig` to every process of node `node` at once (its agent and its workers among `ranks`): a lost
+        node. Returns node, host, agent_pid and the ranks killed."""
+        raise UserError(
+            f"job {handle.ref}: the {self.scheduler} launcher cannot kill node {node}",
+            "node loss is drilled on the local and ssh schedulers",
+        )
+
+    def unreachable_hosts(self, handle: JobHandle) -> list[str]:
+        """The job's hosts that do not answer now (none known, unless the launcher reaches its hosts itself)."""
+        return []
+
+    def restarts(self, handle: JobHandle) -> int | None:
+        """How often the scheduler restarted (requeued) the job by itself; None when it does not count them."""
+        return None
 
     def hopeless(self, status: JobStatus) -> bool:
         """A pending job that can never start (none, unless the scheduler says so)."""
@@ -174,21 +245,6 @@ class Launcher(Protocol):
     ) -> JobStatus:
         """Poll until the job reaches a state in `until` or ends, streaming its log lines (see `wait_for`)."""
         return wait_for(self, handle, until, timeout_s, on_line, poll_s, hopeless=self.hopeless)
-
-
-FAULT_VARIABLES = frozenset({FAULTS_ENV})
-
-
-def checked_faults(faults: Mapping[str, str] | None) -> dict[str, str]:
-    """The test fault variables as a dict; UserError for anything else (the job's own environment is cluster.env)."""
-    found = dict(faults or {})
-    unknown = sorted(set(found) - FAULT_VARIABLES)
-    if unknown:
-        raise UserError(
-            f"faults={unknown}: not fault-injection variables",
-            f"pass only {sorted(FAULT_VARIABLES)} as faults; put the job's own variables in cluster.env",
-        )
-    return found
 
 
 def registry_dir() -> Path:
@@ -212,7 +268,7 @@ def find_job(ref: str) -> JobHandle:
         path = path / "job.json"
     if path.is_file():
         return JobHandle.from_json(json.loads(path.read_text()))
-    match = re.fullmatch(r"(local|slurm|kubernetes):(.+)", ref)
+    match = re.fullmatch(r"([a-z][a-z0-9_-]*):(.+)", ref)
     if match:
         record = registry_dir() / f"{match.group(1)}-{match.group(2)}.json"
         if record.is_file():

@@ -12,7 +12,7 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, Field, field_validator
 
-from tasks.nodes.config import NodeHost, UserName
+from tasks.hosts import NodeHost, UserName
 from training.config import StrictModel
 
 SLURM_TIME = re.compile(

@@ -20,7 +20,7 @@ from tasks.launch.base import JobHandle, JobState, JobStatus, Launcher
 from training.checkpoint import CheckpointManager
 from training.config import TrainConfig
 from training.preemption import PreemptionFileError, PreemptionRecord, read_records
-from training.run_output import RunOutput
+from training.run_output import RunOutput, StepRecord
 
 EventKind = Literal["running", "preempted", "restarted", "resumed", "pending", "finished", "stopped"]
 
@@ -70,20 +70,20 @@ def _unix_s(value: Any) -> float | None:
 def build_history(output_dir: str | Path, status: JobStatus | None = None, restarts: int | None = None) -> JobHistory:
     """The events of a run's output folder, closed by the scheduler's current `status` where given."""
     out = RunOutput(output_dir)
-    records = [r for r in out.metric_records(0) if isinstance(r.get("step"), int)]
+    records = out.metric_records(0)
     try:
         preemptions = read_records(str(out.dir))
     except PreemptionFileError as err:
         raise UserError(str(err), "then run `tdeploy status` again") from err
     pending = list(preemptions)
     events: list[HistoryEvent] = []
-    previous: dict[str, Any] | None = None
+    previous: StepRecord | None = None
     for record in records:
-        step, when = record["step"], _unix_s(record.get("time_unix_s"))
+        step, when = record.step, _unix_s(record.time_unix_s)
         if previous is None:
             events.append(HistoryEvent("running", f"running from step {step - 1}", step - 1, when))
         else:
-            stopped = previous["step"]
+            stopped = previous.step
             # the preemptions between the previous record and this one (by time; by step where times are missing)
             while pending and _before(pending[0], when, stopped):
                 events.append(_preempted_event(pending.pop(0)))
@@ -96,9 +96,9 @@ def build_history(output_dir: str | Path, status: JobStatus | None = None, resta
                 events.append(HistoryEvent(kind, text + note, step - 1, when, lost))
         previous = record
     events += [_preempted_event(p) for p in pending]
-    last_step = previous["step"] if previous else None
+    last_step = previous.step if previous else None
     if status is not None:
-        events += _now(status, events, last_step, _unix_s(previous.get("time_unix_s")) if previous else None)
+        events += _now(status, events, last_step, _unix_s(previous.time_unix_s) if previous else None)
     return JobHistory(events, status, restarts, preemptions)
 
 
@@ -164,9 +164,6 @@ def steps_lost(train: TrainConfig, output_dir: str | Path) -> StepsLost:
 
 
 def job_history(handle: JobHandle, launcher: Launcher) -> JobHistory:
-    """The history of a submitted job: its output folder and its scheduler's current state (and Slurm's restarts)."""
-    from tasks.launch.slurm import SlurmLauncher
-
-    status = launcher.status(handle)
-    restarts = launcher.restarts(handle) if isinstance(launcher, SlurmLauncher) else None
-    return build_history(handle.output_dir, status, restarts)
+    """The history of a submitted job: its output folder and its scheduler's current state (and the restarts
+    it counts: Slurm's requeues)."""
+    return build_history(handle.output_dir, launcher.status(handle), launcher.restarts(handle))

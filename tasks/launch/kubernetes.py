@@ -15,15 +15,18 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from tasks.cluster import ClusterConfig
 from tasks.errors import TransientError, UserError
-from tasks.launch.base import JobHandle, JobState, JobStatus, Launcher, checked_faults
+from tasks.launch.base import Capabilities, JobHandle, JobState, JobStatus, Launcher
+from tasks.launch.environment import JobEnvironment
 from tasks.launch.torchrun import job_env, preemption_args, rdzv_conf_args
-from training.checkpoint_trust import KEY_ENV as CHECKPOINT_KEY_ENV
+from training.checkpoint import KEY_ENV as CHECKPOINT_KEY_ENV
 from training.config import TrainConfig
 from training.preemption import PREEMPTED_EXIT_CODE
+
+if TYPE_CHECKING:
+    from tasks.launch.cluster import ClusterConfig
 
 CONFIG_DIR = "/etc/tdeploy"
 # The Kubernetes Secret (key `key`) whose value reaches every pod as TDEPLOY_CHECKPOINT_KEY, when it exists.
@@ -31,12 +34,16 @@ CHECKPOINT_KEY_SECRET = "tdeploy-checkpoint-key"
 
 
 def render_manifests(
-    cluster: ClusterConfig, train: TrainConfig, name: str, image: str, faults: Mapping[str, str] | None = None
+    cluster: ClusterConfig,
+    train: TrainConfig,
+    name: str,
+    image: str,
+    environment: JobEnvironment | None = None,
 ) -> list[dict[str, Any]]:
     """[ConfigMap with run.json, PyTorchJob] for `cluster.nodes` pods of `procs_per_node` ranks each.
 
-    The pods get cluster.env and cluster.network's variables, and the test fault variables only where `faults`
-    gives them.
+    The pods get cluster.env and cluster.network's variables, and `environment`'s (a drill's points, a test
+    plugin) where given.
     """
     k8s = cluster.kubernetes
     resources: dict[str, str] = {}
@@ -66,7 +73,7 @@ def render_manifests(
         ],  # fmt: skip
         # Kubernetes expands $(NAME) in env values; $$ keeps a literal $.
         "env": [
-            *({"name": k, "value": v.replace("$", "$$")} for k, v in sorted(job_env(cluster, faults).items())),
+            *({"name": k, "value": v.replace("$", "$$")} for k, v in sorted(job_env(cluster, environment).items())),
             # The checkpoint signing key comes from a Kubernetes Secret, never from the spec or the ConfigMap.
             {
                 "name": CHECKPOINT_KEY_ENV,
@@ -204,8 +211,17 @@ class KubernetesLauncher(Launcher):
     """Live submission through the `kubernetes` client (needs a cluster and the Kubeflow training operator)."""
 
     scheduler = "kubernetes"
+    capabilities = Capabilities(
+        runs_image=True,
+        runs_on_this_machine_only=False,
+        needs_shared_output=False,  # the pods write to storage; no filesystem is assumed shared
+        delivers_signals=False,
+        can_lose_node=False,
+        replaces_lost_host=False,
+    )
 
-    def __init__(self) -> None:
+    def __init__(self, env: Mapping[str, str] | None = None) -> None:
+        """`env` is ignored: a pod starts from its manifest's environment, not this process's."""
         from kubernetes import client, config
 
         try:
@@ -224,19 +240,18 @@ class KubernetesLauncher(Launcher):
         name: str,
         image: str | None = None,
         *,
-        faults: Mapping[str, str] | None = None,
+        environment: JobEnvironment | None = None,
         supervised: bool = True,
     ) -> JobHandle:
         """Render and check the manifests, create the ConfigMap and the PyTorchJob.
 
         The job always runs on its own: `supervised` does not apply.
         """
-        faults = checked_faults(faults)
         if not image:
             raise UserError(
                 "cluster.scheduler=kubernetes needs an image", "build one first (tdeploy build-image) or pass --image"
             )
-        config_map, job = render_manifests(cluster, train, name, image, faults)
+        config_map, job = render_manifests(cluster, train, name, image, environment)
         validate_pytorchjob(job)
         namespace = job["metadata"]["namespace"]
         self.core.create_namespaced_config_map(namespace, config_map)
@@ -249,7 +264,7 @@ class KubernetesLauncher(Launcher):
             "",
             details={"namespace": namespace},
             env=dict(cluster.env),
-            faults=faults,
+            extra_env=(environment or JobEnvironment()).variables(),
         )
 
     def status(self, handle: JobHandle) -> JobStatus:

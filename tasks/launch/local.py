@@ -27,26 +27,31 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from tasks.cluster import ClusterConfig
 from tasks.errors import UserError
+from tasks.hosts import NodeHost
 from tasks.launch.agent import AGENT_RECORD_ENV
 from tasks.launch.base import (
+    Capabilities,
     JobHandle,
     JobState,
     JobStatus,
     Launcher,
-    checked_faults,
     parse_root_cause,
     read_log,
     record_job,
 )
+from tasks.launch.environment import JobEnvironment
 from tasks.launch.torchrun import free_port, job_env, torchrun_args
 from training.config import TrainConfig
 from training.preemption import PREEMPTED_EXIT_CODE, PreemptionFileError, PreemptionRecord, records_since
 from training.process import alive, start_time
 from training.run_output import RunOutput
 from training.storage import is_local, local_path
+
+if TYPE_CHECKING:
+    from tasks.launch.cluster import ClusterConfig
 
 log = logging.getLogger(__name__)
 
@@ -173,6 +178,19 @@ class LocalLauncher(Launcher):
     """Runs, watches and cancels torchrun jobs on this machine."""
 
     scheduler = "local"
+    capabilities = Capabilities(
+        runs_image=False,  # the agents run this machine's Python
+        runs_on_this_machine_only=True,
+        needs_shared_output=True,
+        delivers_signals=True,
+        can_lose_node=True,
+        replaces_lost_host=False,
+    )
+
+    @classmethod
+    def hosts(cls, cluster: ClusterConfig) -> list[NodeHost] | None:
+        """This machine, reached without SSH."""
+        return [NodeHost(name="localhost", connection="local")]
 
     def __init__(self, env: Mapping[str, str] | None = None) -> None:
         """`env`: added to this process's environment, which the agents start from."""
@@ -185,16 +203,16 @@ class LocalLauncher(Launcher):
         name: str,
         image: str | None = None,
         *,
-        faults: Mapping[str, str] | None = None,
+        environment: JobEnvironment | None = None,
         supervised: bool = True,
     ) -> JobHandle:
-        """Write run.json, start the agents with cluster.env (and `faults`) set, record the job; returns at once.
+        """Write run.json, start the agents with cluster.env (and `environment`) set, record the job; returns at
+        once.
 
         Supervised, the job stops when this process ends; detached, it runs on without it.
         Refused (UserError) while the previous job in the output folder still runs. `image` is not used:
         a local job runs this machine's Python.
         """
-        faults = checked_faults(faults)
         if image:
             log.info("the local launcher runs this machine's Python; image %s is not used", image)
         if not is_local(train.run.output_url):
@@ -223,7 +241,7 @@ class LocalLauncher(Launcher):
         with open(log_path, "ab") as log_file:
             for node in range(cluster.nodes):
                 args = torchrun_args(cluster, endpoint, job_id, str(config_path), str(out / "logs" / f"node{node}"))
-                argv, env = self._agent_command(cluster, node, args, faults, out)
+                argv, env = self._agent_command(cluster, node, args, environment, out)
                 env["TDEPLOY_EXIT_FILE"] = str(out / f"exit-{node}.txt")
                 env["TDEPLOY_STOP_FILE"] = str(out / CANCELLED_MARKER)
                 env["TDEPLOY_STOP_GRACE_S"] = str(STOP_GRACE_S)
@@ -255,7 +273,7 @@ class LocalLauncher(Launcher):
                 **self._details(cluster),
             },
             env=dict(cluster.env),
-            faults=faults,
+            extra_env=(environment or JobEnvironment()).variables(),
         )
         record_job(handle)
         if supervisor:
@@ -268,10 +286,10 @@ class LocalLauncher(Launcher):
         return f"127.0.0.1:{cluster.rdzv_port or free_port()}"
 
     def _agent_command(
-        self, cluster: ClusterConfig, node: int, args: list[str], faults: Mapping[str, str], out: Path
+        self, cluster: ClusterConfig, node: int, args: list[str], environment: JobEnvironment | None, out: Path
     ) -> tuple[list[str], dict[str, str]]:
         """The command the wrapper runs for agent `node` (torchrun `args`) and the environment it starts with."""
-        env = job_env(cluster, faults, inherited=self.env)
+        env = job_env(cluster, environment, inherited=self.env)
         env[AGENT_RECORD_ENV] = str(out / AGENTS_DIR / f"node{node}.json")
         return [sys.executable, "-m", "tasks.launch.agent", *args], env
 
@@ -339,10 +357,6 @@ class LocalLauncher(Launcher):
         found = records_since(handle.output_dir, handle.submitted_unix_s, run_id=handle.job_id)
         return found[-1] if found else None
 
-    def delivers_signals(self) -> bool:
-        """Local (and SSH) jobs get their signals from this launcher: yes."""
-        return True
-
     def signal(self, handle: JobHandle, sig: int = signal.SIGTERM) -> None:
         """Deliver SIGTERM or SIGUSR1 to the job as a scheduler does: to each agent, which passes it to its workers
         (they checkpoint at the step boundary and exit 75: the job ends preempted). Only the agents' wrappers get
@@ -353,6 +367,31 @@ class LocalLauncher(Launcher):
         for agent in running_agents(handle):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(int(agent["pid"]), sig)
+
+    def kill_rank(self, handle: JobHandle, rank: Mapping[str, Any], sig: int) -> None:
+        """`sig` to the rank's process on this machine."""
+        os.kill(rank["pid"], sig)
+
+    def kill_node(self, handle: JobHandle, node: int, ranks: list[dict[str, Any]], sig: int) -> dict[str, Any]:
+        """`sig` at once to agent `node` (where its own record says it runs) and the workers it started."""
+        agent = self._agent_record(handle, node)
+        victims = [r for r in ranks if parent_pid(r["pid"]) == agent["pid"]]
+        for pid in [agent["pid"], *(r["pid"] for r in victims)]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+        killed = sorted(r["rank"] for r in victims)
+        return {"node": node, "host": agent["host"], "agent_pid": agent["pid"], "ranks": killed}
+
+    @staticmethod
+    def _agent_record(handle: JobHandle, node: int) -> dict[str, Any]:
+        """What agent `node` recorded about itself (host, pid, start time); UserError when it wrote nothing."""
+        record_path = Path(handle.output_dir) / AGENTS_DIR / f"node{node}.json"
+        try:
+            record: dict[str, Any] = json.loads(record_path.read_text())
+        except (OSError, ValueError) as err:
+            raise UserError(f"job {handle.ref}: agent {node} left no record ({record_path})",
+                            "node loss is drilled on the local and ssh schedulers") from err  # fmt: skip
+        return record
 
     @staticmethod
     def _exit_time(out: Path, node: int) -> float:
@@ -426,6 +465,15 @@ class LocalLauncher(Launcher):
         return found
 
 
+def parent_pid(pid: int) -> int | None:
+    """A process's parent on this machine (None when it is gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat[stat.rindex(")") + 2 :].split()[1])
+
+
 @dataclass
 class LocalJob:
     """A local job with the launcher that runs it (convenience for the CLI, drills and tests)."""
@@ -465,11 +513,11 @@ def start_local(
     train: TrainConfig,
     name: str = "train",
     *,
-    faults: Mapping[str, str] | None = None,
+    environment: JobEnvironment | None = None,
 ) -> LocalJob:
-    """Start a local job (cluster.env and `faults` in its environment) and return at once."""
+    """Start a local job (cluster.env and `environment` in its environment) and return at once."""
     launcher = LocalLauncher()
-    return LocalJob(launcher.submit(cluster, train, name, faults=faults), launcher)
+    return LocalJob(launcher.submit(cluster, train, name, environment=environment), launcher)
 
 
 def run_local(
@@ -478,11 +526,11 @@ def run_local(
     on_line: Callable[[str], None] | None = None,
     name: str = "train",
     *,
-    faults: Mapping[str, str] | None = None,
+    environment: JobEnvironment | None = None,
 ) -> LocalJob:
-    """Run a local job to the end (cluster.env and `faults` in its environment); raises TrainingFailed (with the
-    first failing rank) unless it succeeded."""
-    job = start_local(cluster, train, name, faults=faults)
+    """Run a local job to the end (cluster.env and `environment` in its environment); raises TrainingFailed (with
+    the first failing rank) unless it succeeded."""
+    job = start_local(cluster, train, name, environment=environment)
     try:
         status = job.wait(on_line=on_line)
     except BaseException:

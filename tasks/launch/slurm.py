@@ -24,27 +24,33 @@ import os
 import re
 import shlex
 import shutil
+import socket
 import subprocess
 import sys
 from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from tasks.cluster import ENV_NAME, ClusterConfig
 from tasks.errors import TransientError, UserError
 from tasks.launch.base import (
+    Capabilities,
     JobHandle,
     JobState,
     JobStatus,
     Launcher,
-    checked_faults,
     parse_root_cause,
     read_log,
     record_job,
 )
+from tasks.launch.environment import JobEnvironment
+from tasks.launch.network import ENV_NAME
 from tasks.launch.torchrun import LOG_ARGS, agent_args, job_env, payload_args
 from training.config import TrainConfig
 from training.preemption import PREEMPTED_EXIT_CODE, PREEMPTIONS_FILE
 from training.storage import is_local, local_path
+
+if TYPE_CHECKING:
+    from tasks.launch.cluster import ClusterConfig
 
 _STATES = {
     JobState.PENDING: {"PENDING", "CONFIGURING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "RESIZING", "SUSPENDED"},
@@ -93,6 +99,19 @@ class SlurmLauncher(Launcher):
     """Submits, watches and cancels jobs through the Slurm command-line tools."""
 
     scheduler = "slurm"
+    capabilities = Capabilities(
+        runs_image=True,
+        runs_on_this_machine_only=False,
+        needs_shared_output=True,
+        delivers_signals=False,
+        can_lose_node=False,
+        replaces_lost_host=False,
+    )
+
+    @classmethod
+    def rdzv_port(cls, cluster: ClusterConfig) -> int | None:
+        """cluster.slurm.rdzv_port: the port on the job's first node."""
+        return cluster.slurm.rdzv_port
 
     def __init__(self, env: Mapping[str, str] | None = None) -> None:
         """`env`: added to this process's environment for the Slurm tools (SLURM_CONF, PATH, ...)."""
@@ -147,12 +166,12 @@ class SlurmLauncher(Launcher):
         name: str,
         output_dir: str,
         image: str | None,
-        faults: Mapping[str, str] | None = None,
+        environment: JobEnvironment | None = None,
     ) -> str:
         """The sbatch script: every value from the spec is quoted for sbatch (directives) or the shell (commands).
 
-        It exports cluster.env and cluster.network's variables, and the test fault variables only where `faults`
-        gives them.
+        It exports cluster.env and cluster.network's variables, and `environment`'s (a drill's points, a test
+        plugin) where given.
         """
         slurm = cluster.slurm
         directives = [
@@ -180,7 +199,7 @@ class SlurmLauncher(Launcher):
             # of them: agents and workers) and so knows that the exit that follows asks for a requeue.
             directives += [f"--signal=B:USR1@{preemption.grace_period_s:d}", "--requeue"]
         directives += slurm.extra_args
-        env = job_env(cluster, faults)
+        env = job_env(cluster, environment)
         bad_names = [key for key in env if not ENV_NAME.fullmatch(key)]
         if bad_names:  # names cannot be quoted: `export` takes them as shell words
             raise UserError(f"cluster.env: {bad_names} are not variable names", "use letters, digits and _")
@@ -226,14 +245,13 @@ class SlurmLauncher(Launcher):
         name: str,
         image: str | None = None,
         *,
-        faults: Mapping[str, str] | None = None,
+        environment: JobEnvironment | None = None,
         supervised: bool = True,
     ) -> JobHandle:
         """Write run.json and the script into the output folder (shared storage), sbatch it, record the job.
 
         A Slurm job always runs on its own: `supervised` does not apply.
         """
-        faults = checked_faults(faults)
         if not is_local(train.run.output_url):
             raise UserError(
                 f"run.output_url={train.run.output_url}: Slurm jobs need a shared filesystem path",
@@ -245,7 +263,7 @@ class SlurmLauncher(Launcher):
         config_path = out / "run.json"
         train.to_json_file(config_path)
         script = out / "job.sbatch"
-        script.write_text(self.render(cluster, str(config_path), name, str(out), image, faults))
+        script.write_text(self.render(cluster, str(config_path), name, str(out), image, environment))
         job_id = self._run("sbatch", "--parsable", str(script)).stdout.strip().split(";")[0]
         handle = JobHandle(
             scheduler=self.scheduler,
@@ -255,7 +273,7 @@ class SlurmLauncher(Launcher):
             log_path=str(out / f"slurm-{job_id}.out"),
             details={"script": str(script), "image": image},
             env=dict(cluster.env),
-            faults=faults,
+            extra_env=(environment or JobEnvironment()).variables(),
         )
         record_job(handle)
         return handle
@@ -315,6 +333,15 @@ class SlurmLauncher(Launcher):
         proc = self._run("scontrol", "show", "job", handle.job_id, check=False)
         found = re.search(r"\bRestarts=(\d+)", proc.stdout)
         return int(found.group(1)) if proc.returncode == 0 and found else None
+
+    def kill_rank(self, handle: JobHandle, rank: Mapping[str, Any], sig: int) -> None:
+        """`sig` to the rank's process: directly on this host, else through a step of the job on its node
+        (`srun --overlap`, which runs beside the training step)."""
+        if rank["host"] == socket.gethostname():
+            os.kill(rank["pid"], sig)
+            return
+        self._run("srun", f"--jobid={handle.job_id}", "--overlap", "-w", rank["host"], "-N1", "-n1",
+                  "kill", f"-{int(sig)}", str(rank["pid"]))  # fmt: skip
 
     def logs(self, handle: JobHandle, offset: int = 0) -> tuple[list[str], int]:
         """Lines of the job's output file."""

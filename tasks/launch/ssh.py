@@ -25,16 +25,20 @@ import subprocess
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from tasks.cluster import ClusterConfig
 from tasks.errors import UserError
+from tasks.hosts import NodeHost
 from tasks.launch.agent import AGENT_RECORD_ENV
-from tasks.launch.base import JobHandle
+from tasks.launch.base import Capabilities, JobHandle
 from tasks.launch.config import SshLaunchConfig
 from tasks.launch.local import AGENTS_DIR, CANCELLED_MARKER, LocalLauncher
 from tasks.launch.torchrun import job_env
-from tasks.nodes.config import NodeHost
+from training.config import Problem
+
+if TYPE_CHECKING:
+    from tasks.launch.cluster import ClusterConfig
+    from tasks.launch.environment import JobEnvironment
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +73,11 @@ def remote_command(workdir: str, env: Mapping[str, str], argv: list[str]) -> str
     return f"cd {shlex.quote(workdir)} && exec {shlex.join(['env', *assignments, *argv])}"
 
 
+_NODES_TO_SSH = {"ssh_user": "user", "ssh_key_path": "key_path", "known_hosts_path": "known_hosts_path",
+                 "python": "python", "connect_timeout_s": "connect_timeout_s"}  # fmt: skip
+"""The nodes section's fields that fill in cluster.ssh (nodes' name: ours)."""
+
+
 def launch_config(cluster: ClusterConfig) -> SshLaunchConfig:
     """cluster.ssh, refused (with the fix) when missing or shorter than cluster.nodes."""
     ssh = cluster.ssh
@@ -89,6 +98,81 @@ class SshLauncher(LocalLauncher):
     """Runs, watches and cancels torchrun jobs whose agents run on other hosts, one per host, over SSH."""
 
     scheduler = "ssh"
+    capabilities = Capabilities(
+        runs_image=False,  # the agents run the hosts' Python
+        runs_on_this_machine_only=False,
+        needs_shared_output=True,
+        delivers_signals=True,
+        can_lose_node=True,
+        replaces_lost_host=True,
+    )
+
+    @classmethod
+    def cluster_defaults(cls, cluster: dict[str, Any], nodes: Any) -> dict[str, Any]:
+        """Without a cluster.ssh section the agents' hosts and SSH settings are the nodes section's, so the node
+        checks and the job see one inventory."""
+        if cluster.get("ssh") is not None or not isinstance(nodes, dict) or not nodes.get("hosts"):
+            return cluster  # cluster_problems names what is missing
+        ssh = {"hosts": nodes["hosts"]}
+        ssh |= {ours: nodes[theirs] for theirs, ours in _NODES_TO_SSH.items() if nodes.get(theirs) is not None}
+        return {**cluster, "ssh": ssh}
+
+    @classmethod
+    def cluster_problems(cls, cluster: ClusterConfig) -> list[Problem]:
+        """One agent per host: cluster.ssh must list at least cluster.nodes hosts."""
+        if cluster.ssh is None:
+            return [
+                (
+                    ("ssh",),
+                    None,
+                    "cluster.scheduler=ssh starts one torchrun agent per host: list the hosts under nodes.hosts "
+                    "(name, address, port) or give cluster.ssh.hosts",
+                )
+            ]
+        if len(cluster.ssh.hosts) < cluster.nodes:
+            return [
+                (
+                    ("nodes",),
+                    cluster.nodes,
+                    f"cluster.scheduler=ssh has {len(cluster.ssh.hosts)} host(s) to start agents on; list "
+                    f"{cluster.nodes} under nodes.hosts or lower cluster.nodes",
+                )
+            ]
+        return []
+
+    @classmethod
+    def hosts(cls, cluster: ClusterConfig) -> list[NodeHost] | None:
+        """The first cluster.nodes hosts of cluster.ssh, one agent each."""
+        return None if cluster.ssh is None else cluster.ssh.hosts[: cluster.nodes]
+
+    @classmethod
+    def relaunch_cluster(cls, cluster: ClusterConfig, lost_host: str) -> ClusterConfig:
+        """A spare host of cluster.ssh takes the lost one's place where there is one; else the same hosts."""
+        ssh = cluster.ssh
+        if ssh is None:
+            return cluster
+        others = [h for h in ssh.hosts if h.name != lost_host]
+        if len(others) < cluster.nodes:
+            log.warning("no spare host for %s in cluster.ssh.hosts: relaunching on the same hosts", lost_host)
+            return cluster
+        return cluster.model_copy(update={"ssh": ssh.model_copy(update={"hosts": others})})
+
+    def kill_rank(self, handle: JobHandle, rank: Mapping[str, Any], sig: int) -> None:
+        """`sig` to the rank's process on its host, over SSH."""
+        signal_remote(handle, handle.details["hosts"].index(rank["host"]), rank["pid"], sig)
+
+    def kill_node(self, handle: JobHandle, node: int, ranks: list[dict[str, Any]], sig: int) -> dict[str, Any]:
+        """`sig` at once to agent `node` and every rank on its host, in one SSH command."""
+        agent = self._agent_record(handle, node)
+        host = handle.details["hosts"][node]
+        victims = [r for r in ranks if r["host"] == host]
+        signal_remote(handle, node, [agent["pid"], *(r["pid"] for r in victims)], sig)
+        killed = sorted(r["rank"] for r in victims)
+        return {"node": node, "host": host, "agent_pid": agent["pid"], "ranks": killed}
+
+    def unreachable_hosts(self, handle: JobHandle) -> list[str]:
+        """The job's hosts that do not answer over SSH within the connection timeout (probed at once)."""
+        return unreachable_hosts(handle)
 
     def _endpoint(self, cluster: ClusterConfig) -> str:
         """c10d on the first host's address."""
@@ -96,12 +180,12 @@ class SshLauncher(LocalLauncher):
         return f"{first.address or first.name}:{cluster.rdzv_port or TORCHRUN_DEFAULT_PORT}"
 
     def _agent_command(
-        self, cluster: ClusterConfig, node: int, args: list[str], faults: Mapping[str, str], out: Path
+        self, cluster: ClusterConfig, node: int, args: list[str], environment: JobEnvironment | None, out: Path
     ) -> tuple[list[str], dict[str, str]]:
         """`ssh HOST` running the agent there with the job's environment (not this machine's)."""
         ssh = launch_config(cluster)
         forwarded = {k: v for k, v in self.env.items() if k.startswith(FORWARDED_PREFIXES)}
-        remote_env = job_env(cluster, faults, inherited=forwarded)
+        remote_env = job_env(cluster, environment, inherited=forwarded)
         remote_env[AGENT_RECORD_ENV] = str(out / AGENTS_DIR / f"node{node}.json")
         agent = [ssh.python, "-m", "tasks.launch.agent", *args]
         remote = remote_command(ssh.workdir or str(PROJECT_ROOT), remote_env, agent)

@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import socket
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
-from tasks.cluster import ClusterConfig, network_env
+from tasks.launch.network import network_env
+
+if TYPE_CHECKING:
+    from tasks.launch.cluster import ClusterConfig
+    from tasks.launch.environment import JobEnvironment
 
 # Restarted gloo workers cannot reconnect to an agent-shared TCP store.
 WORKER_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1"}
@@ -74,12 +79,13 @@ def torchrun_args(
 
 
 def job_env(
-    cluster: ClusterConfig, faults: Mapping[str, str] | None = None, inherited: Mapping[str, str] | None = None
+    cluster: ClusterConfig, environment: JobEnvironment | None = None, inherited: Mapping[str, str] | None = None
 ) -> dict[str, str]:
     """The job's environment: `inherited` (where its processes start from), the workers' defaults where unset
-    there, then the spec's cluster.env and cluster.network (which never set the same name), then the test-only
-    fault variables."""
+    there, then the spec's cluster.env and cluster.network (which never set the same name), then `environment`'s
+    variables (a drill's points, a test plugin: tasks/launch/environment.py)."""
     env = dict(inherited or {})
     for key, value in WORKER_ENV.items():
         env.setdefault(key, value)
-    return {**env, **cluster.env, **network_env(cluster.network), **(faults or {})}
+    extra = environment.variables() if environment is not None else {}
+    return {**env, **cluster.env, **network_env(cluster.network), **extra}

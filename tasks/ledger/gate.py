@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from statistics import median
 from typing import Any
 
-from tasks.acceptance.config import RegressionConfig
+from tasks.ledger.config import RegressionConfig
 from tasks.ledger.registry import GoldenFigures, Ledger, LedgerEntry, LedgerError
 from validation.acceptance import AcceptanceThresholds, DimensionResult
 from validation.quality import check_quality
@@ -174,9 +174,15 @@ def check_regression(
     """The regression dimension: the run against the current baseline (see `compare`)."""
     evidence: dict[str, Any] = {"ledger": ledger.url, "curve_key": curve_key}
     if not config.enabled:
-        return DimensionResult("regression", True, {}, {}, evidence, "off (acceptance.regression.enabled=false)")
+        return DimensionResult(
+            name="regression", passed=True, measured={}, threshold={}, evidence=evidence,
+            message="off (acceptance.regression.enabled=false)",
+        )  # fmt: skip
     if current is None:
-        return DimensionResult("regression", True, {}, {}, evidence, "no baseline; this run becomes it when accepted")
+        return DimensionResult(
+            name="regression", passed=True, measured={}, threshold={}, evidence=evidence,
+            message="no baseline; this run becomes it when accepted",
+        )  # fmt: skip
     evidence |= {"baseline_entry": current.entry_id, "baseline_created_at": current.created_at}
     if run is None:
         why = "the distributed run wrote no result"
@@ -196,4 +202,7 @@ def check_regression(
         if failures
         else ""
     )
-    return DimensionResult("regression", not failures, measured, threshold, evidence, "; ".join(failures), look)
+    return DimensionResult(
+        name="regression", passed=not failures, measured=measured, threshold=threshold, evidence=evidence,
+        message="; ".join(failures), look_first=look,
+    )  # fmt: skip

@@ -10,7 +10,7 @@ shared by the nightly runs, and outside every run-id folder, so workspace prunin
                                           pipeline's serving step runs after acceptance wrote the entry)
     <ledger>/checkpoints/<entry-id>/      a copy of the entry's accepted checkpoint (pinned against retention)
 
-Entry ids are run ids (`tasks.acceptance.workspace.new_run_id`): they sort by time. An entry is created
+Entry ids are run ids (`tasks.run_id.new_run_id`): they sort by time. An entry is created
 exclusively and atomically: on local disks a temporary file hard-linked to its name (fails when it exists), on
 object stores one PUT of a new key. The checkpoint copy writes COMMIT.json last, so an interrupted copy is a
 partial checkpoint, never a finished one. The "current baseline" of a spec and cluster is the newest entry of
@@ -20,7 +20,7 @@ gate (`check_regression`) both compare with it.
 Files sit on shared storage and are read as untrusted. With the checkpoint signing key set (TDEPLOY_CHECKPOINT_KEY,
 or the Prefect Secret block `tdeploy-checkpoint-key` that the flows put into it), every file written here (entries,
 rollback marks, serving records) carries `hmac_sha256`, an HMAC-SHA256 of its canonical JSON without that field,
-made as a checkpoint's COMMIT.json signature is (training/checkpoint_trust.py). A reader with the key refuses a
+made as a checkpoint's COMMIT.json signature is (training/checkpoint/trust.py). A reader with the key refuses a
 file that is unsigned or whose signature differs; without a key files are read unauthenticated, as written before.
 Listing (`entries`, `rolled_back`, a serving figure) skips a refused or malformed file with a warning naming it, so
 one bad file never hides the others; asking for one entry by id raises LedgerError with its name and the fix.
@@ -47,16 +47,20 @@ from typing import TYPE_CHECKING, Any
 from fsspec.implementations.local import LocalFileSystem
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from tasks.acceptance.baselines import baseline_key, curve_identity
-from tasks.acceptance.config import AcceptanceConfig
-from tasks.acceptance.record import AcceptanceReport, UnreadableReport
-from tasks.acceptance.workspace import RUN_ID, new_run_id, workspace_base
-from tasks.cluster import ClusterConfig
 from tasks.errors import UserError
-from training.checkpoint import COMMIT, CheckpointManager, step_dir_name
-from training.checkpoint_trust import KEY_ENV, SIGNATURE_FIELD, checkpoint_key, sign_commit
+from tasks.launch.cluster import ClusterConfig
+from tasks.run_id import RUN_ID
+from training.checkpoint import (
+    KEY_ENV,
+    SIGNATURE_FIELD,
+    CheckpointManager,
+    checkpoint_key,
+    commit_digest,
+    copy_step,
+    sign_commit,
+)
 from training.config import TrainConfig, first_problem
-from training.dataset import DatasetManifest, read_manifest
+from training.dataset import DatasetManifest
 from training.run_output import RunOutput
 from training.storage import (
     ControlFileError,
@@ -64,20 +68,18 @@ from training.storage import (
     filesystem,
     join,
     read_control_file,
-    write_bytes_atomic,
 )
-from validation.acceptance import DimensionResult
+from validation.acceptance import ConnectivityFigures, DimensionResult, PerformanceFigures, figures_of
 from validation.plan_accuracy import PlanAccuracy
 from validation.quality import LossCurve, loss_curve
 
 if TYPE_CHECKING:
-    from tasks.deployment import ImageStepResult
+    from tasks.image.step import ImageStepResult
     from tasks.spec import DeploymentSpec
 
 log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
-LEDGER_DIR = "ledger"
 ENTRIES, ROLLBACKS, CHECKPOINTS, SERVING = "entries", "rollbacks", "checkpoints", "serving"
 _ENTRY_FILE = re.compile(r"^(" + RUN_ID.pattern.strip("^$") + r")\.json$")
 _SHA256 = r"^[0-9a-f]{64}$"
@@ -264,12 +266,6 @@ def code_version() -> str:
     return f"{version}+g{commit}" if re.fullmatch(r"[0-9a-f]{7,40}", commit) else version
 
 
-def ledger_url(acceptance: AcceptanceConfig, output_url: str) -> str:
-    """The spec's ledger (`output_url`: its run.output_url): acceptance.ledger_url, else `ledger/` beside its
-    (non-nightly) run workspaces."""
-    return acceptance.ledger_url or str(workspace_base(acceptance.work_url, output_url) / LEDGER_DIR)
-
-
 def _finite(value: Any) -> float | None:
     return float(value) if isinstance(value, int | float) and math.isfinite(value) and value > 0 else None
 
@@ -299,28 +295,27 @@ def golden_figures(dimensions: list[DimensionResult], output_dir: Path) -> Golde
         raise NonFiniteFigures(
             output_dir, {"first_loss": curve.first_loss, "final_loss": last, "val_loss": curve.val_loss}
         )
-    by_name = {d.name: d.measured or {} for d in dimensions}
-    perf, probe = by_name.get("performance", {}), by_name.get("connectivity", {}).get("comm_probe") or {}
+    perf = figures_of(dimensions, PerformanceFigures) or PerformanceFigures()
+    probe = figures_of(dimensions, ConnectivityFigures) or ConnectivityFigures()
     run = RunOutput(output_dir)
-    times = [m["step_time_s"] for s, m in run.metrics().items() if s > min(curve.losses) and m.get("step_time_s")]
+    times = [m.step_time_s for s, m in run.metrics().items() if s > min(curve.losses) and m.step_time_s]
     saves = [c.seconds for c in run.checkpoints() if c.error is None and c.seconds is not None]
     losses = {s: v for s, v in curve.losses.items() if math.isfinite(v)}  # fp16 skipped steps: inf
-    comm_share = perf.get("comm_share")
     return GoldenFigures(
         loss_curve=losses,
         first_loss=curve.first_loss,
         final_loss=losses[max(losses)],
         val_loss=curve.val_loss,
-        tokens_per_s=_finite(perf.get("tokens_per_s")),
+        tokens_per_s=_finite(perf.tokens_per_s),
         step_time_s=_finite(median(times)) if times else None,
-        timed_s=_finite(perf.get("timed_s")),
-        tokens_per_cpu_s=_finite(perf.get("tokens_per_cpu_s")),
-        step_cpu_s=_finite(perf.get("step_cpu_s")),
-        cpu_timed_s=_finite(perf.get("cpu_timed_s")),
-        comm_share=float(comm_share) if isinstance(comm_share, float) and math.isfinite(comm_share) else None,
+        timed_s=_finite(perf.timed_s),
+        tokens_per_cpu_s=_finite(perf.tokens_per_cpu_s),
+        step_cpu_s=_finite(perf.step_cpu_s),
+        cpu_timed_s=_finite(perf.cpu_timed_s),
+        comm_share=perf.comm_share if perf.comm_share is not None and math.isfinite(perf.comm_share) else None,
         checkpoint_save_s=float(median(saves)) if saves else None,
-        busbw_gbps=_finite(probe.get("busbw_gbps")),
-        busbw_timed_s=_finite(probe.get("busbw_timed_s")),
+        busbw_gbps=_finite(probe.busbw_gbps),
+        busbw_timed_s=_finite(probe.busbw_timed_s),
     )
 
 
@@ -553,89 +548,7 @@ class Ledger:
             if found is None:
                 return None
             step, url = found[0], self.checkpoint_url(entry_id)
-            copy_checkpoint(source, step, url, accepted.storage)
+            copy_step(source.step_url(step), url, accepted.storage)
             manager = CheckpointManager(accepted.checkpoint.model_copy(update={"url": url}), accepted.storage)
         manager.pin(step, entry_id)
-        commit = manager.fs.cat_file(join(manager.root, step_dir_name(step), COMMIT))
-        return CheckpointRef(url=url, step=step, commit_sha256=hashlib.sha256(commit).hexdigest())
-
-
-def copy_checkpoint(source: CheckpointManager, step: int, dest_url: str, storage: StorageConfig) -> str:
-    """Copy checkpoint `step` of `source` into the checkpoint folder `dest_url`, COMMIT.json last (a copy cut
-    short is a partial checkpoint, which loading skips and retention removes); the step folder's URL."""
-    fs, root = filesystem(dest_url, storage)
-    dest = join(root, step_dir_name(step))
-    src = join(source.root, step_dir_name(step)).rstrip("/") + "/"
-    rels = sorted(p[len(src) :] for p in source.fs.find(src) if p.startswith(src))
-    for rel in [r for r in rels if r != COMMIT] + [COMMIT]:
-        write_bytes_atomic(fs, join(dest, rel), source.fs.cat_file(src + rel))
-    return join(dest_url, step_dir_name(step))
-
-
-def figures_of_workspace(root: Path) -> tuple[GoldenFigures, str | None]:
-    """The figures of a finished acceptance run workspace (its report and distributed run), and its curve key
-    (None when its report does not say)."""
-    fix = "pass an acceptance run workspace (runs/<name>/acceptance/<run-id>) or a ledger entry id"
-    try:
-        report = AcceptanceReport.read(root)
-    except UnreadableReport as err:
-        raise UserError(err.message, fix) from err
-    if "distributed" not in report.runs:
-        raise UserError(f"{AcceptanceReport.path_in(root)}: the report names no distributed run", fix)
-    output_dir = Path(report.runs["distributed"])
-    regression = next((d for d in report.dimensions if d.name == "regression"), None)
-    curve_key = regression.evidence.get("curve_key") if regression is not None else None
-    try:
-        figures = golden_figures(report.dimensions, output_dir)
-    except NonFiniteFigures as err:
-        raise UserError(str(err), "pass an acceptance run whose loss stayed finite (an accepted one)") from err
-    if figures is None:
-        raise UserError(f"{output_dir}: the distributed run wrote no result", "pass a finished acceptance run")
-    return figures, curve_key if isinstance(curve_key, str) else None
-
-
-def run_identity(cluster: ClusterConfig, run_train: TrainConfig, world_size: int) -> tuple[str, str, str]:
-    """The curve key, cluster key and dataset key of an acceptance run's config (`run_train`)."""
-    manifest = read_manifest(run_train.data.dataset_url, run_train.storage, run_train.data.sources)
-    return (
-        baseline_key(curve_identity(run_train, world_size, manifest)),
-        cluster_key_of(cluster),
-        dataset_key(manifest),
-    )
-
-
-def record_entry(
-    ledger: Ledger,
-    cluster: ClusterConfig,
-    train: TrainConfig,
-    run_train: TrainConfig,
-    world_size: int,
-    figures: GoldenFigures,
-    provenance: Provenance,
-    workspace: Path,
-    plan_accuracy: PlanAccuracy | None = None,
-) -> LedgerEntry:
-    """Append the entry of an accepted run: keep its checkpoint (pinned), then write the entry itself."""
-    entry_id = new_run_id()
-    curve_key, cluster_key, data_key = run_identity(cluster, run_train, world_size)
-    checkpoint = ledger.keep_checkpoint(entry_id, train, run_train)
-    entry = LedgerEntry(
-        entry_id=entry_id,
-        created_at=datetime.now(UTC).isoformat(timespec="seconds"),
-        spec_name=provenance.spec_name,
-        spec_digest=provenance.spec_digest,
-        cluster_key=cluster_key,
-        cluster=cluster_identity(cluster),
-        curve_key=curve_key,
-        image_ref=provenance.image_ref,
-        image_digest=provenance.image_digest,
-        code_version=code_version(),
-        dataset_key=data_key,
-        train=train.model_dump(mode="json"),
-        checkpoint=checkpoint,
-        figures=figures,
-        acceptance_run=str(workspace),
-        plan_accuracy=plan_accuracy,
-    )
-    ledger.append(entry)
-    return entry
+        return CheckpointRef(url=url, step=step, commit_sha256=commit_digest(manager.step_url(step), manager.storage))

@@ -1,9 +1,9 @@
 """Rollback: resubmit an earlier ledger entry's image, resumed from its accepted checkpoint.
 
-The entry's checkpoint is copied (COMMIT.json last, its digest checked against the entry's) into a fresh
-checkpoint folder beside the deployment's, `<checkpoint.url>-rollback-<id>`, so that the resumed job's newest
-checkpoint is the accepted one (the deployment's own folder holds the newer, rolled-back version's) and the
-entry's pinned copy is never written to. The job writes its output to `<run.output_url>-rollback-<id>`. Once the
+The entry's checkpoint is copied by `training.checkpoint.copy_step` (COMMIT.json last, its digest checked against
+the entry's, every file against its record) into a fresh checkpoint folder beside the deployment's,
+`<checkpoint.url>-rollback-<id>`, so that the resumed job's newest checkpoint is the accepted one (the deployment's
+own folder holds the newer, rolled-back version's) and the entry's pinned copy is never written to. The job writes its output to `<run.output_url>-rollback-<id>`. Once the
 job is submitted, the entries after the restored one are marked rolled back: the restored entry is the current
 baseline again.
 
@@ -16,7 +16,6 @@ set). The image runs by digest where the entry recorded one, and the plan names 
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import posixpath
 import re
@@ -24,17 +23,24 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
-from tasks.acceptance.workspace import RUN_ID, new_run_id
-from tasks.cluster import ClusterConfig
 from tasks.errors import UserError
 from tasks.image.config import IMAGE_REF, ImageConfig
 from tasks.launch.base import TERMINAL, JobState
+from tasks.launch.cluster import ClusterConfig
 from tasks.launch.submit import JobFailed, submit
-from tasks.ledger.registry import Ledger, LedgerEntry, cluster_key_of, copy_checkpoint
-from training.checkpoint import COMMIT, CheckpointManager, step_dir_name
-from training.checkpoint_trust import KEY_ENV
+from tasks.ledger.registry import Ledger, LedgerEntry, cluster_key_of
+from tasks.run_id import RUN_ID, new_run_id
+from training.checkpoint import (
+    COMMIT,
+    KEY_ENV,
+    CheckpointCopyError,
+    CheckpointFormatError,
+    CheckpointManager,
+    commit_digest,
+    copy_step,
+)
 from training.config import CheckpointConfig, TrainConfig
-from training.storage import ControlFileError, StorageConfig, filesystem, join, read_control_file
+from training.storage import StorageConfig, filesystem
 from training.untrusted import escape_untrusted
 
 log = logging.getLogger(__name__)
@@ -192,33 +198,37 @@ def plan_rollback(
 
 def restore_checkpoint(plan: RollbackPlan) -> str:
     """Copy the target's checkpoint into the plan's fresh checkpoint folder; its step folder's URL. Refuses a
-    checkpoint whose COMMIT.json is not the one the entry recorded."""
+    checkpoint whose COMMIT.json is not the one the entry recorded, or whose files do not match it."""
     ref = plan.target.checkpoint
     assert ref is not None  # plan_rollback refuses entries without one
     source = CheckpointManager(CheckpointConfig(url=ref.url), plan.train.storage)
-    commit_path = join(source.root, step_dir_name(ref.step), COMMIT)
+    step_dir = source.step_url(ref.step)
     try:
-        commit = read_control_file(source.fs, commit_path)
-    except ControlFileError as err:
+        digest = commit_digest(step_dir, plan.train.storage)
+    except CheckpointFormatError as err:
         raise RollbackError(
-            f"entry {plan.target.entry_id}'s checkpoint: {err}", "roll back to another entry (--to)"
+            f"entry {plan.target.entry_id}'s checkpoint: {err.path}: {err.problem}", "roll back to another entry (--to)"
         ) from err
     except FileNotFoundError as err:
         raise RollbackError(
-            f"entry {plan.target.entry_id}'s checkpoint {source.step_url(ref.step)} is gone",
+            f"entry {plan.target.entry_id}'s checkpoint {step_dir} is gone",
             "roll back to another entry (--to); the ledger pins its checkpoints, so check what removed it",
         ) from err
-    if hashlib.sha256(commit).hexdigest() != ref.commit_sha256:
+    if digest != ref.commit_sha256:
         raise RollbackError(
-            f"{source.step_url(ref.step)}/{COMMIT} is not the checkpoint entry {plan.target.entry_id} accepted "
-            "(its digest differs)",
+            f"{step_dir}/{COMMIT} is not the checkpoint entry {plan.target.entry_id} accepted (its digest differs)",
             "roll back to another entry (--to); that checkpoint was replaced after it was accepted",
         )
     dest = plan.train.checkpoint.url
     fs, root = filesystem(dest, plan.train.storage)
     if fs.exists(root):
         raise RollbackError(f"{dest} exists already", "plan the rollback again (a new rollback id)")
-    return copy_checkpoint(source, ref.step, dest, plan.train.storage)
+    try:
+        return copy_step(step_dir, dest, plan.train.storage, expect_commit_sha256=ref.commit_sha256)
+    except CheckpointCopyError as err:
+        raise RollbackError(
+            f"entry {plan.target.entry_id}'s checkpoint: {err.path} {err.problem}", "roll back to another entry (--to)"
+        ) from err
 
 
 def finish_rollback(ledger: Ledger, plan: RollbackPlan) -> list[str]:

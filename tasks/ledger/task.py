@@ -1,24 +1,25 @@
-"""Prefect tasks `rollback_deployment` and `canary_rollout` (the rollback and rollout flows' own steps; the CLI's
-`tdeploy rollback` and `tdeploy rollout` call the same functions), and `record_serving_figures` (the pipeline's
-serving step adds its P99 to the accepted entry)."""
+"""Prefect tasks `rollback_deployment` (the rollback flow's own step; `tdeploy rollback` calls the same function)
+and `record_serving_figures` (the pipeline's serving step adds its P99 to the accepted entry)."""
 
 from __future__ import annotations
 
 from datetime import UTC, datetime
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from prefect import get_run_logger, task
-from prefect.artifacts import create_markdown_artifact, create_table_artifact
+from prefect.artifacts import create_markdown_artifact
 
-from tasks.acceptance.config import AcceptanceConfig
-from tasks.cluster import ClusterConfig
-from tasks.deployment import ServingResult
 from tasks.errors import retry_on_transient
 from tasks.image.config import ImageConfig
-from tasks.ledger.registry import Ledger, LedgerError, ServingRecord, ledger_url
+from tasks.launch.cluster import ClusterConfig
+from tasks.ledger.registry import Ledger, LedgerError, ServingRecord
 from tasks.ledger.rollback import RollbackOutcome, roll_back
-from tasks.ledger.rollout import run_canary
+from tasks.paths import ledger_url
+from tasks.serve.step import ServingResult
 from training.config import TrainConfig
+
+if TYPE_CHECKING:
+    from tasks.acceptance.config import AcceptanceConfig
 
 
 @task(name="rollback_deployment")
@@ -50,20 +51,6 @@ def rollback_deployment(
         description=f"rollback to {plan.target.entry_id}",
     )
     return outcome
-
-
-@task(name="canary_rollout")
-def canary_rollout(
-    name: str, cluster: ClusterConfig, train: TrainConfig, acceptance: AcceptanceConfig, image: str
-) -> dict:
-    """Run `image` on the canary, held to the baseline (see tasks/ledger/rollout.py); RolloutStopped, with the
-    failed figures, when it fails. Never retried: a failing canary is the answer, not a hiccup."""
-    logger = get_run_logger()
-    outcome = run_canary(name, cluster, train, acceptance, image)
-    rows = [{"check": d.name, "verdict": d.status, "message": d.message} for d in outcome.report.dimensions]
-    create_table_artifact(key="canary", table=rows, description=f"canary of {image}: passed")
-    logger.info("canary of %s passed against entry %s (%s)", image, outcome.baseline_entry, outcome.root)
-    return {"report": outcome.report.to_json(), "root": str(outcome.root), "baseline_entry": outcome.baseline_entry}
 
 
 @task(name="record_serving_figures", retries=2, retry_delay_seconds=5, retry_condition_fn=retry_on_transient)

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Callable
 from pathlib import Path
 
-from tasks.cluster import ClusterConfig
 from tasks.errors import TransientError, UserError
+from tasks.launch.cluster import ClusterConfig
 from tasks.nodes.config import NodesConfig
 from tasks.nodes.drift import drift_rows
 from tasks.nodes.inventory import CheckPlan, plan_checks
@@ -94,15 +93,6 @@ def run_node_checks(nodes: NodesConfig, cluster: ClusterConfig) -> NodeReport:
         host_order=plan.hosts,
     )
     return build_report(run, plan)
-
-
-def write_report(report: NodeReport, path: str | Path) -> Path:
-    """Write the JSON report, and the playbook's output beside it (`.log`)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report.to_json(), indent=2) + "\n")
-    path.with_suffix(".log").write_text(report.log)
-    return path
 
 
 def raise_for_blocking(report: NodeReport, report_path: Path | None = None, retries_left: int = 0) -> None:

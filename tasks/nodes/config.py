@@ -2,20 +2,18 @@
 
 from __future__ import annotations
 
-import ipaddress
 import re
-from typing import Annotated, Literal
+from typing import Annotated
 
 from pydantic import AfterValidator, Field, field_validator, model_validator
 
+from tasks.hosts import NodeHost, UserName, is_host
 from training.config import Problem, StrictModel, raise_problems
 
-HOST_NAME = r"^[A-Za-z0-9]([A-Za-z0-9._-]{0,252})$"
 # Values reach Ansible (inventory, extravars, interpreter command lines): no template syntax, no shell syntax.
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 _TEMPLATE = re.compile(r"\{\{|\{%|\{#")
 _PROGRAM = re.compile(r"[A-Za-z0-9_./+@-]+")
-_USER = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.@-]{0,63}")
 
 
 def _plain_text(value: str) -> str:
@@ -41,41 +39,10 @@ def _program(value: str) -> str:
     return value
 
 
-def _user(value: str) -> str:
-    if not _USER.fullmatch(value):
-        raise ValueError(f"{value!r} is not a user name; use letters, digits and _ . @ - (e.g. trainer)")
-    return value
-
-
-UserName = Annotated[str, AfterValidator(_user)]
-"""A user name that reaches SSH and Ansible."""
 PlainText = Annotated[str, AfterValidator(_plain_text)]
 """Text that reaches Ansible as a value: one line, no template syntax."""
 Program = Annotated[str, AfterValidator(_program)]
 """A program path that reaches a command line on the nodes."""
-
-
-class NodeHost(StrictModel):
-    """One node: the name the other nodes know it by, and where the controller reaches it."""
-
-    name: str = Field(
-        pattern=HOST_NAME,
-        description="Host name of the node: the inventory name, and the name every other node must resolve.",
-    )
-    address: str | None = Field(
-        default=None, min_length=1, description="Address or name the controller connects to; None = name."
-    )
-    port: int = Field(default=22, ge=1, le=65535, description="SSH port of the node.")
-    connection: Literal["ssh", "local"] = Field(
-        default="ssh", description="ssh: over SSH; local: this machine, without SSH (the local scheduler)."
-    )
-
-    @field_validator("address")
-    @classmethod
-    def _address_is_a_host(cls, value: str | None) -> str | None:
-        if value is not None and not _is_host(value):
-            raise ValueError(f"{value!r} is not a host name or an IP address; e.g. node-1.example.com or 10.0.0.7")
-        return value
 
 
 class StorageMount(StrictModel):
@@ -192,15 +159,7 @@ class NodesConfig(StrictModel):
         names = [h.name for h in self.hosts or []]
         for name in sorted({n for n in names if names.count(n) > 1}):
             problems.append((("hosts",), name, f"host {name} is listed twice; list every node once"))
-        if self.rdzv_address is not None and not _is_host(self.rdzv_address):
+        if self.rdzv_address is not None and not is_host(self.rdzv_address):
             problems.append((("rdzv_address",), self.rdzv_address, "must be a host name or an IP address"))
         raise_problems("NodesConfig", problems)
         return self
-
-
-def _is_host(value: str) -> bool:
-    try:
-        ipaddress.ip_address(value)
-    except ValueError:
-        return re.fullmatch(HOST_NAME, value) is not None
-    return True

@@ -11,10 +11,12 @@ from typing import Any
 
 import yaml
 
-from tasks.cluster import ClusterConfig
 from tasks.errors import UserError
+from tasks.hosts import NodeHost
+from tasks.launch.cluster import ClusterConfig
+from tasks.launch.registry import capabilities, launcher_class
 from tasks.nodes import runner
-from tasks.nodes.config import NodeHost, NodesConfig
+from tasks.nodes.config import NodesConfig
 
 TORCHRUN_DEFAULT_PORT = 29500
 
@@ -39,11 +41,14 @@ class CheckPlan:
 
 
 def default_hosts(nodes: NodesConfig, cluster: ClusterConfig) -> list[NodeHost] | None:
-    """The spec's hosts; localhost over the local connection for the local scheduler when none are given."""
+    """The spec's hosts; when none are given, the launcher's where the job runs on this machine only (localhost
+    over the local connection): other hosts need the nodes section's connection settings."""
     if nodes.hosts is not None or nodes.inventory_path is not None:
         return nodes.hosts
-    if cluster.scheduler == "local":
-        return [NodeHost(name="localhost", connection="local")]
+    launcher = launcher_class(cluster.scheduler)
+    hosts = launcher.hosts(cluster) if launcher.capabilities.runs_on_this_machine_only else None
+    if hosts is not None:
+        return hosts
     raise UserError(
         f"nodes.hosts is not set and cluster.scheduler={cluster.scheduler} runs on other machines",
         "list the nodes under nodes.hosts (name, address, port) or give an Ansible inventory in nodes.inventory_path",
@@ -51,14 +56,13 @@ def default_hosts(nodes: NodesConfig, cluster: ClusterConfig) -> list[NodeHost] 
 
 
 def rendezvous_port(nodes: NodesConfig, cluster: ClusterConfig, n_hosts: int | None) -> int | None:
-    """The port to test: nodes.rdzv_port, else the job's (cluster.slurm.rdzv_port under Slurm, else
-    cluster.rdzv_port), else torchrun's default when several nodes meet."""
+    """The port to test: nodes.rdzv_port, else the job's (as its launcher says: cluster.slurm.rdzv_port under
+    Slurm, else cluster.rdzv_port), else torchrun's default when several nodes meet."""
     if nodes.rdzv_port is not None:
         return nodes.rdzv_port
-    if cluster.scheduler == "slurm":
-        return cluster.slurm.rdzv_port
-    if cluster.rdzv_port is not None:
-        return cluster.rdzv_port
+    port = launcher_class(cluster.scheduler).rdzv_port(cluster)
+    if port is not None:
+        return port
     return TORCHRUN_DEFAULT_PORT if n_hosts is None or n_hosts > 1 else None
 
 
@@ -272,6 +276,6 @@ def plan_checks(nodes: NodesConfig, cluster: ClusterConfig) -> CheckPlan:
         rdzv_port=port,
         max_clock_skew_s=nodes.max_clock_skew_s,
         job_python=nodes.python or "python3",
-        min_hosts=cluster.nodes if cluster.scheduler != "local" else None,
+        min_hosts=None if capabilities(cluster.scheduler).runs_on_this_machine_only else cluster.nodes,
         interface=cluster.network.interface,
     )

@@ -9,13 +9,19 @@ and the per-host checks (tasks/nodes/status.py); this module holds what they pro
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
-from typing import Any, Literal
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from pydantic import TypeAdapter, ValidationError
 
 from tasks.nodes.facts import HostReport, NodeFacts, host_reports
-from tasks.nodes.inventory import CheckPlan
-from tasks.nodes.runner import PlaybookRun
+
+if TYPE_CHECKING:  # the report is read (diagnosis) where Ansible is not needed
+    from tasks.nodes.inventory import CheckPlan
+    from tasks.nodes.runner import PlaybookRun
 
 Severity = Literal["ok", "warning", "blocking"]
 RANK = {"ok": 0, "warning": 1, "blocking": 2}
@@ -87,9 +93,17 @@ class Observed:
         return list(self.facts)
 
 
+class UnreadableNodeReport(ValueError):
+    """node-check.json that is not a report `NodeReport.write` wrote."""
+
+    def __init__(self, path: Path, problem: str) -> None:
+        super().__init__(f"{path}: {problem}; run `tdeploy check-nodes SPEC` again to rewrite it")
+        self.path, self.problem = path, problem
+
+
 @dataclass
 class NodeReport:
-    """The result of one node check."""
+    """The result of one node check; `write` and `read` own its file, node-check.json (log beside it)."""
 
     hosts: list[str]
     rows: list[Row]
@@ -138,6 +152,34 @@ class NodeReport:
             "rows": [asdict(r) for r in self.rows],
         }
 
+    def write(self, path: str | Path) -> Path:
+        """Write the JSON report to `path`, and the playbook's output beside it (`.log`); the path."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_json(), indent=2) + "\n")
+        path.with_suffix(".log").write_text(self.log)
+        return path
+
+    @classmethod
+    def read(cls, path: str | Path) -> NodeReport:
+        """The report `write` wrote at `path`, with its log where it is still there; UnreadableNodeReport naming
+        the file and what is wrong otherwise."""
+        path = Path(path)
+        try:
+            data = _REPORT_FILE.validate_json(path.read_bytes())
+        except ValidationError as err:
+            first = err.errors()[0]
+            where = ".".join(str(part) for part in first["loc"]) or "<report>"
+            raise UnreadableNodeReport(path, f"{where}: {first['msg']}") from err
+        log = path.with_suffix(".log")
+        return cls(
+            hosts=data.hosts,
+            rows=data.rows,
+            elapsed_s=data.elapsed_s,
+            run_status=data.run_status,
+            log=log.read_text(errors="replace") if log.is_file() else "",
+        )
+
     def table(self, max_chars: int = 400) -> list[dict[str, str]]:
         """Rows for a table artifact: values grouped as `value (hosts)` so that it stays readable at 1,000 nodes."""
         return [
@@ -150,6 +192,19 @@ class NodeReport:
             }
             for r in self.rows
         ]
+
+
+@dataclass(frozen=True)
+class _ReportFile:
+    """What node-check.json holds that is not derived from the rows (ok, summary and blocking_hosts are)."""
+
+    hosts: list[str]
+    rows: list[Row]
+    elapsed_s: float
+    run_status: str
+
+
+_REPORT_FILE = TypeAdapter(_ReportFile)
 
 
 def grouped_values(values: dict[str, str], max_chars: int = 400) -> str:

@@ -426,8 +426,3 @@ def _hugging_face(
         for name in (data.train_split, data.val_split)
     }
     return _Member(splits, written.dtype, None, TokenizerInfo(kind="unknown"), None)
-
-
-def adopted_root(data: DataSpec, reports_dir: str) -> str:
-    """Where adoptions go: data.adopted_url, else the deployment's folder."""
-    return data.adopted_url or join(reports_dir, "datasets")

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from tasks.errors import TransientError, UserError, is_connection_error
+from tasks.paths import adopted_root, data_validation_dir
 from tasks.prepare.config import DataSpec
 from tasks.prepare.pipeline import DataValidationError, publish_validation
 from training.dataset import MANIFEST, DatasetError, DatasetManifest, ShardLocator, read_manifest
@@ -42,8 +43,6 @@ from validation.data import (
 
 log = logging.getLogger(__name__)
 
-REPORTS_SUBDIR = "data-validation"
-"""Folder of the URL datasets' validations in the deployment's reports folder: one sub-folder per verdict key."""
 VERDICT_FILE = "verdict.json"
 """Written last in a validation's folder, and only when the dataset passed: its presence is the cached verdict."""
 _IDENTITY_KEYS = ("mtime", "created", "ino", "ETag", "etag", "LastModified", "last_modified", "generation", "md5Hash")
@@ -98,7 +97,7 @@ def check_dataset_url(data: DataSpec, vocab_size: int, storage: StorageConfig, r
 def _given_dataset(data: DataSpec, vocab_size: int, storage: StorageConfig, reports_dir: str) -> tuple[str, list[str]]:
     """The dataset to check and the sources its manifest may name: data.dataset_url itself when it is a dataset of
     ours, else the adoption of what data.dataset_url or data.blend names (tasks/prepare/adopt.py)."""
-    from tasks.prepare.adopt import adopt_given, adopted_root, detect_kind
+    from tasks.prepare.adopt import adopt_given, detect_kind
 
     if data.blend is None and data.dataset_url is not None:
         if detect_kind(data.dataset_url, storage, "data.dataset_url") == "tdeploy":
@@ -109,7 +108,7 @@ def _given_dataset(data: DataSpec, vocab_size: int, storage: StorageConfig, repo
                     "leave data.tokenizer_url out (data.tokenizer_sha256 pins a tokenizer)",
                 )
             return data.dataset_url, []
-    adoption = adopt_given(data, vocab_size, storage, adopted_root(data, reports_dir))
+    adoption = adopt_given(data, vocab_size, storage, adopted_root(data.adopted_url, reports_dir))
     log.info("%s adopted as %s (%s)", [s.url for s in data.given], adoption.dataset_url, ", ".join(adoption.kinds))
     return adoption.dataset_url, adoption.sources
 
@@ -123,7 +122,7 @@ def _check(data: DataSpec, vocab_size: int, storage: StorageConfig, reports_dir:
     if upfront:
         raise DataValidationError(where, [], None, problems=upfront, fix=_FIX)
     key = verdict_key(data, url, vocab_size, manifest, storage, trusted)
-    folder = Path(reports_dir) / REPORTS_SUBDIR / key
+    folder = data_validation_dir(reports_dir, key)
     cached = _read_verdict(folder, key)
     if cached is not None:
         log.info("%s: the token suite passed on this very dataset before (%s); not rescanned", url, folder)

@@ -305,7 +305,7 @@ def run_serving_check(
 ) -> ServingReport:
     """Export the newest sound (or the given) checkpoint under `export_root` (as `tdeploy export` does), serve it,
     measure it, write the reports into `out_dir`, stop the server; the report says whether it passed."""
-    from tasks.export.task import export_checkpoint
+    from tasks.export.step import export_checkpoint
     from tasks.serve.config import unservable
     from tasks.serve.report import write_reports
     from tasks.serve.server import SERVER_LOG, start_server

@@ -24,6 +24,7 @@ import yaml
 
 from tasks.errors import UserError
 from tasks.launch.kubernetes import check_round_trip
+from tasks.names import NAME_PATTERN
 from tasks.serve.config import ServeConfig
 from tasks.serve.server import (  # noqa: F401 - REQUEST_LATENCY_BUCKETS_S: the monitoring tests read it here
     ALL_INTERFACES,
@@ -32,7 +33,6 @@ from tasks.serve.server import (  # noqa: F401 - REQUEST_LATENCY_BUCKETS_S: the 
     server_args,
     server_env_vars,
 )
-from tasks.spec import NAME_PATTERN
 
 MODEL_MOUNT = "/model"
 GPU_RESOURCE = "nvidia.com/gpu"

@@ -21,10 +21,12 @@ from xml.etree import ElementTree as ET
 import pytest
 import yaml
 
+from tasks.capacity.record import read_plan
+from tasks.nodes.report import NodeReport
 from tests.conftest import REPO
 from tests.processes import run_group
 from training.checkpoint import COMMIT, DCP_METADATA, TRAIN_STATE, rng_file
-from training.faults import SAVE_PHASES
+from training.drill_points import SAVE_PHASES
 
 pytestmark = pytest.mark.e2e
 
@@ -158,8 +160,8 @@ def test_the_main_job_passes_twice_in_a_row_resuming_training_and_accepting_afre
     runs = tmp_path / "runs" / "local"
 
     _tdeploy_run(tmp_path, env)
-    assert json.loads((runs / "plan.json").read_text())["fits"]
-    assert json.loads((runs / "node-check.json").read_text())["ok"]
+    assert read_plan(str(runs / "plan.json")).fits
+    assert NodeReport.read(runs / "node-check.json").ok
     first_result = json.loads((runs / "output" / "result.json").read_text())
     assert first_result["steps"] == 200 and first_result["resumed_from_step"] is None
     first = _latest_acceptance(runs, "sanity", drills=True)

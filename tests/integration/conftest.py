@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from training.checkpoint_trust import KEY_ENV
+from training.checkpoint import KEY_ENV
 
 
 @pytest.fixture

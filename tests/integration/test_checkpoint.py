@@ -16,9 +16,8 @@ from tasks.launch.base import JobState
 from tasks.launch.local import LocalJob, run_local, start_local
 from tasks.spec import parse_spec
 from tests.conftest import TINY_SPEC, deep_merge, metrics_by_step
-from training.checkpoint import CheckpointManager
-from training.checkpoint_trust import KEY_ENV
-from training.faults import ENV_VAR
+from tests.faults.job import injected
+from training.checkpoint import KEY_ENV, CheckpointManager
 from training.model import Transformer
 from training.run_output import RunOutput
 from training.storage import StorageConfig, filesystem
@@ -41,7 +40,7 @@ def _paused_job(spec, pause_after_step: int, committed_step: int) -> LocalJob:  
     """Start a job that hangs after `pause_after_step`, and wait until it got there and its (background) save of
     `committed_step` is committed."""
     job = start_local(
-        spec.cluster, spec.training_config(), faults={ENV_VAR: json.dumps({"pause_after_step": pause_after_step})}
+        spec.cluster, spec.training_config(), environment=injected(pause_after_step=pause_after_step)
     )
     run = RunOutput(spec.run.output_url)
     _wait_for(lambda: pause_after_step in run.metrics(1), "the pause")
@@ -57,8 +56,8 @@ def _kill_rank(output_dir: Path, rank: int) -> None:
 
 def _assert_identical_after(reference: dict, resumed: dict, first: int, last: int) -> None:
     for step in range(first, last + 1):
-        assert resumed[step]["loss"] == reference[step]["loss"], f"step {step} differs"
-        assert resumed[step]["grad_norm"] == reference[step]["grad_norm"], f"step {step} differs"
+        assert resumed[step].loss == reference[step].loss, f"step {step} differs"
+        assert resumed[step].grad_norm == reference[step].grad_norm, f"step {step} differs"
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +101,7 @@ def test_torchrun_restarts_a_killed_rank_and_the_job_recovers_by_itself(
 
 def test_checkpoint_killed_mid_save_is_never_loaded(make_spec) -> None:
     spec = make_spec(STEPS_30)
-    job = start_local(spec.cluster, spec.training_config(), faults={ENV_VAR: json.dumps({"kill_during_save_step": 20})})
+    job = start_local(spec.cluster, spec.training_config(), environment=injected(kill_during_save_step=20))
     assert job.wait(timeout_s=120).state is JobState.FAILED
     partial = Path(spec.checkpoint.url) / "step-00000020"
     assert partial.exists() and not (partial / "COMMIT.json").exists()
@@ -131,7 +130,7 @@ def test_corrupt_checkpoint_is_detected_and_the_previous_one_used(make_spec) -> 
 
 def test_a_bug_on_one_rank_inside_a_save_stops_every_rank_even_when_lost_saves_are_tolerated(make_spec) -> None:
     spec = make_spec({**STEPS_30, "checkpoint": {"save_every_steps": 10, "continue_on_save_failure": True}})
-    job = start_local(spec.cluster, spec.training_config(), faults={ENV_VAR: json.dumps({"save_bug_rank": 1})})
+    job = start_local(spec.cluster, spec.training_config(), environment=injected(save_bug_rank=1))
     assert job.wait(timeout_s=120).state is JobState.FAILED
     log = job.log_tail(400)
     assert "TypeError: test fault: a bug inside the checkpoint save of step 10 on rank 1" in log
@@ -180,7 +179,7 @@ def test_two_rank_checkpoint_resumes_on_one_rank_with_model_and_optimizer_state(
     assert "was saved by 2 ranks and is loaded by 1: model and optimizer resharded" in job.log_tail(400)
     ref, got = metrics_by_step(reference.run.output_url), metrics_by_step(one.run.output_url)
     for step in range(11, 15):
-        assert got[step]["loss"] == pytest.approx(ref[step]["loss"], rel=1e-5), step
+        assert got[step].loss == pytest.approx(ref[step].loss, rel=1e-5), step
 
     # and the state itself: a lone process loads the newest checkpoint (step 14, after the 2 -> 1 resume)
     cfg = one.training_config()

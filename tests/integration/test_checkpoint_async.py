@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from tasks.launch.environment import JobEnvironment
 from tests.conftest import read_jsonl
 from tests.processes import run_group, start_group, stop_group
-from training.checkpoint import COMMIT, CheckpointManager, step_dir_name
-from training.checkpoint_trust import KEY_ENV
+from training.checkpoint import COMMIT, KEY_ENV, CheckpointManager, step_dir_name
 from training.config import CheckpointConfig
-from training.faults import SAVE_PHASES, paused_ranks, with_faults
+from training.drill_points import SAVE_PHASES, paused_ranks
 from training.preemption import PREEMPTED_EXIT_CODE
 from training.storage import StorageConfig
 
@@ -28,7 +28,7 @@ pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# Saves step 1, then starts the background save of step 2 (which the job's pause_in_save fault stops for good at
+# Saves step 1, then starts the background save of step 2 (which the job's pause_in_save drill point stops for good at
 # one phase point), says that the caller got control back, and trains on until it is killed.
 SAVER = """
 import sys, time, warnings
@@ -67,7 +67,7 @@ def test_a_process_killed_during_a_background_save_leaves_the_previous_checkpoin
     monkeypatch.delenv(KEY_ENV, raising=False)
     root, returned, markers = tmp_path / "ckpt", tmp_path / "returned", tmp_path / "markers"
     pause = {"phase": phase, "step": 2, "marker_dir": str(markers)}
-    env = {**os.environ, **with_faults(None, pause_in_save=pause)}
+    env = {**os.environ, **JobEnvironment().with_drill_points(pause_in_save=pause).variables()}
     proc = start_group(
         [sys.executable, "-c", SAVER, str(root), str(returned)],
         cwd=ROOT,

@@ -14,10 +14,9 @@ import warnings
 import pytest
 import torch
 
-import training.checkpoint as checkpoint
+import training.checkpoint.manager as saving
 from tasks.acceptance.outage import TcpProxy
-from training.checkpoint import CheckpointManager, step_dir_name
-from training.checkpoint_trust import KEY_ENV
+from training.checkpoint import KEY_ENV, CheckpointManager, step_dir_name
 from training.config import CheckpointConfig
 from training.storage import StorageConfig
 
@@ -66,8 +65,8 @@ def test_a_save_held_by_storage_that_stops_answering_is_warned_about_and_counted
 ) -> None:
     monkeypatch.delenv(KEY_ENV, raising=False)
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-    monkeypatch.setattr(checkpoint, "SAVE_HELD_WARN_AFTER_S", 0.2)
-    monkeypatch.setattr(checkpoint, "SAVE_HELD_WARN_EVERY_S", 0.2)
+    monkeypatch.setattr(saving, "SAVE_HELD_WARN_AFTER_S", 0.2)
+    monkeypatch.setattr(saving, "SAVE_HELD_WARN_EVERY_S", 0.2)
     host, port = s3_endpoint.removeprefix("http://").split(":")
     proxy = StallingProxy(host, int(port))
     heard = _Warnings()

@@ -22,8 +22,8 @@ def test_compiled_blocks_give_the_eager_losses_and_the_same_checkpoint_keys(make
     eager, compiled = (metrics_by_step(runs[n].run.output_url) for n in ("eager", "compiled"))
     assert sorted(compiled) == [1, 2, 3, 4]
     for step in range(1, 5):  # kernels fuse differently: the same losses to float32 rounding, not bit for bit
-        assert compiled[step]["loss"] == pytest.approx(eager[step]["loss"], rel=1e-4), step
-    assert compiled[4]["grad_norm"] == pytest.approx(eager[4]["grad_norm"], rel=1e-3)
+        assert compiled[step].loss == pytest.approx(eager[step].loss, rel=1e-4), step
+    assert compiled[4].grad_norm == pytest.approx(eager[4].grad_norm, rel=1e-3)
     keys = {}
     for name, spec in runs.items():
         step_dir = Path(spec.checkpoint.url) / "step-00000004"

@@ -14,7 +14,7 @@ import yaml
 from typer.testing import CliRunner
 
 from flows.cli import app
-from tasks.export.task import EXPORT_RECORD, export_checkpoint
+from tasks.export.step import EXPORT_RECORD, export_checkpoint
 from tasks.launch.local import run_local
 from tasks.spec import DeploymentSpec, load_spec
 from tests.conftest import TINY_SPEC, deep_merge
@@ -150,24 +150,24 @@ def test_the_export_task_retries_a_storage_outage_and_publishes_the_folder(
 
     import tasks.export.task as export_task
     from tasks.errors import TransientError
+    from tasks.export.step import ExportInputs
 
     _, spec = trained
     calls: list[int | None] = []
-    real = export_task.export_checkpoint
+    real = export_task.run
 
-    def flaky(*args: Any, **kwargs: Any) -> Any:
-        calls.append(args[1])
+    def flaky(inputs: ExportInputs) -> Any:
+        calls.append(inputs.step)
         if len(calls) == 1:
             raise TransientError("checkpoint storage unreachable", "run the export again")
-        return real(*args, **kwargs)
+        return real(inputs)
 
-    monkeypatch.setattr(export_task, "export_checkpoint", flaky)
+    monkeypatch.setattr(export_task, "run", flaky)
 
     @flow
     def export_flow() -> dict[str, Any]:
-        state = export_task.export_model.with_options(retry_delay_seconds=0)(
-            spec.training_config(), 2, str(tmp_path / "hf"), return_state=True
-        )
+        inputs = ExportInputs(train=spec.training_config(), step=2, out=str(tmp_path / "hf"))
+        state = export_task.export_model.with_options(retry_delay_seconds=0)(inputs, return_state=True)
         return {"id": str(state.state_details.task_run_id), "result": state.result()}
 
     out = export_flow()

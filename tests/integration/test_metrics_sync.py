@@ -32,8 +32,8 @@ def test_records_read_every_four_steps_equal_records_read_every_step(make_spec) 
         assert sorted(deferred) == list(range(1, 15))  # every step's record, windows of 4 cut by saves and evals
         for step in range(1, 15):
             for field in (*DEVICE_FIGURES, "lr", "epoch"):
-                assert deferred[step][field] == eager[step][field], (rank, step, field)
-            assert deferred[step]["loss"] == deferred[step]["loss"]  # a number, not None
+                assert getattr(deferred[step], field) == getattr(eager[step], field), (rank, step, field)
+            assert deferred[step].loss == deferred[step].loss  # a number, not None
     # What acceptance reads of a run: correctness against another run's losses, stability of the run.
     verdict = check_correctness(metrics_by_step(outputs["every-4"]), metrics_by_step(outputs["every-step"]), 1e-12)
     assert verdict.passed, verdict.message

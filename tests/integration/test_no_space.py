@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tasks.errors import NoSpaceError, UserError
-from tasks.export.task import export_checkpoint
+from tasks.export.step import export_checkpoint
 from tasks.prepare.config import PrepareConfig
 from tasks.prepare.pipeline import prepare_dataset
 from training.checkpoint import CardTokenizer, CheckpointManager, ModelCard
@@ -70,7 +70,7 @@ def test_an_export_that_cannot_fit_is_refused_before_writing_naming_the_folder_t
 def test_a_disk_that_fills_up_during_the_export_is_the_same_user_error_and_leaves_nothing(
     small_disk: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import tasks.export.task as export_task
+    import tasks.export.step as export_task
 
     train, _ = _trained(tmp_path)
     real = export_task.write_configs

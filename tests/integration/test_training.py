@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import subprocess
@@ -16,9 +15,9 @@ import pytest
 from tasks.launch.base import JobState
 from tasks.launch.local import TrainingFailed, run_local, start_local
 from tests.conftest import metrics_by_step, run_lone_process
+from tests.faults.job import injected
 from tests.processes import run_group
 from training.dataset import DatasetWriter, TokenDataset, TokenizerInfo
-from training.faults import ENV_VAR
 from training.lease import LEASE_FILE, Lease
 from training.run_output import RunOutput
 from training.sampler import GlobalBatchSampler
@@ -56,11 +55,11 @@ def test_two_process_run_learns(make_spec) -> None:
     metrics = metrics_by_step(out)
     assert sorted(metrics) == list(range(1, 41))
     first, last = (
-        np.mean([metrics[s]["loss"] for s in range(1, 4)]),
-        np.mean([metrics[s]["loss"] for s in range(38, 41)]),
+        np.mean([metrics[s].loss for s in range(1, 4)]),
+        np.mean([metrics[s].loss for s in range(38, 41)]),
     )
     assert last < first - 1.0, (first, last)
-    assert all(m["comm_s"] is not None and m["data_wait_s"] >= 0 for m in metrics.values())
+    assert all(m.comm_s is not None and m.data_wait_s >= 0 for m in metrics.values())
     result = RunOutput(out).result()
     assert math.isfinite(result.val_loss) and result.val_loss < first
     assert (Path(spec.checkpoint.url) / "step-00000040" / "COMMIT.json").exists()
@@ -98,7 +97,7 @@ def test_ddp_matches_one_process_with_double_micro_batch(make_spec) -> None:
     run_local(single.cluster, single.training_config())
     a, b = metrics_by_step(ddp.run.output_url), metrics_by_step(single.run.output_url)
     for step in range(1, 9):
-        assert a[step]["loss"] == pytest.approx(b[step]["loss"], rel=1e-5), step
+        assert a[step].loss == pytest.approx(b[step].loss, rel=1e-5), step
 
 
 @pytest.mark.parametrize("sharding", ["fsdp", "hsdp"])
@@ -112,7 +111,7 @@ def test_sharded_data_parallel_matches_ddp(make_spec, sharding: str) -> None:
     run_local(sharded.cluster, sharded.training_config())
     a, b = metrics_by_step(ddp.run.output_url), metrics_by_step(sharded.run.output_url)
     for step in range(1, 7):
-        assert b[step]["loss"] == pytest.approx(a[step]["loss"], rel=1e-5), step
+        assert b[step].loss == pytest.approx(a[step].loss, rel=1e-5), step
     assert (Path(sharded.checkpoint.url) / "step-00000006" / "COMMIT.json").exists()
 
 
@@ -122,15 +121,15 @@ def test_ddp_gradient_compression_and_accumulation_train(make_spec) -> None:
     )
     run_local(spec.cluster, spec.training_config())
     metrics = metrics_by_step(spec.run.output_url)
-    assert metrics[12]["loss"] < metrics[1]["loss"]
+    assert metrics[12].loss < metrics[1].loss
 
 
 def test_moe_model_trains_under_ddp(make_spec) -> None:
     spec = make_spec({"run": {"steps": 10}, "model": {"moe": {"n_experts": 4, "top_k": 2}}})
     run_local(spec.cluster, spec.training_config())
     metrics = metrics_by_step(spec.run.output_url)
-    assert metrics[10]["loss"] < metrics[1]["loss"]
-    assert all(m["aux_loss"] is not None and m["aux_loss"] >= 0.9 * 2 for m in metrics.values())
+    assert metrics[10].loss < metrics[1].loss
+    assert all(m.aux_loss is not None and m.aux_loss >= 0.9 * 2 for m in metrics.values())
 
 
 def test_fp16_loss_scaling_skips_overflows_halves_and_grows_the_scale(make_spec) -> None:
@@ -146,14 +145,14 @@ def test_fp16_loss_scaling_skips_overflows_halves_and_grows_the_scale(make_spec)
     )
     result = run_lone_process(spec)
     metrics = metrics_by_step(spec.run.output_url)
-    scales = [metrics[s]["loss_scale"] for s in range(1, 41)]
-    skipped = [metrics[s]["skipped"] for s in range(1, 41)]
+    scales = [metrics[s].loss_scale for s in range(1, 41)]
+    skipped = [metrics[s].skipped for s in range(1, 41)]
     assert skipped[0] and scales[0] == 2.0**39
     halvings = sum(b == a / 2 for a, b in zip(scales, scales[1:], strict=False))
     growths = sum(b == a * 2 for a, b in zip(scales, scales[1:], strict=False))
     assert halvings >= 10 and growths >= 1, scales
     assert result["skipped_steps"] == sum(skipped) and not all(skipped)
-    assert metrics[40]["loss"] < metrics[1]["loss"]
+    assert metrics[40].loss < metrics[1].loss
 
 
 def test_bf16_autocast_trains(make_spec) -> None:
@@ -215,7 +214,7 @@ def test_a_lease_left_by_a_killed_job_is_taken_over_with_a_warning(make_spec) ->
 
 def test_a_second_job_on_a_checkpoint_folder_in_use_stops_on_every_rank_naming_the_holder(make_spec) -> None:
     first = make_spec({"cluster": {"procs_per_node": 1}, "run": {"steps": 50}}, name="first")
-    job = start_local(first.cluster, first.training_config(), faults={ENV_VAR: json.dumps({"pause_after_step": 2})})
+    job = start_local(first.cluster, first.training_config(), environment=injected(pause_after_step=2))
     try:
         deadline = time.monotonic() + 120
         while job.status().state is not JobState.RUNNING:

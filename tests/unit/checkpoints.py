@@ -8,8 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from training.checkpoint import CheckpointManager
-from training.checkpoint_trust import KEY_ENV
+from training.checkpoint import KEY_ENV, CheckpointManager
 from training.config import CheckpointConfig
 from training.storage import StorageConfig
 

@@ -12,7 +12,13 @@ import pytest
 
 from tasks.acceptance.record import ACCEPTANCE_JSON, AcceptanceReport, DrillResult, UnreadableReport
 from tests.conftest import REPO
-from validation.acceptance import DimensionResult
+from validation.acceptance import (
+    ConnectivityFigures,
+    DimensionResult,
+    PerformanceFigures,
+    RecoveryFigures,
+    figures_of,
+)
 from validation.plan_accuracy import PlanAccuracy, RankMemory
 
 
@@ -29,7 +35,7 @@ def _report() -> AcceptanceReport:
     )  # fmt: skip
     return AcceptanceReport(
         dimensions=[
-            DimensionResult("connectivity", True, {"world_size": 2}, None),
+            DimensionResult(name="connectivity", passed=True, measured={"world_size": 2}),
             regression,
             DimensionResult.not_measured("recovery", "the distributed run failed", "the stability dimension"),
         ],
@@ -72,6 +78,69 @@ def test_a_report_in_the_format_written_before_the_reader_reads(tmp_path: Path) 
     (tmp_path / "old" / ACCEPTANCE_JSON).write_text(json.dumps(old))
     report = AcceptanceReport.read(tmp_path / "old")
     assert report.runs == {"distributed": "/out"} and report.drills[0].detection_s is None and report.passed
+
+
+def _figured() -> AcceptanceReport:
+    """A report whose dimensions carry named figures (connectivity, performance, recovery) beside their detail."""
+    performance = PerformanceFigures(
+        scaling_efficiency=0.9, tokens_per_s=1800.0, tokens_per_s_per_rank=900.0, tokens_per_cpu_s=None,
+        timed_s=4.5, comm_share=float("nan"), slow_rank=1, slow_host="host-b", layout="dp2 (ddp)",
+    )  # fmt: skip
+    return AcceptanceReport(
+        dimensions=[
+            DimensionResult(
+                name="connectivity", passed=True, figures=ConnectivityFigures(world_size=2, busbw_gbps=1.5),
+                measured={"hosts": {"host-a": 1, "host-b": 1}},
+            ),
+            DimensionResult(
+                name="performance", passed=False, figures=performance,
+                measured={"straggler_ratio_per_rank": {"0": 1.0, "1": 1.5}}, message="rank 1 on host-b computes",
+            ),
+            DimensionResult(name="recovery", passed=True, figures=RecoveryFigures(resumed_from_step=10,
+                                                                                  steps_compared=10)),
+        ]
+    )  # fmt: skip
+
+
+def test_the_report_reads_back_its_dimensions_named_figures_typed(tmp_path: Path) -> None:
+    written = _figured().write(tmp_path)
+    back = AcceptanceReport.read(tmp_path)
+    perf = figures_of(back.dimensions, PerformanceFigures)
+    assert isinstance(perf, PerformanceFigures)
+    assert (perf.tokens_per_s, perf.timed_s, perf.slow_rank, perf.slow_host) == (1800.0, 4.5, 1, "host-b")
+    assert perf.tokens_per_cpu_s is None and perf.comm_share != perf.comm_share  # NaN stays NaN
+    assert figures_of(back.dimensions, ConnectivityFigures) == ConnectivityFigures(world_size=2, busbw_gbps=1.5)
+    recovery = figures_of(back.dimensions, RecoveryFigures)
+    assert recovery is not None and recovery.resumed_from_step == 10 and recovery.first_mismatch is None
+    # the figures sit among `measured`, beside the detail, as reports always had them: the file keeps its shape
+    data = json.loads(written.read_text())
+    assert data["dimensions"][1]["measured"]["tokens_per_s"] == 1800.0
+    assert data["dimensions"][1]["measured"]["straggler_ratio_per_rank"] == {"0": 1.0, "1": 1.5}
+    assert all("figures" not in d for d in data["dimensions"])
+    assert back.write(tmp_path / "again").read_bytes() == written.read_bytes()
+
+
+def test_a_report_written_before_figures_were_typed_reads_them_from_its_measured_values(tmp_path: Path) -> None:
+    old = {"verdict": "passed", "drills": [], "runs": {}, "dimensions": [
+        {"name": "connectivity", "passed": True, "status": "passed", "threshold": {"world_size": 2}, "evidence": {},
+         "message": "", "look_first": "",
+         "measured": {"world_size": 2, "hosts": {"h": 2}, "comm_probe": {"busbw_gbps": 2.5, "busbw_timed_s": 0.2}}},
+        {"name": "performance", "passed": True, "status": "passed", "threshold": {}, "evidence": {}, "message": "",
+         "look_first": "", "measured": {"scaling_efficiency": 0.8, "tokens_per_s": 1000.0, "timed_s": 3.0,
+                                        "comm_share": 0.1, "slow_rank": None, "compute_s_per_rank": {"0": 0.1}}},
+    ]}  # fmt: skip
+    (tmp_path / ACCEPTANCE_JSON).write_text(json.dumps(old))
+    report = AcceptanceReport.read(tmp_path)
+    perf = figures_of(report.dimensions, PerformanceFigures)
+    assert perf == PerformanceFigures(scaling_efficiency=0.8, tokens_per_s=1000.0, timed_s=3.0, comm_share=0.1)
+    probe = figures_of(report.dimensions, ConnectivityFigures)
+    assert probe == ConnectivityFigures(world_size=2, busbw_gbps=2.5, busbw_timed_s=0.2)
+    assert report.dimensions[1].measured["compute_s_per_rank"] == {"0": 0.1}
+
+
+def test_a_dimension_takes_its_fields_by_name_only() -> None:
+    with pytest.raises(TypeError):
+        DimensionResult("connectivity", True)  # type: ignore[misc]
 
 
 @pytest.mark.parametrize(

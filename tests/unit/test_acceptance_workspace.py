@@ -13,15 +13,14 @@ from tasks.acceptance.suite import work_dir, workspace_root
 from tasks.acceptance.workspace import (
     LATEST,
     LATEST_LINK,
-    RUN_ID,
     Workspace,
     latest_run,
     mark_latest,
-    new_run_id,
     open_workspace,
     prune_workspaces,
     run_workspaces,
 )
+from tasks.run_id import RUN_ID, new_run_id
 from tasks.spec import load_spec
 from tests.conftest import REPO
 

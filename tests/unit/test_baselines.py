@@ -27,16 +27,17 @@ from tasks.acceptance.workspace import (
     RunOutcome,
     latest_run,
     mark_latest,
-    new_run_id,
     open_workspace,
     run_workspaces,
 )
 from tasks.launch.base import JobHandle, JobState, JobStatus
+from tasks.paths import DeploymentPaths
+from tasks.run_id import new_run_id
 from tasks.spec import parse_spec
 from tests.conftest import TINY_SPEC, deep_merge
 from training.config import TrainConfig
 from training.dataset import DatasetWriter, TokenizerInfo, read_manifest
-from training.run_output import RunOutputWriter, RunResult
+from training.run_output import RunOutputWriter, RunResult, StepRecord
 from training.storage import StorageConfig
 from validation.acceptance import DimensionResult
 
@@ -182,7 +183,7 @@ def test_the_registry_sits_beside_the_run_workspaces_also_for_the_nightly(tmp_pa
 def _run(folder: Path, losses: list[float], val_loss: float) -> Path:
     writer = RunOutputWriter(str(folder), StorageConfig())
     for step, loss in enumerate(losses, start=1):
-        writer.append_metrics(0, {"step": step, "loss": loss})
+        writer.append_metrics(StepRecord(step=step, loss=loss))
     writer.write_result(RunResult(len(losses), None, 2, losses[0], losses[-1], val_loss, math.exp(val_loss), 0, 0, 0))
     writer.close()
     return folder
@@ -243,7 +244,8 @@ class _FinishedJob:
 
 
 def _dimension(name: str, passed: bool = True) -> DimensionResult:
-    return DimensionResult(name, passed, {"max_rel_deviation": 0.0} if name == "correctness" else None, None)
+    measured = {"max_rel_deviation": 0.0} if name == "correctness" else None
+    return DimensionResult(name=name, passed=passed, measured=measured)
 
 
 @pytest.fixture
@@ -275,7 +277,9 @@ def test_the_suite_records_the_first_fully_accepted_run_and_judges_later_ones_ag
 
     def accept(curve: list[float], val_loss: float) -> tuple[bool, DimensionResult]:
         _FinishedJob.curves = {"accept-distributed": (curve, val_loss)}
-        report = suite.run_acceptance(spec.cluster, train, acceptance, tmp_path / "acceptance" / new_run_id())
+        folder = DeploymentPaths.of(spec).deployment_dir
+        inputs = suite.AcceptanceInputs(cluster=spec.cluster, train=train, acceptance=acceptance, deployment_dir=folder)
+        report = suite.run_acceptance(inputs, tmp_path / "acceptance" / new_run_id())
         return report.passed, next(d for d in report.dimensions if d.name == "correctness")
 
     for failing in ("stability", "rank_kill"):  # a failed dimension or drill records nothing

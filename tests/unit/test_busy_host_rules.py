@@ -4,39 +4,39 @@ GPUs) where the records carry it, and wall time only for records without it."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 
+from training.run_output import StepRecord
 from validation.acceptance import AcceptanceThresholds, check_performance, job_cpu_s, straggler_ratios
 
 STEPS = 20
 LIMITS = AcceptanceThresholds(scaling_efficiency_min=0.01, comm_share_max=1.0)
-REFERENCE = {s: {"tokens_per_s": 1000.0} for s in range(1, STEPS + 1)}
+REFERENCE = {s: StepRecord(step=s, loss=3.0, tokens_per_s=1000.0) for s in range(1, STEPS + 1)}
 TOKENS = 1024
 
 
-def _rank(wall_s: float, cpu_s: float | None, device_s: float | None = None) -> dict[int, dict[str, Any]]:
+def _rank(wall_s: float, cpu_s: float | None, device_s: float | None = None) -> dict[int, StepRecord]:
     """A rank's records: compute `wall_s` of wall time, `cpu_s` of process CPU time (None: not recorded, as on a
     GPU or in an older run), 2 ms of communication."""
     return {
-        s: {
-            "step": s,
-            "tokens": TOKENS,
-            "tokens_per_s": TOKENS / (wall_s + 0.002),
-            "step_time_s": wall_s + 0.002,
-            "compute_s": wall_s,
-            "comm_s": 0.002,
-            "data_wait_s": 0.0,
-            "cpu_s": None if cpu_s is None else cpu_s + 0.001,
-            "compute_cpu_s": cpu_s,
-            "compute_device_s": device_s,
-        }
+        s: StepRecord(
+            step=s,
+            loss=3.0,
+            tokens=TOKENS,
+            tokens_per_s=TOKENS / (wall_s + 0.002),
+            step_time_s=wall_s + 0.002,
+            compute_s=wall_s,
+            comm_s=0.002,
+            data_wait_s=0.0,
+            cpu_s=None if cpu_s is None else cpu_s + 0.001,
+            compute_cpu_s=cpu_s,
+            compute_device_s=device_s,
+        )
         for s in range(1, STEPS + 1)
     }
 
 
-def _judge(ranks: dict[int, dict[int, dict[str, Any]]]):  # noqa: ANN202
+def _judge(ranks: dict[int, dict[int, StepRecord]]):  # noqa: ANN202
     return check_performance(ranks, REFERENCE, len(ranks), LIMITS)
 
 

@@ -19,7 +19,8 @@ from tests.unit.checkpoints import (
     saved_steps,
     tiny_model,
 )
-from training import checkpoint, storage
+from training import storage
+from training.checkpoint import space, store
 from training.checkpoint import COMMIT, CheckpointManager, CheckpointSaveError, step_dir_name
 from training.config import CheckpointConfig
 from training.storage import StorageConfig
@@ -116,7 +117,7 @@ def test_checksums_are_taken_as_the_files_are_written_and_nothing_is_read_back(
         return "0" * 64
 
     monkeypatch.setattr(storage, "sha256_file", spy)
-    monkeypatch.setattr(checkpoint, "sha256_file", spy)
+    monkeypatch.setattr(store, "sha256_file", spy)
     manager = saved_steps(tmp_path, 1)
     assert read_back == []
 
@@ -140,14 +141,14 @@ def _wide_model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
 def test_a_large_state_is_written_as_several_files_and_a_corrupt_one_among_them_is_found(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(checkpoint, "_BYTES_PER_WRITE_THREAD", 1024)  # this small model counts as large
+    monkeypatch.setattr(space, "_BYTES_PER_WRITE_THREAD", 1024)  # this small model counts as large
     model, optimizer = _wide_model()
     manager = manager_at(tmp_path)
     manager.save(1, model, optimizer, {"step": 1})
     manager.save_async(2, model, optimizer, {"step": 2})
     manager.wait()
     shards = sorted((tmp_path / step_dir_name(2)).glob("*.distcp"))
-    assert len(shards) == checkpoint._MAX_IO_THREADS
+    assert len(shards) == space.MAX_IO_THREADS
     assert manager.sound(2) is not None
 
     data = bytearray(shards[-1].read_bytes())

@@ -12,8 +12,8 @@ import pytest
 import torch.distributed.checkpoint as dcp
 
 from tests.unit.checkpoints import manager_at, no_key_and_quiet_dcp, tiny_model  # noqa: F401 - autouse fixture
-from training import checkpoint
 from training.checkpoint import COMMIT, CheckpointCommitError, CheckpointManager, step_dir_name
+from training.checkpoint.writer import Digests
 
 
 class _SyscallLog:
@@ -60,7 +60,7 @@ def _without_file_sync(monkeypatch: pytest.MonkeyPatch) -> None:
     def unsynced(*args: Any, **kwargs: Any) -> dcp.FileSystemWriter:
         return original(*args, **{**kwargs, "sync_files": False})
 
-    monkeypatch.setattr(checkpoint.dcp, "FileSystemWriter", unsynced)
+    monkeypatch.setattr(dcp, "FileSystemWriter", unsynced)
 
 
 @pytest.mark.parametrize("writer_sync", [True, False], ids=["writer-syncs", "writer-sync-off"])
@@ -96,7 +96,7 @@ def test_a_commit_that_lists_no_files_is_withdrawn_and_the_save_fails_naming_it(
         """The broken order: COMMIT.json written as if before any file (the folder listed empty, nothing known)."""
         self._listing = lambda p: {}  # type: ignore[method-assign]
         try:
-            return commit(self, job, path, checkpoint._Digests(), disk_full)
+            return commit(self, job, path, Digests(), disk_full)
         finally:
             del self._listing
 
@@ -125,7 +125,7 @@ def test_a_commit_that_leaves_out_a_written_file_fails_the_save_naming_the_file(
 
     def forgetful_commit(self: CheckpointManager, job: Any, path: str, digests: Any, disk_full: Any) -> int:
         """A commit whose listing misses train_state.json (and whose writer forgot it had written it)."""
-        known = checkpoint._Digests()
+        known = Digests()
         for rel, (sha, n) in digests.files().items():
             if rel != "train_state.json":
                 known.add(rel, sha, n)

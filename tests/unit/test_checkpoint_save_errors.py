@@ -13,8 +13,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from training.checkpoint import CheckpointManager, CheckpointSaveError, is_storage_error, step_dir_name
-from training.checkpoint_trust import KEY_ENV
+from training.checkpoint import KEY_ENV, CheckpointManager, CheckpointSaveError, is_storage_error, step_dir_name
 from training.config import CheckpointConfig
 from training.storage import StorageConfig
 

@@ -19,8 +19,7 @@ from tests.unit.checkpoints import manager_at as _manager
 from tests.unit.checkpoints import no_key_and_quiet_dcp  # noqa: F401 - autouse fixture
 from tests.unit.checkpoints import saved_steps as _saved
 from tests.unit.checkpoints import tiny_model as _model
-from training.checkpoint import CheckpointFormatError, step_dir_name
-from training.checkpoint_trust import KEY_ENV, CheckpointKeyError, UnsafeCheckpointError
+from training.checkpoint import KEY_ENV, CheckpointFormatError, CheckpointKeyError, UnsafeCheckpointError, step_dir_name
 
 KEY = "k" * 32
 

@@ -11,12 +11,15 @@ import shlex
 import sys
 from pathlib import Path
 
+import pytest
 import typer
 from rich.console import Console
 from rich.table import Table
 from typer.testing import CliRunner
 
-from flows.cli import app
+from flows.cli import accept_inputs, app
+from tasks.acceptance.mode import Mode
+from tasks.acceptance.suite import AcceptanceInputs
 from tasks.capacity.plan import CapacityPlan, plan_capacity
 from tasks.capacity.report import rich_report
 from tasks.spec import parse_spec
@@ -132,3 +135,23 @@ def test_plan_tables_format_gib_with_two_decimals_and_seconds_to_three_significa
         assert "e" not in step_s and len(digits) == 3, (layout, step_s)
         assert re.fullmatch(r"\d{1,3}\.\d%", mfu), (layout, mfu)
     assert all(gib.match(row[1]) for row in _rows(tables["nearest layouts that do not fit"]))
+
+
+def test_accept_passes_its_mode_and_its_drills_choice_by_name(tmp_path: Path) -> None:
+    """`tdeploy accept`'s options reach the acceptance inputs as the mode and the drills choice, not positions."""
+    parsed = parse_spec(deep_merge(TINY_SPEC, {"data": {"dataset_url": "/d"}, "checkpoint": {"url": "/c"},
+                                               "run": {"output_url": "/o"}}))  # fmt: skip
+    command = COMMANDS["accept"]
+
+    def inputs(*args: str) -> AcceptanceInputs:
+        params = command.make_context("accept", ["spec.yaml", *args]).params
+        return accept_inputs(parsed, parsed.training_config(), params["mode"], params["drills"], params["image"],
+                             params["out"])  # fmt: skip
+
+    soak = inputs("--mode", "soak", "--drills", "--out", str(tmp_path))
+    assert (soak.mode, soak.with_drills, soak.drills) == (Mode.SOAK, True, parsed.drills)
+    assert soak.acceptance.work_url == str(tmp_path) and soak.record
+    full = inputs()
+    assert (full.mode, full.with_drills, full.acceptance) == (Mode.FULL, False, parsed.acceptance)
+    with pytest.raises(typer.BadParameter, match="'canary' is not one of 'full', 'soak'"):
+        inputs("--mode", "canary")  # a canary is tdeploy rollout's: it runs on acceptance.canary.nodes

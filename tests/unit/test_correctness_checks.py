@@ -3,19 +3,19 @@ norm per step, the replica check over the mesh, and each layer on one pipeline s
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
 
 import pytest
 
-from training.run_output import ParamPiece, ParamRecord
+from training.run_output import ParamPiece, ParamRecord, StepRecord
 from validation.acceptance import FP32_EPS, check_correctness, placement_problems, replica_problems
 
-REFERENCE = {s: {"loss": 5.0 - 0.1 * s, "grad_norm": 2.0, "twin_loss": (5.0 - 0.1 * s) * (1 + 1e-6),
-                 "twin_grad_norm": 2.0 * (1 + 2e-6)} for s in range(1, 6)}  # fmt: skip
+REFERENCE = {s: StepRecord(step=s, loss=5.0 - 0.1 * s, grad_norm=2.0, twin_loss=(5.0 - 0.1 * s) * (1 + 1e-6),
+                            twin_grad_norm=2.0 * (1 + 2e-6)) for s in range(1, 6)}  # fmt: skip
 
 
-def _run(loss_rel: float, grad_rel: float) -> dict[int, dict[str, Any]]:
-    return {s: {"loss": m["loss"] * (1 + loss_rel), "grad_norm": m["grad_norm"] * (1 + grad_rel)}
+def _run(loss_rel: float, grad_rel: float) -> dict[int, StepRecord]:
+    return {s: StepRecord(step=s, loss=m.loss * (1 + loss_rel), grad_norm=m.grad_norm * (1 + grad_rel))
             for s, m in REFERENCE.items()}  # fmt: skip
 
 
@@ -39,7 +39,7 @@ def test_a_gradient_norm_off_at_the_first_step_fails_although_the_loss_agrees() 
 
 
 def test_a_twin_that_agrees_exactly_leaves_the_fp32_epsilon_as_the_noise() -> None:
-    exact = {s: {**m, "twin_loss": m["loss"], "twin_grad_norm": m["grad_norm"]} for s, m in REFERENCE.items()}
+    exact = {s: dataclasses.replace(m, twin_loss=m.loss, twin_grad_norm=m.grad_norm) for s, m in REFERENCE.items()}
     assert check_correctness(_run(0.0, 0.0), exact, noise_factor=10).threshold["max_rel_deviation"] == 10 * FP32_EPS
 
 

@@ -271,7 +271,9 @@ def test_a_resumed_run_folds_into_the_dimension_and_must_show_a_resume(tmp_path:
     assert merged.evidence["resume"]["records"].endswith("samples")
     unresumed = with_resumed_run(clean, clean)
     assert not unresumed.passed and "its sample records show no resume" in unresumed.message
-    broken = DimensionResult("data_consistency", False, resumed.measured, None, {}, "epoch 0 ran 7 steps, expected 8")
+    broken = DimensionResult(
+        name="data_consistency", passed=False, measured=resumed.measured, message="epoch 0 ran 7 steps, expected 8"
+    )
     failed = with_resumed_run(clean, broken)
     assert not failed.passed and failed.message == "resumed run: epoch 0 ran 7 steps, expected 8"
 

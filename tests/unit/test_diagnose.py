@@ -11,12 +11,12 @@ from tasks.diagnose import diagnose
     ("log", "cause"),
     [
         (
-            "[rank0]: training.checkpoint_trust.UnsafeCheckpointError: refusing to load /ck/step-00000010/.metadata: "
+            "[rank0]: training.checkpoint.trust.UnsafeCheckpointError: refusing to load /ck/step-00000010/.metadata: "
             "global not allowed (posix.system)",
             "untrusted checkpoint or dataset refused",
         ),
         (
-            "[rank1]: training.checkpoint_trust.CheckpointKeyError: /ck/step-00000010: signed; "
+            "[rank1]: training.checkpoint.trust.CheckpointKeyError: /ck/step-00000010: signed; "
             "set TDEPLOY_CHECKPOINT_KEY",
             "untrusted checkpoint or dataset refused",
         ),

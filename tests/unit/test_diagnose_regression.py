@@ -24,11 +24,13 @@ CURVE = f"loss curve at the same seed: final loss 3.6000 is 20.0% above the base
 def workspace(tmp_path: Path) -> Path:
     """An acceptance run workspace whose report failed the regression dimension on two figures."""
     regression = DimensionResult(
-        "regression", False, {"tokens_per_s": {"baseline": 1000.0, "run": 730.0, "verdict": "FAIL"}},
-        {"tokens_per_s": 0.1}, {"baseline_entry": ENTRY, "baseline_created_at": "2026-01-02T03:04:05+00:00"},
-        f"{DROP}; {CURVE}", f"what changed since entry {ENTRY}: `tdeploy history` lists the entries",
+        name="regression", passed=False,
+        measured={"tokens_per_s": {"baseline": 1000.0, "run": 730.0, "verdict": "FAIL"}},
+        threshold={"tokens_per_s": 0.1},
+        evidence={"baseline_entry": ENTRY, "baseline_created_at": "2026-01-02T03:04:05+00:00"},
+        message=f"{DROP}; {CURVE}", look_first=f"what changed since entry {ENTRY}: `tdeploy history` lists the entries",
     )  # fmt: skip
-    passed = DimensionResult("connectivity", True, {}, {})
+    passed = DimensionResult(name="connectivity", passed=True, measured={}, threshold={})
     AcceptanceReport(dimensions=[passed, regression]).write(tmp_path / "ws")
     return tmp_path / "ws"
 

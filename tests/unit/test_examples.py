@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +10,7 @@ import yaml
 from typer.testing import CliRunner
 
 from flows.cli import app
+from tasks.capacity.record import read_plan
 from tests.conftest import REPO
 
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
@@ -64,15 +64,14 @@ def test_example_validates_and_its_plan_runs(example: Path, tmp_path: Path, monk
     assert validated.output.startswith("ok") and data["name"] in validated.output
     planned = CliRunner().invoke(app, ["plan", str(spec), "--out", str(tmp_path / "plan")], terminal_width=200)
     assert planned.exit_code == 0, planned.output
-    plan = json.loads((tmp_path / "plan" / "plan.json").read_text())
-    assert plan["fits"] is True
+    assert read_plan(str(tmp_path / "plan" / "plan.json")).fits is True
 
 
 def test_the_70b_plan_fits_on_64_h100s_with_its_tensor_parallel_layout(tmp_path: Path) -> None:
     spec, _ = _mapped(REPO / "examples" / "plan-70b.yaml", tmp_path)
     planned = CliRunner().invoke(app, ["plan", str(spec), "--json", "--out", str(tmp_path / "plan")])
     assert planned.exit_code == 0, planned.output
-    plan = json.loads((tmp_path / "plan" / "plan.json").read_text())
-    layout = plan["requested"]["layout"]
-    assert plan["fits"] is True and layout["world"] == 64 and layout["tp"] == 8 and layout["zero"] == 3
-    assert plan["requested"]["memory"]["total_bytes"] <= plan["requested"]["usable_bytes"]
+    plan = read_plan(str(tmp_path / "plan" / "plan.json"))
+    layout = plan.requested.layout
+    assert plan.fits is True and layout["world"] == 64 and layout["tp"] == 8 and layout["zero"] == 3
+    assert plan.requested.peak_bytes <= plan.requested.usable_bytes

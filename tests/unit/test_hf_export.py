@@ -14,11 +14,10 @@ import torch
 from tasks.errors import UserError
 from tasks.export import hf
 from tasks.export.hf import ExportError, hf_config, hf_name
-from tasks.export.task import EXPORT_RECORD, PARTIAL_PREFIX, export_checkpoint
+from tasks.export.step import EXPORT_RECORD, PARTIAL_PREFIX, export_checkpoint
 from tasks.prepare.config import TokenizerConfig
 from tasks.prepare.tokenizer import TextTokenizer, train_bpe
-from training.checkpoint import COMMIT, MODEL_CARD, CardTokenizer, CheckpointManager, ModelCard, step_dir_name
-from training.checkpoint_trust import KEY_ENV
+from training.checkpoint import COMMIT, KEY_ENV, MODEL_CARD, CardTokenizer, CheckpointManager, ModelCard, step_dir_name
 from training.config import ModelConfig, TrainConfig
 from training.model import Transformer
 from training.storage import StorageConfig
@@ -318,7 +317,7 @@ def test_a_failed_export_leaves_neither_a_folder_nor_a_partial_one(tmp_path: Pat
     def broken(*args: Any) -> list[str]:
         raise OSError("disk went away")
 
-    monkeypatch.setattr("tasks.export.task.write_tokenizer", broken)
+    monkeypatch.setattr("tasks.export.step.write_tokenizer", broken)
     with pytest.raises(OSError, match="disk went away"):
         export_checkpoint(train, out=tmp_path / "out" / "hf")
     assert list((tmp_path / "out").iterdir()) == []
@@ -346,7 +345,7 @@ def test_a_checkpoint_without_a_card_exports_with_the_specs_model_and_says_so(tm
     cfg = model_config(DENSE_GQA)
     train = train_config(tmp_path, cfg)
     ours = save_checkpoints(train, None, 2)
-    monkeypatch.setattr("tasks.export.task.read_manifest", lambda url, storage, trusted: _bytes_manifest())
+    monkeypatch.setattr("tasks.export.step.read_manifest", lambda url, storage, trusted: _bytes_manifest())
     result = export_checkpoint(train, out=tmp_path / "hf")
     assert result.notes and "has no model.json" in result.notes[0]
     ids = torch.randint(0, cfg.vocab_size, (1, cfg.seq_len), generator=torch.Generator().manual_seed(5))

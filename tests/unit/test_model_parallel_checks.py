@@ -10,11 +10,12 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from tasks.acceptance.drills import describe_layout, kill_victim
+from tasks.acceptance.drills import kill_victim
 from tasks.acceptance.workspace import data_parallel_layout, single_process
-from tasks.cluster import ClusterConfig
+from tasks.launch.cluster import ClusterConfig
 from training.config import TrainConfig
-from training.run_output import Ranks, RunOutputWriter
+from training.layout import Layout
+from training.run_output import Ranks, RunOutputWriter, StepRecord
 from training.storage import StorageConfig
 from validation.acceptance import AcceptanceThresholds, check_connectivity, check_performance, mesh_of
 from validation.data_consistency import Sampling
@@ -103,11 +104,43 @@ def test_a_data_parallel_job_records_no_mesh_and_is_judged_as_before(tmp_path: P
     assert mesh_of(tmp_path, 4) is None
 
 
-def _metrics(compute: dict[int, float], comm_s: float | None = 0.002) -> dict[int, dict[int, dict[str, Any]]]:
+# CP2 x DP2 (fsdp): mesh (pp, dp_replicate, dp_shard, cp, tp) = (1, 1, 2, 2, 1); cp is inside dp_shard.
+CP2_DP2 = {"pp": 1, "dp": 2, "dp_replicate": 1, "dp_shard": 2, "cp": 2, "tp": 1, "ep": 1}
+
+
+def _cp2_dp2_ranks() -> list[dict[str, Any]]:
+    """A context-parallel job's records, written out by hand: cp groups {0, 1}, {2, 3}; dp groups {0, 2}, {1, 3}."""
+    out = []
+    for rank in range(4):
+        dp_shard, cp = divmod(rank, 2)
+        coords = {"pp": 0, "dp": dp_shard, "dp_replicate": 0, "dp_shard": dp_shard, "cp": cp, "tp": 0, "ep": 0}
+        groups = {"cp": _group([2 * dp_shard, 2 * dp_shard + 1]), "dp": _group([cp, 2 + cp])}
+        out.append({"rank": rank, "local_rank": rank, "host": "h", "backend": "gloo",
+                    "collective": {"all_reduce_sum": 10.0, "all_reduce_expected": 10.0, "broadcast_ok": True},
+                    "mesh": {"dims": CP2_DP2, "coords": coords, "groups": groups}})  # fmt: skip
+    return out
+
+
+def test_context_parallel_peers_are_checked_like_the_other_sub_groups(tmp_path: Path) -> None:
+    clean = _connectivity(tmp_path / "clean", _cp2_dp2_ranks())
+    assert clean.passed, clean.message
+    assert clean.measured["mesh"]["groups_checked"] == {"cp": 4, "dp": 4}
+    wrong = _cp2_dp2_ranks()
+    wrong[1]["mesh"]["groups"]["cp"] = _group([1, 3])  # a "cp" group across data-parallel ranks
+    wrong[3]["mesh"]["groups"]["cp"]["all_reduce_sum"] = 4.0
+    del wrong[2]["mesh"]["groups"]["cp"]
+    result = _connectivity(tmp_path / "wrong", wrong)
+    assert not result.passed
+    assert "rank 1: its cp group is ranks [1, 3], its coordinates" in result.message
+    assert "rank 3: the all-reduce over its cp group (ranks [2, 3]) gave 4.0, expected 7.0" in result.message
+    assert "rank 2: no collective recorded on its cp group(s)" in result.message
+
+
+def _metrics(compute: dict[int, float], comm_s: float | None = 0.002) -> dict[int, dict[int, StepRecord]]:
     return {
         rank: {
-            s: {"step": s, "tokens_per_s": 1000.0, "step_time_s": c + 0.01, "compute_s": c, "comm_s": comm_s,
-                "data_wait_s": 0.0, "comm_bytes": {"tp": 1000.0 * s, "dp": 10.0}}
+            s: StepRecord(rank=rank, step=s, loss=3.0, tokens_per_s=1000.0, step_time_s=c + 0.01, compute_s=c,
+                          comm_s=comm_s, data_wait_s=0.0, comm_bytes={"tp": 1000.0 * s, "dp": 10.0})
             for s in range(1, 21)
         }
         for rank, c in compute.items()
@@ -129,7 +162,7 @@ def _pp2_dp2_mesh(tmp_path: Path):  # noqa: ANN202
 
 
 LIMITS = AcceptanceThresholds(scaling_efficiency_min=0.01, comm_share_max=1.0)
-REFERENCE = {s: {"tokens_per_s": 1000.0} for s in range(1, 21)}
+REFERENCE = {s: StepRecord(step=s, loss=3.0, tokens_per_s=1000.0) for s in range(1, 21)}
 
 
 def test_pipeline_stages_doing_different_work_are_no_stragglers_but_a_slow_stage_peer_is(tmp_path: Path) -> None:
@@ -176,9 +209,9 @@ def test_a_tp2_dp2_job_reshards_to_dp4_keeping_the_global_batch(tmp_path: Path) 
     flat = data_parallel_layout(FOUR, train)
     assert flat is not None and flat["tensor_parallel"] == 1 and not flat["sequence_parallel"]
     assert flat["micro_batch"] * flat["grad_accum_steps"] * 4 == 2 * 2 * 2  # dp2's global batch of 8
-    assert describe_layout(train.parallel, FOUR) == "dp2 x tp2 (fsdp)"
+    assert Layout.of(train.parallel, FOUR.world_size, FOUR.procs_per_node).degrees() == "dp2 x tp2 (fsdp)"
     resharded = train.model_copy(update={"parallel": train.parallel.model_copy(update=flat)})
-    assert describe_layout(resharded.parallel, FOUR) == "dp4 (fsdp)"
+    assert Layout.of(resharded.parallel, FOUR.world_size, FOUR.procs_per_node).degrees() == "dp4 (fsdp)"
     assert data_parallel_layout(FOUR, _train({}, tmp_path)) is None  # a data-parallel job reshards to one rank
     _, sections = single_process(FOUR, train)
     assert sections["parallel"]["micro_batch"] == 4 and sections["parallel"]["tensor_parallel"] == 1

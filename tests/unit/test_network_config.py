@@ -10,8 +10,9 @@ from typing import Any
 
 import pytest
 
-from tasks.cluster import ALLOWED_ENV_VAR, ClusterConfig, NetworkConfig, network_env
+from tasks.launch.cluster import ClusterConfig
 from tasks.launch.kubernetes import render_manifests, validate_pytorchjob
+from tasks.launch.network import ALLOWED_ENV_VAR, NetworkConfig, network_env
 from tasks.launch.slurm import SlurmLauncher
 from tasks.launch.torchrun import job_env, torchrun_args
 from tasks.nodes.check import build_report

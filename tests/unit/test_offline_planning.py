@@ -4,7 +4,6 @@ the paths."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -12,6 +11,7 @@ import yaml
 from typer.testing import CliRunner
 
 from flows.cli import PATHS_NOT_CHECKED, app
+from tasks.capacity.record import read_plan
 from tests.conftest import REPO
 
 CLUSTER_EXAMPLES = ("plan-70b", "slurm", "multihost", "kubernetes")
@@ -28,7 +28,7 @@ def test_a_cluster_example_validates_and_plans_on_a_machine_without_its_storage(
     assert validated.output.startswith("ok") and PATHS_NOT_CHECKED in validated.output
     planned = CliRunner().invoke(app, ["plan", spec, "--out", str(tmp_path / "plan")], terminal_width=200)
     assert planned.exit_code == 0, planned.output
-    assert json.loads((tmp_path / "plan" / "plan.json").read_text())["fits"] is True
+    assert read_plan(str(tmp_path / "plan" / "plan.json")).fits is True
     assert "--check-paths" in planned.output
 
 

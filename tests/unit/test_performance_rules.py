@@ -2,35 +2,37 @@
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
 
 import pytest
 
+from training.run_output import StepRecord
 from validation.acceptance import AcceptanceThresholds, check_performance, straggler_ratios
 
 STEPS = 20
 LIMITS = AcceptanceThresholds(scaling_efficiency_min=0.01, comm_share_max=1.0)
 
 
-def _rank(compute_s: float, comm_s: float | None = 0.002, steps: int = STEPS) -> dict[int, dict[str, Any]]:
+def _rank(compute_s: float, comm_s: float | None = 0.002, steps: int = STEPS) -> dict[int, StepRecord]:
     step_time = compute_s + (comm_s or 0.0)
     return {
-        s: {
-            "step": s,
-            "tokens_per_s": 1000.0,
-            "step_time_s": step_time,
-            "compute_s": compute_s,
-            "comm_s": comm_s,
-            "data_wait_s": 0.0,
-        }
+        s: StepRecord(
+            step=s,
+            loss=3.0,
+            tokens_per_s=1000.0,
+            step_time_s=step_time,
+            compute_s=compute_s,
+            comm_s=comm_s,
+            data_wait_s=0.0,
+        )
         for s in range(1, steps + 1)
     }
 
 
-REFERENCE = {s: {"tokens_per_s": 1000.0} for s in range(1, STEPS + 1)}
+REFERENCE = {s: StepRecord(step=s, loss=3.0, tokens_per_s=1000.0) for s in range(1, STEPS + 1)}
 
 
-def _judge(ranks: dict[int, dict[int, dict[str, Any]]], sharding: str = "ddp"):  # noqa: ANN202
+def _judge(ranks: dict[int, dict[int, StepRecord]], sharding: str = "ddp"):  # noqa: ANN202
     return check_performance(ranks, REFERENCE, len(ranks), LIMITS, sharding=sharding)
 
 
@@ -67,7 +69,8 @@ def test_load_that_slows_every_rank_in_some_steps_does_not_make_a_straggler() ->
     pairs = [(0.010, 0.010)] * 9 + [(0.010, 0.040)] * 2 + [(0.040, 0.040)] * 9
     rank0, rank1 = _rank(0.010), _rank(0.010)
     for s, (c0, c1) in enumerate(pairs, start=1):
-        rank0[s]["compute_s"], rank1[s]["compute_s"] = c0, c1
+        rank0[s] = dataclasses.replace(rank0[s], compute_s=c0)
+        rank1[s] = dataclasses.replace(rank1[s], compute_s=c1)
     limits = LIMITS.model_copy(update={"warmup_steps_ignored": 0})
     perf = check_performance({0: rank0, 1: rank1}, REFERENCE, 2, limits)
     assert perf.measured["compute_s_per_rank"] == {0: 0.010, 1: 0.040}
@@ -91,7 +94,7 @@ def test_zero_communication_in_a_multi_rank_ddp_job_is_no_gradient_synchronisati
 
 def test_one_step_without_communication_is_flagged_too() -> None:
     rank1 = _rank(0.010)
-    rank1[7]["comm_s"] = 0.0
+    rank1[7] = dataclasses.replace(rank1[7], comm_s=0.0)
     perf = _judge({0: _rank(0.010), 1: rank1})
     assert not perf.passed and "1 of 20 steps on rank 1" in perf.message
 

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from tasks.capacity.plan import plan_capacity
-from tasks.deployment import CapacityResult, ImageStepResult
+from tasks.capacity.step import CapacityResult
+from tasks.image.step import ImageStepResult
 from tasks.pipeline import summary_markdown
 from tasks.spec import SpecError, parse_spec
 from tests.conftest import TINY_SPEC, deep_merge

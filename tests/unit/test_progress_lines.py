@@ -14,7 +14,7 @@ import pytest
 from rich.console import Console
 
 from flows import cli, runner
-from tasks.deployment import NodesResult
+from tasks.nodes.step import NodesResult
 from tasks.pipeline import summarize
 from tasks.progress import PlainLines, ProgressEvent, report
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from training.run_output import RunOutputWriter, RunResult
+from training.run_output import RunOutputWriter, RunResult, StepRecord
 from training.storage import StorageConfig
 from validation.acceptance import AcceptanceThresholds, DimensionResult
 from validation.quality import LossCurve, check_quality, loss_curve, not_measured, tail_steps, with_quality
@@ -80,8 +80,9 @@ def test_the_tail_is_the_last_tenth_of_the_steps_and_at_least_one() -> None:
 
 def _correctness(passed: bool = True) -> DimensionResult:
     return DimensionResult(
-        "correctness", passed, {"max_rel_deviation": 1e-6, "worst_step": 3}, {"max_rel_deviation": 1e-3}
-    )
+        name="correctness", passed=passed, measured={"max_rel_deviation": 1e-6, "worst_step": 3},
+        threshold={"max_rel_deviation": 1e-3},
+    )  # fmt: skip
 
 
 def test_a_failing_quality_gate_fails_the_correctness_dimension_and_shows_both_rules_figures() -> None:
@@ -104,8 +105,8 @@ def test_a_passing_gate_keeps_correctness_and_an_unmeasured_one_does_not_fail_it
 def test_the_loss_curve_of_a_run_output_is_rank_0s_losses_and_the_results_validation_loss(tmp_path: Path) -> None:
     writer = RunOutputWriter(str(tmp_path), StorageConfig())
     for step, loss in ((1, 5.5), (2, 5.0), (3, 4.5), (2, 4.9)):  # step 2 ran again after a resume
-        writer.append_metrics(0, {"step": step, "loss": loss})
-    writer.append_metrics(1, {"step": 1, "loss": 9.0})
+        writer.append_metrics(StepRecord(step=step, loss=loss))
+    writer.append_metrics(StepRecord(rank=1, step=1, loss=9.0))
     writer.close()
     assert loss_curve(tmp_path) is None  # unfinished: no result.json yet
     writer.write_result(RunResult(3, None, 2, 5.5, 4.5, 4.4, math.exp(4.4), 0, 0, 0))

@@ -10,13 +10,14 @@ import pytest
 import torch
 
 from tasks.acceptance.suite import correctness_plan
-from tasks.cluster import ClusterConfig
+from tasks.launch.cluster import ClusterConfig
 from tasks.spec import DeploymentSpec, SpecError, parse_spec
 from tests.conftest import TINY_SPEC, deep_merge
 from training.checkpoint import capture_rng, restore_rng
 from training.config import ModelConfig, OptimConfig, ReferenceConfig, TrainConfig
 from training.model import Transformer
 from training.reference import ReferenceSetupError, batch_indices, learning_rate, run_reference
+from training.run_output import StepRecord
 from training.sampler import GlobalBatchSampler
 from training.train import lr_lambda
 from validation.acceptance import CLEAN_REL_DEVIATION, check_correctness
@@ -142,9 +143,9 @@ def test_the_reference_cluster_is_one_process_without_restarts(tmp_path: Path) -
 
 
 def test_correctness_reports_the_deviation_the_tolerance_and_the_measured_clean_noise() -> None:
-    reference = {s: {"loss": 5.0 - 0.1 * s} for s in range(1, 6)}
-    close = {s: {"loss": m["loss"] * (1 + 1e-7)} for s, m in reference.items()}
-    off = {**close, 4: {"loss": reference[4]["loss"] * (1 + 1e-3)}}
+    reference = {s: StepRecord(step=s, loss=5.0 - 0.1 * s) for s in range(1, 6)}
+    close = {s: StepRecord(step=s, loss=m.loss * (1 + 1e-7)) for s, m in reference.items()}
+    off = {**close, 4: StepRecord(step=4, loss=reference[4].loss * (1 + 1e-3))}
     passed, failed = check_correctness(close, reference, 1e-4), check_correctness(off, reference, 1e-4)
     assert passed.passed and passed.measured["max_rel_deviation"] == pytest.approx(1e-7, rel=1e-3)
     assert passed.threshold["max_rel_deviation"] == 1e-4  # the override, over the noise these records lack

@@ -18,6 +18,7 @@ from training.run_output import (
     RunOutputWriter,
     RunResult,
     SkippedCheckpoint,
+    StepRecord,
 )
 from training.storage import StorageConfig
 
@@ -36,7 +37,7 @@ def _written(folder: Path) -> None:
     out.write_ranks(Ranks(2, [{"rank": 0, "host": "a", "resumed_from_step": 2}, {"rank": 1, "host": "a"}]))
     for rank in (0, 1):
         for attempt, step in enumerate((1, 2, 2, 3)):  # step 2 ran again after a resume
-            out.append_metrics(rank, {"step": step, "loss": step + rank, "attempt": attempt})
+            out.append_metrics(StepRecord(rank=rank, step=step, loss=step + rank, lr=float(attempt)))  # lr: attempt
             out.append_samples(rank, {"step": step, "epoch": 0, "indices": [step, rank]})
     out.append_eval({"step": 3, "val_loss": 4.5, "val_ppl": 90.0})
     out.append_checkpoint(CheckpointEvent(2, 1000.0, 0.5))
@@ -55,9 +56,9 @@ def test_the_reader_returns_every_record_kind_the_writer_wrote(tmp_path: Path) -
     assert [r["rank"] for r in ranks.ranks] == [0, 1] and ranks.ranks[0]["resumed_from_step"] == 2
     assert json.loads((tmp_path / RANKS).read_text())["format_version"] == FORMAT_VERSION
     assert run.metric_ranks() == [0, 1] and run.sample_ranks() == [0, 1]
-    assert [r["step"] for r in run.metric_records(1)] == [1, 2, 2, 3]
-    assert sorted(run.metrics(1)) == [1, 2, 3] and run.metrics(1)[1]["rank"] == 1
-    assert run.metrics(0)[2]["attempt"] == 2  # the later attempt of a repeated step wins
+    assert [r.step for r in run.metric_records(1)] == [1, 2, 2, 3]
+    assert sorted(run.metrics(1)) == [1, 2, 3] and run.metrics(1)[1].rank == 1
+    assert run.metrics(0)[2].lr == 2  # the later attempt of a repeated step wins
     assert sorted(run.all_metrics()) == [0, 1] and run.last_step() == 3 and run.last_step(1) == 3
     assert run.samples(1)[3]["indices"] == [3, 1] and sorted(run.all_samples()[0]) == [1, 2, 3]
     assert run.evals() == [{"step": 3, "val_loss": 4.5, "val_ppl": 90.0}]

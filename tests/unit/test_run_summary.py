@@ -7,7 +7,8 @@ from pathlib import Path
 from rich.console import Console
 
 from flows.runner import FIGURES_CHARS, print_summary
-from tasks.deployment import ImageStepResult, NodesResult
+from tasks.image.step import ImageStepResult
+from tasks.nodes.step import NodesResult
 from tasks.pipeline import RunSummary, summarize
 
 LONG_REASON = "no image builder on this machine (buildah, podman and docker are missing); " * 4

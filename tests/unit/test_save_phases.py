@@ -15,9 +15,11 @@ from tests.unit.checkpoints import (
     saved_steps,
     tiny_model,
 )
-from training import faults
+from tests.faults.bugs import TestFaults
+from tests.faults.payload import patch_checkpoints
+from training import drill_points
 from training.checkpoint import COMMIT, DCP_METADATA, CheckpointCommitError, TRAIN_STATE, rng_file, step_dir_name
-from training.faults import ENV_VAR, SAVE_PHASES, PausedRank, TestFaults, paused_ranks, with_faults
+from training.drill_points import SAVE_PHASES, DrillPoints, PausedRank, paused_ranks
 
 SHARD = "__0_0.distcp"
 
@@ -29,10 +31,12 @@ def _phases_seen(
     seen: dict[str, list[str]] | None = None,
     **injected: object,
 ) -> dict[str, list[str]]:
-    """Save one checkpoint in a drill's job (`background`: with save_async); its folder's files at each phase
-    point (writing_dcp: once written), also into `seen` when given (kept when the save raises)."""
+    """Save one checkpoint in a drill's job (`background`: with save_async) with the test bugs `injected`
+    (tests/faults/payload.py); its folder's files at each phase point (writing_dcp: once written), also into `seen`
+    when given (kept when the save raises)."""
     elsewhere = {"phase": "after_commit", "step": 99, "marker_dir": str(tmp_path / "markers")}
-    fault = TestFaults(pause_in_save=elsewhere, **injected)
+    points = DrillPoints(pause_in_save=elsewhere)
+    patch_checkpoints(TestFaults.model_validate(injected), monkeypatch.setattr)
     manager = manager_at(tmp_path / "ckpt")
     seen = {} if seen is None else seen
 
@@ -40,8 +44,8 @@ def _phases_seen(
         if shard_written is not False:
             seen[phase] = manager.files(step)
 
-    monkeypatch.setattr(faults, "active", lambda: fault)
-    monkeypatch.setattr(faults, "at_save_phase", record)
+    monkeypatch.setattr(drill_points, "active", lambda: points)
+    monkeypatch.setattr(drill_points, "at_save_phase", record)
     if background:
         manager.save_async(3, *tiny_model(), {"step": 3})
         assert manager.wait() is not None
@@ -83,45 +87,35 @@ def _stop_at_sleep(monkeypatch: pytest.MonkeyPatch) -> type[Exception]:
     def sleep(seconds: float) -> None:
         raise Stopped
 
-    monkeypatch.setattr(faults.time, "sleep", sleep)
+    monkeypatch.setattr(drill_points.time, "sleep", sleep)
     return Stopped
 
 
 def test_a_rank_asked_to_pause_at_a_phase_leaves_its_marker_and_stops(tmp_path: Path, monkeypatch) -> None:
     markers = tmp_path / "markers"
-    injected = TestFaults(pause_in_save={"phase": "after_extras", "step": 4, "marker_dir": str(markers)})
-    monkeypatch.setattr(faults, "active", lambda: injected)
+    points = DrillPoints(pause_in_save={"phase": "after_extras", "step": 4, "marker_dir": str(markers)})
+    monkeypatch.setattr(drill_points, "active", lambda: points)
     stopped = _stop_at_sleep(monkeypatch)
 
-    faults.at_save_phase("after_dcp", 4)  # another phase
-    faults.at_save_phase("after_extras", 2)  # another save
+    drill_points.at_save_phase("after_dcp", 4)  # another phase
+    drill_points.at_save_phase("after_extras", 2)  # another save
     assert paused_ranks(str(markers)) == []
     with pytest.raises(stopped):
-        faults.at_save_phase("after_extras", 4)
+        drill_points.at_save_phase("after_extras", 4)
     (marker,) = paused_ranks(str(markers))
     assert isinstance(marker, PausedRank) and (marker.rank, marker.phase, marker.step) == (0, "after_extras", 4)
 
 
 def test_while_dcp_is_written_rank_0_stops_once_its_files_are_written(tmp_path: Path, monkeypatch) -> None:
     markers = tmp_path / "markers"
-    injected = TestFaults(pause_in_save={"phase": "writing_dcp", "step": 4, "marker_dir": str(markers)})
-    monkeypatch.setattr(faults, "active", lambda: injected)
+    points = DrillPoints(pause_in_save={"phase": "writing_dcp", "step": 4, "marker_dir": str(markers)})
+    monkeypatch.setattr(drill_points, "active", lambda: points)
     stopped = _stop_at_sleep(monkeypatch)
 
-    faults.at_save_phase("writing_dcp", 4, shard_written=False)  # rank 0 writes its files first
+    drill_points.at_save_phase("writing_dcp", 4, shard_written=False)  # rank 0 writes its files first
     assert paused_ranks(str(markers)) == []
     with pytest.raises(stopped):
-        faults.at_save_phase("writing_dcp", 4, shard_written=True)
-
-
-def test_with_faults_adds_fields_to_the_job_fault_variable_and_keeps_the_others() -> None:
-    base = {ENV_VAR: json.dumps({"commit_before_extras": True})}
-    pause = {"phase": "after_dcp", "step": 4, "marker_dir": "/tmp/m"}
-    merged = TestFaults.model_validate_json(with_faults(base, pause_in_save=pause)[ENV_VAR])
-    assert merged.commit_before_extras and merged.pause_in_save is not None
-    assert merged.pause_in_save.phase == "after_dcp" and merged.pause_in_save.step == 4
-    with pytest.raises(ValueError, match="pause_in_save"):
-        with_faults(None, pause_in_save={**pause, "phase": "somewhere"})
+        drill_points.at_save_phase("writing_dcp", 4, shard_written=True)
 
 
 # ---- wholeness ------------------------------------------------------------------------------------
@@ -219,21 +213,20 @@ def test_the_loader_skips_a_committed_checkpoint_that_does_not_list_what_it_need
 
 def test_a_held_rank_leaves_its_marker_and_goes_on_once_the_drill_releases_it(tmp_path: Path, monkeypatch) -> None:
     markers = tmp_path / "hold"
-    injected = TestFaults(hold_after_step={"step": 6, "marker_dir": str(markers), "timeout_s": 60})
-    monkeypatch.setattr(faults, "active", lambda: injected)
-    assert [faults.holds_after(s) for s in (5, 6, 7)] == [False, True, False]
-    assert faults.stops_after(6), "the held step's records are written before the hold"
-    released = threading.Timer(0.3, lambda: (markers / faults.RELEASE_FILE).touch())
+    points = DrillPoints(hold_after_step={"step": 6, "marker_dir": str(markers), "timeout_s": 60})
+    monkeypatch.setattr(drill_points, "active", lambda: points)
+    assert [drill_points.holds_after(s) for s in (5, 6, 7)] == [False, True, False]
+    released = threading.Timer(0.3, lambda: (markers / drill_points.RELEASE_FILE).touch())
     released.start()
-    faults.hold(6)
-    assert (markers / faults.RELEASE_FILE).exists(), "the rank went on before the release"
-    (marker,) = paused_ranks(str(markers), faults.HOLD_MARKER_PREFIX)
+    drill_points.hold(6)
+    assert (markers / drill_points.RELEASE_FILE).exists(), "the rank went on before the release"
+    (marker,) = paused_ranks(str(markers), drill_points.HOLD_MARKER_PREFIX)
     assert (marker.rank, marker.phase, marker.step) == (0, "held", 6)
     assert paused_ranks(str(markers)) == [], "hold markers are not save-pause markers"
 
 
 def test_a_held_rank_goes_on_by_itself_after_the_timeout(tmp_path: Path, monkeypatch) -> None:
-    injected = TestFaults(hold_after_step={"step": 2, "marker_dir": str(tmp_path), "timeout_s": 0.2})
-    monkeypatch.setattr(faults, "active", lambda: injected)
-    faults.hold(2)  # returns: a drill that died never leaves the job held for good
-    assert not (tmp_path / faults.RELEASE_FILE).exists()
+    points = DrillPoints(hold_after_step={"step": 2, "marker_dir": str(tmp_path), "timeout_s": 0.2})
+    monkeypatch.setattr(drill_points, "active", lambda: points)
+    drill_points.hold(2)  # returns: a drill that died never leaves the job held for good
+    assert not (tmp_path / drill_points.RELEASE_FILE).exists()

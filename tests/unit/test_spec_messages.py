@@ -3,11 +3,16 @@ spec), the deployment name's rule is said in words, not as a regex."""
 
 from __future__ import annotations
 
+import asyncio
+import pickle
 import re
 
 import pytest
 import yaml
+from prefect.states import exception_to_failed_state
 
+from tasks.errors import UserError, retry_on_transient
+from tasks.logs import is_user_error
 from tasks.spec import SpecError, parse_spec
 from tests.conftest import TINY_SPEC, deep_merge
 
@@ -44,3 +49,14 @@ def test_a_bad_name_is_explained_in_words_with_a_name_that_would_do(name: str, e
     )
     assert "^" not in line and "{0,62}" not in line
     assert parse_spec({**BASE, "name": example}).name == example
+
+
+def test_a_spec_error_is_a_user_error_that_the_retry_rule_never_retries() -> None:
+    with pytest.raises(SpecError) as caught:
+        parse_spec(deep_merge(BASE, {"name": "My Run"}))
+    err = caught.value
+    assert isinstance(err, UserError) and is_user_error(err)
+    assert retry_on_transient(None, None, asyncio.run(exception_to_failed_state(exc=err))) is False
+    back = pickle.loads(pickle.dumps(err))  # Prefect keeps a failed task's exception
+    assert (back.source, back.problems, str(back)) == (err.source, err.problems, str(err))
+    assert str(err).startswith("<spec>: invalid deployment spec:\n  - name=My Run: must be 1 to 63")

@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-from tasks.capacity.plan import plan_capacity
-from tasks.deployment import (
-    AcceptanceResult,
-    CapacityResult,
-    DataResult,
-    ImageStepResult,
-    JobResult,
-    NodesResult,
-    StepResult,
-    plan_inputs,
-)
-from tasks.pipeline import STEP_TITLES, summarize
+from tasks.acceptance.step import AcceptanceResult
+from tasks.capacity.step import CapacityInputs, CapacityResult
+from tasks.image.step import ImageStepResult
+from tasks.launch.step import JobResult
+from tasks.nodes.step import NodesResult
+from tasks.pipeline import summarize
+from tasks.prepare.step import DataResult
+from tasks.results import StepResult
+from tasks.steps import BY_NAME
 from tasks.spec import parse_spec
 from tests.conftest import TINY_SPEC, deep_merge
 
@@ -32,7 +29,7 @@ def _results() -> dict[str, StepResult]:
     }
     files = {"json": "acc/acceptance.json", "junit": "acc/junit.xml", "plot": None}
     return {
-        "capacity": CapacityResult.of(plan_capacity(*plan_inputs(spec)), "runs/tiny/plan.json"),
+        "capacity": CapacityResult.of(CapacityInputs.of(spec).estimate(), "runs/tiny/plan.json"),
         "nodes": NodesResult(
             ok=True, hosts=["a", "b"], warnings=3, report_path="runs/tiny/node-check.json", elapsed_s=1
         ),
@@ -56,7 +53,7 @@ def test_every_steps_key_figures_appear_in_the_summary_table_and_page() -> None:
     for step, result in results.items():
         figures = result.summary()
         assert figures and rows[step].figures == figures and rows[step].verdict == "passed"
-        line = next(line for line in page.splitlines() if line.startswith(f"| {STEP_TITLES[step]} |"))
+        line = next(line for line in page.splitlines() if line.startswith(f"| {BY_NAME[step].title} |"))
         assert figures in line
 
 

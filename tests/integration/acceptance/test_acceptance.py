@@ -10,7 +10,6 @@ compute, step by step): the slow-rank fault makes rank 1 1.5x slower than its ow
 
 from __future__ import annotations
 
-import json
 import socket
 from pathlib import Path
 
@@ -20,7 +19,7 @@ from tasks.acceptance.config import AcceptanceConfig
 from tasks.acceptance.drills import DrillContext, drill_rank_kill
 from tasks.acceptance.suite import judge, run_correctness_pair
 from tasks.acceptance.workspace import Job, variant
-from training.faults import ENV_VAR
+from tests.faults.job import injected
 
 pytestmark = pytest.mark.integration
 
@@ -36,10 +35,10 @@ def _faulty_judgement(make_spec, tmp_path: Path, faults: dict, acceptance: Accep
     acceptance = acceptance or _acceptance()
     spec = make_spec()
     train = spec.training_config()
-    injected = {ENV_VAR: json.dumps(faults)}
+    environment = injected(**faults)
     dist_train = variant(train, tmp_path, "dist", run={"steps": acceptance.steps})
-    dist = Job(spec.cluster, dist_train, "dist", injected, None).wait(600, acceptance.thresholds.stall_timeout_s)
-    pair, reference = run_correctness_pair(spec.cluster, train, acceptance, tmp_path, acceptance.steps, injected)
+    dist = Job(spec.cluster, dist_train, "dist", environment, None).wait(600, acceptance.thresholds.stall_timeout_s)
+    pair, reference = run_correctness_pair(spec.cluster, train, acceptance, tmp_path, acceptance.steps, environment)
     return {d.name: d for d in judge(spec.cluster, dist_train, acceptance, dist, reference, pair)}
 
 
@@ -91,8 +90,8 @@ def test_a_checkpoint_without_optimizer_state_fails_recovery(make_spec, tmp_path
     spec = make_spec()
     # killed after the first save (step 20), resumed with fresh optimizer moments: step 21 already differs
     acceptance = _acceptance(steps=60, save_every_steps=20)
-    faults = {ENV_VAR: json.dumps({"checkpoint_without_optimizer": True})}
-    ctx = DrillContext(spec.cluster, spec.training_config(), tmp_path, acceptance, faults=faults)
+    faults = injected(checkpoint_without_optimizer=True)
+    ctx = DrillContext(spec.cluster, spec.training_config(), tmp_path, acceptance, environment=faults)
     result, recovery = drill_rank_kill(ctx)
     assert not recovery.passed and not result.passed
     assert "differs from the uninterrupted run" in recovery.message

@@ -10,12 +10,11 @@ which cost a 5 ms step up to 20% more CPU time, a 20 ms step 5-10% (measured on 
 
 from __future__ import annotations
 
-import json
 
 import pytest
 
 from tasks.launch.local import run_local
-from training.faults import ENV_VAR
+from tests.faults.job import injected
 from training.run_output import RunOutput
 from validation.acceptance import AcceptanceThresholds, check_performance, straggler_ratios
 
@@ -30,7 +29,7 @@ SHORT = {
 
 
 def _judged(spec, faults: dict):  # noqa: ANN001, ANN202
-    job = run_local(spec.cluster, spec.training_config(), faults={ENV_VAR: json.dumps(faults)})
+    job = run_local(spec.cluster, spec.training_config(), environment=injected(**faults))
     metrics = RunOutput(job.output_dir).all_metrics()
     return metrics, check_performance(metrics, metrics[0], 2, LIMITS, sharding=spec.parallel.sharding)
 
@@ -38,7 +37,7 @@ def _judged(spec, faults: dict):  # noqa: ANN001, ANN202
 def test_a_rank_that_waits_inside_its_compute_is_no_straggler_but_one_that_computes_longer_is(make_spec) -> None:
     metrics, waits = _judged(make_spec(SHORT), {"slow_rank": 1, "slow_step_s": 0.1})
     steps = [s for s in sorted(metrics[0]) if s > LIMITS.warmup_steps_ignored]
-    assert all(m["compute_cpu_s"] > 0 and m["cpu_s"] >= m["compute_cpu_s"] for r in metrics.values()
+    assert all(m.compute_cpu_s > 0 and m.cpu_s >= m.compute_cpu_s for r in metrics.values()
                for m in r.values())  # fmt: skip
     by_wall = straggler_ratios(metrics, steps, key="compute_s")
     assert by_wall[1] > LIMITS.straggler_ratio_max  # judged by wall time, as before, it would be a straggler

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -11,9 +10,9 @@ import pytest
 from tasks.acceptance.workspace import Job, variant
 from tasks.prepare.corpus import stdlib_documents
 from tasks.spec import DeploymentSpec
+from tests.faults.job import injected
 from training.config import TrainConfig
 from training.dataset import DatasetWriter, TokenDataset, TokenizerInfo
-from training.faults import ENV_VAR
 from training.run_output import RunOutput
 from validation.data_consistency import Sampling, check_data_consistency
 
@@ -42,7 +41,7 @@ def _run(spec: DeploymentSpec, root: Path, steps: int, faults: dict | None = Non
         spec.training_config(), root, "run", run={"steps": steps},
         checkpoint={"save_every_steps": None, "save_at_end": False},
     )  # fmt: skip
-    outcome = Job(spec.cluster, train, "coverage", {ENV_VAR: json.dumps(faults)} if faults else None, None).wait(300)
+    outcome = Job(spec.cluster, train, "coverage", injected(**faults) if faults else None, None).wait(300)
     assert outcome.ok, outcome.status.describe()
     return train, outcome.output_dir
 

@@ -11,15 +11,16 @@ import pytest
 
 from tasks.acceptance.config import AcceptanceConfig
 from tasks.acceptance.report import plot_losses, table_rows, write_junit
-from tasks.acceptance.suite import check_start, job_error, run_acceptance
+from tasks.acceptance.checks import run_dimensions
+from tasks.acceptance.suite import AcceptanceInputs, check_start, job_error, run_acceptance
 from tasks.acceptance.workspace import RunOutcome
-from tasks.deployment import AcceptanceResult
+from tasks.acceptance.step import AcceptanceResult
 from tasks.launch.base import JobHandle, JobState, JobStatus
-from validation.acceptance import DIMENSIONS
 
 pytestmark = pytest.mark.integration
 
 WRONG_SHA = "0" * 64
+DIMENSIONS = run_dimensions()
 
 
 def test_a_dataset_made_with_another_tokenizer_is_one_start_finding_and_nothing_else_is_judged(
@@ -27,7 +28,8 @@ def test_a_dataset_made_with_another_tokenizer_is_one_start_finding_and_nothing_
 ) -> None:
     spec = make_spec({"data": {"tokenizer_sha256": WRONG_SHA}})
     acceptance = AcceptanceConfig.model_validate({"steps": 20, "save_every_steps": 10})
-    report = run_acceptance(spec.cluster, spec.training_config(), acceptance, tmp_path / "run")
+    inputs = AcceptanceInputs(cluster=spec.cluster, train=spec.training_config(), acceptance=acceptance)
+    report = run_acceptance(inputs, tmp_path / "run")
 
     start, *rest = report.dimensions
     assert start.name == "start" and start.passed is False and start.status == "failed"

@@ -19,11 +19,12 @@ import pytest
 from tasks.acceptance import drills
 from tasks.acceptance.config import AcceptanceConfig, DrillConfig
 from tasks.acceptance.drills import DrillContext, run_drills
+from tasks.acceptance.mode import Mode
 from tasks.acceptance.record import AcceptanceReport
 from tasks.acceptance.report import write_junit
-from tasks.acceptance.suite import run_acceptance
+from tasks.acceptance.suite import AcceptanceInputs, run_acceptance
 from tests.conftest import REPO
-from training.faults import ENV_VAR
+from tests.faults.job import injected
 
 pytestmark = pytest.mark.integration
 
@@ -50,9 +51,12 @@ preemption.PreemptionWatch._handle = _exit_at_once
 
 def test_a_nan_loss_fails_its_dimensions_and_the_report_is_still_written(make_spec, tmp_path: Path) -> None:
     spec = make_spec()
-    faults = {ENV_VAR: json.dumps({"nan_at_step": 5})}
+    faults = injected(nan_at_step=5)
     # canary: without the rank_kill drill, which a diverged run does not need to show the report survives
-    report = run_acceptance(spec.cluster, spec.training_config(), SHORT, tmp_path / "run", faults=faults, canary=True)
+    inputs = AcceptanceInputs(
+        cluster=spec.cluster, train=spec.training_config(), acceptance=SHORT, mode=Mode.CANARY, environment=faults
+    )
+    report = run_acceptance(inputs, tmp_path / "run")
 
     dims = {d.name: d for d in report.dimensions}
     assert dims["stability"].passed is False and "loss is nan at step 5" in dims["stability"].message

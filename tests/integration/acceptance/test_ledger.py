@@ -20,16 +20,16 @@ import pytest
 
 from tasks.acceptance.config import AcceptanceConfig
 from tasks.acceptance.record import AcceptanceReport
-from tasks.acceptance.suite import run_acceptance
-from tasks.capacity.plan import make_plan
-from tasks.deployment import plan_inputs, planned_figures
-from tasks.ledger.registry import Ledger, Provenance, cluster_key_of, ledger_url
+from tasks.acceptance.suite import AcceptanceInputs, run_acceptance
+from tasks.capacity.step import CapacityInputs
+from tasks.ledger.registry import Ledger, Provenance, cluster_key_of
 from tasks.ledger.rollback import roll_back
-from tasks.ledger.rollout import RolloutStopped, roll_out, run_canary
+from tasks.paths import ledger_url
+from tasks.rollout.canary import RolloutStopped, roll_out, run_canary
 from tasks.spec import DeploymentSpec, parse_spec
 from tests.conftest import TINY_SPEC, deep_merge
-from training.checkpoint_trust import KEY_ENV, SIGNATURE_FIELD
-from training.faults import ENV_VAR
+from tests.faults.job import injected
+from training.checkpoint import KEY_ENV, SIGNATURE_FIELD
 from training.run_output import RunOutput
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
@@ -46,7 +46,7 @@ ACCEPT = AcceptanceConfig.model_validate(
                        "throughput_min_interval_s": 0.0},
     }
 )  # fmt: skip
-SLOW = {ENV_VAR: json.dumps({"slow_rank": 1, "slow_factor": 20.0})}
+SLOW = injected(slow_rank=1, slow_factor=20.0)
 
 
 def _dims(report: AcceptanceReport) -> dict:
@@ -71,11 +71,10 @@ def accepted(tmp_path_factory: pytest.TempPathFactory, tiny_dataset: str) -> tup
     }
     spec = parse_spec(deep_merge(TINY_SPEC, overrides), "tiny:ledger")
     train, provenance = spec.training_config(), Provenance.of(spec, image_ref=None)
-    planned = planned_figures(spec)
-    reports = [
-        run_acceptance(spec.cluster, train, ACCEPT, root / f"ws{i}", provenance=provenance, planned=planned)
-        for i in range(2)
-    ]
+    inputs = AcceptanceInputs(
+        cluster=spec.cluster, train=train, acceptance=ACCEPT, provenance=provenance, planned=CapacityInputs.of(spec).planned()
+    )
+    reports = [run_acceptance(inputs, root / f"ws{i}") for i in range(2)]
     return spec, reports
 
 
@@ -113,7 +112,7 @@ def test_a_canary_passes_against_the_baseline_and_one_with_a_slow_rank_stops_the
     # the whole rollout of a slower version stops at its canary: no acceptance of the whole deployment, no job
     deployment = spec.model_copy(update={"acceptance": ACCEPT})
     with pytest.raises(RolloutStopped) as stopped:
-        roll_out(deployment, train, "registry.local/tdeploy:slow", faults=SLOW)
+        roll_out(deployment, train, "registry.local/tdeploy:slow", environment=SLOW)
     message = str(stopped.value)
     assert "rollout of registry.local/tdeploy:slow stopped at the canary" in message
     assert "regression: tokens per CPU-second" in message and f"(entry {second.ledger_entry}; allowed 80%" in message
@@ -140,7 +139,7 @@ def test_rollback_resumes_from_the_previous_entrys_checkpoint_and_makes_it_the_b
 
 def test_each_accepted_run_records_its_measured_memory_and_step_time_beside_the_plan(accepted) -> None:
     spec, (first, second) = accepted
-    planned = planned_figures(spec)
+    planned = CapacityInputs.of(spec).planned()
     for report in (first, second):
         accuracy = report.plan_accuracy
         assert accuracy is not None and accuracy.layout == planned.layout
@@ -165,8 +164,9 @@ def test_an_error_beyond_the_tolerance_in_consecutive_runs_is_a_planner_finding(
 
 def test_the_next_plan_is_calibrated_from_the_ledgers_accepted_runs(accepted) -> None:
     spec, (first, second) = accepted
-    plain = make_plan(*plan_inputs(spec))
-    calibrated = make_plan(*plan_inputs(spec), _ledger(spec).url, spec.storage)
+    inputs = CapacityInputs.of(spec)
+    plain = inputs.model_copy(update={"ledger": None}).make()
+    calibrated = inputs.model_copy(update={"ledger": _ledger(spec).url}).make()
     assert plain.calibration.source == "none" and calibrated.calibration.source == "ledger"
     assert calibrated.calibration.runs == 2
     ratios = [r.plan_accuracy.ratios()["step_time"] for r in (first, second)]

@@ -7,7 +7,6 @@ One acceptance run per layout serves every assertion about it (module-scoped fix
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -16,12 +15,12 @@ import pytest
 from tasks.acceptance.config import AcceptanceConfig
 from tasks.acceptance.drills import DrillContext, drill_reshard
 from tasks.acceptance.record import AcceptanceReport
-from tasks.acceptance.suite import judge, run_acceptance, run_correctness_pair
+from tasks.acceptance.suite import AcceptanceInputs, judge, run_acceptance, run_correctness_pair
 from tasks.acceptance.workspace import Job, RunOutcome, variant
 from tasks.launch.base import JobState, JobStatus, find_job
 from tasks.spec import DeploymentSpec, parse_spec
 from tests.conftest import TINY_SPEC, deep_merge
-from training.faults import ENV_VAR
+from tests.faults.job import injected
 from training.run_output import RunOutput
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1500)]
@@ -53,7 +52,8 @@ def tp2_dp2(tiny_dataset: str, tmp_path_factory: pytest.TempPathFactory) -> tupl
     """One acceptance run (with its rank_kill drill) of TP2 x DP2."""
     root = tmp_path_factory.mktemp("accept-tp2xdp2")
     spec = _spec(root / "spec", tiny_dataset, TP2_DP2)
-    return spec, run_acceptance(spec.cluster, spec.training_config(), ACCEPTANCE, root / "run")
+    inputs = AcceptanceInputs(cluster=spec.cluster, train=spec.training_config(), acceptance=ACCEPTANCE)
+    return spec, run_acceptance(inputs, root / "run")
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +67,8 @@ def pp2_dp2(tiny_dataset: str, tmp_path_factory: pytest.TempPathFactory) -> tupl
     loose = ACCEPTANCE.model_copy(
         update={"thresholds": ACCEPTANCE.thresholds.model_copy(update={"straggler_ratio_max": 2.0})}
     )
-    return spec, run_acceptance(spec.cluster, spec.training_config(), loose, root / "run")
+    inputs = AcceptanceInputs(cluster=spec.cluster, train=spec.training_config(), acceptance=loose)
+    return spec, run_acceptance(inputs, root / "run")
 
 
 def _dims(report: AcceptanceReport) -> dict[str, Any]:
@@ -112,7 +113,9 @@ def test_a_tp2_dp2_checkpoint_reshards_onto_dp4(tp2_dp2) -> None:  # noqa: ANN00
     dist_dir = Path(report.runs["distributed"])
     root = dist_dir.parent.parent
     # the acceptance run's uninterrupted job and its checkpoints are the drill's reference, as in `tdeploy drill`
-    reference = RunOutcome(find_job(str(dist_dir)), JobStatus(JobState.SUCCEEDED, "the acceptance run"), dist_dir)
+    checkpoints = str(dist_dir.parent / "checkpoints")
+    finished = JobStatus(JobState.SUCCEEDED, "the acceptance run")
+    reference = RunOutcome(find_job(str(dist_dir)), finished, dist_dir, checkpoint_url=checkpoints)
     ctx = DrillContext(spec.cluster, spec.training_config(), root, ACCEPTANCE, reference=reference)
     result = drill_reshard(ctx)
     assert result.passed, (result.message, result.evidence)
@@ -126,11 +129,11 @@ def test_a_tensor_parallel_shard_initialised_with_another_seed_fails_correctness
     spec = _spec(tmp_path / "spec", tiny_dataset, TP2_DP2)
     train = spec.training_config()
     acceptance = ACCEPTANCE.model_copy(update={"steps": 10})
-    injected = {ENV_VAR: json.dumps({"tp_shard_seed": True, "seed_offset": 99})}
+    environment = injected(tp_shard_seed=True, seed_offset=99)
     dist_train = variant(train, tmp_path, "dist", run={"steps": acceptance.steps})
-    dist = Job(spec.cluster, dist_train, "dist", injected, None).wait(600, acceptance.thresholds.stall_timeout_s)
+    dist = Job(spec.cluster, dist_train, "dist", environment, None).wait(600, acceptance.thresholds.stall_timeout_s)
     assert dist.ok, dist.status.describe()
-    pair, reference = run_correctness_pair(spec.cluster, train, acceptance, tmp_path, acceptance.steps, injected)
+    pair, reference = run_correctness_pair(spec.cluster, train, acceptance, tmp_path, acceptance.steps, environment)
     assert pair is None  # fp32 without dropout: the faulty run itself is compared
     dims = {d.name: d for d in judge(spec.cluster, dist_train, acceptance, dist, reference, pair)}
     correctness = dims["correctness"]

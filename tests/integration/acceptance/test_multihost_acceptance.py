@@ -1,22 +1,21 @@
 """Acceptance on a job across real hosts: 2 hosts x 2 processes, each host in its own network namespace with its
-own address and host name, agents started over SSH. The six dimensions pass, connectivity sees two ranks per
+own address and host name, agents started over SSH. Every dimension passes, connectivity sees two ranks per
 host and the host pair's bandwidth, data consistency holds across the hosts and across the rank-kill resume;
 a host whose ranks compute slower is named by the performance dimension."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tasks.acceptance.config import AcceptanceConfig
-from tasks.acceptance.suite import judge, run_acceptance, run_correctness_pair
+from tasks.acceptance.suite import AcceptanceInputs, judge, run_acceptance, run_correctness_pair
 from tasks.acceptance.workspace import Job, variant
+from tests.faults.job import injected
 from tests.integration.nodes.conftest import require
 from tests.integration.nodes.testhosts import HostSpec, SshdCluster, start_cluster
-from training.faults import ENV_VAR
 
 pytestmark = pytest.mark.integration
 
@@ -54,7 +53,8 @@ def _spec(make_spec, hosts: SshdCluster, procs_per_node: int = 2):
 
 def test_a_two_host_job_passes_every_dimension_with_two_ranks_per_host(make_spec, hosts, tmp_path: Path) -> None:
     spec = _spec(make_spec, hosts)
-    report = run_acceptance(spec.cluster, spec.training_config(), ACCEPT, tmp_path)
+    inputs = AcceptanceInputs(cluster=spec.cluster, train=spec.training_config(), acceptance=ACCEPT)
+    report = run_acceptance(inputs, tmp_path)
     dims = {d.name: d for d in report.dimensions}
     assert report.passed, (
         {n: (d.passed, d.message) for n, d in dims.items()},
@@ -73,7 +73,7 @@ def test_a_host_whose_ranks_compute_slower_is_named_by_performance(make_spec, ho
     spec = _spec(make_spec, hosts, procs_per_node=1)
     train, accept = spec.training_config(), DEFAULT_STRAGGLER
     assert accept.thresholds.straggler_ratio_max == 1.25
-    faults = {ENV_VAR: json.dumps({"slow_rank": 1, "slow_factor": 2.0})}
+    faults = injected(slow_rank=1, slow_factor=2.0)
     dist_train = variant(train, tmp_path, "dist", run={"steps": accept.steps})
     dist = Job(spec.cluster, dist_train, "dist", faults, None).wait(600, accept.thresholds.stall_timeout_s)
     pair, reference = run_correctness_pair(spec.cluster, train, accept, tmp_path, accept.steps, faults)

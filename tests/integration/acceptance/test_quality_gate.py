@@ -6,7 +6,6 @@ the embedded default by tests/e2e/test_pipeline.py (its second `tdeploy run`).""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -14,7 +13,7 @@ import pytest
 from tasks.acceptance.baselines import judge_quality
 from tasks.acceptance.config import AcceptanceConfig
 from tasks.acceptance.workspace import Job, variant
-from training.faults import ENV_VAR
+from tests.faults.job import injected
 
 pytestmark = pytest.mark.integration
 
@@ -29,8 +28,8 @@ def test_a_worse_converging_run_fails_against_the_first_accepted_run_and_a_clean
 
     def gate(name: str, faults: dict | None = None):  # noqa: ANN202 - a QualityGate
         run_train = variant(train, tmp_path, name, run={"steps": STEPS})
-        injected = {ENV_VAR: json.dumps(faults)} if faults else None
-        run = Job(spec.cluster, run_train, name, injected, None).wait(600)
+        environment = injected(**faults) if faults else None
+        run = Job(spec.cluster, run_train, name, environment, None).wait(600)
         assert run.ok, run.status.describe()
         return judge_quality(acceptance, train, run_train, spec.cluster.world_size, run.output_dir)
 

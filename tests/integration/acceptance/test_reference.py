@@ -7,7 +7,6 @@ spec has it on) with or without a test fault and judges it with the default tole
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 from typing import Any
@@ -18,8 +17,8 @@ from tasks.acceptance.suite import CorrectnessPlan, correctness_plan
 from tasks.acceptance.workspace import Job, RunOutcome, single_process, variant
 from tasks.spec import DeploymentSpec, parse_spec
 from tests.conftest import TINY_SPEC, deep_merge, metrics_by_step
+from tests.faults.job import injected
 from training.checkpoint import step_dir_name
-from training.faults import ENV_VAR
 from training.run_output import RunOutput
 from validation.acceptance import CLEAN_REL_DEVIATION, DimensionResult, check_correctness
 
@@ -59,7 +58,7 @@ def _plan(spec: DeploymentSpec, root: Path) -> CorrectnessPlan:
 def _distributed(spec: DeploymentSpec, root: Path, faults: dict[str, Any] | None = None) -> RunOutcome:
     plan = _plan(spec, root)
     assert plan.distributed is not None
-    env = {ENV_VAR: json.dumps(faults)} if faults else None
+    env = injected(**faults) if faults else None
     outcome = Job(spec.cluster, plan.distributed, "correctness", env, None).wait(300)
     assert outcome.ok, outcome.status.describe()
     return outcome
@@ -76,9 +75,9 @@ def test_the_reference_writes_a_finished_run_of_the_distributed_jobs_global_batc
     assert ranks is not None and ranks.world_size == 1 and ranks.ranks[0]["reference_of_world_size"] == 2
     metrics = reference.metrics()
     assert sorted(metrics) == list(range(1, REFERENCE_STEPS + 1))
-    assert all(m["tokens_per_s"] > 0 and m["step_time_s"] > 0 for m in metrics.values())
+    assert all(m.tokens_per_s > 0 and m.step_time_s > 0 for m in metrics.values())
     assert len(run.samples()[1]["indices"]) == 4 * 2 * 2  # micro_batch x grad_accum_steps x world
-    assert metrics[REFERENCE_STEPS]["loss"] < metrics[1]["loss"]
+    assert metrics[REFERENCE_STEPS].loss < metrics[1].loss
 
 
 def test_an_accumulation_bug_in_the_trainer_fails_against_the_independent_reference_only(
@@ -99,7 +98,7 @@ def test_an_accumulation_bug_in_the_trainer_fails_against_the_independent_refere
         "checkpoint": {"save_every_steps": None, "save_at_end": False},
     }
     old = variant(spec.training_config(), tmp_path, "old-reference", **sections)
-    trainer_reference = Job(one, old, "old-reference", {ENV_VAR: json.dumps(faulty)}, None).wait(300)
+    trainer_reference = Job(one, old, "old-reference", injected(**faulty), None).wait(300)
     shared = check_correctness(buggy.metrics(), metrics_by_step(trainer_reference.output_dir), TOLERANCE)
     assert shared.passed, shared.measured
 
@@ -126,7 +125,7 @@ def test_a_run_with_dropout_resumes_bit_exactly_on_every_rank(
     train = spec.training_config()
     whole = variant(train, tmp_path, "whole", run={"steps": 8}, checkpoint={"save_every_steps": 4})
     assert Job(spec.cluster, whole, "whole", None, None).wait(300).ok
-    first, plain = RunOutput(whole.run.output_url).metrics()[1]["loss"], reference.metrics()[1]["loss"]
+    first, plain = RunOutput(whole.run.output_url).metrics()[1].loss, reference.metrics()[1].loss
     assert abs(first - plain) / plain > 100 * CLEAN_REL_DEVIATION  # dropout is on: not the dropout-free loss
     resumed = variant(train, tmp_path, "resumed", run={"steps": 8})
     Path(resumed.checkpoint.url).mkdir(parents=True)
@@ -135,7 +134,7 @@ def test_a_run_with_dropout_resumes_bit_exactly_on_every_rank(
     assert outcome.ok and outcome.ranks().ranks[0]["resumed_from_step"] == 4
     for rank in (0, 1):  # each rank's dropout masks continue from its own restored RNG stream
         before, after = RunOutput(whole.run.output_url).metrics(rank), outcome.metrics(rank)
-        assert [after[s]["rank_loss"] for s in range(5, 9)] == [before[s]["rank_loss"] for s in range(5, 9)]
+        assert [after[s].rank_loss for s in range(5, 9)] == [before[s].rank_loss for s in range(5, 9)]
 
 
 def test_a_moe_model_agrees_with_the_reference_which_balances_load_per_micro_batch(
@@ -147,4 +146,4 @@ def test_a_moe_model_agrees_with_the_reference_which_balances_load_per_micro_bat
     correctness = _judged(_distributed(moe, tmp_path), reference)
     print(f"MoE: max relative deviation from the reference {correctness.measured['max_rel_deviation']:.3g}")
     assert correctness.passed, correctness.measured
-    assert reference.metrics()[1]["aux_loss"] > 0
+    assert reference.metrics()[1].aux_loss > 0

@@ -7,15 +7,14 @@ tests/e2e/test_pipeline.py, whose `tdeploy run` runs the drill at every phase tw
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
 from tasks.acceptance.config import AcceptanceConfig, DrillConfig
 from tasks.acceptance.drills import DrillContext, drill_kill_during_save
+from tests.faults.job import injected
 from training.checkpoint import TRAIN_STATE, rng_file
-from training.faults import ENV_VAR
 
 pytestmark = pytest.mark.integration
 
@@ -26,9 +25,9 @@ def test_a_commit_marker_written_before_the_extras_fails_the_drill_naming_the_mi
     make_spec, tmp_path: Path
 ) -> None:
     spec = make_spec()
-    faults = {ENV_VAR: json.dumps({"commit_before_extras": True})}
+    faults = injected(commit_before_extras=True)
     drills = DrillConfig(save_phases=["after_dcp"])
-    ctx = DrillContext(spec.cluster, spec.training_config(), tmp_path, SHORT, drills, faults=faults)
+    ctx = DrillContext(spec.cluster, spec.training_config(), tmp_path, SHORT, drills, environment=faults)
     result = drill_kill_during_save(ctx)
     assert not result.passed
     (phase,) = result.evidence["phases"]

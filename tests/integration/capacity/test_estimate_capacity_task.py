@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import json
 from pathlib import Path
 
 import pytest
 
+from tasks.capacity.record import read_plan
 from tasks.spec import parse_spec
 from tests.conftest import TINY_SPEC, deep_merge
 
@@ -29,20 +29,18 @@ def test_estimate_capacity_writes_the_plan_and_publishes_artifacts(prefect_harne
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 
+    from tasks.capacity.step import CapacityInputs, CapacityResult
     from tasks.capacity.task import estimate_capacity
-    from tasks.deployment import CapacityResult
 
     spec = _spec(tmp_path)
 
     @flow
     def plan_only() -> CapacityResult:
-        return estimate_capacity(
-            spec.name, spec.capacity, spec.cluster, spec.model, spec.parallel, spec.precision, spec.run
-        )
+        return estimate_capacity(CapacityInputs.of(spec))
 
     result = plan_only()
     assert result.fits and result.plan_url.endswith("plan.json")
-    assert json.loads(Path(result.plan_url).read_text())["requested"]["memory"]["total_bytes"] > 0
+    assert read_plan(result.plan_url).requested.peak_bytes > 0
 
     async def artifacts() -> list:
         async with get_client() as client:
@@ -60,17 +58,15 @@ def test_estimate_capacity_stops_the_flow_when_the_layout_does_not_fit(prefect_h
     from prefect import flow
 
     from tasks.capacity.plan import CapacityError
+    from tasks.capacity.step import CapacityInputs, CapacityResult
     from tasks.capacity.task import estimate_capacity
-    from tasks.deployment import CapacityResult
 
     spec = _spec(tmp_path, {"capacity": {"accelerators": {"cpu": {"memory_gib": 0.0001}}}})
 
     @flow
     def plan_only() -> CapacityResult:
-        return estimate_capacity(
-            spec.name, spec.capacity, spec.cluster, spec.model, spec.parallel, spec.precision, spec.run
-        )
+        return estimate_capacity(CapacityInputs.of(spec))
 
     with pytest.raises(CapacityError, match=r"does not fit: needs .* GiB > 0\.00 GiB usable"):
         plan_only()
-    assert not json.loads((tmp_path / "plan" / "plan.json").read_text())["fits"]
+    assert not read_plan(str(tmp_path / "plan" / "plan.json")).fits

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tasks.capacity.parallel_check import run_parallel_self_check, tiny_layout
+from tasks.layout_check import run_parallel_self_check, tiny_layout
 from tasks.capacity.report import format_self_check
 from tasks.spec import parse_spec
 from tests.conftest import TINY_SPEC, deep_merge

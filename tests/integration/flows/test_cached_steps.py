@@ -31,8 +31,9 @@ def test_a_cached_plan_and_dataset_are_remade_when_their_folder_is_gone_or_anoth
     from prefect import flow
 
     from flows.deploy import data_step, plan_step
-    from tasks.deployment import plan_inputs
-    from tasks.prepare.config import PrepareConfig
+    from tasks.capacity.step import CapacityInputs
+    from tasks.prepare.config import DataSpec, PrepareConfig
+    from tasks.prepare.step import DataInputs
     from tests.conftest import TINY_SPEC, deep_merge
     from training.storage import StorageConfig
     from tasks.spec import parse_spec
@@ -52,7 +53,11 @@ def test_a_cached_plan_and_dataset_are_remade_when_their_folder_is_gone_or_anoth
 
     @flow
     def pure_steps() -> tuple:
-        return plan_step(*plan_inputs(spec)), data_step(prepare, StorageConfig())
+        data = DataInputs(
+            data=DataSpec(prepare=prepare), vocab_size=spec.model.vocab_size, storage=StorageConfig(),
+            reports_dir=spec.reports_dir,
+        )  # fmt: skip
+        return plan_step(CapacityInputs.of(spec)), data_step(data)
 
     first_folder, second_folder = tmp_path / "a", tmp_path / "b"
     first_folder.mkdir(), second_folder.mkdir()

@@ -167,6 +167,7 @@ def test_a_step_that_fails_transiently_once_is_retried_and_the_flow_succeeds(
     prefect_harness, make_spec, tmp_path: Path, s3_endpoint: str, s3_bucket: str
 ) -> None:
     from tasks.acceptance.outage import TcpProxy
+    from tasks.capacity.record import read_plan
 
     host, port = s3_endpoint.removeprefix("http://").split(":")
     proxy = TcpProxy(host, int(port))
@@ -202,7 +203,7 @@ def test_a_step_that_fails_transiently_once_is_retried_and_the_flow_succeeds(
     assert state.is_completed(), state.message
     assert runs["prepare_data"].run_count == 2 and runs["prepare_data"].state.is_completed()
     assert "| data preprocessing and validation | passed |" in _artifact("deployment-summary")
-    assert json.loads((tmp_path / "flaky" / "plan.json").read_text())["fits"]
+    assert read_plan(str(tmp_path / "flaky" / "plan.json")).fits
     assert (tmp_path / "flaky" / "node-check.json").exists()
     # acceptance ran in its own run workspace under the deployment's folder, and latest.json names it
     workspace = Path(state.result()["acceptance"].root)

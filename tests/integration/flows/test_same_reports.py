@@ -25,7 +25,9 @@ def test_the_cli_step_commands_and_the_flow_steps_write_their_reports_in_the_sam
     from prefect import flow
 
     from flows.deploy import plan_step
-    from tasks.deployment import image_inputs, node_report_path, plan_inputs
+    from tasks.capacity.step import CapacityInputs
+    from tasks.image.step import ImageInputs
+    from tasks.nodes.step import NodesInputs
     from tasks.nodes.task import check_nodes
     from tasks.spec import load_spec
 
@@ -46,9 +48,9 @@ def test_the_cli_step_commands_and_the_flow_steps_write_their_reports_in_the_sam
 
     @flow
     def steps() -> None:
-        plan_step(*plan_inputs(spec))
-        check_nodes(spec.nodes, spec.cluster, node_report_path(spec))
+        plan_step(CapacityInputs.of(spec))
+        check_nodes(NodesInputs.of(spec))
 
     steps()
     assert _reports(folder) == by_cli
-    assert image_inputs(spec).record_dir == str(folder / "image")
+    assert ImageInputs.of(spec).record_dir == str(folder / "image")

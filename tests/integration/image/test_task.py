@@ -15,8 +15,8 @@ from prefect.client.orchestration import get_client
 from typer.testing import CliRunner
 
 from flows.cli import app
-from tasks.deployment import ImageStepResult
-from tasks.image.build import prepare_inputs, uses_s3
+from tasks.image.build import prepare_inputs
+from tasks.image.step import ImageInputs, ImageStepResult
 from tasks.image.task import build_image
 from tasks.spec import DeploymentSpec, parse_spec
 from tests.conftest import TINY_SPEC, deep_merge
@@ -52,10 +52,7 @@ def run_task(spec: DeploymentSpec, record_dir: Path) -> tuple[str, int, Any]:
     @flow
     def image_flow() -> dict[str, Any]:
         step = build_image.with_options(retries=1, retry_delay_seconds=0)
-        state = step(
-            spec.image, str(record_dir), uses_s3(spec), spec.cluster.scheduler == "local", spec.digest(),
-            return_state=True,
-        )  # fmt: skip
+        state = step(ImageInputs.of(spec, str(record_dir)), return_state=True)
         data = state.result(raise_on_failure=False)
         return {
             "state": state.type.value,

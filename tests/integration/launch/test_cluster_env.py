@@ -1,4 +1,5 @@
-"""The spec's cluster.env reaches every rank of a real job on each launcher; test faults travel and are recorded apart.
+"""The spec's cluster.env reaches every rank of a real job on each launcher; the job environment (test faults)
+travels and is recorded apart.
 
 Each job pauses after its first step (a test fault) so that its ranks' environments can be read from
 /proc/<pid>/environ; the test then stops exactly that job through its launcher.
@@ -6,25 +7,25 @@ Each job pauses after its first step (a test fault) so that its ranks' environme
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
 import pytest
 
-from tasks.cluster import ALLOWED_ENV_VAR
 from tasks.launch.base import JobHandle, JobState, Launcher, find_job
 from tasks.launch.local import run_local
+from tasks.launch.network import ALLOWED_ENV_VAR
 from tasks.launch.slurm import SlurmLauncher
 from tasks.launch.submit import submit
 from tests.conftest import process_running
-from training.faults import ENV_VAR
+from tests.faults.bugs import ENV_VAR
+from tests.faults.job import injected
 from training.run_output import RunOutput
 
 pytestmark = pytest.mark.integration
 
 SPEC_ENV = {"JOB_NOTE": "from the spec: $HOME 'quoted' \"too\"", "NCCL_DEBUG": "WARN"}
-FAULTS = {ENV_VAR: json.dumps({"pause_after_step": 1})}
+FAULTS = injected(pause_after_step=1)
 
 
 @pytest.fixture(autouse=True)
@@ -52,13 +53,13 @@ def _assert_environments(pids: list[int]) -> None:
     for pid in pids:
         env = _environ(pid)
         assert {key: env.get(key) for key in SPEC_ENV} == SPEC_ENV, f"rank pid {pid} lacks cluster.env"
-        assert env.get(ENV_VAR) == FAULTS[ENV_VAR], f"rank pid {pid} lacks the faults"
+        assert env.get(ENV_VAR) == FAULTS.plugin_env[ENV_VAR], f"rank pid {pid} lacks the faults"
 
 
 def _assert_recorded_apart(handle: JobHandle) -> None:
     recorded = find_job(handle.output_dir)
     assert recorded.env == SPEC_ENV and ENV_VAR not in recorded.env
-    assert recorded.faults == FAULTS and not set(SPEC_ENV) & set(recorded.faults)
+    assert recorded.extra_env == FAULTS.variables() and not set(SPEC_ENV) & set(recorded.extra_env)
 
 
 def _stop(launcher: Launcher, handle: JobHandle, pids: list[int]) -> None:
@@ -75,7 +76,7 @@ def test_cluster_env_and_the_faults_reach_every_rank_of_a_local_job_and_are_reco
 ) -> None:
     monkeypatch.setenv("TDEPLOY_HOME", str(tmp_path / "home"))
     spec = make_spec({"cluster": {"env": SPEC_ENV}, "run": {"steps": 20}})
-    launcher, handle = submit(spec.cluster, spec.training_config(), "env", faults=FAULTS)
+    launcher, handle = submit(spec.cluster, spec.training_config(), "env", environment=FAULTS)
     pids: list[int] = []
     try:
         pids = _rank_pids(handle.output_dir, 2)
@@ -102,7 +103,7 @@ def test_run_local_which_tdeploy_train_uses_gives_every_rank_cluster_env(make_sp
             raise _Seen({pid: _environ(pid) for pid in _rank_pids(out, 2)})
 
     with pytest.raises(_Seen) as seen:
-        run_local(spec.cluster, spec.training_config(), on_line=on_line, faults=FAULTS)
+        run_local(spec.cluster, spec.training_config(), on_line=on_line, environment=FAULTS)
     assert len(seen.value.environments) == 2
     for pid, env in seen.value.environments.items():
         assert {key: env.get(key) for key in SPEC_ENV} == SPEC_ENV, f"rank pid {pid} lacks cluster.env"
@@ -114,7 +115,7 @@ def test_cluster_env_and_the_faults_reach_every_rank_of_a_slurm_job_and_are_reco
 ) -> None:
     spec = make_spec({"cluster": {"scheduler": "slurm", "env": SPEC_ENV}, "run": {"steps": 20}})
     launcher = SlurmLauncher(slurm_cluster)
-    handle = launcher.submit(spec.cluster, spec.training_config(), "tdeploy-env", faults=FAULTS)
+    handle = launcher.submit(spec.cluster, spec.training_config(), "tdeploy-env", environment=FAULTS)
     pids: list[int] = []
     try:
         pids = _rank_pids(handle.output_dir, 2)

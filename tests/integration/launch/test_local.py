@@ -12,7 +12,7 @@ from tasks.errors import UserError
 from tasks.launch.base import JobState, find_job
 from tasks.launch.local import LocalLauncher, TrainingFailed, run_local, start_local
 from tests.conftest import process_running
-from training.faults import ENV_VAR
+from tests.faults.job import injected
 
 pytestmark = pytest.mark.integration
 
@@ -47,9 +47,9 @@ def test_two_process_job_succeeds_and_is_found_again_by_reference(make_spec, mon
 
 def test_a_crashing_rank_is_reported_with_its_error(make_spec) -> None:
     spec = make_spec({"run": {"steps": 6}})
-    faults = {ENV_VAR: json.dumps({"crash_at_step": 3, "crash_rank": 1})}
+    faults = injected(crash_at_step=3, crash_rank=1)
     with pytest.raises(TrainingFailed) as caught:
-        run_local(spec.cluster, spec.training_config(), faults=faults)
+        run_local(spec.cluster, spec.training_config(), environment=faults)
     status = caught.value.status
     assert status.state is JobState.FAILED and status.failure is not None
     assert status.failure.rank == 1 and status.failure.exitcode == 1
@@ -59,7 +59,7 @@ def test_a_crashing_rank_is_reported_with_its_error(make_spec) -> None:
 
 def test_cancel_ends_every_process_of_the_job(make_spec) -> None:
     spec = make_spec({"run": {"steps": 50}})
-    job = start_local(spec.cluster, spec.training_config(), faults={ENV_VAR: json.dumps({"pause_after_step": 2})})
+    job = start_local(spec.cluster, spec.training_config(), environment=injected(pause_after_step=2))
     deadline = time.monotonic() + 120
     while job.status().state is not JobState.RUNNING:
         assert time.monotonic() < deadline, job.log_tail()
@@ -75,7 +75,7 @@ def test_cancel_ends_every_process_of_the_job(make_spec) -> None:
 
 def test_a_second_job_in_the_folder_of_a_running_one_is_refused_before_anything_is_touched(make_spec) -> None:
     spec = make_spec({"run": {"steps": 50}})
-    job = start_local(spec.cluster, spec.training_config(), faults={ENV_VAR: json.dumps({"pause_after_step": 2})})
+    job = start_local(spec.cluster, spec.training_config(), environment=injected(pause_after_step=2))
     try:
         deadline = time.monotonic() + 120
         while job.status().state is not JobState.RUNNING:

@@ -16,33 +16,35 @@ from pathlib import Path
 import pytest
 
 from tasks.launch.base import JobHandle, JobState
+from tasks.launch.environment import JobEnvironment
 from tasks.launch.local import LocalLauncher, start_local
 from tests.conftest import REPO, process_running
+from tests.faults.job import injected
 from tests.processes import start_group
-from training.faults import ENV_VAR
 
 pytestmark = pytest.mark.integration
 
 # A supervisor in a process of its own: submits a local job (supervised or not) and waits for it or not.
 _SUBMITTER = """
-import json, sys
-from tasks.cluster import ClusterConfig
+import sys
+from tasks.launch.cluster import ClusterConfig
+from tasks.launch.environment import JobEnvironment
 from tasks.launch.local import LocalLauncher, run_local
 from training.config import TrainConfig
 cluster, train = ClusterConfig.model_validate_json(sys.argv[1]), TrainConfig.from_json_file(sys.argv[2])
-faults = json.loads(sys.argv[3])
+environment = JobEnvironment.model_validate_json(sys.argv[3])
 if sys.argv[4] == "run":
-    run_local(cluster, train, faults=faults)
+    run_local(cluster, train, environment=environment)
 else:
-    LocalLauncher().submit(cluster, train, "detached", faults=faults, supervised=False)
+    LocalLauncher().submit(cluster, train, "detached", environment=environment, supervised=False)
 """
 
 
 def _start_submitter(spec, tmp_path: Path, mode: str, faults: dict | None = None) -> subprocess.Popen:  # noqa: ANN001
     config = tmp_path / f"{mode}.json"
     spec.training_config().to_json_file(config)
-    variables = json.dumps({ENV_VAR: json.dumps(faults)} if faults else {})
-    command = [sys.executable, "-c", _SUBMITTER, spec.cluster.model_dump_json(), str(config), variables, mode]
+    environment = (injected(**faults) if faults else JobEnvironment()).model_dump_json()
+    command = [sys.executable, "-c", _SUBMITTER, spec.cluster.model_dump_json(), str(config), environment, mode]
     return start_group(command, cwd=REPO)
 
 
@@ -146,7 +148,7 @@ def test_a_detached_job_outlives_the_process_that_submitted_it(make_spec, tmp_pa
 
 def test_a_torchrun_agent_killed_outright_takes_its_workers_with_it(make_spec) -> None:
     spec = make_spec({"run": {"steps": 50}})
-    job = start_local(spec.cluster, spec.training_config(), faults={ENV_VAR: json.dumps({"pause_after_step": 2})})
+    job = start_local(spec.cluster, spec.training_config(), environment=injected(pause_after_step=2))
     try:
         workers = _wait_running(job.handle)
         (agent,) = _agents(job.handle.details["agents"][0]["pid"])

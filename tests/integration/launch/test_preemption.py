@@ -5,7 +5,6 @@ bit-identical to an uninterrupted run at the same seed."""
 
 from __future__ import annotations
 
-import json
 import signal
 import time
 from pathlib import Path
@@ -17,7 +16,7 @@ from tasks.launch.base import JobState
 from tasks.launch.local import LocalJob, run_local, start_local
 from tasks.spec import DeploymentSpec, parse_spec
 from tests.conftest import TINY_SPEC, deep_merge
-from training.faults import ENV_VAR
+from tests.faults.job import injected
 from training.preemption import PREEMPTED_EXIT_CODE, read_records
 from training.run_output import RunOutput
 
@@ -41,7 +40,7 @@ def _losses(output_dir: Path) -> dict[int, tuple[float, float, float]]:
     """Per step: the global loss and each rank's own loss (the later attempt of a step that ran twice)."""
     out = RunOutput(output_dir)
     rank0, rank1 = out.metrics(0), out.metrics(1)
-    return {step: (r["loss"], r["rank_loss"], rank1[step]["rank_loss"]) for step, r in rank0.items()}
+    return {step: (r.loss, r.rank_loss, rank1[step].rank_loss) for step, r in rank0.items()}
 
 
 @pytest.fixture(scope="module")
@@ -67,8 +66,8 @@ def test_a_signalled_job_checkpoints_ends_preempted_and_resumes_losing_no_step(
     spec = _spec(tmp_path, tiny_dataset, "preempted")
     train = spec.training_config()
     # A slow rank (sleeps only: the numbers stay those of the reference) leaves time to signal mid-run.
-    slow = {ENV_VAR: json.dumps({"slow_rank": 1, "slow_step_s": 0.3})}
-    job = start_local(spec.cluster, train, name="preempted", faults=slow)
+    slow = injected(slow_rank=1, slow_step_s=0.3)
+    job = start_local(spec.cluster, train, name="preempted", environment=slow)
     _wait_for_step(job, 2)
     job.launcher.signal(job.handle, sig)
     if sig is signal.SIGUSR1:  # Slurm's warning, then its SIGTERM while the workers save: the save still wins
@@ -92,6 +91,6 @@ def test_a_signalled_job_checkpoints_ends_preempted_and_resumes_losing_no_step(
     again = run_local(spec.cluster, train, name="resubmitted")
     result = RunOutput(again.output_dir).result()
     assert result is not None and result.resumed_from_step == step and result.steps == STEPS
-    first_of_second_run = min(r["step"] for r in RunOutput(again.output_dir).metric_records(0)[step:])
+    first_of_second_run = min(r.step for r in RunOutput(again.output_dir).metric_records(0)[step:])
     assert first_of_second_run == step + 1  # no step lost, none repeated
     assert _losses(again.output_dir) == reference  # bit-identical, both ranks, every step

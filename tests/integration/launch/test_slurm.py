@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from tasks.cluster import ALLOWED_ENV_VAR
 from tasks.errors import UserError
 from tasks.launch.base import JobState, wait_for
+from tasks.launch.network import ALLOWED_ENV_VAR
 from tasks.launch.slurm import SlurmLauncher
 from tests.conftest import process_running
-from training.faults import ENV_VAR
+from tests.faults.job import injected
 
 pytestmark = pytest.mark.integration
 
@@ -69,8 +69,8 @@ def test_shell_syntax_in_the_output_path_env_and_sbatch_options_is_taken_literal
 def test_scancel_cancels_a_running_job(slurm_cluster, make_spec) -> None:
     spec = make_spec({"cluster": {"scheduler": "slurm"}, "run": {"steps": 50}})
     launcher = SlurmLauncher(slurm_cluster)
-    faults = {ENV_VAR: json.dumps({"pause_after_step": 2})}
-    handle = launcher.submit(spec.cluster, spec.training_config(), "tdeploy-cancel", faults=faults)
+    faults = injected(pause_after_step=2)
+    handle = launcher.submit(spec.cluster, spec.training_config(), "tdeploy-cancel", environment=faults)
     ranks_file = Path(spec.run.output_url, "ranks.json")
     wait_for(launcher, handle, frozenset({JobState.RUNNING}), timeout_s=300)
     deadline = time.monotonic() + 300

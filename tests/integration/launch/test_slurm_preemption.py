@@ -4,7 +4,6 @@ done, and finishes from the checkpoint's step with no step lost, its losses thos
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import subprocess
@@ -18,7 +17,7 @@ from tasks.launch.base import JobState
 from tasks.launch.local import start_local
 from tasks.launch.slurm import SlurmLauncher
 from tasks.spec import DeploymentSpec
-from training.faults import ENV_VAR
+from tests.faults.job import injected
 from training.preemption import read_records
 from training.run_output import RunOutput
 
@@ -32,7 +31,7 @@ OVERRIDES = {"run": {"steps": STEPS}, "checkpoint": {"save_every_steps": 1000}}
 def _losses(output_dir: str) -> dict[int, tuple[float, float]]:
     out = RunOutput(output_dir)
     rank1 = out.metrics(1)
-    return {step: (r["loss"], rank1[step]["rank_loss"]) for step, r in out.metrics(0).items()}
+    return {step: (r.loss, rank1[step].rank_loss) for step, r in out.metrics(0).items()}
 
 
 def _status_lines(ref: str, env: dict[str, str]) -> list[str]:
@@ -66,8 +65,8 @@ def test_a_low_priority_job_is_preempted_requeued_and_resumes_from_its_checkpoin
 def _preempt_and_resume(launcher: SlurmLauncher, spec: DeploymentSpec, env: dict[str, str]) -> None:
     """Submit the low job, preempt it with a high one mid-run, watch it come back and finish; check its history."""
     # one slow rank (0.5 s a step): the high job arrives mid-run
-    faults = {ENV_VAR: json.dumps({"slow_rank": 0, "slow_step_s": 0.5})}
-    low = launcher.submit(spec.cluster, spec.training_config(), "tdeploy-low", faults=faults)
+    faults = injected(slow_rank=0, slow_step_s=0.5)
+    low = launcher.submit(spec.cluster, spec.training_config(), "tdeploy-low", environment=faults)
     out = RunOutput(spec.run.output_url)
     deadline = time.monotonic() + 240
     while not (out.dir / "metrics").exists() or out.last_step() < 2:
@@ -101,7 +100,7 @@ def _preempt_and_resume(launcher: SlurmLauncher, spec: DeploymentSpec, env: dict
 
     (record,) = read_records(spec.run.output_url)
     assert record.signal == "SIGTERM", record  # Slurm's preemption signal (the partition's GraceTime follows)
-    steps = [r["step"] for r in out.metric_records(0)]
+    steps = [r.step for r in out.metric_records(0)]
     assert steps == list(range(1, STEPS + 1)), "every step once: none lost, none repeated"
     assert 2 <= record.step < STEPS
     preempted_line = (

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import json
 
 import pytest
 
-from training.faults import ENV_VAR
+from tasks.launch.environment import JobEnvironment
+from tests.faults.job import injected
 
 pytestmark = pytest.mark.integration
 
@@ -17,7 +17,7 @@ def test_submit_job_task_waits_for_the_job_and_a_failed_job_is_not_retried(prefe
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
-    from tasks.deployment import JobResult
+    from tasks.launch.step import JobInputs, JobResult
     from tasks.launch.submit import JobFailed
     from tasks.launch.task import submit_job
 
@@ -25,13 +25,13 @@ def test_submit_job_task_waits_for_the_job_and_a_failed_job_is_not_retried(prefe
     bad = make_spec({"run": {"steps": 4}}, name="bad")
 
     @flow
-    def run_job(spec, env: dict | None = None) -> JobResult:  # noqa: ANN001
-        return submit_job(spec.cluster, spec.training_config(), spec.name, faults=env)
+    def run_job(spec, environment: JobEnvironment | None = None) -> JobResult:  # noqa: ANN001
+        return submit_job(JobInputs.of(spec, spec.training_config()), environment=environment)
 
     result = run_job(good)
     assert result.state == "succeeded" and result.job.startswith("local:")
 
-    state = run_job(bad, {ENV_VAR: json.dumps({"crash_at_step": 2, "crash_rank": 0})}, return_state=True)
+    state = run_job(bad, injected(crash_at_step=2, crash_rank=0), return_state=True)
     assert state.is_failed()
     with pytest.raises(JobFailed, match=r"rank 0 \(local rank 0\) .* injected crash on rank 0 after step 2"):
         state.result()

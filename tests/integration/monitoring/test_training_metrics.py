@@ -12,9 +12,10 @@ import pytest
 import torch
 
 from tasks.launch.local import run_local, start_local
-from tests.conftest import metrics_by_step, read_jsonl
+from tests.conftest import metrics_by_step
+from tests.faults.job import injected
 from tests.integration.monitoring.conftest import port_is_closed, scrape_until
-from training.faults import ENV_VAR
+from training.run_output import RunOutput
 from training.telemetry import memory_capacity_bytes
 
 pytestmark = pytest.mark.integration
@@ -29,7 +30,7 @@ def test_a_two_rank_run_serves_each_ranks_step_record_on_its_own_port(
     base = metrics_ports(2)
     spec = make_spec({"run": {"steps": 20, "metrics_port": base, "throughput_baseline_tokens_per_s": 5000.0}})
     job = start_local(
-        spec.cluster, spec.training_config(), faults={ENV_VAR: json.dumps({"pause_after_step": PAUSE_AFTER_STEP})}
+        spec.cluster, spec.training_config(), environment=injected(pause_after_step=PAUSE_AFTER_STEP)
     )
     try:
         scraped = {
@@ -48,20 +49,21 @@ def test_a_two_rank_run_serves_each_ranks_step_record_on_its_own_port(
         record = metrics_by_step(spec.run.output_url, rank)[PAUSE_AFTER_STEP]
         labels = (("host", socket.gethostname()), ("rank", str(rank)), ("train_job", job.handle.job_id))
         expected = {
-            "tdeploy_train_step": record["step"],
-            "tdeploy_train_last_step_timestamp_seconds": record["time_unix_s"],
-            "tdeploy_train_step_time_seconds": record["step_time_s"],
-            "tdeploy_train_tokens_per_second": record["tokens_per_s"],
-            "tdeploy_train_loss": record["loss"],
-            "tdeploy_train_data_wait_ratio": record["data_wait_s"] / record["step_time_s"],
-            "tdeploy_train_communication_ratio": record["comm_s"] / record["step_time_s"],
-            "tdeploy_train_peak_memory_bytes": record["peak_mem_bytes"],
+            "tdeploy_train_step": record.step,
+            "tdeploy_train_last_step_timestamp_seconds": record.time_unix_s,
+            "tdeploy_train_step_time_seconds": record.step_time_s,
+            "tdeploy_train_tokens_per_second": record.tokens_per_s,
+            "tdeploy_train_loss": record.loss,
+            "tdeploy_train_data_wait_ratio": record.data_wait_s / record.step_time_s,
+            "tdeploy_train_communication_ratio": record.comm_s / record.step_time_s,
+            "tdeploy_train_peak_memory_bytes": record.peak_mem_bytes,
             "tdeploy_train_memory_capacity_bytes": capacity,
             "tdeploy_train_baseline_tokens_per_second": 5000.0,
             "tdeploy_train_nonfinite_loss_steps_total": 0,
         }
         assert {name: samples[name] for name in expected} == {name: {labels: v} for name, v in expected.items()}
-        assert not any(key.startswith("gpu_") for key in record)  # no GPU here: no GPU keys in the record
+        gpu = (record.gpu_util, record.gpu_mem_bytes, record.gpu_mem_total_bytes, record.gpu_power_w)
+        assert gpu == (None, None, None, None)  # no GPU here: no GPU readings in the record
     assert port_is_closed(base) and port_is_closed(base + 1)  # the job is gone, and its endpoints with it
 
 
@@ -85,7 +87,7 @@ def test_training_runs_without_prometheus_client_and_pynvml_and_says_why_once_pe
     result = json.loads((job.output_dir / "result.json").read_text())
     assert result["steps"] == 4
     for rank in (0, 1):
-        assert [r["step"] for r in read_jsonl(job.output_dir / "metrics" / f"rank-{rank:05d}.jsonl")] == [1, 2, 3, 4]
+        assert [r.step for r in RunOutput(job.output_dir).metric_records(rank)] == [1, 2, 3, 4]
     reasons = [line for line in job.log_path.read_text().splitlines() if "prometheus-client cannot be imported" in line]
     assert len(reasons) == 2, reasons  # once on each rank
     assert all("No module named" in line or "halted" in line for line in reasons)

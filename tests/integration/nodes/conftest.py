@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from tasks.cluster import ClusterConfig
+from tasks.launch.cluster import ClusterConfig
 from tasks.nodes.check import run_node_checks
 from tasks.nodes.config import NodesConfig
 from tasks.nodes.report import NodeReport

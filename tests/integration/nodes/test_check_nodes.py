@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -13,6 +12,7 @@ from flows.cli import app
 from tasks.nodes.check import NodeCheckFailed, raise_for_blocking, run_node_checks
 from tasks.nodes.config import NodesConfig
 from tasks.nodes.inventory import plan_checks
+from tasks.nodes.report import NodeReport
 from tasks.nodes.runner import PlaybookDidNotRun, RoleArgumentsRejected, run_playbook
 from tests.conftest import TINY_SPEC, deep_merge
 from tests.integration.nodes.conftest import RDZV_PORT, FaultyRun, free_port, two_node_cluster
@@ -78,11 +78,11 @@ def test_cli_with_an_existing_inventory_exits_1_naming_hosts_and_fix(consistent:
     out = CliRunner().invoke(app, ["check-nodes", str(tmp_path / "spec.yaml"), "--out", str(tmp_path)])
     assert out.exit_code == 1, out.output
     assert "2 node(s) NOT ready (blocking on node-a, node-b)" in out.output
-    report = json.loads((tmp_path / "node-check.json").read_text())
-    assert report["hosts"] == ["node-a", "node-b"], "only the hosts of the pattern, in inventory order"
-    (row,) = [r for r in report["rows"] if r["severity"] == "blocking"]
-    assert row["check"] == f"storage {consistent.scratch}"
-    assert "needs 1e+09 GB" in row["finding"] and "with at least 1e+09 GB free" in row["remediation"]
+    report = NodeReport.read(tmp_path / "node-check.json")
+    assert report.hosts == ["node-a", "node-b"], "only the hosts of the pattern, in inventory order"
+    (row,) = report.blocking
+    assert row.check == f"storage {consistent.scratch}"
+    assert "needs 1e+09 GB" in (row.finding or "") and "with at least 1e+09 GB free" in (row.remediation or "")
     assert (tmp_path / "node-check.log").read_text().count("PLAY RECAP") == 1
 
 

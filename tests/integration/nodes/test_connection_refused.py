@@ -9,7 +9,7 @@ import pytest
 from prefect import flow
 from prefect.client.orchestration import get_client
 
-from tasks.cluster import ClusterConfig
+from tasks.launch.cluster import ClusterConfig
 from tasks.nodes.config import NodesConfig
 from tasks.nodes.task import check_nodes
 from tests.integration.nodes.conftest import free_port

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tasks.cluster import ClusterConfig
+from tasks.launch.cluster import ClusterConfig
 from tasks.nodes.check import NodeCheckFailed, raise_for_blocking, run_node_checks
 from tasks.nodes.config import NodesConfig
 from tests.integration.nodes.conftest import free_port, require

@@ -17,9 +17,10 @@ from prefect.client.orchestration import get_client
 from typer.testing import CliRunner
 
 from flows.cli import app
-from tasks.cluster import ClusterConfig
-from tasks.deployment import NodesResult
+from tasks.launch.cluster import ClusterConfig
 from tasks.nodes.config import NodesConfig
+from tasks.nodes.report import NodeReport
+from tasks.nodes.step import NodesInputs, NodesResult
 from tasks.nodes.task import check_nodes
 from tests.conftest import REPO
 from tests.integration.nodes.conftest import free_port
@@ -35,7 +36,7 @@ def run_task(nodes: NodesConfig, cluster: ClusterConfig, report: Path) -> tuple[
     @flow
     def nodes_flow() -> dict[str, Any]:
         state = check_nodes.with_options(retries=1, retry_delay_seconds=0)(
-            nodes, cluster, str(report), return_state=True
+            NodesInputs(nodes=nodes, cluster=cluster, report_path=str(report)), return_state=True
         )
         data = state.result(raise_on_failure=False)
         return {
@@ -76,8 +77,8 @@ def test_cli_checks_the_embedded_default_spec_on_localhost(tmp_path: Path) -> No
     out = CliRunner().invoke(app, ["check-nodes", str(REPO / "examples" / "local.yaml"), "--out", str(tmp_path)])
     assert out.exit_code == 0, out.output
     assert "1 node(s) ready: 0 blocking" in out.output
-    report = json.loads((tmp_path / "node-check.json").read_text())
-    assert report["ok"] is True and report["hosts"] == ["localhost"]
+    report = NodeReport.read(tmp_path / "node-check.json")
+    assert report.ok is True and report.hosts == ["localhost"]
 
 
 def test_ansible_lint_passes_on_the_playbooks() -> None:

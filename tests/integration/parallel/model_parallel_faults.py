@@ -1,4 +1,4 @@
-"""Model-parallel bugs for the correctness tests, applied in a job's processes by fault_harness/sitecustomize.py.
+"""Model-parallel bugs for the correctness tests, applied in a job's processes by tests/faults/harness/sitecustomize.py.
 
 Each function patches the payload the way the bug would be written, without any switch in the payload itself.
 """
@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -16,13 +15,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import SequenceParallel
 
-
-HARNESS = Path(__file__).parent / "fault_harness"
+from tests.faults import HARNESS, ROOT
 
 
 def patched(function: str) -> dict[str, str]:
     """The job environment variables that apply `function` of this module in the job's processes."""
-    path = os.pathsep.join([str(HARNESS), str(Path(__file__).resolve().parents[3])])
+    path = os.pathsep.join([str(HARNESS), str(ROOT)])
     return {"PYTHONPATH": path, "TDEPLOY_TEST_PATCH": f"{__name__}:{function}"}
 
 

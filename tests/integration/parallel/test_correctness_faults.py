@@ -1,9 +1,9 @@
 """Subtle model-parallel bugs fail the correctness dimension by a wide margin, and clean runs pass it by one.
 
-Each bug is applied to the distributed job only, through the test harness (fault_harness/sitecustomize.py and
+Each bug is applied to the distributed job only, through the test harness (tests/faults/harness/sitecustomize.py and
 model_parallel_faults.py): sequence-parallel norm weights whose gradients are not reduced over the TP group, expert
 gradients divided by the wrong factor, and clipping by a norm without the other expert-parallel ranks' experts.
-The runs are judged as `tdeploy accept` judges them (tasks/acceptance/suite.py `correctness_of`): losses and
+The runs are judged as `tdeploy accept` judges them (tasks/acceptance/checks.py `correctness_of`): losses and
 gradient norms per step and the parameters after the reference steps against the independent reference, with
 tolerances derived from the reference's noise twin, and the replica check. Each test prints its margins: the
 fault's deviation in tolerances, and the clean run's.
@@ -18,7 +18,8 @@ from typing import Any
 import pytest
 
 from tasks.acceptance.config import AcceptanceConfig
-from tasks.acceptance.suite import correctness_of, correctness_plan
+from tasks.acceptance.checks import correctness_of
+from tasks.acceptance.suite import correctness_plan
 from tasks.acceptance.workspace import Job, RunOutcome
 from tasks.spec import DeploymentSpec, parse_spec
 from tests.conftest import TINY_SPEC, deep_merge
@@ -148,7 +149,7 @@ def test_a_clean_expert_parallel_run_passes_correctness(ep: Layout) -> None:
     _assert_clean(ep.judge(ep.clean))
     # ... with the clip threshold active: most steps' norms exceed it, and the parameters still match
     clip = ep.spec.training_config().optim.grad_clip_norm
-    norms = [m["grad_norm"] for m in RunOutput(ep.clean.output_dir).metrics(0).values()]
+    norms = [m.grad_norm for m in RunOutput(ep.clean.output_dir).metrics(0).values()]
     assert clip is not None and sum(n > clip for n in norms) > len(norms) // 2, (clip, norms)
 
 

@@ -7,7 +7,6 @@ one reference run per model serves all of them: the reference sees the same samp
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 from typing import Any
@@ -20,8 +19,8 @@ from tasks.launch.base import JobState
 from tasks.launch.local import run_local, start_local
 from tasks.spec import DeploymentSpec, parse_spec
 from tests.conftest import TINY_SPEC, deep_merge, metrics_by_step
+from tests.faults.job import injected
 from training.checkpoint import step_dir_name
-from training.faults import ENV_VAR
 from training.layout import data_parallel_degree
 from training.run_output import RunOutput
 from validation.acceptance import check_correctness
@@ -100,7 +99,7 @@ def test_each_layout_matches_the_single_process_reference(
     plan = correctness_plan(spec.cluster, spec.training_config(), tmp_path / "pair", STEPS, REFERENCE_STEPS)
     assert plan.distributed is None  # fp32 without dropout: the run itself is the distributed side
     ref = _reference_for(spec, references, tmp_path / "reference")
-    assert ref.metrics()[1]["loss"] > 0
+    assert ref.metrics()[1].loss > 0
     job = run_local(spec.cluster, spec.training_config().model_copy(
         update={"run": spec.run.model_copy(update={"stop_after_steps": REFERENCE_STEPS})}))  # fmt: skip
     out = RunOutput(job.output_dir)
@@ -110,16 +109,16 @@ def test_each_layout_matches_the_single_process_reference(
     assert {r["mesh"]["dims"]["dp"] for r in ranks} == {dp}
     result = check_correctness(out.metrics(0), ref.metrics(), TOLERANCE)
     assert result.passed, (result.message, result.measured, result.evidence)
-    worst = max(abs(out.metrics(0)[s]["loss"] - ref.metrics()[s]["loss"]) / ref.metrics()[s]["loss"]
+    worst = max(abs(out.metrics(0)[s].loss - ref.metrics()[s].loss) / ref.metrics()[s].loss
                 for s in range(1, REFERENCE_STEPS + 1))  # fmt: skip
     assert worst < TOLERANCE, worst
     # The measurement step (the launch's second) counts and times each mesh dimension's collectives.
     measured = out.metrics(0)[2]
     used = {dim for dim, key in (("tp", "tensor_parallel"), ("pp", "pipeline_parallel"), ("ep", "expert_parallel"))
             if getattr(spec.parallel, key) > 1} | ({"dp"} if dp > 1 else set())  # fmt: skip
-    assert used <= {d for d, sent in measured["comm_bytes"].items() if sent > 0}, measured["comm_bytes"]
-    assert used <= set(measured["comm_s_per_dim"]), measured["comm_s_per_dim"]
-    assert out.metrics(0)[3]["comm_bytes"] is None
+    assert used <= {d for d, sent in measured.comm_bytes.items() if sent > 0}, measured.comm_bytes
+    assert used <= set(measured.comm_s_per_dim), measured.comm_s_per_dim
+    assert out.metrics(0)[3].comm_bytes is None
     # Samples are recorded once per data-parallel rank, under its data-parallel rank.
     assert out.sample_ranks() == list(range(dp))
 
@@ -150,7 +149,7 @@ def test_a_tensor_parallel_rank_killed_and_resumed_continues_bit_identically(tin
     run_local(clean.cluster, clean.training_config())
 
     killed = _spec(tmp_path / "killed", tiny_dataset, model, parallel, **steps)
-    job = start_local(killed.cluster, killed.training_config(), faults={ENV_VAR: json.dumps({"pause_after_step": 9})})
+    job = start_local(killed.cluster, killed.training_config(), environment=injected(pause_after_step=9))
     _wait_for_step(killed.run.output_url, 1, 9)
     _kill_rank(killed.run.output_url, 1)  # tensor-parallel coordinate 1 of the first stage
     assert job.wait(timeout_s=120).state is JobState.FAILED
@@ -158,7 +157,7 @@ def test_a_tensor_parallel_rank_killed_and_resumed_continues_bit_identically(tin
     assert RunOutput(killed.run.output_url).ranks().ranks[0]["resumed_from_step"] == 6
     a, b = metrics_by_step(clean.run.output_url), metrics_by_step(killed.run.output_url)
     for step in range(7, 13):
-        assert (a[step]["loss"], a[step]["grad_norm"]) == (b[step]["loss"], b[step]["grad_norm"]), step
+        assert (a[step].loss, a[step].grad_norm) == (b[step].loss, b[step].grad_norm), step
 
 
 @pytest.fixture(scope="module")
@@ -195,4 +194,4 @@ def test_a_tp2xdp2_checkpoint_resumes_on_another_layout(
     assert resume is not None and resume.resharded, resume  # same world size, another layout
     resumed = metrics_by_step(moved.run.output_url)
     for step in range(7, 13):
-        assert abs(whole[step]["loss"] - resumed[step]["loss"]) / whole[step]["loss"] < TOLERANCE, step
+        assert abs(whole[step].loss - resumed[step].loss) / whole[step].loss < TOLERANCE, step

@@ -1,6 +1,6 @@
 """A pipeline split that leaves a layer out fails connectivity, naming the layer: the ranks record the layers they
 run (ranks.json mesh `layers`) and acceptance checks each runs on exactly one stage. The bad split is applied to
-the job through the test harness (fault_harness/sitecustomize.py), the trainer itself unchanged."""
+the job through the test harness (tests/faults/harness/sitecustomize.py), the trainer itself unchanged."""
 
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tasks.deployment import DataResult, training_config
+from tasks.prepare.step import DataResult, training_config
 from tasks.errors import UserError
 from tasks.prepare.config import TokenizerConfig
 from tasks.prepare.existing import CheckedDataset, check_dataset_url
@@ -76,7 +76,7 @@ def test_adopted_ids_with_their_tokenizer_train_and_export_a_model_that_decodes_
 ) -> None:
     import transformers
 
-    from tasks.export.task import export_checkpoint
+    from tasks.export.step import export_checkpoint
 
     tok_path, tokenizer = _bpe(tmp_path)
     rows = [ids.tolist() for ids in tokenizer.encode_batch(TEXTS)]
@@ -217,7 +217,7 @@ def test_a_blend_of_our_datasets_of_one_bpe_tokenizer_carries_that_tokenizer(
 def test_a_spec_that_serves_adopted_ids_without_their_tokenizer_is_refused_before_the_job(
     make_spec: Callable[..., DeploymentSpec], tmp_path: Path
 ) -> None:
-    from tasks.deployment import check_served_data
+    from tasks.prepare.step import check_served_data
 
     folder = _ids_dataset(tmp_path, [[5, 6, 7, 8]] * 10)
     servable = {"d_model": 64, "n_heads": 2, "n_kv_heads": 1}

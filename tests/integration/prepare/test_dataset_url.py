@@ -16,9 +16,10 @@ from typer.testing import CliRunner
 
 import validation.data
 from flows.cli import app
-from tasks.deployment import DataResult, existing_dataset
+from tasks.prepare.step import DataInputs, DataResult, run
 from tasks.prepare.config import DataSpec, PrepareConfig
-from tasks.prepare.existing import REPORTS_SUBDIR, VERDICT_FILE, check_dataset_url, verdict_key
+from tasks.paths import DATA_VALIDATION_DIR
+from tasks.prepare.existing import VERDICT_FILE, check_dataset_url, verdict_key
 from tasks.prepare.pipeline import DataValidationError, prepare_dataset
 from tests.conftest import TINY_SPEC, deep_merge
 from training.dataset import read_manifest
@@ -76,7 +77,7 @@ def test_a_token_outside_the_vocabulary_is_refused_naming_file_position_and_valu
     assert [p.file for p in err.problems] == [SHARD] and "set model.vocab_size" in message
     assert err.report_url and json.loads(Path(err.report_url).read_text())["success"] is False
     assert err.docs_url and "token id 5000" in Path(err.docs_url).read_text()  # the report lists the problem
-    assert Path(err.report_url).is_relative_to(reports / REPORTS_SUBDIR)  # never inside the dataset
+    assert Path(err.report_url).is_relative_to(reports / DATA_VALIDATION_DIR)  # never inside the dataset
     assert not list(reports.rglob(VERDICT_FILE))  # a refusal is never cached
     assert sorted(p.name for p in root.iterdir()) == sorted(p.name for p in Path(tiny_dataset).iterdir())
 
@@ -91,7 +92,7 @@ def test_tdeploy_train_refuses_a_corrupted_shard_before_any_training_job(tiny_da
     assert f"data.dataset_url={root}: data validation failed: {SHARD} has sha256 " in text, text
     assert "the manifest says" in text and "nothing was trained" in text
     assert not (folder / "output").exists() and not (folder / "checkpoints").exists()  # no job ever started
-    assert list((folder / REPORTS_SUBDIR).glob("*/validation/validation.json"))
+    assert list((folder / DATA_VALIDATION_DIR).glob("*/validation/validation.json"))
 
 
 def test_a_clean_dataset_passes_and_a_rerun_reuses_the_verdict_without_rescanning(
@@ -99,7 +100,7 @@ def test_a_clean_dataset_passes_and_a_rerun_reuses_the_verdict_without_rescannin
 ) -> None:
     root = _copy(tiny_dataset, tmp_path, "clean")
     spec = make_spec({"deployment_dir": str(tmp_path / "deploy"), "data": {"dataset_url": str(root)}})
-    first = existing_dataset(spec)  # the data step's logic, as the CLI and the flow call it
+    first = run(DataInputs.of(spec))  # the data step's logic, as the CLI and the flow call it
     assert first.given and not first.cached_verdict and first.validation["success"]
     assert first.validation["evaluated_expectations"] == 10 and first.validation["problems"] == []
     assert first.splits == {
@@ -111,7 +112,7 @@ def test_a_clean_dataset_passes_and_a_rerun_reuses_the_verdict_without_rescannin
         raise AssertionError("the dataset was rescanned")
 
     monkeypatch.setattr(validation.data, "scan_shard", no_rescan)
-    again = existing_dataset(spec)
+    again = run(DataInputs.of(spec))
     assert again.cached_verdict and again.validation == first.validation and "(cached verdict)" in again.summary()
     assert DataResult.model_validate_json(again.model_dump_json()) == again
 

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tasks.deployment import DataResult, training_config
+from tasks.prepare.step import DataResult, training_config
 from tasks.errors import UserError
 from tasks.prepare.config import PrepareConfig
 from tasks.prepare.existing import CheckedDataset, check_dataset_url
@@ -107,7 +107,7 @@ def _train(cfg: TrainConfig) -> RunOutput:
 def _assert_trained(output: RunOutput) -> None:
     result = output.result()
     assert result is not None and result.steps == STEPS
-    losses = [output.metrics(0)[step]["loss"] for step in range(1, STEPS + 1)]
+    losses = [output.metrics(0)[step].loss for step in range(1, STEPS + 1)]
     assert all(np.isfinite(losses)) and np.isfinite(result.val_loss)
 
 

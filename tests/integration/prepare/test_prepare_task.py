@@ -16,8 +16,8 @@ def test_prepare_data_task_returns_the_dataset_and_publishes_its_counts(prefect_
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
     from prefect.client.schemas.sorting import ArtifactSort
 
-    from tasks.deployment import DataResult
-    from tasks.prepare.config import PrepareConfig
+    from tasks.prepare.config import DataSpec, PrepareConfig
+    from tasks.prepare.step import DataInputs, DataResult
     from tasks.prepare.task import prepare_data
     from training.storage import StorageConfig
 
@@ -31,7 +31,9 @@ def test_prepare_data_task_returns_the_dataset_and_publishes_its_counts(prefect_
 
     @flow
     def prepare_only() -> DataResult:
-        return prepare_data(cfg, StorageConfig())
+        storage, reports = StorageConfig(), str(tmp_path)
+        inputs = DataInputs(data=DataSpec(prepare=cfg), vocab_size=257, storage=storage, reports_dir=reports)
+        return prepare_data(inputs)
 
     result = prepare_only()
     assert Path(result.dataset_url, "manifest.json").exists() and result.validation["success"]

@@ -10,6 +10,7 @@ from typer.testing import CliRunner
 
 from flows.cli import app
 from tasks.capacity.plan import plan_capacity
+from tasks.capacity.record import read_plan
 from tasks.spec import parse_spec
 from tests.conftest import TINY_SPEC, deep_merge
 
@@ -44,14 +45,14 @@ def test_plan_prints_a_table_and_writes_plan_json_with_units(tmp_path: Path) -> 
     result = CliRunner().invoke(app, ["plan", str(_write_spec(tmp_path, {}))])
     assert result.exit_code == 0, result.output
     assert "memory of the requested layout" in result.output and "layouts that fit" in result.output
-    plan = json.loads((tmp_path / "plan" / "plan.json").read_text())
-    assert plan["fits"] is True
-    memory = plan["requested"]["memory"]
+    plan = read_plan(str(tmp_path / "plan" / "plan.json"))
+    assert plan.fits is True
+    memory = plan.requested.memory
     assert memory["total_bytes"] >= memory["allocated_peak_bytes"] > memory["weights_bytes"] > 0
-    assert plan["model"]["params"] > 0 and plan["training"]["days"] > 0
-    assert plan["requested"]["communication"]["bytes_per_gpu"]["data_parallel"] > 0
-    assert plan["search"]["evaluated_layouts"] >= len(plan["search"]["best"]) > 0
-    assert all(item["why"] for item in plan["search"]["best"])
+    assert plan.raw["model"]["params"] > 0 and plan.raw["training"]["days"] > 0
+    assert plan.raw["requested"]["communication"]["bytes_per_gpu"]["data_parallel"] > 0
+    assert plan.search.evaluated_layouts >= len(plan.search.best) > 0
+    assert all(item.why for item in plan.search.best)
 
 
 def test_plan_json_goes_to_stdout(tmp_path: Path) -> None:
@@ -79,11 +80,11 @@ def test_a_layout_that_does_not_fit_exits_1_with_needed_available_and_fitting_la
     assert result.exit_code == 1
     assert "layout dp8 tp1 pp1 zero0 mb8x1 none does not fit: needs" in result.output
     assert "GiB usable" in result.output and "layouts that fit, fastest first:" in result.output
-    assert not json.loads((tmp_path / "plan" / "plan.json").read_text())["fits"]
+    assert not read_plan(str(tmp_path / "plan" / "plan.json")).fits
 
 
 def test_self_check_measures_the_specs_model(tmp_path: Path) -> None:
     result = CliRunner().invoke(app, ["plan", str(_write_spec(tmp_path, {})), "--self-check"])
     assert result.exit_code == 0, result.output
-    check = json.loads((tmp_path / "plan" / "plan.json").read_text())["self_check"][0]
+    check = read_plan(str(tmp_path / "plan" / "plan.json")).self_check[0]
     assert abs(check["error_fraction"]) < 0.02 and "self-check" in result.output

@@ -16,10 +16,11 @@ from tasks.capacity.compute import (
     flops_conventions,
     flops_per_token,
     flops_utilization,
-    narayanan_training_days,
 )
-from tasks.capacity.memory import Layout, Precision
+from tasks.capacity.memory import Precision
 from tasks.capacity.params import PRESETS, count_params
+from training.layout import Layout
+from tests.unit.capacity.papers import narayanan_training_days
 
 
 def test_gpt3_175b_on_300b_tokens_with_1024_a100_at_140_tflops_takes_about_34_days() -> None:
@@ -125,7 +126,7 @@ def test_pipeline_bytes_are_the_busiest_ranks_and_experts_sync_over_the_ranks_th
     # Two stages: each rank sends one direction (activations or gradients); a middle stage sends both.
     assert pp_bytes(Layout(dp=1, pp=2, grad_accum=8)) == pytest.approx(8 * boundary)
     assert pp_bytes(Layout(dp=1, pp=4, grad_accum=8)) == pytest.approx(16 * boundary)
-    assert pp_bytes(Layout(dp=1, pp=2, grad_accum=8, pp_schedule="interleaved", virtual_stages=2)) == (
+    assert pp_bytes(Layout(dp=1, pp=2, grad_accum=8, pp_schedule="interleaved-1f1b", virtual_stages=2)) == (
         pytest.approx(3 * 8 * boundary)
     )
     moe = replace(arch, n_experts=8, top_k=2)

@@ -62,28 +62,30 @@ def test_a_catalogue_entry_can_be_overridden_in_part() -> None:
     [
         (
             {"capacity": {"layout": {"tensor_parallel": 3}}},
-            "capacity.layout.tensor_parallel=3: does not divide cluster.procs_per_node=2; use 1 or 2",
+            "capacity.layout.tensor_parallel=3: tensor_parallel x pipeline_parallel = 3 must divide cluster.nodes x "
+            "cluster.procs_per_node = 2; with those processes use a product among 1, 2",
         ),
         (
             {"cluster": {"procs_per_node": 8}, "capacity": {"layout": {"tensor_parallel": 8}}},
-            "capacity.layout.tensor_parallel=8: must divide model n_heads=4; use 1, 2 or 4",
+            "capacity.layout.tensor_parallel=8: must divide model.n_heads=4 (each rank takes whole heads); use 1, 2",
         ),
         (
             {"cluster": {"procs_per_node": 8}, "capacity": {"layout": {"tensor_parallel": 4}}},
-            "capacity.layout.tensor_parallel=4: must divide model kv heads (n_kv_heads)=2; use 1 or 2",
+            "capacity.layout.tensor_parallel=4: must divide model.n_kv_heads=2 (KV heads are split, not replicated, "
+            "over the tensor-parallel ranks); use 1, 2, or raise n_kv_heads to a multiple of 4",
         ),
         (
             {"capacity": {"layout": {"pipeline_parallel": 3}}},
-            "capacity.layout.pipeline_parallel=3: tensor_parallel x pipeline_parallel = 3 does not divide the 2 GPUs; "
-            "with tensor_parallel=1 use pipeline_parallel 1 or 2",
+            "capacity.layout.pipeline_parallel=3: tensor_parallel x pipeline_parallel = 3 must divide cluster.nodes x "
+            "cluster.procs_per_node = 2; with those processes use a product among 1, 2",
         ),
         (
             {"capacity": {"layout": {"expert_parallel": 2}}},
-            "capacity.layout.expert_parallel=2: applies to MoE models only (model.moe is null); use 1",
+            "capacity.layout.expert_parallel=2: needs model.moe (a dense model has no experts); set 1",
         ),
         (
             {"capacity": {"layout": {"sequence_parallel": True}}},
-            "capacity.layout.sequence_parallel=true: needs tensor_parallel > 1; remove it or raise TP",
+            "capacity.layout.sequence_parallel=true: needs tensor_parallel > 1; remove it or raise it",
         ),
         (
             {"capacity": {"global_batch": 7}},
@@ -137,8 +139,8 @@ def test_a_catalogue_entry_can_be_overridden_in_part() -> None:
         ),
         (
             {"capacity": {"layout": {"context_parallel": 4}}},
-            "capacity.layout.context_parallel=4: must divide the 2 ranks left after tensor_parallel x "
-            "pipeline_parallel = 1 of 2 GPUs; use 1 or 2",
+            "capacity.layout.context_parallel=4: tensor_parallel x pipeline_parallel x context_parallel = 4 must "
+            "divide cluster.nodes x cluster.procs_per_node = 2; with those processes use a product among 1, 2",
         ),
         ({"capacity": {"layout": {"context_parallel": 0}}}, "capacity.layout.context_parallel=0: must be >= 1"),
         (
@@ -198,7 +200,15 @@ def test_expert_parallel_must_divide_experts_and_data_parallel_degree() -> None:
             "capacity": {"layout": {"expert_parallel": 4}},
         }
     )
+    assert problems == ["capacity.layout.expert_parallel=4: must divide model.moe.n_experts=6; use 1, 2, 3, 6"]
+    problems = _problems(
+        {
+            "cluster": {"procs_per_node": 4},
+            "model": {"moe": {"n_experts": 8, "top_k": 2}},
+            "capacity": {"layout": {"expert_parallel": 4, "tensor_parallel": 2}},
+        }
+    )
     assert problems == [
-        "capacity.layout.expert_parallel=4: must divide the data-parallel degree 4 "
-        "and model.moe.n_experts=6; use 1 or 2"
+        "capacity.layout.expert_parallel=4: expert-parallel ranks are data-parallel ranks: it must divide the "
+        "data-parallel degree 2; use 1, 2"
     ]

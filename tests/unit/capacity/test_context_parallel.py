@@ -19,7 +19,7 @@ import pytest
 
 from tasks.capacity.catalogue import CATALOGUE
 from tasks.capacity.comm import communication
-from tasks.capacity.memory import Layout, MemoryModel, Precision
+from tasks.capacity.memory import MemoryModel, Precision
 from tasks.capacity.params import count_params
 from tasks.capacity.payload import payload_problems
 from tasks.capacity.plan import CapacityPlan, plan_capacity
@@ -28,6 +28,7 @@ from tasks.spec import parse_spec
 from tests.conftest import TINY_SPEC, deep_merge
 from tests.unit.capacity.test_pipeline_split import LLAMA_405B, LLAMA_405B_SPEC
 from training.config import ModelConfig
+from training.layout import Layout
 
 H100 = CATALOGUE["h100-sxm"]
 MIXED = Precision.of("bf16", "master-weights")

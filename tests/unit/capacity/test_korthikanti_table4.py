@@ -36,9 +36,10 @@ import pytest
 
 from tasks.capacity.catalogue import CATALOGUE
 from tasks.capacity.config import CapacityConfig
-from tasks.capacity.memory import Layout, MemoryModel, Precision, Recompute, Runtime
+from tasks.capacity.memory import MemoryModel, Precision, Runtime
 from tasks.capacity.search import Estimator
 from tasks.capacity.timing import StepTime
+from training.layout import Layout, Recompute
 from tests.unit.capacity.test_published_flops import megatron_gpt
 
 MS_HALF_UNIT = 0.05  # Table 4 prints milliseconds to 0.1

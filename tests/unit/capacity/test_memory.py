@@ -4,19 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from tasks.capacity.memory import (
-    Layout,
-    MemoryModel,
-    Precision,
-    Runtime,
-    korthikanti_bytes_per_layer,
-    kv_cache_bytes,
-    layer_activations,
-)
+from tasks.capacity.memory import MemoryModel, Precision, Runtime, kv_cache_bytes, layer_activations
 from tasks.capacity.params import PRESETS, Architecture
 from tasks.capacity.plan import plan_capacity
 from tasks.spec import parse_spec
+from training.layout import Layout
 from tests.conftest import TINY_SPEC, deep_merge
+from tests.unit.capacity.papers import korthikanti_bytes_per_layer
 
 MIXED = Precision.of("bf16", "master-weights")
 
@@ -89,7 +83,7 @@ def test_first_pipeline_stage_holds_p_micro_batches_and_interleaving_adds_a_shar
     per_layer = layer_activations(arch, MIXED, Runtime(), "selective").bytes(1, arch.seq_len, 1, False)
     base = {"dp": 1, "pp": 4, "micro_batch": 1, "grad_accum": 8, "recompute": "selective"}
     one_f_one_b = model.stage(Layout(**base), "first")  # type: ignore[arg-type]
-    interleaved = model.stage(Layout(**base, pp_schedule="interleaved", virtual_stages=2), "first")  # type: ignore[arg-type]
+    interleaved = model.stage(Layout(**base, pp_schedule="interleaved-1f1b", virtual_stages=2), "first")  # type: ignore[arg-type]
     # 1F1B: p micro-batches x L/p layers = L layers' activations (Korthikanti et al. 2022, section 4.2.3).
     assert one_f_one_b.activations == pytest.approx(arch.n_layers * per_layer, rel=0.02)
     assert interleaved.activations == pytest.approx(one_f_one_b.activations * (1 + 3 / 8), rel=0.02)

@@ -6,21 +6,14 @@ import math
 
 import pytest
 
-from tasks.capacity.memory import (
-    Layout,
-    MemoryModel,
-    Precision,
-    StageParams,
-    deepspeed_estimate,
-    model_states,
-    optimizer_state_bytes,
-    param_shapes,
-)
+from tasks.capacity.memory import MemoryModel, Precision, StageParams, model_states, optimizer_state_bytes, param_shapes
 from tasks.capacity.params import PRESETS, Architecture, count_params
 from tasks.capacity.plan import plan_capacity
 from tasks.capacity.units import GIB
 from tasks.spec import parse_spec
+from training.layout import Layout
 from tests.conftest import deep_merge
+from tests.unit.capacity.papers import deepspeed_estimate
 from tests.unit.capacity.test_memory import ZERO_PAPER_SPEC
 
 # 7,499,681,792 parameters (the ZeRO paper's 7.5B) on one node of 8 H100s, in the planner's own terms.

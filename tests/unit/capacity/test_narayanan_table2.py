@@ -28,9 +28,10 @@ from dataclasses import dataclass
 
 import pytest
 
-from tasks.capacity.compute import SECONDS_PER_DAY, compute_time, flops_per_token, narayanan_training_days
-from tasks.capacity.memory import Layout
+from tasks.capacity.compute import SECONDS_PER_DAY, compute_time, flops_per_token
 from tasks.capacity.params import Architecture, count_params
+from training.layout import Layout
+from tests.unit.capacity.papers import narayanan_training_days
 from tests.unit.capacity.test_published_flops import megatron_gpt
 
 TOKENS = 300e9  # the days column's training run

@@ -12,14 +12,13 @@ import yaml
 from typer.testing import CliRunner
 
 from flows.cli import app
-from tasks.capacity.memory import Layout
 from tasks.capacity.payload import parallel_section, payload_problems
-from tasks.capacity.plan import CapacityPlan, plan_capacity, requested_layout
-from tasks.deployment import plan_inputs
+from tasks.capacity.plan import CapacityPlan, requested_layout
+from tasks.capacity.step import CapacityInputs
 from tasks.spec import DeploymentSpec, parse_spec
 from tests.conftest import TINY_SPEC, deep_merge
 from training.config import ParallelConfig
-from training.layout import layout_problems, world_problems
+from training.layout import Layout, layout_problems, world_problems
 
 GPU = {
     "kind": "gpu", "peak_tflops_bf16": 100, "peak_tflops_fp16": 100, "peak_tflops_fp32": 10, "hbm_tb_s": 1,
@@ -60,7 +59,7 @@ def _spec(overrides: dict[str, Any]) -> DeploymentSpec:
 def _plan(spec: DeploymentSpec) -> CapacityPlan:
     logging.disable(logging.WARNING)  # "communication would dominate" on every tiny case
     try:
-        return plan_capacity(*plan_inputs(spec))
+        return CapacityInputs.of(spec).estimate()
     finally:
         logging.disable(logging.NOTSET)
 
@@ -153,7 +152,7 @@ def test_a_rejected_layout_emits_what_to_change() -> None:
 
 def test_interleaved_maps_to_the_payloads_interleaved_1f1b_with_its_virtual_stages() -> None:
     base = ParallelConfig(micro_batch=4, ddp_grad_compression="bf16")
-    lo = Layout(dp=2, tp=1, pp=2, zero=3, micro_batch=2, grad_accum=4, pp_schedule="interleaved", virtual_stages=2)
+    lo = Layout(dp=2, tp=1, pp=2, zero=3, micro_batch=2, grad_accum=4, pp_schedule="interleaved-1f1b", virtual_stages=2)
     par = parallel_section(lo, base)
     assert (par.pipeline_schedule, par.virtual_stages, par.pipeline_parallel) == ("interleaved-1f1b", 2, 2)
     assert (par.sharding, par.micro_batch, par.grad_accum_steps, par.n_microbatches) == ("fsdp", 2, 4, 4)

@@ -8,7 +8,7 @@ import itertools
 
 import pytest
 
-from tasks.capacity.memory import Layout, MemoryModel, Precision, candidate_stages, micro_batches_in_flight
+from tasks.capacity.memory import MemoryModel, Precision, candidate_stages, micro_batches_in_flight
 from tasks.capacity.params import PRESETS, Architecture, count_params
 from tasks.capacity.payload import parallel_section
 from tasks.capacity.plan import CapacityPlan, plan_capacity
@@ -16,6 +16,7 @@ from tasks.capacity.search import enumerate_layouts
 from tasks.spec import SpecError, parse_spec
 from tests.conftest import TINY_SPEC, deep_merge
 from training.config import ParallelConfig
+from training.layout import Layout
 
 MIXED = Precision.of("bf16", "master-weights")
 LLAMA_405B = PRESETS["llama-3.1-405b"]
@@ -105,7 +106,7 @@ def test_a_middle_stage_with_more_layers_can_be_the_peak() -> None:
 def test_micro_batches_in_flight_follow_1f1b_and_the_interleaved_warm_up() -> None:
     one_f_one_b = Layout(dp=1, pp=4, grad_accum=8)
     assert [micro_batches_in_flight(one_f_one_b, i) for i in range(4)] == [4, 3, 2, 1]
-    inter = Layout(dp=1, pp=4, grad_accum=8, pp_schedule="interleaved", virtual_stages=2)
+    inter = Layout(dp=1, pp=4, grad_accum=8, pp_schedule="interleaved-1f1b", virtual_stages=2)
     # The first stage: Korthikanti et al. 2022, section 4.2.3, p(1 + (p-1)/(pv)) = 4 x 11/8.
     assert micro_batches_in_flight(inter, 0) == pytest.approx(4 * (1 + 3 / 8))
     assert micro_batches_in_flight(inter, 3) == pytest.approx((4 + 1) / 2)  # (v-1)p warm-up chunks plus one
@@ -125,7 +126,7 @@ def test_the_search_tries_stage_counts_that_do_not_divide_the_layers_and_any_vir
     pps = {lo.pp for lo in layouts}
     assert 16 in pps and 32 in pps  # 126 layers: neither divides them
     # 63 layers per stage on 2 stages: every divisor of 63 above 1 is a virtual-stage count (not only 2 or 4).
-    virtual = {lo.virtual_stages for lo in layouts if lo.pp == 2 and lo.pp_schedule == "interleaved"}
+    virtual = {lo.virtual_stages for lo in layouts if lo.pp == 2 and lo.pp_schedule == "interleaved-1f1b"}
     assert virtual == {3, 7, 9, 21, 63}
 
 

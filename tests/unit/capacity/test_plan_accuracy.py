@@ -9,12 +9,14 @@ from pathlib import Path
 import pytest
 
 from tasks.capacity import calibration as calib
-from tasks.capacity.memory import Layout, MemoryModel, Precision
+from tasks.capacity.memory import MemoryModel, Precision
 from tasks.capacity.params import Architecture
 from tasks.capacity.plan import plan_capacity
-from tasks.deployment import planned_figures
+from tasks.capacity.step import CapacityInputs
 from tasks.spec import parse_spec
 from tests.conftest import TINY_SPEC, deep_merge
+from training.layout import Layout
+from training.run_output import StepRecord
 from validation.plan_accuracy import PlanAccuracy, PlannedFigures, compare_plan, measured_memory, with_history
 
 MIB = 2**20
@@ -22,12 +24,16 @@ PLANNED = PlannedFigures(accelerator="h100-sxm", layout="dp2 tp1 pp2", step_seco
                          stage_peak_bytes=[100 * MIB, 60 * MIB])  # fmt: skip
 
 
-def _metrics(step_times: list[float], memory: dict[int, float], runtime: float | None = None) -> dict:
+def _metrics(
+    step_times: list[float], memory: dict[int, float], runtime: float | None = None
+) -> dict[int, dict[int, StepRecord]]:
     """rank -> step -> record, as RunOutput.all_metrics gives them."""
-    out: dict[int, dict[int, dict]] = {}
+    out: dict[int, dict[int, StepRecord]] = {}
     for rank, peak in memory.items():
         out[rank] = {
-            step: {"step_time_s": t, "peak_mem_bytes": peak, "runtime_mem_bytes": runtime}
+            step: StepRecord(
+                rank=rank, step=step, loss=3.0, step_time_s=t, peak_mem_bytes=peak, runtime_mem_bytes=runtime
+            )
             for step, t in enumerate(step_times, start=1)
         }
     return out
@@ -56,16 +62,19 @@ def test_each_rank_is_held_to_its_pipeline_stages_planned_peak_and_rank_0_to_the
 
 
 def test_on_cpu_the_runtimes_resident_set_before_the_model_is_taken_off() -> None:
-    assert measured_memory({"peak_mem_bytes": 300 * MIB, "runtime_mem_bytes": 200 * MIB}) == 100 * MIB
-    assert measured_memory({"peak_mem_bytes": 300 * MIB, "runtime_mem_bytes": None}) == 300 * MIB  # a GPU's
-    assert measured_memory({"peak_mem_bytes": 0}) is None and measured_memory({}) is None
+    def record(**memory: int | None) -> StepRecord:
+        return StepRecord(step=1, loss=3.0, **memory)
+
+    assert measured_memory(record(peak_mem_bytes=300 * MIB, runtime_mem_bytes=200 * MIB)) == 100 * MIB
+    assert measured_memory(record(peak_mem_bytes=300 * MIB, runtime_mem_bytes=None)) == 300 * MIB  # a GPU's
+    assert measured_memory(record(peak_mem_bytes=0)) is None and measured_memory(record()) is None
     accuracy = compare_plan(PLANNED, _metrics([1.0, 1.0], {0: 300 * MIB}, runtime=200 * MIB), {}, 0.1, 1)
     assert accuracy.memory[0].measured_bytes == 100 * MIB and accuracy.memory_error == 0.0
     assert accuracy.memory_measure.startswith("peak resident set")
 
 
 def test_a_run_without_memory_records_is_compared_on_step_time_only() -> None:
-    metrics = {0: {1: {"step_time_s": 2.0}, 2: {"step_time_s": 2.0}}}
+    metrics = {0: {s: StepRecord(step=s, loss=3.0, step_time_s=2.0) for s in (1, 2)}}
     accuracy = compare_plan(PLANNED, metrics, {}, 0.1, warmup_steps=5)  # shorter than the warm-up: all but step 1
     assert accuracy.memory == [] and accuracy.measured_step_s == 2.0 and accuracy.beyond() == ["step_time"]
 
@@ -109,7 +118,7 @@ def test_a_calibrated_plan_scales_its_compute_and_margin_and_keeps_its_own_figur
     raw, time = plain.requested.time, scaled.requested.time
     assert time.matmul == pytest.approx(2 * raw.matmul) and time.memory_bound == pytest.approx(2 * raw.memory_bound)
     assert scaled.requested.memory.margin > plain.requested.memory.margin
-    assert scaled.planned() == plain.planned() == planned_figures(spec)
+    assert scaled.planned() == plain.planned() == CapacityInputs.of(spec).planned()
     data = scaled.to_json()["calibration"]
     assert data["step_time_scale"] == 2.0 and data["uncalibrated"]["step_seconds"] == plain.requested.step_seconds
     from tasks.capacity.report import markdown_report

@@ -6,10 +6,9 @@ from __future__ import annotations
 import pytest
 
 from tasks.capacity.compute import flops_per_token
-from tasks.capacity.plan import plan_capacity
 from tasks.capacity.report import markdown_report
 from tasks.capacity.scaling import CHINCHILLA_FIT
-from tasks.deployment import plan_inputs
+from tasks.capacity.step import CapacityInputs
 from tasks.spec import parse_spec
 from tests.conftest import deep_merge
 from tests.unit.capacity.test_memory import ZERO_PAPER_SPEC
@@ -18,7 +17,7 @@ from tests.unit.capacity.test_memory import ZERO_PAPER_SPEC
 def _plan(capacity: dict):  # noqa: ANN202
     spec = parse_spec(deep_merge(ZERO_PAPER_SPEC, {"capacity": capacity, "parallel": {"activation_recompute":
                                                                                        "selective"}}))  # fmt: skip
-    return plan_capacity(*plan_inputs(spec))
+    return CapacityInputs.of(spec).estimate()
 
 
 def test_the_plan_names_each_flops_convention_and_reports_mfu_and_hfu() -> None:

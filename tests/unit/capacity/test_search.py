@@ -5,10 +5,11 @@ from __future__ import annotations
 import re
 
 from tasks.capacity.catalogue import CATALOGUE
-from tasks.capacity.memory import GIB, Layout, MemoryModel, Precision
+from tasks.capacity.memory import GIB, MemoryModel, Precision
 from tasks.capacity.params import PRESETS
 from tasks.capacity.search import Estimator, enumerate_layouts, explain_win, ranked, search
 from tasks.capacity.units import gib
+from training.layout import Layout
 
 
 def _estimator(preset: str, accelerator: str, gpus_per_node: int = 8) -> Estimator:

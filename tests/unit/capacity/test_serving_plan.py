@@ -224,9 +224,8 @@ def test_on_cpu_the_kv_cache_is_the_whole_gib_the_server_sets() -> None:
 
 
 def test_the_capacity_plan_of_a_spec_that_serves_reports_the_serving_memory_and_concurrency() -> None:
-    from tasks.capacity.plan import plan_capacity
     from tasks.capacity.report import markdown_report
-    from tasks.deployment import plan_inputs
+    from tasks.capacity.step import CapacityInputs
     from tasks.spec import parse_spec
     from tests.conftest import TINY_SPEC, deep_merge
 
@@ -242,7 +241,7 @@ def test_the_capacity_plan_of_a_spec_that_serves_reports_the_serving_memory_and_
             "data": {"dataset_url": "/tmp/d"}, "checkpoint": {"url": "/tmp/c"}, "run": {"output_url": "/tmp/o"},
         },
     )  # fmt: skip
-    plan = plan_capacity(*plan_inputs(parse_spec(raw)))
+    plan = CapacityInputs.of(parse_spec(raw)).estimate()
     assert plan.serving is not None
     serving = plan.to_json()["serving"]
     expected = max_concurrency(LLAMA3_8B, CATALOGUE["h100-sxm"], 8192, plan.serving.settings)
@@ -250,5 +249,5 @@ def test_the_capacity_plan_of_a_spec_that_serves_reports_the_serving_memory_and_
     assert serving["kv_cache_bytes_per_token"] == 2 * 32 * 1024 * 2
     assert any(w.startswith("serving: serve.max_num_seqs=64: ") for w in plan.warnings)
     assert f"{expected} such sequences fit (64 asked)" in markdown_report(plan)
-    without = plan_capacity(*plan_inputs(parse_spec({**raw, "serve": None})))
+    without = CapacityInputs.of(parse_spec({**raw, "serve": None})).estimate()
     assert without.serving is None and without.to_json()["serving"] is None

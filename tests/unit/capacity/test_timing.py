@@ -7,10 +7,11 @@ import pytest
 
 from tasks.capacity.catalogue import CATALOGUE
 from tasks.capacity.comm import communication
-from tasks.capacity.memory import Layout, MemoryModel, Precision, Runtime
+from tasks.capacity.memory import MemoryModel, Precision, Runtime
 from tasks.capacity.params import PRESETS, Architecture, count_params
 from tasks.capacity.search import Estimator
 from tasks.capacity.timing import block_bytes, head_bytes, memory_bound
+from training.layout import Layout
 
 H100 = CATALOGUE["h100-sxm"]
 MIXED = Precision.of("bf16", "master-weights")

@@ -26,8 +26,9 @@ from decimal import Decimal
 
 import pytest
 
-from tasks.capacity.memory import Layout, MemoryModel, Precision, StageParams, model_states
+from tasks.capacity.memory import MemoryModel, Precision, StageParams, model_states
 from tasks.capacity.params import Architecture, count_params
+from training.layout import Layout
 
 MIXED = Precision.of("bf16", "master-weights")  # 2 + 2 + 12 bytes per parameter, the paper's K = 12
 STAGES = ("P_os", "P_os+g", "P_os+g+p")  # ZeRO stages 1, 2, 3

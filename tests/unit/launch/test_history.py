@@ -17,7 +17,7 @@ from tests.conftest import TINY_SPEC
 from tests.unit.checkpoints import saved_steps
 from training.config import TrainConfig
 from training.preemption import PREEMPTIONS_FILE, PreemptionRecord, append_record
-from training.run_output import RunOutputWriter
+from training.run_output import RunOutputWriter, StepRecord
 from training.storage import StorageConfig
 
 T0 = 1_796_229_000.0
@@ -27,7 +27,7 @@ def write_steps(out: Path, steps: list[int], start_s: float) -> None:
     """Rank 0's metrics of `steps`, one second apart from `start_s`."""
     writer = RunOutputWriter(str(out), StorageConfig())
     for i, step in enumerate(steps):
-        writer.append_metrics(0, {"step": step, "loss": 1.0, "time_unix_s": start_s + i})
+        writer.append_metrics(StepRecord(step=step, loss=1.0, time_unix_s=start_s + i))
     writer.close()
 
 

@@ -1,29 +1,31 @@
-"""One Launcher protocol for every scheduler; the job's environment is cluster.env, test faults travel apart."""
+"""One Launcher protocol for every scheduler; the job's environment is cluster.env, its JobEnvironment travels apart."""
 
 from __future__ import annotations
 
 import inspect
 import json
 import shlex
-from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
-from tasks.cluster import ALLOWED_ENV_VAR
 from tasks.errors import UserError
-from tasks.launch.base import Launcher, checked_faults
+from tasks.launch.base import Launcher
+from tasks.launch.environment import JobEnvironment
 from tasks.launch.kubernetes import KubernetesLauncher, render_manifests, validate_pytorchjob
 from tasks.launch.local import LocalLauncher
+from tasks.launch.network import ALLOWED_ENV_VAR
+from tasks.launch.registry import launcher_for
 from tasks.launch.slurm import SlurmLauncher
-from tasks.launch.submit import launcher_for
-from training.faults import ENV_VAR
+from tests.faults.bugs import ENV_VAR
+from tests.faults.job import injected
 
 LAUNCHERS = [LocalLauncher, SlurmLauncher, KubernetesLauncher]
 # What each launcher must write itself; `wait` (and `hopeless`) they share from the protocol.
 OWN_METHODS = ["submit", "status", "logs", "cancel"]
 SHARED_METHODS = ["wait"]
 SPEC_ENV = {"JOB_NOTE": "from the spec $HOME", "NCCL_DEBUG": "WARN"}
-FAULTS = {ENV_VAR: json.dumps({"pause_after_step": 2})}
+FAULTS = injected(pause_after_step=2)
 
 
 @pytest.fixture(autouse=True)
@@ -61,22 +63,23 @@ def test_launcher_for_picks_a_launcher_of_the_protocol_for_each_scheduler_and_na
         launcher_for("pbs")
 
 
-def test_faults_accept_only_fault_variables_and_name_the_fix() -> None:
-    assert checked_faults(FAULTS) == FAULTS and checked_faults(None) == {}
-    with pytest.raises(UserError) as refused:
-        checked_faults({**FAULTS, "JOB_NOTE": "x"})
+def test_a_job_environment_takes_only_plugin_variables_and_names_the_fix() -> None:
+    assert FAULTS.variables()[ENV_VAR] == FAULTS.plugin_env[ENV_VAR] and JobEnvironment().variables() == {}
+    with pytest.raises(ValidationError) as refused:
+        JobEnvironment(plugin_env={**FAULTS.plugin_env, "JOB_NOTE": "x"})
     message = str(refused.value)
-    assert "faults=['JOB_NOTE']: not fault-injection variables" in message
-    assert f"pass only ['{ENV_VAR}'] as faults; put the job's own variables in cluster.env" in message
+    assert "plugin_env=['JOB_NOTE']: not plugin variables" in message
+    assert "name them TDEPLOY_TEST_* or put the job's own variables in cluster.env" in message
 
 
-def test_a_local_job_with_a_spec_variable_passed_as_a_fault_is_refused_before_anything_is_written(
-    make_spec,
-) -> None:
-    spec = make_spec({"run": {"steps": 2}})
-    with pytest.raises(UserError, match=r"faults=\['JOB_NOTE'\]"):
-        LocalLauncher().submit(spec.cluster, spec.training_config(), "bad", faults={"JOB_NOTE": "x"})
-    assert not Path(spec.run.output_url).exists()
+def test_a_drill_adds_its_points_to_the_job_environment_and_keeps_the_rest() -> None:
+    pause = {"phase": "after_dcp", "step": 4, "marker_dir": "/tmp/m"}
+    held = FAULTS.with_drill_points(pause_in_save=pause)
+    assert held.plugin_env == FAULTS.plugin_env and held.python_path == FAULTS.python_path
+    points = json.loads(held.variables()["TDEPLOY_DRILL_POINTS"])
+    assert points == {"pause_in_save": pause} and "TDEPLOY_DRILL_POINTS" not in FAULTS.variables()
+    with pytest.raises(ValidationError, match="pause_in_save"):
+        FAULTS.with_drill_points(pause_in_save={**pause, "phase": "somewhere"})
 
 
 def _exports(script: str) -> dict[str, str]:
@@ -93,7 +96,7 @@ def test_the_sbatch_script_exports_cluster_env_and_the_faults_only_when_given(ma
     plain = _exports(SlurmLauncher().render(spec.cluster, "/r/run.json", "tiny", "/r", None))
     assert SPEC_ENV.items() <= plain.items() and ENV_VAR not in plain
     faulty = _exports(SlurmLauncher().render(spec.cluster, "/r/run.json", "tiny", "/r", None, FAULTS))
-    assert {**plain, **FAULTS} == faulty
+    assert {**plain, **FAULTS.variables()} == faulty
 
 
 def _pod_env(job: dict) -> dict[str, str]:
@@ -109,5 +112,5 @@ def test_the_pytorchjob_carries_cluster_env_and_the_faults_only_when_given(make_
     assert literal.items() <= _pod_env(plain).items() and ENV_VAR not in _pod_env(plain)
     config_map, faulty = render_manifests(spec.cluster, spec.training_config(), "tiny", "img:1", FAULTS)
     validate_pytorchjob(faulty)
-    assert _pod_env(faulty)[ENV_VAR] == FAULTS[ENV_VAR].replace("$", "$$")
+    assert _pod_env(faulty)[ENV_VAR] == FAULTS.plugin_env[ENV_VAR].replace("$", "$$")
     assert ENV_VAR not in json.dumps(config_map), "the faults are the pods' environment, not the run config"

@@ -7,10 +7,10 @@ import json
 
 import pytest
 
-from tasks.cluster import ALLOWED_ENV_VAR
 from tasks.errors import UserError
 from tasks.launch.base import JobState, parse_root_cause
 from tasks.launch.kubernetes import render_manifests, validate_pytorchjob
+from tasks.launch.network import ALLOWED_ENV_VAR
 from tasks.launch.slurm import SlurmLauncher, slurm_state
 from tasks.spec import SpecError
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from tasks.cluster import ALLOWED_ENV_VAR
+from tasks.launch.network import ALLOWED_ENV_VAR
 from tasks.launch.slurm import SlurmLauncher
 from tasks.spec import DeploymentSpec, SpecError, parse_spec
 from tests.conftest import TINY_SPEC, deep_merge

@@ -7,11 +7,11 @@ import shlex
 
 import pytest
 
-from tasks.cluster import ClusterConfig
 from tasks.errors import UserError
+from tasks.hosts import NodeHost
+from tasks.launch.cluster import ClusterConfig
 from tasks.launch.config import SshLaunchConfig
 from tasks.launch.ssh import launch_config, remote_command, ssh_command
-from tasks.nodes.config import NodeHost
 from tasks.spec import SpecError, parse_spec
 from tests.conftest import TINY_SPEC, deep_merge
 

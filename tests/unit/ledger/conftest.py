@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from tasks.acceptance.workspace import new_run_id
-from tasks.cluster import ClusterConfig
+from tasks.launch.cluster import ClusterConfig
 from tasks.ledger.registry import GoldenFigures, Ledger, LedgerEntry, cluster_identity, cluster_key_of
+from tasks.run_id import new_run_id
 
 CLUSTER = ClusterConfig(scheduler="local", nodes=1, procs_per_node=2, accelerator="cpu")
 CURVE_KEY = "c" * 64

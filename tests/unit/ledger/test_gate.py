@@ -3,7 +3,7 @@ figures within the limits pass; no baseline yet passes and says so."""
 
 from __future__ import annotations
 
-from tasks.acceptance.config import RegressionConfig
+from tasks.ledger.config import RegressionConfig
 from tasks.ledger.gate import check_regression
 from tasks.ledger.registry import Ledger
 from tests.unit.ledger.conftest import CURVE_KEY, figures

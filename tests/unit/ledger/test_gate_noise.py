@@ -4,7 +4,7 @@ host stretches wall time, which made the second run of the README's job fail "to
 
 from __future__ import annotations
 
-from tasks.acceptance.config import RegressionConfig
+from tasks.ledger.config import RegressionConfig
 from tasks.ledger.gate import check_regression
 from tasks.ledger.registry import Ledger
 from tests.unit.ledger.conftest import CURVE_KEY, figures

@@ -20,8 +20,7 @@ from tasks.ledger.rollback import UNAUTHENTICATED, RollbackError, finish_rollbac
 from tasks.spec import DeploymentSpec
 from tests.conftest import TINY_SPEC, deep_merge
 from tests.unit.ledger.conftest import CLUSTER
-from training.checkpoint import COMMIT, step_dir_name
-from training.checkpoint_trust import KEY_ENV, SIGNATURE_FIELD
+from training.checkpoint import COMMIT, KEY_ENV, SIGNATURE_FIELD, step_dir_name
 
 KEY = "ledger-test-key-0123456789abcdef"
 DIGEST = "sha256:" + "b" * 64
@@ -45,8 +44,10 @@ def _checkpoint(url: str, step: int = 20) -> CheckpointRef:
     """A committed step folder at `url` (a weights file and COMMIT.json) and the reference an entry keeps."""
     folder = Path(url) / step_dir_name(step)
     folder.mkdir(parents=True)
-    (folder / "weights.bin").write_bytes(b"\x00" * 64)
-    commit = json.dumps({"step": step, "files": {"weights.bin": "0" * 64}}).encode()
+    weights = b"\x00" * 64
+    (folder / "weights.bin").write_bytes(weights)
+    files = {"weights.bin": {"sha256": hashlib.sha256(weights).hexdigest(), "bytes": len(weights)}}
+    commit = json.dumps({"step": step, "world_size": 1, "files": files}).encode()
     (folder / COMMIT).write_bytes(commit)
     return CheckpointRef(url=url, step=step, commit_sha256=hashlib.sha256(commit).hexdigest())
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -20,22 +21,24 @@ from pydantic import ValidationError
 
 from tests.unit.monitoring.conftest import scrape
 from training.config import RunConfig, format_validation_error
+from training.run_output import StepRecord
 from training.telemetry import EXPORTED_METRICS, GPU_GAUGES, GpuReader, Telemetry, memory_capacity_bytes
 
 LABELS = (("host", "node7"), ("rank", "3"), ("train_job", "job-42"))
-RECORD: dict[str, Any] = {
-    "step": 17,
-    "epoch": 0,
-    "loss": 2.718281828459045,
-    "tokens_per_s": 12345.678,
-    "tokens_per_s_rank": 3086.4195,
-    "step_time_s": 0.4321,
-    "data_wait_s": 0.0123,
-    "comm_s": 0.1011,
-    "compute_s": 0.3187,
-    "peak_mem_bytes": 123_456_789,
-    "time_unix_s": 1_767_000_000.25,
-}
+RECORD = StepRecord(
+    rank=3,
+    step=17,
+    epoch=0,
+    loss=2.718281828459045,
+    tokens_per_s=12345.678,
+    tokens_per_s_rank=3086.4195,
+    step_time_s=0.4321,
+    data_wait_s=0.0123,
+    comm_s=0.1011,
+    compute_s=0.3187,
+    peak_mem_bytes=123_456_789,
+    time_unix_s=1_767_000_000.25,
+)
 
 
 @pytest.fixture
@@ -53,14 +56,14 @@ def test_exported_values_match_the_step_record(telemetry: Telemetry) -> None:
     samples = scrape(telemetry.port)
 
     expected = {
-        "tdeploy_train_step": RECORD["step"],
-        "tdeploy_train_last_step_timestamp_seconds": RECORD["time_unix_s"],
-        "tdeploy_train_step_time_seconds": RECORD["step_time_s"],
-        "tdeploy_train_tokens_per_second": RECORD["tokens_per_s"],
-        "tdeploy_train_loss": RECORD["loss"],
-        "tdeploy_train_data_wait_ratio": RECORD["data_wait_s"] / RECORD["step_time_s"],
-        "tdeploy_train_communication_ratio": RECORD["comm_s"] / RECORD["step_time_s"],
-        "tdeploy_train_peak_memory_bytes": RECORD["peak_mem_bytes"],
+        "tdeploy_train_step": RECORD.step,
+        "tdeploy_train_last_step_timestamp_seconds": RECORD.time_unix_s,
+        "tdeploy_train_step_time_seconds": RECORD.step_time_s,
+        "tdeploy_train_tokens_per_second": RECORD.tokens_per_s,
+        "tdeploy_train_loss": RECORD.loss,
+        "tdeploy_train_data_wait_ratio": RECORD.data_wait_s / RECORD.step_time_s,
+        "tdeploy_train_communication_ratio": RECORD.comm_s / RECORD.step_time_s,
+        "tdeploy_train_peak_memory_bytes": RECORD.peak_mem_bytes,
         "tdeploy_train_memory_capacity_bytes": 8 * 2**30,
         "tdeploy_train_baseline_tokens_per_second": 15000.0,
         "tdeploy_train_nonfinite_loss_steps_total": 0,
@@ -77,8 +80,8 @@ def test_every_served_series_is_declared_and_only_gpu_ones_are_missing_without_a
 
 def test_later_steps_replace_the_values_and_nonfinite_losses_are_counted(telemetry: Telemetry) -> None:
     telemetry.observe(RECORD)
-    telemetry.observe({**RECORD, "step": 18, "loss": float("nan")})
-    telemetry.observe({**RECORD, "step": 19, "loss": float("inf")})
+    telemetry.observe(dataclasses.replace(RECORD, step=18, loss=float("nan")))
+    telemetry.observe(dataclasses.replace(RECORD, step=19, loss=float("inf")))
     samples = scrape(telemetry.port)
     assert samples["tdeploy_train_step"][LABELS] == 19
     assert samples["tdeploy_train_loss"][LABELS] == math.inf
@@ -88,7 +91,7 @@ def test_later_steps_replace_the_values_and_nonfinite_losses_are_counted(telemet
 def test_communication_share_is_not_served_when_the_step_did_not_measure_it() -> None:
     exporter = Telemetry(0, rank=0, host="h", train_job="j")
     try:
-        exporter.observe({**RECORD, "comm_s": None})
+        exporter.observe(dataclasses.replace(RECORD, comm_s=None))
         samples = scrape(exporter.port)
     finally:
         exporter.close()
@@ -140,6 +143,7 @@ def test_without_prometheus_client_and_pynvml_telemetry_is_a_no_op_said_once() -
         sys.modules["prometheus_client"] = None  # `import prometheus_client` now raises ImportError
         sys.modules["pynvml"] = None
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+        from training.run_output import StepRecord
         from training.telemetry import Telemetry
 
         with socket.socket() as probe:
@@ -148,7 +152,7 @@ def test_without_prometheus_client_and_pynvml_telemetry_is_a_no_op_said_once() -
         for _ in range(2):
             exporter = Telemetry(port, rank=0, host="h", train_job="j", memory_capacity_bytes=2**30)
             for step in range(3):
-                exporter.observe(json.loads(sys.argv[1]))
+                exporter.observe(StepRecord.from_json(json.loads(sys.argv[1])))
             exporter.close()
         try:
             socket.create_connection(("127.0.0.1", port), timeout=5).close()
@@ -159,7 +163,7 @@ def test_without_prometheus_client_and_pynvml_telemetry_is_a_no_op_said_once() -
         """
     )
     proc = subprocess.run(
-        [sys.executable, "-c", script, json.dumps(RECORD)], capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", script, json.dumps(RECORD.to_json())], capture_output=True, text=True, timeout=120
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(proc.stdout.splitlines()[-1]) == {"port": None, "gpu": {}, "listening": False}

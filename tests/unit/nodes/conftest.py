@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from tasks.cluster import ClusterConfig
+from tasks.launch.cluster import ClusterConfig
 from tasks.nodes.config import NodesConfig
 from tasks.nodes.facts import (
     Connect,

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from tasks.cluster import ClusterConfig
 from tasks.errors import UserError
+from tasks.launch.cluster import ClusterConfig
 from tasks.nodes.config import NodesConfig
 from tasks.nodes.inventory import plan_checks
 from tasks.spec import SpecError, load_spec, parse_spec

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from tasks.cluster import ClusterConfig
 from tasks.errors import UserError
+from tasks.launch.cluster import ClusterConfig
 from tasks.nodes.check import run_node_checks
 from tasks.nodes.config import NodesConfig
 from tasks.nodes.inventory import plan_checks, read_inventory

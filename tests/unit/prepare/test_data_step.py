@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pickle
 
-from tasks.deployment import DataResult, dataset_check_inputs
 from tasks.errors import UserError
 from tasks.prepare.existing import CheckedDataset
 from tasks.prepare.pipeline import DataValidationError
+from tasks.prepare.step import DataInputs, DataResult
 from tasks.spec import parse_spec
 from tests.conftest import TINY_SPEC, deep_merge
 from validation.data import DataProblem, FailedExpectation
@@ -56,4 +56,5 @@ def test_the_cli_and_the_flow_take_the_data_steps_inputs_from_one_place() -> Non
         TINY_SPEC, {"data": {"dataset_url": "/data/ds"}, "checkpoint": {"url": "/c"}, "run": {"output_url": "/o"}}
     )
     spec = parse_spec({**data, "deployment_dir": "/deploy/tiny"})
-    assert dataset_check_inputs(spec) == (spec.data, 257, spec.storage, "/deploy/tiny")
+    expected = DataInputs(data=spec.data, vocab_size=257, storage=spec.storage, reports_dir="/deploy/tiny")
+    assert DataInputs.of(spec) == expected

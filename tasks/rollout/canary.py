@@ -17,14 +17,18 @@ from typing import TYPE_CHECKING, Literal
 
 from tasks.acceptance.config import AcceptanceConfig
 from tasks.acceptance.record import AcceptanceReport
-from tasks.acceptance.suite import run_acceptance, workspace_root
-from tasks.acceptance.workspace import new_run_id, open_workspace, workspace_base
-from tasks.cluster import ClusterConfig
+from tasks.acceptance.mode import Mode
+from tasks.acceptance.step import AcceptanceStepInputs
+from tasks.acceptance.suite import AcceptanceInputs, run_acceptance
+from tasks.acceptance.workspace import new_run_id, open_workspace
 from tasks.errors import UserError
 from tasks.image.config import image_reference
 from tasks.launch.base import TERMINAL, JobState
+from tasks.launch.cluster import ClusterConfig
+from tasks.launch.environment import JobEnvironment
 from tasks.launch.submit import JobFailed, submit
-from tasks.ledger.registry import Ledger, Provenance, cluster_key_of, ledger_url
+from tasks.ledger.registry import Ledger, Provenance, cluster_key_of
+from tasks.paths import ledger_url, workspace_base
 from training.config import TrainConfig
 
 if TYPE_CHECKING:
@@ -94,9 +98,10 @@ def run_canary(
     train: TrainConfig,
     acceptance: AcceptanceConfig,
     image: str,
-    faults: dict[str, str] | None = None,
+    environment: JobEnvironment | None = None,
 ) -> CanaryOutcome:
-    """Run `image` on the canary and hold it to the canary shape's baseline; RolloutStopped when it fails."""
+    """Run `image` on the canary and hold it to the canary shape's baseline; RolloutStopped when it fails.
+    `environment` reaches the new version's jobs only (a test's slower version), not the current one's."""
     try:
         image_reference(image, "registry.example/tdeploy:2026-01")
     except ValueError as err:
@@ -106,11 +111,16 @@ def run_canary(
     ledger = Ledger(canary_acceptance.ledger_url or "", train.storage)
     base = Path(canary_acceptance.work_url or "")
 
-    def accept(version: str | None, injected: dict[str, str] | None, record: bool) -> tuple[AcceptanceReport, Path]:
+    def accept(
+        version: str | None, extra: JobEnvironment | None, record: bool
+    ) -> tuple[AcceptanceReport, Path]:
         root = open_workspace(base / new_run_id(), acceptance.keep_runs).root
         provenance = Provenance(spec_name, None, version)
-        report = run_acceptance(small, train, canary_acceptance, root, injected, version, provenance=provenance,
-                                canary=True, record=record)  # fmt: skip
+        inputs = AcceptanceInputs(
+            cluster=small, train=train, acceptance=canary_acceptance, mode=Mode.CANARY, image=version,
+            environment=extra, provenance=provenance, record=record,
+        )  # fmt: skip
+        report = run_acceptance(inputs, root)
         return report, root
 
     whole = ledger.current(spec_name, cluster_key_of(cluster))
@@ -126,11 +136,19 @@ def run_canary(
             if not first.passed:
                 reasons = ["the current version itself failed the canary: " + "; ".join(_failures(first))]
                 raise RolloutStopped(image, reasons, str(AcceptanceReport.path_in(root)))
-    report, root = accept(image, faults, record=False)
+    report, root = accept(image, environment, record=False)
     regression = next(d for d in report.dimensions if d.name == "regression")
     if not report.passed:
         raise RolloutStopped(image, _failures(report), str(AcceptanceReport.path_in(root)))
     return CanaryOutcome(report, root, regression.evidence.get("baseline_entry"))
+
+
+def rollout_acceptance(
+    spec: DeploymentSpec, train: TrainConfig, image: str, environment: JobEnvironment | None = None
+) -> AcceptanceStepInputs:
+    """The whole deployment's acceptance of `image` after its canary (`tdeploy rollout` and the rollout flow): the
+    acceptance step's inputs, with the image as provenance and the capacity plan's figures."""
+    return AcceptanceStepInputs.of(spec, train, image=image, environment=environment)
 
 
 @dataclass(frozen=True)
@@ -148,16 +166,15 @@ def roll_out(
     train: TrainConfig,
     image: str,
     until: Literal["submitted", "running", "finished"] = "running",
-    faults: dict[str, str] | None = None,
+    environment: JobEnvironment | None = None,
 ) -> RolloutOutcome:
     """The canary, then acceptance on the whole deployment (the regression gate against its baseline; accepted,
     it records the new version's entry), then the training job with `image`; each failure stops the rollout with
     the current version in place (`tdeploy rollout`; the rollout flow composes the same steps as tasks)."""
-    canary = run_canary(spec.name, spec.cluster, train, spec.acceptance, image, faults)
-    root = open_workspace(workspace_root(spec.acceptance, train), spec.acceptance.keep_runs).root
-    provenance = Provenance.of(spec, image_ref=image)
-    report = run_acceptance(spec.cluster, train, spec.acceptance, root, faults, image, drills=spec.drills,
-                            provenance=provenance)  # fmt: skip
+    canary = run_canary(spec.name, spec.cluster, train, spec.acceptance, image, environment)
+    inputs = rollout_acceptance(spec, train, image, environment)
+    root = open_workspace(inputs.root, spec.acceptance.keep_runs).root
+    report = run_acceptance(inputs, root)
     if not report.passed:
         raise RolloutStopped(image, _failures(report), str(AcceptanceReport.path_in(root)))
     launcher, handle = submit(spec.cluster, train, spec.name, image, supervised=until == "finished")

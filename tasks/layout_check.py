@@ -1,5 +1,8 @@
 """Self-check of a model-parallel layout: run it on this machine and compare its traffic with the planner's.
 
+It joins the spec, the data preparation, the trainer and the planner, so it sits above tasks/capacity and
+tasks/spec (both of which it imports) rather than inside either.
+
 The spec's own model rarely fits one CPU machine, so a tiny model of the same kind (MLP, experts, tied or not)
 runs the spec's layout shape on at most 4 gloo processes (tensor, pipeline and expert degrees capped at 2, the
 schedule, sequence parallelism and sharding kept) under the real trainer with tasks/capacity/traffic.py's
@@ -17,10 +20,15 @@ from typing import Any
 
 from tasks.capacity.memory import MemoryModel, Precision
 from tasks.capacity.params import Architecture
-from tasks.capacity.plan import plan_capacity, requested_layout
+from tasks.capacity.plan import requested_layout
+from tasks.capacity.step import CapacityInputs
 from tasks.capacity.traffic import DIMS, PLANNER_KEYS, measure
-from tasks.cluster import ClusterConfig
+from tasks.launch.cluster import ClusterConfig
+from tasks.prepare.config import PrepareConfig
+from tasks.prepare.pipeline import prepare_dataset
+from tasks.spec import DeploymentSpec, parse_spec
 from training.config import ModelConfig, ParallelConfig, PrecisionConfig
+from training.storage import StorageConfig
 
 log = logging.getLogger(__name__)
 
@@ -54,10 +62,8 @@ def tiny_layout(model: ModelConfig, parallel: ParallelConfig) -> tuple[dict[str,
 def tiny_spec(
     model: dict[str, Any], parallel: dict[str, Any], procs: int, work: Path, dataset: str, *,
     steps: int = STEPS, name: str = "self-check",
-) -> Any:  # fmt: skip
+) -> DeploymentSpec:  # fmt: skip
     """A one-node spec of `procs` CPU processes for measuring a layout: fp32, no checkpoints, one eval batch."""
-    from tasks.spec import parse_spec
-
     return parse_spec(
         {
             "name": name,
@@ -80,10 +86,6 @@ def tiny_spec(
 
 
 def _dataset(work: Path) -> str:
-    from tasks.prepare.config import PrepareConfig
-    from tasks.prepare.pipeline import prepare_dataset
-    from training.storage import StorageConfig
-
     cfg = PrepareConfig(
         output_url=str(work / "data"), builtin_corpus="python-docs", builtin_max_bytes=200_000,
         tokenizer={"kind": "bytes"}, workers=1,
@@ -108,7 +110,7 @@ def run_parallel_self_check(
     config = root / "run.json"
     spec.training_config().to_json_file(config)
     traffic = measure(config, procs, root / "traffic", MEASURED, timeout_s)
-    plan = plan_capacity(*_plan_inputs(spec))
+    plan = CapacityInputs.of(spec).estimate()
     layout = requested_layout(spec.capacity, spec.cluster, spec.parallel)
     predicted = plan.requested.comm.bytes
     memory = MemoryModel(Architecture.from_model_config(spec.model), Precision.of("fp32")).estimate(layout)
@@ -133,9 +135,3 @@ def run_parallel_self_check(
         "tokens_per_s": traffic.tokens_per_s(skip=MEASURED[1]),
         "seconds": time.perf_counter() - started,
     }
-
-
-def _plan_inputs(spec: Any) -> tuple[Any, ...]:
-    from tasks.deployment import plan_inputs
-
-    return plan_inputs(spec)

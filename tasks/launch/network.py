@@ -1,4 +1,4 @@
-"""Where and how the job runs: scheduler, nodes, processes per node, accelerator."""
+"""The job's environment and network: which variables a spec may set (`cluster.env`) and `cluster.network`."""
 
 from __future__ import annotations
 
@@ -6,10 +6,10 @@ import os
 import re
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, Field, field_validator, model_validator
+from pydantic import AfterValidator, Field, field_validator
 
-from tasks.launch.config import KubernetesConfig, PreemptionConfig, SlurmConfig, SshLaunchConfig, matching
-from training.config import Problem, StrictModel, raise_problems
+from tasks.launch.config import matching
+from training.config import Problem, StrictModel
 from training.network import COLLECTIVE_TIMEOUT_ENV
 from training.untrusted import escape_untrusted
 
@@ -260,74 +260,3 @@ def network_problems(network: NetworkConfig, env: dict[str, str]) -> list[Proble
         for name, (field, _) in network_variables(network).items()
         if name in env
     ]
-
-
-class ClusterConfig(StrictModel):
-    """The cluster a deployment runs on."""
-
-    scheduler: Literal["local", "ssh", "slurm", "kubernetes"] = Field(
-        default="local",
-        description="local: torchrun on this machine; ssh: one torchrun agent per host of nodes.hosts, started "
-        "over SSH; slurm: sbatch; kubernetes: PyTorchJob.",
-    )
-    nodes: int = Field(default=1, ge=1, le=100_000, description="Nodes (local: torchrun agents on this machine).")
-    procs_per_node: int = Field(
-        ge=1, le=256, description="Training processes per node: GPUs per node, or CPU processes on CPU nodes."
-    )
-    accelerator: str = Field(default="cpu", min_length=1, description="Accelerator type, e.g. cpu, h100-sxm.")
-    max_restarts: int = Field(default=0, ge=0, le=100, description="torchrun elastic restarts after a worker failure.")
-    min_nodes: int | None = Field(
-        default=None,
-        ge=1,
-        le=100_000,
-        description="Elastic: the job goes on with as few as this many nodes when others are lost (torchrun "
-        "--nnodes=min_nodes:nodes; each loss costs a restart of max_restarts); None = exactly `nodes`.",
-    )
-    rdzv_port: int | None = Field(
-        default=None, ge=1, le=65535, description="local: rendezvous port on 127.0.0.1; None = a free one."
-    )
-    env: dict[str, str] = Field(
-        default_factory=dict,
-        description="Environment of the training processes: NCCL/gloo/torch.distributed/OpenMP tuning variables "
-        "on the allow-list, e.g. NCCL_IB_HCA, NCCL_DEBUG (the operator extends it with TDEPLOY_ALLOWED_ENV; PATH, "
-        "LD_*, PYTHONPATH, SLURM_* and the like stay with the operator).",
-    )
-    slurm: SlurmConfig = Field(default_factory=SlurmConfig, description="scheduler=slurm: sbatch settings.")
-    kubernetes: KubernetesConfig = Field(
-        default_factory=KubernetesConfig, description="scheduler=kubernetes: PyTorchJob settings."
-    )
-    ssh: SshLaunchConfig | None = Field(
-        default=None,
-        description="scheduler=ssh: the hosts and SSH settings of the agents; None = the spec's nodes section.",
-    )
-    network: NetworkConfig = Field(
-        default_factory=NetworkConfig,
-        description="The job's network: interface, rendezvous and collective timeouts, NCCL and gloo settings.",
-    )
-    preemption: PreemptionConfig = Field(
-        default_factory=PreemptionConfig,
-        description="Preemption: the grace period between the scheduler's signal (SIGTERM, or SIGUSR1 from Slurm) "
-        "and its kill, in which the trainer finishes its step, checkpoints and exits 75 (state preempted).",
-    )
-
-    @model_validator(mode="after")
-    def _env_names(self) -> ClusterConfig:
-        problems = env_problems(self.env) + network_problems(self.network, self.env)
-        if self.min_nodes is not None and self.min_nodes > self.nodes:
-            problems.append((("min_nodes",), self.min_nodes, f"must be <= nodes={self.nodes}; lower it or remove it"))
-        if self.min_nodes is not None and self.min_nodes < self.nodes and self.max_restarts == 0:
-            problems.append(
-                (
-                    ("max_restarts",),
-                    0,
-                    f"min_nodes={self.min_nodes} lets the job go on after losing a node, which takes a restart; "
-                    "set max_restarts >= 1",
-                )
-            )
-        raise_problems("ClusterConfig", problems)
-        return self
-
-    @property
-    def world_size(self) -> int:
-        """Training processes in total."""
-        return self.nodes * self.procs_per_node

@@ -1,0 +1,103 @@
+"""The job step: its inputs from the spec, its plain `run`, its result and the constants its task uses."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from tasks.errors import UserError
+from tasks.launch.base import TERMINAL, JobHandle, JobState, JobStatus
+from tasks.launch.cluster import ClusterConfig
+from tasks.launch.environment import JobEnvironment
+from tasks.launch.history import StepsLost, steps_lost
+from tasks.launch.submit import JobFailed, submit
+from tasks.results import StepResult
+from training.config import TrainConfig
+
+if TYPE_CHECKING:
+    from tasks.spec import DeploymentSpec
+
+TITLE = "job submission"
+ARTIFACT = "submit-job"
+
+WaitUntil = Literal["submitted", "running", "finished"]
+_UNTIL = {
+    "submitted": frozenset(JobState),
+    "running": frozenset({JobState.RUNNING}),
+    "finished": TERMINAL,
+}
+
+
+class JobPreempted(UserError):
+    """The job stopped on its scheduler's preemption signal after checkpointing: neither a crash nor a finished
+    run. What follows a finished run (acceptance, export) must not run; resubmitting resumes from the checkpoint."""
+
+    def __init__(self, handle: JobHandle, status: JobStatus) -> None:
+        super().__init__(
+            f"job {handle.ref} {status.describe()}",
+            "submit the deployment again: it resumes from the checkpoint the job wrote when it was preempted",
+        )
+        self.handle, self.status = handle, status
+
+
+class JobInputs(BaseModel):
+    """What the job step reads: the cluster, the training config (on the data step's dataset), the deployment's
+    name, the image to run and how long to wait."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    cluster: ClusterConfig
+    train: TrainConfig
+    name: str
+    image: str | None = None
+    """The image reference the job runs (None: the nodes' own environment)."""
+    wait_until: WaitUntil = "finished"
+    timeout_s: float = 6 * 3600
+
+    @classmethod
+    def of(
+        cls, spec: DeploymentSpec, train: TrainConfig, image: str | None = None, wait_until: WaitUntil = "finished"
+    ) -> JobInputs:
+        """The job of `spec` on `train` (data_and_training's), running `image`."""
+        return cls(cluster=spec.cluster, train=train, name=spec.name, image=image, wait_until=wait_until)
+
+
+class JobResult(StepResult):
+    """The submitted training job and the state it was left in."""
+
+    job: str
+    state: str
+    output_dir: str
+    handle: dict[str, Any]
+
+    def summary(self) -> str:
+        """The job's reference, state and output folder."""
+        return f"`{self.job}` {self.state}; output `{self.output_dir}`"
+
+
+def run(
+    inputs: JobInputs,
+    publish: Callable[[JobHandle, JobStatus, StepsLost | None], None] | None = None,
+    on_line: Callable[[str], None] | None = None,
+    environment: JobEnvironment | None = None,
+) -> JobResult:
+    """Submit the training job and wait until it is submitted, running or finished; hand the final state to
+    `publish`; a failed or cancelled job raises JobFailed, a preempted one JobPreempted (its checkpoint is there to
+    resume from)."""
+    # A job this step waits for dies with this process; one it only starts must outlive the flow run.
+    supervised = inputs.wait_until == "finished"
+    launcher, handle = submit(inputs.cluster, inputs.train, inputs.name, inputs.image, environment=environment,
+                              supervised=supervised)  # fmt: skip
+    if on_line is not None:
+        on_line(f"submitted {handle.ref} (output {handle.output_dir})")
+    status = launcher.wait(handle, _UNTIL[inputs.wait_until], inputs.timeout_s, on_line=on_line)
+    stopped = status.state in (JobState.FAILED, JobState.CANCELLED, JobState.PREEMPTED)
+    lost = steps_lost(inputs.train, handle.output_dir) if stopped else None
+    if publish is not None:
+        publish(handle, status, lost)
+    if status.state in (JobState.FAILED, JobState.CANCELLED):
+        raise JobFailed(handle, status)
+    if status.state is JobState.PREEMPTED:
+        raise JobPreempted(handle, status)
+    return JobResult(job=handle.ref, state=status.state.value, output_dir=handle.output_dir, handle=handle.to_json())

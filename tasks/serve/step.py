@@ -1,0 +1,114 @@
+"""The serving step: its inputs from the spec, its plain `run`, its result and the constants its task uses."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from pydantic import BaseModel, ConfigDict
+
+from tasks.errors import UserError
+from tasks.paths import DeploymentPaths
+from tasks.results import StepResult
+from tasks.serve.check import ServingReport, run_serving_check
+from tasks.serve.config import ServeConfig
+from training.config import TrainConfig
+
+if TYPE_CHECKING:
+    from tasks.spec import DeploymentSpec
+
+TITLE = "serving check"
+ARTIFACT = "serving"
+
+
+class ServingCheckFailed(UserError):
+    """A served figure missed its threshold; serving.json says which and what to look at."""
+
+
+class ServingInputs(BaseModel):
+    """What the serving check reads: the serve section, the training config whose checkpoint is served, the
+    accelerator, the served model's name, the report folder and the export root."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    serve: ServeConfig
+    train: TrainConfig
+    accelerator: str
+    name: str
+    out_dir: str
+    """serving.json, the server's log and the manifests (tasks.paths: <reports>/serving)."""
+    export_root: str
+    """The folder the served checkpoint is exported under (tasks.paths: <reports>/export)."""
+    step: int | None = None
+    """The checkpoint step to export and serve (None: the newest sound one)."""
+
+    @classmethod
+    def of(
+        cls, spec: DeploymentSpec, train: TrainConfig, folder: str | None = None, step: int | None = None
+    ) -> ServingInputs:
+        """The serving check of `spec` (`train`: data_and_training's), its reports in `folder` (default
+        <reports>/serving); serve: null is the caller's case."""
+        assert spec.serve is not None, "callers handle serve: null"
+        paths = DeploymentPaths.of(spec)
+        return cls(
+            serve=spec.serve, train=train, accelerator=spec.cluster.accelerator, name=spec.name,
+            out_dir=paths.serving_dir(folder), export_root=paths.export_dir, step=step,
+        )  # fmt: skip
+
+
+class ServingResult(StepResult):
+    """The serving check: the served checkpoint, its latency, throughput, parity and quality figures."""
+
+    verdict_text: str
+    step: int
+    model_dir: str
+    p99_e2e_ms: float
+    p99_ttft_ms: float
+    output_tokens_per_s: float
+    error_rate: float
+    greedy_matched: int
+    greedy_prompts: int
+    rouge_l: float
+    bleu4: float
+    files: dict[str, str]
+    failed: list[str] = []
+
+    @classmethod
+    def of(cls, report: ServingReport) -> ServingResult:
+        """The step's small result from the full report."""
+        return cls(
+            verdict_text="passed" if report.passed else "failed",
+            step=report.step,
+            model_dir=report.model_dir,
+            p99_e2e_ms=report.load.e2e_ms.p99,
+            p99_ttft_ms=report.load.ttft_ms.p99,
+            output_tokens_per_s=report.load.output_tokens_per_s,
+            error_rate=report.load.error_rate,
+            greedy_matched=report.parity.matched,
+            greedy_prompts=report.parity.prompts,
+            rouge_l=report.quality.rouge_l,
+            bleu4=report.quality.bleu4,
+            files=report.files,
+            failed=report.failed,
+        )
+
+    def summary(self) -> str:
+        """Verdict, P99 latencies, throughput, errors, parity and quality, and where serving.json is."""
+        return (
+            f"{self.verdict_text}: step {self.step}; P99 e2e {self.p99_e2e_ms:.1f} ms, TTFT {self.p99_ttft_ms:.1f} ms; "
+            f"{self.output_tokens_per_s:.0f} output tokens/s; errors {self.error_rate:.1%}; greedy parity "
+            f"{self.greedy_matched}/{self.greedy_prompts}; ROUGE-L {self.rouge_l:.3f}, BLEU-4 {self.bleu4:.2f}; "
+            f"`{self.files.get('json', '-')}`"
+        )
+
+
+def run(inputs: ServingInputs, publish: Callable[[ServingReport], None] | None = None) -> ServingResult:
+    """Export the checkpoint, serve it with vLLM, load-test it and check its outputs; hand the report to
+    `publish`; ServingCheckFailed naming the failed figures when one misses its threshold."""
+    report = run_serving_check(inputs.serve, inputs.train, inputs.accelerator, inputs.name, Path(inputs.out_dir),
+                               inputs.export_root, inputs.step)  # fmt: skip
+    if publish is not None:
+        publish(report)
+    if not report.passed:
+        raise ServingCheckFailed(f"serving check failed: {', '.join(report.failed)}", f"see {report.files['json']}")
+    return ServingResult.of(report)
