@@ -2,7 +2,7 @@
 
 Each command runs N times as a fresh process (the installed `tdeploy` script, from the repository root);
 the median wall time is printed beside the median of `python -c "import torch, prefect"` measured in the
-same run: the cost every command paid while flows/cli.py imported the pipeline at module level.
+same run: the cost every command paid while the CLI (flows/cli/) imported the pipeline at module level.
 Goal: `tdeploy --help` under 1 s.
 
 Usage: python benchmarks/cli_latency.py [-n 7] [--spec examples/local.yaml]

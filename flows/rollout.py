@@ -15,7 +15,7 @@ from tasks.launch.task import submit_job
 from tasks.logs import install_user_error_filter
 from tasks.pipeline import Results, SpecSource, diagnose_failure, spec_flow
 from tasks.prepare.step import data_and_training
-from tasks.rollout.canary import rollout_acceptance
+from tasks.rollout.canary import CanaryInputs, rollout_acceptance
 from tasks.rollout.task import canary_rollout
 
 
@@ -33,7 +33,7 @@ def rollout(
     try:
         results["data"], train = data_and_training(parsed, data_task)
         step = "canary"
-        canary_rollout(parsed.name, parsed.cluster, train, parsed.acceptance, image)
+        canary_rollout(CanaryInputs.of(parsed, train, image=image))
         step = "acceptance"
         results["acceptance"] = run_acceptance(rollout_acceptance(parsed, train, image))
         step = "job"

@@ -39,6 +39,7 @@ SERVING_DIR = "serving"
 ACCEPTANCE_DIR = "acceptance"
 NIGHTLY_DIR = "nightly"
 LEDGER_DIR = "ledger"
+BASELINES_DIR = "baselines"
 DATASETS_DIR = "datasets"
 DATA_VALIDATION_DIR = "data-validation"
 """Folder of the given datasets' validations in the deployment's reports folder: one sub-folder per verdict key."""
@@ -101,6 +102,12 @@ def ledger_url(acceptance: AcceptanceConfig, output_url: str) -> str:
     """The spec's ledger (`output_url`: its run.output_url): acceptance.ledger_url, else `ledger/` beside its
     (non-nightly) run workspaces."""
     return acceptance.ledger_url or str(workspace_base(acceptance.work_url, output_url) / LEDGER_DIR)
+
+
+def baselines_dir(acceptance: AcceptanceConfig, output_url: str) -> Path:
+    """The quality baselines' folder (`output_url`: the spec's run.output_url): `baselines/` beside its (non-nightly)
+    run workspaces, shared by the nightly runs."""
+    return workspace_base(acceptance.work_url, output_url) / BASELINES_DIR
 
 
 def default_export_root(train: TrainConfig) -> str:

@@ -26,8 +26,16 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from training.layout import MESH_GROUPS
 
-DIMS = ("dp", "tp", "pp", "ep")
-PLANNER_KEYS = {"dp": "data_parallel", "tp": "tensor_parallel", "pp": "pipeline_parallel", "ep": "expert_parallel"}
+DIMS = tuple(MESH_GROUPS)
+"""The sub-groups traffic is booked to: the mesh's (training/layout.py MESH_GROUPS), context parallel included."""
+PLANNER_KEYS = {
+    "tp": "tensor_parallel",
+    "cp": "context_parallel",
+    "pp": "pipeline_parallel",
+    "dp": "data_parallel",
+    "ep": "expert_parallel",
+}
+"""Each sub-group's `parallel` degree, the key of its bytes per step in the planner's model (tasks/capacity/comm.py)."""
 _MESH_DIM_LABELS = {dim: group for group, dims in MESH_GROUPS.items() for dim in dims} | {"dp": "dp", "dp_mod_ep": "dp"}
 """Each mesh dimension's sub-group label (the expert mesh's dp_mod_ep and the flattened dp count as data parallel)."""
 _NAMESPACES = {"c10d", "_c10d_functional", "c10d_functional", "_c10d_functional_autograd"}

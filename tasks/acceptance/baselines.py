@@ -36,14 +36,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from tasks.acceptance.config import AcceptanceConfig
 from tasks.errors import UserError
-from tasks.paths import workspace_base
+from tasks.paths import baselines_dir
 from training.config import TrainConfig, first_problem
 from training.dataset import DatasetManifest, read_manifest
 from validation.quality import LossCurve, QualityResult, check_quality, loss_curve, not_measured
 
 log = logging.getLogger(__name__)
 
-BASELINES_DIR = "baselines"
 FORMAT_VERSION = 1
 KEY_VERSION = 1
 """Bumped whenever `curve_identity` changes what it covers, so old baselines are no longer found."""
@@ -184,8 +183,8 @@ class BaselineRegistry:
 
 
 def registry_for(acceptance: AcceptanceConfig, train: TrainConfig) -> BaselineRegistry:
-    """The spec's registry: `baselines/` beside its (non-nightly) run workspaces."""
-    return BaselineRegistry(workspace_base(acceptance.work_url, train.run.output_url) / BASELINES_DIR)
+    """The spec's registry: `baselines/` beside its (non-nightly) run workspaces (tasks.paths.baselines_dir)."""
+    return BaselineRegistry(baselines_dir(acceptance, train.run.output_url))
 
 
 @dataclass

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import signal
 import time
 from collections.abc import Callable
@@ -36,7 +35,7 @@ from tasks.launch.base import JobState, JobStatus, find_job
 from tasks.launch.cluster import ClusterConfig
 from tasks.launch.environment import JobEnvironment
 from tasks.progress import report
-from training.checkpoint import COMMIT, CheckpointFormatError, CheckpointManager, step_dir_name
+from training.checkpoint import COMMIT, CheckpointFormatError, CheckpointManager, copy_step, step_dir_name
 from training.config import TrainConfig
 from training.drill_points import HOLD_MARKER_PREFIX, RELEASE_FILE, SAVE_PHASES, SavePhase, paused_ranks
 from training.layout import Layout
@@ -476,20 +475,29 @@ def drill_kill_during_save(ctx: DrillContext) -> DrillResult:
     )
 
 
-def _copy_reference_checkpoints(ctx: DrillContext, target: TrainConfig) -> list[int]:
-    """Copy the reference run's committed checkpoints into `target`'s folder (local checkpoints)."""
+def _reference_checkpoints(ctx: DrillContext) -> TrainConfig:
+    """The drills' base config reading the reference run's checkpoint folder."""
     reference = ctx.reference()
     assert reference.checkpoint_url is not None, "the drills' reference is a Job's outcome or the acceptance run's"
-    source = ctx.base.model_copy(
+    return ctx.base.model_copy(
         update={"checkpoint": ctx.base.checkpoint.model_copy(update={"url": reference.checkpoint_url})}
     )
-    src, dst = Path(source.checkpoint.url), Path(target.checkpoint.url)
-    dst.mkdir(parents=True, exist_ok=True)
-    copied = []
-    for step in committed_steps(source):
-        shutil.copytree(src / step_dir_name(step), dst / step_dir_name(step), dirs_exist_ok=True)
-        copied.append(step)
+
+
+def copy_checkpoints(source: TrainConfig, target: TrainConfig, up_to: int | None = None) -> list[int]:
+    """Copy `source`'s committed checkpoints (those up to step `up_to`; None: all) into `target`'s fresh checkpoint
+    folder by the commit protocol (`copy_step`: only the files COMMIT.json lists, each checked against its record);
+    the steps copied. CheckpointCopyError names a source file that differs from its record."""
+    copied = [step for step in committed_steps(source) if up_to is None or step <= up_to]
+    manager = CheckpointManager(source.checkpoint, source.storage)
+    for step in copied:
+        copy_step(manager.step_url(step), target.checkpoint.url, target.storage)
     return copied
+
+
+def _copy_reference_checkpoints(ctx: DrillContext, target: TrainConfig, up_to: int | None = None) -> list[int]:
+    """Copy the reference run's committed checkpoints (up to step `up_to`; None: all) into `target`'s folder."""
+    return copy_checkpoints(_reference_checkpoints(ctx), target, up_to)
 
 
 def drill_corrupt_checkpoint(ctx: DrillContext) -> DrillResult:
@@ -518,13 +526,6 @@ def drill_corrupt_checkpoint(ctx: DrillContext) -> DrillResult:
     return result
 
 
-def _checkpoints_up_to(ctx: DrillContext, target: TrainConfig, step: int) -> None:
-    """`target`'s checkpoint folder holds the reference run's committed checkpoints up to `step`."""
-    for copied in _copy_reference_checkpoints(ctx, target):
-        if copied > step:
-            shutil.rmtree(Path(target.checkpoint.url) / step_dir_name(copied))
-
-
 def drill_reshard(ctx: DrillContext) -> DrillResult:
     """Restore a checkpoint on another layout (global batch kept): model and optimizer state carry over.
 
@@ -547,18 +548,18 @@ def drill_reshard(ctx: DrillContext) -> DrillResult:
     else:
         to_cluster, sections = single_process(ctx.cluster, ctx.base)
     train = ctx.train("drill-reshard", **sections)
-    steps = _copy_reference_checkpoints(ctx, train)
+    steps = committed_steps(_reference_checkpoints(ctx))
     midpoint = steps[len(steps) // 2 - 1] if len(steps) >= 2 else None
     if midpoint is None:
         return DrillResult("reshard", False, message="the reference run left fewer than 2 checkpoints")
-    _checkpoints_up_to(ctx, train, midpoint)
+    _copy_reference_checkpoints(ctx, train, up_to=midpoint)
     control = None
     if ctx.base.model.dropout > 0:
         quiet = {"model": {"dropout": 0.0}}
         stop = {"stop_after_steps": min(ctx.base.run.steps, midpoint + max(5, ctx.drills.relaunch_steps))}
         train = ctx.train("drill-reshard", **{**sections, **quiet, "run": {**sections["run"], **stop}})
         control_train = ctx.train("drill-reshard-control", **quiet, run=stop)
-        _checkpoints_up_to(ctx, control_train, midpoint)
+        _copy_reference_checkpoints(ctx, control_train, up_to=midpoint)
         control = ctx.job(control_train, "drill-reshard-control").wait(ctx.acceptance.job_timeout_s)
         if not control.ok:
             return DrillResult(

@@ -7,7 +7,9 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from tasks.acceptance.config import AcceptanceConfig
+from pydantic import BaseModel, ConfigDict
+
+from tasks.acceptance.config import AcceptanceConfig, DrillConfig
 from tasks.acceptance.mode import Mode
 from tasks.acceptance.record import AcceptanceReport, DrillResult
 from tasks.acceptance.report import write_files
@@ -16,6 +18,7 @@ from tasks.acceptance.workspace import Workspace, mark_latest, open_workspace
 from tasks.capacity.step import CapacityInputs, CapacityResult
 from tasks.errors import UserError
 from tasks.image.step import ImageStepResult
+from tasks.launch.cluster import ClusterConfig
 from tasks.launch.environment import JobEnvironment
 from tasks.ledger.registry import Provenance
 from tasks.paths import DeploymentPaths
@@ -107,9 +110,21 @@ class AcceptanceStepInputs(AcceptanceInputs):
         )  # fmt: skip
 
 
-class DrillsInputs(AcceptanceInputs):
-    """The drills step: the suite's inputs, the run workspace whose drills/ folder they run in, and which drills."""
+class DrillsInputs(BaseModel):
+    """The drills step: where their jobs run (cluster, image, job environment), the job they drill, the acceptance
+    section (job timeout, steps, checkpoint interval), the drills' settings, the run workspace whose drills/ folder
+    they run in, and which drills."""
 
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    cluster: ClusterConfig
+    train: TrainConfig
+    acceptance: AcceptanceConfig
+    drills: DrillConfig | None = None
+    """The drills' settings; None: the defaults."""
+    image: str | None = None
+    """The image reference the drill jobs run in (None: the nodes' own environment)."""
+    environment: JobEnvironment | None = None
+    """Variables the drill jobs get beside cluster.env (tasks/launch/environment.py): the tests', never a spec's."""
     root: str
     """The run workspace: the acceptance step's (its uninterrupted run and rank_kill drill are reused), or a new one."""
     only: tuple[str, ...] | None = None

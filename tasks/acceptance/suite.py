@@ -8,6 +8,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict
 
@@ -48,6 +49,9 @@ from validation.acceptance import AcceptanceThresholds, DimensionResult, mesh_of
 from validation.data_consistency import Sampling, check_data_consistency, with_resumed_run
 from validation.plan_accuracy import PlanAccuracy, PlannedFigures, compare_plan, with_history
 from validation.quality import with_quality
+
+if TYPE_CHECKING:
+    from tasks.acceptance.step import DrillsInputs
 
 log = logging.getLogger(__name__)
 
@@ -398,7 +402,7 @@ def judge(
 
 
 def run_drill_suite(
-    inputs: AcceptanceInputs,
+    inputs: DrillsInputs,
     root: Path,
     only: list[str] | None = None,
     on_result: Callable[[DrillResult], None] | None = None,

@@ -54,13 +54,26 @@ class JobInputs(BaseModel):
     """The image reference the job runs (None: the nodes' own environment)."""
     wait_until: WaitUntil = "finished"
     timeout_s: float = 6 * 3600
+    """How long to wait for `wait_until` before failing (a detached job is waited for without a limit)."""
+    detached: bool = False
+    """The job runs on its own: stopping the caller, also while it waits, leaves the job running and waiting has no
+    time limit (`tdeploy submit`; `tdeploy cancel` stops the job). Otherwise a job waited for until it finishes
+    stops with the caller."""
 
     @classmethod
     def of(
-        cls, spec: DeploymentSpec, train: TrainConfig, image: str | None = None, wait_until: WaitUntil = "finished"
+        cls,
+        spec: DeploymentSpec,
+        train: TrainConfig,
+        image: str | None = None,
+        wait_until: WaitUntil = "finished",
+        *,
+        detached: bool = False,
     ) -> JobInputs:
         """The job of `spec` on `train` (data_and_training's), running `image`."""
-        return cls(cluster=spec.cluster, train=train, name=spec.name, image=image, wait_until=wait_until)
+        return cls(
+            cluster=spec.cluster, train=train, name=spec.name, image=image, wait_until=wait_until, detached=detached
+        )
 
 
 class JobResult(StepResult):
@@ -85,13 +98,14 @@ def run(
     """Submit the training job and wait until it is submitted, running or finished; hand the final state to
     `publish`; a failed or cancelled job raises JobFailed, a preempted one JobPreempted (its checkpoint is there to
     resume from)."""
-    # A job this step waits for dies with this process; one it only starts must outlive the flow run.
-    supervised = inputs.wait_until == "finished"
+    # A job this step waits for dies with this process; one it only starts, or a detached one, must outlive it.
+    supervised = inputs.wait_until == "finished" and not inputs.detached
     launcher, handle = submit(inputs.cluster, inputs.train, inputs.name, inputs.image, environment=environment,
                               supervised=supervised)  # fmt: skip
     if on_line is not None:
         on_line(f"submitted {handle.ref} (output {handle.output_dir})")
-    status = launcher.wait(handle, _UNTIL[inputs.wait_until], inputs.timeout_s, on_line=on_line)
+    timeout_s = None if inputs.detached else inputs.timeout_s
+    status = launcher.wait(handle, _UNTIL[inputs.wait_until], timeout_s, on_line=on_line)
     stopped = status.state in (JobState.FAILED, JobState.CANCELLED, JobState.PREEMPTED)
     lost = steps_lost(inputs.train, handle.output_dir) if stopped else None
     if publish is not None:

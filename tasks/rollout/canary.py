@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
+from pydantic import BaseModel, ConfigDict
+
 from tasks.acceptance.config import AcceptanceConfig
 from tasks.acceptance.record import AcceptanceReport
 from tasks.acceptance.mode import Mode
@@ -28,7 +30,7 @@ from tasks.launch.cluster import ClusterConfig
 from tasks.launch.environment import JobEnvironment
 from tasks.launch.submit import JobFailed, submit
 from tasks.ledger.registry import Ledger, Provenance, cluster_key_of
-from tasks.paths import ledger_url, workspace_base
+from tasks.paths import DeploymentPaths, ledger_url, workspace_base
 from training.config import TrainConfig
 
 if TYPE_CHECKING:
@@ -38,6 +40,35 @@ log = logging.getLogger(__name__)
 
 CANARY_DIR = "canary"
 """Beside the run workspaces: the canaries' own workspaces (pruned by acceptance.keep_runs like the others)."""
+ARTIFACT = "canary"
+
+
+class CanaryInputs(BaseModel):
+    """The canary of a new image: the deployment's name, cluster, training config and acceptance section, the
+    image, and the deployment's folder."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    name: str
+    cluster: ClusterConfig
+    train: TrainConfig
+    acceptance: AcceptanceConfig
+    image: str
+    """The new version's image reference."""
+    deployment_dir: str
+    """The deployment's folder (tasks.paths), recorded in the quality baseline a canary of the current version
+    writes."""
+    environment: JobEnvironment | None = None
+    """Variables the new version's jobs get beside cluster.env (a test's slower version), not the current one's."""
+
+    @classmethod
+    def of(
+        cls, spec: DeploymentSpec, train: TrainConfig, *, image: str, environment: JobEnvironment | None = None
+    ) -> CanaryInputs:
+        """The canary of `image` for `spec`'s deployment (`train`: data_and_training's)."""
+        return cls(
+            name=spec.name, cluster=spec.cluster, train=train, acceptance=spec.acceptance, image=image,
+            deployment_dir=DeploymentPaths.of(spec).deployment_dir, environment=environment,
+        )  # fmt: skip
 
 
 class RolloutStopped(UserError):
@@ -92,16 +123,11 @@ def _failures(report: AcceptanceReport) -> list[str]:
     return found
 
 
-def run_canary(
-    spec_name: str,
-    cluster: ClusterConfig,
-    train: TrainConfig,
-    acceptance: AcceptanceConfig,
-    image: str,
-    environment: JobEnvironment | None = None,
-) -> CanaryOutcome:
-    """Run `image` on the canary and hold it to the canary shape's baseline; RolloutStopped when it fails.
-    `environment` reaches the new version's jobs only (a test's slower version), not the current one's."""
+def run_canary(inputs: CanaryInputs) -> CanaryOutcome:
+    """Run `inputs.image` on the canary and hold it to the canary shape's baseline; RolloutStopped when it fails.
+    `inputs.environment` reaches the new version's jobs only (a test's slower version), not the current one's."""
+    spec_name, cluster, train, acceptance = inputs.name, inputs.cluster, inputs.train, inputs.acceptance
+    image, environment = inputs.image, inputs.environment
     try:
         image_reference(image, "registry.example/tdeploy:2026-01")
     except ValueError as err:
@@ -116,11 +142,11 @@ def run_canary(
     ) -> tuple[AcceptanceReport, Path]:
         root = open_workspace(base / new_run_id(), acceptance.keep_runs).root
         provenance = Provenance(spec_name, None, version)
-        inputs = AcceptanceInputs(
+        suite = AcceptanceInputs(
             cluster=small, train=train, acceptance=canary_acceptance, mode=Mode.CANARY, image=version,
-            environment=extra, provenance=provenance, record=record,
+            environment=extra, provenance=provenance, record=record, deployment_dir=inputs.deployment_dir,
         )  # fmt: skip
-        report = run_acceptance(inputs, root)
+        report = run_acceptance(suite, root)
         return report, root
 
     whole = ledger.current(spec_name, cluster_key_of(cluster))
@@ -171,7 +197,7 @@ def roll_out(
     """The canary, then acceptance on the whole deployment (the regression gate against its baseline; accepted,
     it records the new version's entry), then the training job with `image`; each failure stops the rollout with
     the current version in place (`tdeploy rollout`; the rollout flow composes the same steps as tasks)."""
-    canary = run_canary(spec.name, spec.cluster, train, spec.acceptance, image, environment)
+    canary = run_canary(CanaryInputs.of(spec, train, image=image, environment=environment))
     inputs = rollout_acceptance(spec, train, image, environment)
     root = open_workspace(inputs.root, spec.acceptance.keep_runs).root
     report = run_acceptance(inputs, root)

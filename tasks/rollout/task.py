@@ -5,21 +5,16 @@ from __future__ import annotations
 from prefect import get_run_logger, task
 from prefect.artifacts import create_table_artifact
 
-from tasks.acceptance.config import AcceptanceConfig
-from tasks.launch.cluster import ClusterConfig
-from tasks.rollout.canary import run_canary
-from training.config import TrainConfig
+from tasks.rollout.canary import ARTIFACT, CanaryInputs, run_canary
 
 
 @task(name="canary_rollout")
-def canary_rollout(
-    name: str, cluster: ClusterConfig, train: TrainConfig, acceptance: AcceptanceConfig, image: str
-) -> dict:
-    """Run `image` on the canary, held to the baseline (see tasks/rollout/canary.py); RolloutStopped, with the
-    failed figures, when it fails. Never retried: a failing canary is the answer, not a hiccup."""
+def canary_rollout(inputs: CanaryInputs) -> dict:
+    """Run `inputs.image` on the canary, held to the baseline (see tasks/rollout/canary.py); RolloutStopped, with
+    the failed figures, when it fails. Never retried: a failing canary is the answer, not a hiccup."""
     logger = get_run_logger()
-    outcome = run_canary(name, cluster, train, acceptance, image)
+    outcome = run_canary(inputs)
     rows = [{"check": d.name, "verdict": d.status, "message": d.message} for d in outcome.report.dimensions]
-    create_table_artifact(key="canary", table=rows, description=f"canary of {image}: passed")
-    logger.info("canary of %s passed against entry %s (%s)", image, outcome.baseline_entry, outcome.root)
+    create_table_artifact(key=ARTIFACT, table=rows, description=f"canary of {inputs.image}: passed")
+    logger.info("canary of %s passed against entry %s (%s)", inputs.image, outcome.baseline_entry, outcome.root)
     return {"report": outcome.report.to_json(), "root": str(outcome.root), "baseline_entry": outcome.baseline_entry}

@@ -12,7 +12,6 @@ import pytest
 
 from tasks.acceptance import suite
 from tasks.acceptance.baselines import (
-    BASELINES_DIR,
     Baseline,
     BaselineError,
     BaselineRegistry,
@@ -31,7 +30,7 @@ from tasks.acceptance.workspace import (
     run_workspaces,
 )
 from tasks.launch.base import JobHandle, JobState, JobStatus
-from tasks.paths import DeploymentPaths
+from tasks.paths import BASELINES_DIR, DeploymentPaths
 from tasks.run_id import new_run_id
 from tasks.spec import parse_spec
 from tests.conftest import TINY_SPEC, deep_merge

@@ -17,7 +17,8 @@ from rich.console import Console
 from rich.table import Table
 from typer.testing import CliRunner
 
-from flows.cli import accept_inputs, app
+from flows.cli import app
+from flows.cli.accept import accept_inputs
 from tasks.acceptance.mode import Mode
 from tasks.acceptance.suite import AcceptanceInputs
 from tasks.capacity.plan import CapacityPlan, plan_capacity

@@ -10,7 +10,7 @@ import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
-from flows import cli
+from flows.cli import accept, app
 from tasks.acceptance.record import AcceptanceReport
 from tasks.diagnose import diagnose
 from validation.acceptance import DimensionResult
@@ -36,7 +36,7 @@ def workspace(tmp_path: Path) -> Path:
 
 
 def test_a_regression_is_a_known_cause_with_its_figures_and_the_baseline(workspace: Path) -> None:
-    result = CliRunner().invoke(cli.app, ["diagnose", str(workspace)])
+    result = CliRunner().invoke(app, ["diagnose", str(workspace)])
     assert result.exit_code == 1, result.output
     assert "No known cause matched" not in result.output
     assert "**regression against the baseline**" in result.output  # not a terminal: the Markdown text
@@ -54,8 +54,8 @@ def test_on_a_terminal_the_diagnosis_is_rendered_not_printed_as_markdown(
     workspace: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     out = io.StringIO()
-    monkeypatch.setattr(cli, "console", Console(file=out, force_terminal=True, width=300, color_system=None))
-    result = CliRunner().invoke(cli.app, ["diagnose", str(workspace)])
+    monkeypatch.setattr(accept, "console", Console(file=out, force_terminal=True, width=300, color_system=None))
+    result = CliRunner().invoke(app, ["diagnose", str(workspace)])
     assert result.exit_code == 1
     shown = out.getvalue()
     assert "regression against the baseline" in shown and "Diagnosis" in shown

@@ -10,7 +10,8 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from flows.cli import PATHS_NOT_CHECKED, app
+from flows.cli import app
+from flows.cli.common import PATHS_NOT_CHECKED
 from tasks.capacity.record import read_plan
 from tests.conftest import REPO
 

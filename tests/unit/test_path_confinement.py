@@ -180,7 +180,7 @@ def test_train_refuses_a_hostile_path_in_every_confined_field_before_any_work(
         raise AssertionError("a path outside the roots got past train's pre-launch checks")
 
     monkeypatch.setattr("tasks.launch.local.run_local", refuse)
-    monkeypatch.setattr("flows.cli._data_step", refuse)
+    monkeypatch.setattr("flows.cli.data.data_step", refuse)
     spec = allowed / "spec.json"
     spec.write_text(json.dumps(deep_merge(deep_merge(TINY_SPEC, PREPARED), _with(field, value))))
     result = CliRunner().invoke(app, ["train", str(spec)], terminal_width=400)

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from flows import cli, runner
+from flows import runner
+from flows.cli import accept
 from tasks.nodes.step import NodesResult
 from tasks.pipeline import summarize
 from tasks.progress import PlainLines, ProgressEvent, report
@@ -63,10 +64,10 @@ def test_accept_and_drill_print_progress_lines_in_place_of_the_progress_loggers(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     out = io.StringIO()
-    monkeypatch.setattr(cli, "console", Console(file=out, width=200))
+    monkeypatch.setattr(accept, "console", Console(file=out, width=200))
     progress_logger = logging.getLogger("tasks.progress")
     level = progress_logger.level
-    with cli._progress_lines():
+    with accept._progress_lines():
         assert not progress_logger.isEnabledFor(logging.INFO)  # the phase is said once, by the line
         report("drills", "drill rank_kill", 1, 6)
     assert progress_logger.level == level

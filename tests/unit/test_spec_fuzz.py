@@ -273,7 +273,7 @@ def no_launch(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
         raise AssertionError("a malformed spec got past train's pre-launch checks")
 
     monkeypatch.setattr("tasks.launch.local.run_local", refuse)
-    monkeypatch.setattr("flows.cli._data_step", refuse)
+    monkeypatch.setattr("flows.cli.data.data_step", refuse)
     monkeypatch.chdir(tmp_path)
 
 

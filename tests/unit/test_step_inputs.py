@@ -183,6 +183,34 @@ def test_the_job_steps_inputs_round_trip_and_the_deploy_and_rollout_flows_submit
     assert recorder.seen == [expected]
 
 
+def test_tdeploy_submit_hands_the_job_step_the_flows_inputs_detached_from_the_command(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tasks.launch import step, task
+    from tasks.launch.step import JobInputs
+
+    spec, path = _spec(tmp_path, monkeypatch)
+    _given_data(spec, monkeypatch)
+    train = spec.training_config()
+    flows_job = JobInputs.of(spec, train, IMAGE)
+    watched = JobInputs.of(spec, train, IMAGE, detached=True)  # --wait: streamed until it ends, never stopped by us
+    started = JobInputs.of(spec, train, IMAGE, "submitted", detached=True)
+    _round_trips(watched)
+    assert watched.model_copy(update={"detached": False}) == flows_job
+    recorder = Recorder()
+    monkeypatch.setattr(step, "run", recorder)
+    monkeypatch.setattr(task, "run", recorder)
+    monkeypatch.setattr(deploy, "submit_job", task.submit_job.fn)
+    run = deploy.Deployment(spec, train=train)
+    image = {"pushed": True, "reference_by_digest": IMAGE}
+    run.results["image"] = deploy.ImageStepResult(status="built", reason="new tag", record=image)
+    with pytest.raises(Stop):
+        deploy.RUNNERS["job"](run)
+    _cli("submit", path, "--image", IMAGE, "--wait")
+    _cli("submit", path, "--image", IMAGE)
+    assert recorder.seen == [flows_job, watched, started]
+
+
 def test_the_serving_steps_inputs_round_trip_and_the_flow_and_tdeploy_check_serving_check_the_same(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -286,6 +314,8 @@ def test_the_drills_steps_inputs_round_trip_and_the_flow_and_tdeploy_drill_drill
     _round_trips(DrillsInputs.of(spec, train, only=["rank_kill"]))
     root = f"{tmp_path / 'deploy'}/acceptance/{RUN}"
     assert (expected.root, expected.only, expected.drills) == (root, None, spec.drills)
+    suite_only = {"mode", "with_drills", "planned", "provenance", "record", "deployment_dir"}
+    assert not suite_only & set(DrillsInputs.model_fields)  # the drills' own inputs: nothing they would ignore
     recorder = Recorder()
     monkeypatch.setattr(step, "run_drills", recorder)
     monkeypatch.setattr(deploy, "run_drills", task.run_drills.fn)
@@ -324,3 +354,39 @@ def test_tdeploy_rollout_and_the_rollout_flow_accept_the_whole_deployment_with_t
     cli, flow = recorder.seen
     assert flow.planned is not None and cli.planned == flow.planned
     assert cli == flow
+
+
+def test_the_canarys_inputs_round_trip_and_tdeploy_rollout_and_the_flow_run_the_same_canary_with_the_deployment_dir(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import flows.rollout as rollout
+    from tasks.paths import DeploymentPaths
+    from tasks.prepare.step import DataResult
+    from tasks.rollout import canary
+    from tasks.rollout.canary import CanaryInputs
+
+    spec, path = _spec(tmp_path, monkeypatch)
+    _given_data(spec, monkeypatch)
+    expected = CanaryInputs.of(spec, spec.training_config(), image=IMAGE)
+    _round_trips(expected)
+    assert expected.deployment_dir == DeploymentPaths.of(spec).deployment_dir == str(tmp_path / "deploy")
+    recorder = Recorder()
+    monkeypatch.setattr(canary, "run_canary", recorder)
+    _cli("rollout", path, "--image", IMAGE)
+    given = DataResult(dataset_url=spec.data.dataset_url or "", reused=True, given=True)
+    monkeypatch.setattr(rollout, "load_or_diagnose", lambda source: spec)
+    monkeypatch.setattr(rollout, "data_task", lambda inputs: given)
+    monkeypatch.setattr(rollout, "canary_rollout", recorder)
+    monkeypatch.setattr(rollout, "diagnose_failure", lambda *args: {})
+    with pytest.raises(Stop):
+        rollout.rollout.fn(IMAGE, path)
+    assert recorder.seen == [expected, expected]
+
+    # the canary's acceptance runs record the deployment's folder in the quality baseline they write
+    monkeypatch.undo()
+    suite = Recorder()
+    monkeypatch.setattr(canary, "run_acceptance", suite)
+    with pytest.raises(Stop):
+        canary.run_canary(expected.model_copy(update={"image": "registry.local/tdeploy:new"}))
+    (accepted,) = suite.seen
+    assert accepted.deployment_dir == expected.deployment_dir

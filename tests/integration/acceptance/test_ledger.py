@@ -25,7 +25,7 @@ from tasks.capacity.step import CapacityInputs
 from tasks.ledger.registry import Ledger, Provenance, cluster_key_of
 from tasks.ledger.rollback import roll_back
 from tasks.paths import ledger_url
-from tasks.rollout.canary import RolloutStopped, roll_out, run_canary
+from tasks.rollout.canary import CanaryInputs, RolloutStopped, roll_out, run_canary
 from tasks.spec import DeploymentSpec, parse_spec
 from tests.conftest import TINY_SPEC, deep_merge
 from tests.faults.job import injected
@@ -106,11 +106,11 @@ def test_the_first_accepted_run_records_an_entry_and_the_second_is_compared_with
 def test_a_canary_passes_against_the_baseline_and_one_with_a_slow_rank_stops_the_rollout(accepted) -> None:
     spec, (_, second) = accepted
     train, before = spec.training_config(), _ledger(spec).entries()
-    passed = run_canary(spec.name, spec.cluster, train, ACCEPT, "registry.local/tdeploy:new")
+    deployment = spec.model_copy(update={"acceptance": ACCEPT})
+    passed = run_canary(CanaryInputs.of(deployment, train, image="registry.local/tdeploy:new"))
     assert passed.baseline_entry == second.ledger_entry
     assert "recovery" not in {d.name for d in passed.report.dimensions}  # a canary runs no drill
     # the whole rollout of a slower version stops at its canary: no acceptance of the whole deployment, no job
-    deployment = spec.model_copy(update={"acceptance": ACCEPT})
     with pytest.raises(RolloutStopped) as stopped:
         roll_out(deployment, train, "registry.local/tdeploy:slow", environment=SLOW)
     message = str(stopped.value)

@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tasks.capacity.traffic import ring_bytes
+from tasks.capacity.traffic import DIMS, PLANNER_KEYS, ring_bytes
+from training.config import ParallelConfig
+from training.layout import MESH_GROUPS
 
 MB = torch.empty(262144)  # 1 MiB of fp32
 
@@ -34,3 +36,9 @@ def test_an_uneven_all_to_all_counts_only_the_rows_that_leave_the_rank() -> None
     assert ring_bytes("alltoall_base_", (rows, rows, None, [], [7, 3], False), 2, 0)[0] == 3 * 32
     assert ring_bytes("all_to_all_single", (rows, [5, 5], [7, 3], "g"), 2, 1)[0] == 7 * 32
     assert ring_bytes("alltoall_base_", (rows, rows, None, [], [], False), 2, 0)[0] == 5 * 32
+
+
+def test_traffic_is_booked_to_every_mesh_sub_group_context_parallel_included_each_with_its_planners_key() -> None:
+    assert DIMS == tuple(MESH_GROUPS) and "cp" in DIMS
+    assert set(PLANNER_KEYS) == set(DIMS)
+    assert set(PLANNER_KEYS.values()) <= set(ParallelConfig.model_fields)

@@ -7,7 +7,8 @@ from pathlib import Path
 import yaml
 from typer.testing import CliRunner
 
-from flows.cli import EXIT_FAILED_CHECK, EXIT_USER_ERROR, app
+from flows.cli import app
+from flows.cli.common import EXIT_FAILED_CHECK, EXIT_USER_ERROR
 from tasks.ledger.registry import Ledger
 from tests.conftest import TINY_SPEC, deep_merge
 from tests.unit.ledger.conftest import figures

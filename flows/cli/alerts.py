@@ -1,8 +1,8 @@
 """`tdeploy alerts`: render the Alertmanager and Prometheus configurations that route the alert levels to
 webhooks, and install the Prefect automation that notifies a webhook of failed flow runs.
 
-Only typer loads at import (as in flows/cli.py); each command imports tasks.alerts when it runs. Webhook URLs
-can come from environment variables so that their tokens stay out of shell history.
+Each command imports tasks.alerts when it runs. Webhook URLs can come from environment variables so that their
+tokens stay out of shell history.
 """
 
 from __future__ import annotations
@@ -11,23 +11,18 @@ from pathlib import Path
 
 import typer
 
-EXIT_USER_ERROR = 2  # as flows/cli.py: fix the input
+from flows.cli.common import EXIT_USER_ERROR, example
+
 RENDER_EXAMPLE = (
     "tdeploy alerts render --critical-url https://hooks.example.com/page --warning-url "
     "https://hooks.example.com/chat --alertmanager 127.0.0.1:9093 --training-target node1:9400 --out monitoring"
 )
 NOTIFY_EXAMPLE = "tdeploy alerts notify-failures --webhook-url https://hooks.example.com/prefect"
 
-
-def _example(*lines: str) -> str:
-    """A help epilog with example invocations (the format of flows/cli.py's)."""
-    return ("Example:" if len(lines) == 1 else "Examples:") + "\n\n" + "\n\n".join(f"  {line}" for line in lines)
-
-
-alerts = typer.Typer(
+app = typer.Typer(
     no_args_is_help=True,
     help="Alert routing (Alertmanager) and failed-flow-run notifications.",
-    epilog=_example(RENDER_EXAMPLE, NOTIFY_EXAMPLE),
+    epilog=example(RENDER_EXAMPLE, NOTIFY_EXAMPLE),
 )
 
 
@@ -36,7 +31,7 @@ def _fail(err: Exception) -> typer.Exit:
     return typer.Exit(EXIT_USER_ERROR)
 
 
-@alerts.command("render", epilog=_example(RENDER_EXAMPLE))
+@app.command("render", epilog=example(RENDER_EXAMPLE))
 def render(
     critical_url: str = typer.Option(
         ..., "--critical-url", envvar="TDEPLOY_CRITICAL_WEBHOOK_URL", help="Webhook for critical alerts."
@@ -76,7 +71,7 @@ def render(
     )
 
 
-@alerts.command("notify-failures", epilog=_example(NOTIFY_EXAMPLE))
+@app.command("notify-failures", epilog=example(NOTIFY_EXAMPLE))
 def notify_failures(
     webhook_url: str = typer.Option(
         ..., "--webhook-url", envvar="TDEPLOY_FAILURE_WEBHOOK_URL", help="Webhook that receives failed flow runs."

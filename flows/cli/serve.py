@@ -1,0 +1,185 @@
+"""`tdeploy export`, `serve` and `check-serving`: a checkpoint as a Hugging Face model folder, served with vLLM,
+and the pipeline's serving check."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from flows.cli.common import EXIT_FAILED_CHECK, EXIT_USER_ERROR, SPEC_HELP, console, err_console, example, load
+from flows.cli.data import training_config_prepared
+
+app = typer.Typer()
+
+
+@app.command(
+    epilog=example(
+        "tdeploy export examples/local.yaml", "tdeploy export examples/local.yaml --step 20 --out runs/local/hf"
+    )
+)
+def export(
+    spec: str = typer.Argument(..., help=SPEC_HELP),
+    step: int | None = typer.Option(
+        None, "--step", min=0, help="Checkpoint step to export; default the newest sound one."
+    ),
+    out: str | None = typer.Option(
+        None,
+        "--out",
+        help="Model folder to write (a local folder or an fsspec URL); default <deployment_dir>/export/step-<N>.",
+    ),
+    tokenizer: str | None = typer.Option(
+        None,
+        "--tokenizer",
+        help="tokenizer.json (path or fsspec URL) for a run trained on adopted token ids without one "
+        "(data.tokenizer_url unset); other runs ship their dataset's tokenizer.",
+    ),
+) -> None:
+    """Export a checkpoint as a Hugging Face model folder (config, safetensors, tokenizer) for transformers or vLLM."""
+    from tasks.export.step import ExportInputs, run
+
+    parsed = load(spec)
+    cfg = training_config_prepared(parsed)
+    result = run(ExportInputs.of(parsed, cfg, step, out, tokenizer))
+    console.print(f"exported {result.summary()}", markup=False, highlight=False)
+    console.print(f"from {result.checkpoint_dir}", markup=False, highlight=False)
+    for name in result.files:
+        console.print(f"  {name}", markup=False, highlight=False)
+    for note in result.notes:
+        err_console.print(f"note: {note}", style="yellow", markup=False, highlight=False)
+
+
+@app.command(
+    epilog=example(
+        "tdeploy serve examples/local.yaml",
+        "tdeploy serve examples/local.yaml --step 20",
+        "tdeploy serve examples/local.yaml --model-dir runs/local/export/step-20",
+    )
+)
+def serve(
+    spec: str = typer.Argument(..., help=SPEC_HELP),
+    step: int | None = typer.Option(
+        None, "--step", min=0, help="Checkpoint step to export and serve; default the newest sound one."
+    ),
+    model_dir: Path | None = typer.Option(
+        None, "--model-dir", help="Serve this Hugging Face model folder as it is, without exporting a checkpoint."
+    ),
+) -> None:
+    """Export a checkpoint and serve it with vLLM's OpenAI-compatible server until Ctrl-C or SIGTERM."""
+    import signal
+
+    from tasks.paths import DeploymentPaths
+    from tasks.serve.server import SERVER_LOG, log_tail, start_server
+    from training.storage import is_local, local_path
+
+    parsed = load(spec)  # a model the serve section cannot serve is refused here, with the fix
+    if parsed.serve is None:
+        err_console.print("the spec has no serve section: serving is off; add `serve: {}` to serve", markup=False)
+        raise typer.Exit(EXIT_USER_ERROR)
+    if step is not None and model_dir is not None:
+        err_console.print("--step exports a checkpoint, --model-dir serves a folder as it is: give one", markup=False)
+        raise typer.Exit(EXIT_USER_ERROR)
+    if model_dir is None:
+        from tasks.export.step import ExportInputs
+        from tasks.export.step import run as export_step
+
+        result = export_step(ExportInputs.of(parsed, training_config_prepared(parsed), step))
+        console.print(f"exported {result.summary()}", markup=False, highlight=False)
+        if not is_local(result.model_dir):
+            err_console.print(f"{result.model_dir}: vLLM serves a local folder; export to one", markup=False)
+            raise typer.Exit(EXIT_USER_ERROR)
+        model_dir = Path(local_path(result.model_dir))
+
+    stopped_by = [signal.SIGINT]  # a KeyboardInterrupt before the handlers below are in place is a Ctrl-C
+
+    def stop_on_signal(signum: int, frame: object) -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):  # one stop at a time: Server.stop escalates by itself
+            signal.signal(sig, signal.SIG_IGN)
+        stopped_by[0] = signal.Signals(signum)
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    # the serving check's folder and log name too
+    log_path = Path(DeploymentPaths.of(parsed).serving_dir()) / SERVER_LOG
+    max_model_len = parsed.serve.max_model_len or parsed.model.seq_len
+    console.print(
+        f"starting vLLM on {model_dir} (log {log_path}; ready within serve.startup_timeout_s="
+        f"{parsed.serve.startup_timeout_s:g})",
+        markup=False,
+        highlight=False,
+    )
+    previous = {sig: signal.signal(sig, stop_on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    server = None
+    try:
+        server = start_server(
+            model_dir, parsed.serve, parsed.name, max_model_len, log_path, parsed.cluster.accelerator,
+            on_wait=lambda waited: console.print(f"waiting for the vLLM server's /health ({waited:.0f} s)"),
+        )  # fmt: skip
+        with server:
+            console.print(
+                f"serving {parsed.name} at {server.url} (pid {server.pid}); Ctrl-C stops it\n"
+                f"  completions  {server.url}/v1/completions (model {parsed.name!r})\n"
+                f"  metrics      {server.url}/metrics",
+                markup=False,
+                highlight=False,
+            )
+            code = server.wait()
+        err_console.print(
+            f"the vLLM server (pid {server.pid}) exited with {code}; the last lines of {log_path}:\n"
+            f"{log_tail(log_path)}",
+            markup=False,
+            highlight=False,
+        )
+        raise typer.Exit(EXIT_FAILED_CHECK)
+    except KeyboardInterrupt:
+        what = f"stopped the vLLM server (pid {server.pid})" if server else "stopped the vLLM server before it served"
+        console.print(f"{what} on {stopped_by[0].name}", markup=False, highlight=False)
+        raise typer.Exit(128 + stopped_by[0]) from None  # as `tdeploy run`: 130 for Ctrl-C, 143 for SIGTERM
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+@app.command(
+    "check-serving",
+    epilog=example(
+        "tdeploy check-serving examples/local.yaml", "tdeploy check-serving examples/local.yaml --step 150"
+    ),
+)
+def check_serving(
+    spec: str = typer.Argument(..., help=SPEC_HELP),
+    step: int | None = typer.Option(
+        None, "--step", min=0, help="Checkpoint step to export and check; default the newest sound one."
+    ),
+    out: Path | None = typer.Option(
+        None, "--out", help="Folder for serving.json and the rest; default runs/<name>/serving."
+    ),
+) -> None:
+    """The pipeline's serving check: export, serve with vLLM, load-test, greedy parity, quality; exit 1 on a miss."""
+    from tasks.serve.step import ServingCheckFailed, ServingInputs, run
+
+    parsed = load(spec)
+    if parsed.serve is None:
+        err_console.print("the spec has no serve section: serving is off; add `serve: {}` to check it", markup=False)
+        raise typer.Exit(EXIT_USER_ERROR)
+    inputs = ServingInputs.of(parsed, training_config_prepared(parsed), str(out) if out else None, step)
+    try:
+        run(inputs, _print_serving)
+    except ServingCheckFailed:  # the table said which figure missed
+        raise typer.Exit(EXIT_FAILED_CHECK) from None
+
+
+def _print_serving(report) -> None:  # noqa: ANN001 - tasks.serve.check.ServingReport
+    from tasks.serve.report import table_rows
+
+    for row in table_rows(report):
+        console.print(f"{row['check']}: {row['verdict']} ({row['message']})", markup=False, highlight=False)
+    load = report.load
+    console.print(
+        f"step {report.step} served from {report.model_dir}: {load.requests} requests at concurrency "
+        f"{load.max_concurrency}, {load.output_tokens_per_s:.0f} output tokens/s, P50/P95/P99 end-to-end "
+        f"{load.e2e_ms.p50:.1f}/{load.e2e_ms.p95:.1f}/{load.e2e_ms.p99:.1f} ms; greedy parity "
+        f"{report.parity.matched}/{report.parity.prompts}; ROUGE-L {report.quality.rouge_l:.3f}, BLEU-4 "
+        f"{report.quality.bleu4:.2f}\nreport {report.files['json']}",
+        markup=False,
+        highlight=False,
+    )
