@@ -98,6 +98,9 @@ def _quiet_cpu_env(tmp_path_factory: pytest.TempPathFactory) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     # The dataset reader's first-use markers: per test session, not in the user's ~/.cache.
     os.environ.setdefault("TDEPLOY_CACHE_DIR", str(tmp_path_factory.mktemp("tdeploy-cache")))
+    # Job records by reference (slurm:2 ...): per test session, not the user's ~/.tdeploy shared by both xdist
+    # workers, whose Slurm clusters each number their jobs from 1 (one worker's slurm:2 overwrote the other's).
+    os.environ.setdefault("TDEPLOY_HOME", str(tmp_path_factory.mktemp("tdeploy-home")))
 
 
 @pytest.fixture(scope="session")

@@ -12,6 +12,8 @@ checkpoints are signed and checked as a deployment with a key has them.
 
 from __future__ import annotations
 
+import re
+
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -115,7 +117,10 @@ def test_a_canary_passes_against_the_baseline_and_one_with_a_slow_rank_stops_the
         roll_out(deployment, train, "registry.local/tdeploy:slow", environment=SLOW)
     message = str(stopped.value)
     assert "rollout of registry.local/tdeploy:slow stopped at the canary" in message
-    assert "regression: tokens per CPU-second" in message and f"(entry {second.ledger_entry}; allowed 80%" in message
+    assert "regression: tokens per CPU-second" in message
+    # allowed: the limit (80%), or more where the baseline's own runs spread wider (a loaded machine)
+    allowed = re.search(rf"\(entry {re.escape(second.ledger_entry)}; allowed (\d+)%", message)
+    assert allowed is not None and int(allowed.group(1)) >= 80, message
     assert _ledger(spec).entries() == before  # neither canary is recorded: the current version stays
     assert not (Path(spec.run.output_url) / "job.json").exists()  # the new version's job was never submitted
 

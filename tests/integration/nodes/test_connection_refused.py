@@ -11,6 +11,7 @@ from prefect.client.orchestration import get_client
 
 from tasks.launch.cluster import ClusterConfig
 from tasks.nodes.config import NodesConfig
+from tasks.nodes.step import NodesInputs
 from tasks.nodes.task import check_nodes
 from tests.integration.nodes.conftest import free_port
 
@@ -25,7 +26,12 @@ def test_a_refused_connection_is_not_retried_and_names_the_host_and_the_fix(tmp_
     @flow
     def nodes_flow() -> dict[str, str]:
         state = check_nodes.with_options(retries=2, retry_delay_seconds=0)(
-            ghost, ClusterConfig(scheduler="local", procs_per_node=1), str(tmp_path / "ghost.json"), return_state=True
+            NodesInputs(
+                nodes=ghost,
+                cluster=ClusterConfig(scheduler="local", procs_per_node=1),
+                report_path=str(tmp_path / "ghost.json"),
+            ),
+            return_state=True,
         )
         return {
             "state": state.type.value,
