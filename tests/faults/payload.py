@@ -131,7 +131,7 @@ def _patch_step(trainer: type, faults: TestFaults, put: Setter) -> None:
             del micro_batch[id(self)]
         if slow:
             on_cpu = self.device.type == "cpu"
-            slow.step_computed(_field(pending.record, "compute_cpu_s" if on_cpu else "compute_s"), on_cpu)
+            slow.step_computed(pending.record["compute_cpu_s" if on_cpu else "compute_s"], on_cpu)
         return pending
 
     def _loss(self: Any, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -156,11 +156,6 @@ def _patch_step(trainer: type, faults: TestFaults, put: Setter) -> None:
     put(trainer, "_train_step", _train_step)
     put(trainer, "_loss", _loss)
     put(trainer, "_pipeline_step", _pipeline_step)
-
-
-def _field(record: Any, name: str) -> Any:
-    """A metrics record's field (a dict's key or a record's attribute)."""
-    return record[name] if isinstance(record, dict) else getattr(record, name)
 
 
 def _patch_stops(trainer: type, faults: TestFaults, put: Setter) -> None:
