@@ -89,7 +89,13 @@ def test_a_second_job_in_the_folder_of_a_running_one_is_refused_before_anything_
         message = str(refused.value)
         assert f"job {job.handle.ref} still runs there (agent pid {agent}, since " in message
         assert f"tdeploy cancel {job.handle.ref}" in message
-        assert before == {name: (job.output_dir / name).read_bytes() for name in before}
+        after = {name: (job.output_dir / name).read_bytes() for name in before}
+        assert {name: after[name] for name in ("run.json", "job.json")} == {
+            name: before[name] for name in ("run.json", "job.json")
+        }
+        # The running job keeps appending to its own log; the refused start must not have rewritten it.
+        assert after["train.log"].startswith(before["train.log"])
+        assert b"again" not in after["train.log"][len(before["train.log"]) :]
         assert job.status().state is JobState.RUNNING
     finally:
         job.cancel()
