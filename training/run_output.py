@@ -390,7 +390,20 @@ class RunOutput:
                 f"format_version={version!r}, this reader knows versions up to {FORMAT_VERSION}",
                 "read it with the transformer-deploy version that wrote it, or upgrade this one",
             )
-        return Ranks(world_size=data["world_size"], ranks=data["ranks"], format_version=version)
+        ranks = data.get("ranks")
+        if not isinstance(ranks, list) or any(not isinstance(r, dict) for r in ranks):
+            raise RunOutputFormatError(self.dir / RANKS, "ranks is not a list of rank records",
+                                       "the trainer writes it; remove the file and run the job again")  # fmt: skip
+        bad = [r for r in ranks if "pid" in r and not _sound_pid(r["pid"])]
+        if bad:
+            # Drills and cancels signal these pids: 0, -1 or a negative pid would signal a whole process group or
+            # every process the user may signal.
+            raise RunOutputFormatError(
+                self.dir / RANKS,
+                f"rank record pid={bad[0].get('pid')!r} is not a process id (an integer above 1)",
+                "the trainer writes real pids; the file was altered: remove it and run the job again",
+            )
+        return Ranks(world_size=data["world_size"], ranks=ranks, format_version=version)
 
     def ranks_written_at(self) -> float | None:
         """When ranks.json was last written (unix seconds; None before it is)."""
@@ -488,3 +501,8 @@ class RunOutput:
         """result.json (None until the job finished)."""
         data = self._json(RESULT)
         return None if data is None else RunResult(**data)
+
+
+def _sound_pid(pid: Any) -> bool:
+    """A value safe to signal as one process: an int above 1 (not a bool)."""
+    return isinstance(pid, int) and not isinstance(pid, bool) and pid > 1

@@ -81,3 +81,15 @@ def test_a_newer_format_version_is_refused_with_what_to_do(tmp_path: Path) -> No
     with pytest.raises(RunOutputFormatError, match=f"format_version={FORMAT_VERSION + 1}, this reader knows") as err:
         RunOutput(tmp_path).ranks()
     assert "upgrade" in err.value.fix and err.value.path == tmp_path / RANKS
+
+
+@pytest.mark.parametrize("pid", [-1, 0, 1, "123", True, 4.5])
+def test_a_rank_record_whose_pid_is_no_single_process_is_refused(tmp_path: Path, pid: object) -> None:
+    _written(tmp_path)
+    data = json.loads((tmp_path / RANKS).read_text())
+    data["ranks"][0]["pid"] = pid  # drills and cancels would signal it: -1 is every process the user may signal
+    (tmp_path / RANKS).write_text(json.dumps(data))
+
+    with pytest.raises(RunOutputFormatError, match=r"pid=.* is not a process id \(an integer above 1\)") as err:
+        RunOutput(tmp_path).ranks()
+    assert err.value.path == tmp_path / RANKS
