@@ -93,6 +93,14 @@ class DrillConfig(StrictModel):
         description="kill_during_save: the points of the save protocol to kill the job at, one job each "
         f"(of {', '.join(SAVE_PHASES)}).",
     )
+    rto_max_s: float | None = Field(
+        default=120.0,
+        gt=0,
+        le=86_400,
+        description="Largest recovery time (RTO: from the failure to the first step trained after it) a drill may "
+        "take; None: not judged. It is wall time, which a busy machine stretches: set it with a margin over the "
+        "figures benchmarks/recovery.py measures on the cluster.",
+    )
     relaunch_steps: int = Field(
         default=3,
         ge=1,

@@ -711,6 +711,17 @@ def _host_names(hosts: list[NodeHost] | None) -> list[str] | None:
     return None if hosts is None else [h.name for h in hosts]
 
 
+def held_to_rto(result: DrillResult, rto_max_s: float | None) -> DrillResult:
+    """`result`, failed when it passed but recovered slower than `rto_max_s` (drills.rto_max_s)."""
+    if result.passed and rto_max_s is not None and result.recovery_s is not None and result.recovery_s > rto_max_s:
+        result.passed = False
+        result.message = (
+            f"recovery took {result.recovery_s:.1f} s > drills.rto_max_s={rto_max_s:g} s; the rung recovered, "
+            "too slowly: see its detection_s and the job log, or raise drills.rto_max_s where this cluster is slower"
+        )
+    return result
+
+
 def run_drills(ctx: DrillContext, only: list[str] | None = None,
                on_result: Callable[[DrillResult], None] | None = None) -> list[DrillResult]:  # fmt: skip
     """Run the chosen drills (all by default) and return their results."""
@@ -732,7 +743,7 @@ def run_drills(ctx: DrillContext, only: list[str] | None = None,
             result = table[name](ctx)
         except Exception as err:  # noqa: BLE001 - a drill's failure is that drill's finding; the others still run
             result = stopped_drill(name, err)
-        results.append(result)
+        results.append(held_to_rto(result, ctx.drills.rto_max_s))
         if on_result:
             on_result(result)
     if names:
