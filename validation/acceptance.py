@@ -846,6 +846,37 @@ def straggler_ratios(
     only: the stages do different work (the first embeds, the last computes the loss and waits least in the
     bubble), so a stage is no straggler for being another stage; a rank alone in its role has no ratio.
     """
+    return {rank: _median(values) for rank, values in _per_step_ratios(distributed, steps, peers, key).items()}
+
+
+def straggler_floors(
+    distributed: dict[int, dict[int, StepRecord]],
+    steps: list[int],
+    peers: dict[int, int] | None = None,
+    key: str = "compute_s",
+) -> dict[int, float]:
+    """Per rank, the lowest ratio its per-step ratios support: the median less two standard errors of the median
+    (from the median absolute deviation: 1.2533 x 1.4826 x MAD / sqrt(n)); NaN where unknown.
+
+    A rank that computes longer in every step (a slower core) has a narrow spread and a floor near its median; a
+    rank whose ratio swings from step to step (contention on a shared host, caches cooled by a neighbour) has a
+    wide one, and the straggler rule does not flag a ratio its own noise cannot tell from the limit.
+    """
+    floors = {}
+    for rank, values in _per_step_ratios(distributed, steps, peers, key).items():
+        if not values:
+            floors[rank] = float("nan")
+            continue
+        middle = _median(values)
+        mad = _median([abs(v - middle) for v in values])
+        floors[rank] = middle - 2 * 1.2533 * 1.4826 * mad / math.sqrt(len(values))
+    return floors
+
+
+def _per_step_ratios(
+    distributed: dict[int, dict[int, StepRecord]], steps: list[int], peers: dict[int, int] | None, key: str
+) -> dict[int, list[float]]:
+    """Per rank, its compute time in each of `steps` over the median of the other ranks' (of its role) in it."""
     role = peers or {}
     per_step: dict[int, list[float]] = {rank: [] for rank in distributed}
     for step in steps:
@@ -854,7 +885,7 @@ def straggler_ratios(
             others = _median([v for r, v in compute.items() if r != rank and role.get(r) == role.get(rank)])
             if others > 0:
                 per_step[rank].append(value / others)
-    return {rank: _median(values) for rank, values in per_step.items()}
+    return per_step
 
 
 def job_cpu_s(distributed: dict[int, dict[int, StepRecord]], steps: list[int]) -> dict[int, float] | None:
@@ -979,6 +1010,7 @@ def check_performance(
     basis = compute_basis(distributed, steps)
     compute = {rank: _median([_compute_of(basis)(m[s]) for s in steps if s in m]) for rank, m in distributed.items()}
     ratios = straggler_ratios(distributed, steps, peers, basis)
+    floors = straggler_floors(distributed, steps, peers, basis)
     basis_text = next(text for name, text, _ in COMPUTE_BASES if name == basis)
     data_wait = {
         rank: _median([m[s].data_wait_s / m[s].step_time_s for s in steps if s in m])
@@ -997,9 +1029,15 @@ def check_performance(
             failures.append(f"GPU utilisation {gpu['utilization']:.2f} < {limits.gpu_utilization_min}")
         if gpu.get("memory_fraction", 0.0) > limits.gpu_memory_max:
             failures.append(f"GPU memory {gpu['memory_fraction']:.2f} > {limits.gpu_memory_max}")
+    # A straggler is slower than the limit beyond its own step-to-step noise: both its median ratio and the
+    # floor its spread supports exceed straggler_ratio_max (a false alarm costs as much as a miss).
     stragglers = sorted(
-        (r for r, ratio in ratios.items() if ratio > limits.straggler_ratio_max), key=lambda r: -ratios[r]
+        (r for r, ratio in ratios.items() if ratio > limits.straggler_ratio_max and floors[r] > limits.straggler_ratio_max),
+        key=lambda r: -ratios[r],
     )
+    noisy = {
+        r: (ratio, floors[r]) for r, ratio in ratios.items() if ratio > limits.straggler_ratio_max and r not in stragglers
+    }
     for rank in stragglers:
         role = (peers or {}).get(rank)
         others = _median([v for r, v in compute.items() if r != rank and (peers or {}).get(r) == role])
@@ -1007,9 +1045,10 @@ def check_performance(
         on = f" on {hosts[rank]}" if hosts and rank in hosts else ""
         failures.append(
             f"rank {rank}{on} computes {compute[rank]:.3f} s/step, {ratios[rank]:.2f}x {whose} median "
-            f"({others:.3f} s of {basis_text}; straggler_ratio_max {limits.straggler_ratio_max}); they wait for it "
-            "in the gradient synchronisation"
+            f"({others:.3f} s of {basis_text}, at least {floors[rank]:.2f}x within its step-to-step noise; "
+            f"straggler_ratio_max {limits.straggler_ratio_max}); they wait for it in the gradient synchronisation"
         )
+
     slow_rank = stragglers[0] if stragglers else None
     if no_sync:
         look.append(
@@ -1049,6 +1088,9 @@ def check_performance(
             "comm_share_per_rank": shares,
             "compute_s_per_rank": compute,
             "straggler_ratio_per_rank": ratios,
+            "straggler_ratio_floor_per_rank": floors,
+            # above the limit by the median, not beyond the run's own step-to-step noise: not judged a straggler
+            "stragglers_within_noise": sorted(noisy),
             "straggler_basis": basis,
             "data_wait_share_per_rank": data_wait,
             **({"comm_bytes_per_dim": _per_dimension(rank0, steps, lambda r: r.comm_bytes)} if dims else {}),
