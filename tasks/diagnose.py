@@ -16,7 +16,9 @@ from typing import Any
 from tasks.acceptance.record import ACCEPTANCE_JSON, AcceptanceReport, UnreadableReport
 from tasks.capacity.record import PlanRecord, read_plan
 from tasks.nodes.report import NodeReport
+from training.failure import FailureFileError, read_failure
 from training.run_output import RunOutput, StepRecord
+from training.watchdog import hang_records, stack_dumps
 
 _RENDEZVOUS = re.compile(
     r"RendezvousTimeoutError|RendezvousConnectionError|DistNetworkError|TCPStore|Address already in use|"
@@ -191,8 +193,25 @@ def diagnose(
     if regression is not None:
         diagnosis.findings.append(regression)
     if output_dir is not None:
+        workload = _workload_finding(output_dir)
+        if workload is not None:  # the trainer's own verdict on its failure comes first
+            diagnosis.findings.insert(0, workload)
+        hang = _hang_finding(output_dir)
+        if hang is not None:
+            diagnosis.findings.append(hang)
         diagnosis.findings += _metric_findings(_metrics(RunOutput(output_dir)))
     return diagnosis
+
+
+def _workload_finding(output_dir: Path) -> Finding | None:
+    """The workload error the trainer recorded (training/failure.py failure.json): not retried, with its fix."""
+    try:
+        failure = read_failure(str(output_dir))
+    except FailureFileError as err:
+        return Finding("unreadable failure record", [str(err)], "remove failure.json; the trainer writes it")
+    if failure is None:
+        return None
+    return Finding(f"workload error ({failure.cause}): not retried", [failure.describe()], failure.fix)
 
 
 def _report_named_in(error: str) -> AcceptanceReport | None:
@@ -282,6 +301,38 @@ def _plan_findings(plan: PlanRecord | None) -> list[str]:
     if fitting:
         found.append(f"layouts that fit: {', '.join(fitting[:3])}")
     return found
+
+
+def _hang_finding(output_dir: Path) -> Finding | None:
+    """The watchdog's hang (training/watchdog.py) of the latest attempt that had one: the phase and step, the
+    rank(s) that did not arrive, and every rank's stack dump."""
+    records = hang_records(output_dir)
+    if not records:
+        return None
+    attempt = records[-1].attempt
+    ours = [r for r in records if r.attempt == attempt]
+    first = next((r for r in ours if r.detected_by == "timeout"), ours[0])
+    late = ", ".join(str(r) for r in first.late_ranks) or "none named"
+    evidence = [
+        f"attempt {attempt}: {first.phase} at step {first.step} ran {first.elapsed_s:.1f}s > {first.timeout_s:.1f}s "
+        f"({first.timeout_rule}) on rank {first.rank}",
+        first.message,
+        *(f"stacks of rank {rank}: {path}" for rank, path in sorted(stack_dumps(output_dir, attempt).items())),
+    ]
+    reached = {r.rank: r.last_collective_seq for r in ours if r.last_collective_seq is not None}
+    if reached:  # the flight recorder's view: a rank behind the others never issued the collective they wait in
+        evidence.append("last collective issued (flight recorder): "
+                        + ", ".join(f"rank {rank} #{seq}" for rank, seq in sorted(reached.items())))  # fmt: skip
+    if len({r.attempt for r in records}) > 1:
+        evidence.append(f"hangs in attempts {sorted({r.attempt for r in records})}: it came back after a restart")
+    return Finding(
+        f"hang in phase {first.phase} (rank(s) {late} did not arrive)",
+        evidence,
+        "read the stack dump of the rank that did not arrive first: where it stopped (data loading, storage, a "
+        "collective the others never reached, a deadlock) is the cause; the waiting ranks' stacks only show the "
+        "collective they wait in. If the same rank or host hangs again, check that host's network and devices; a "
+        "phase that is only slow needs a longer watchdog timeout (watchdog.*_timeout_s)",
+    )
 
 
 def _metric_findings(metrics: dict[int, list[StepRecord]]) -> list[Finding]:

@@ -39,6 +39,8 @@ SERVING_DIR = "serving"
 ACCEPTANCE_DIR = "acceptance"
 NIGHTLY_DIR = "nightly"
 LEDGER_DIR = "ledger"
+NODES_DIR = "nodes"
+"""The node memory (tasks/recovery/quarantine.py: host failures and quarantines) inside the deployment's ledger."""
 BASELINES_DIR = "baselines"
 DATASETS_DIR = "datasets"
 DATA_VALIDATION_DIR = "data-validation"
@@ -174,6 +176,11 @@ class DeploymentPaths:
     def ledger_url(self) -> str:
         """The deployment's ledger (see `ledger_url`)."""
         return ledger_url(self.acceptance, self.output_url)
+
+    @property
+    def node_memory_url(self) -> str:
+        """The deployment's node memory: which hosts failed and which are quarantined (<ledger>/nodes)."""
+        return join(self.ledger_url, NODES_DIR)
 
     def workspace_base(self, nightly: bool = False) -> Path:
         """Where the acceptance run workspaces go (see `workspace_base`)."""

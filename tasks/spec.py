@@ -17,15 +17,18 @@ from tasks.capacity.config import CapacityConfig, capacity_problems
 from tasks.errors import TransientError, UserError, is_connection_error
 from tasks.image.config import ImageConfig
 from tasks.launch import registry
+from tasks.launch.base import Launcher
 from tasks.launch.cluster import ClusterConfig
 from tasks.names import NAME_PATTERN, NAME_RULE
 from tasks.nodes.config import NodesConfig
 from tasks.paths import RUNS_DIR, UNNAMED, derived_paths
 from tasks.prepare.config import DataSpec
+from tasks.recovery.config import RecoveryConfig
 from tasks.serve.config import ServeConfig, unservable
 from training.config import (
     MAX_RANKS,
     CheckpointConfig,
+    FaultToleranceConfig,
     ModelConfig,
     OptimConfig,
     ParallelConfig,
@@ -34,6 +37,7 @@ from training.config import (
     RunConfig,
     StrictModel,
     TrainConfig,
+    WatchdogConfig,
     divisors,
     format_validation_error,
     raise_problems,
@@ -125,6 +129,10 @@ class DeploymentSpec(StrictModel):
     checkpoint: CheckpointConfig
     run: RunConfig
     storage: StorageConfig = Field(default_factory=StorageConfig)
+    watchdog: WatchdogConfig = Field(
+        default_factory=WatchdogConfig,
+        description="Hang detection per phase (start-up, step, save, evaluation): timeouts, stack dumps, restart.",
+    )
     capacity: CapacityConfig = Field(
         default_factory=CapacityConfig, description="Capacity planning assumptions (tdeploy plan)."
     )
@@ -138,6 +146,16 @@ class DeploymentSpec(StrictModel):
         default_factory=AcceptanceConfig, description="Acceptance tests (tdeploy accept): thresholds and run lengths."
     )
     drills: DrillConfig = Field(default_factory=DrillConfig, description="Checkpoint-restore drills (tdeploy drill).")
+    fault_tolerance: FaultToleranceConfig = Field(
+        default_factory=FaultToleranceConfig,
+        description="Live recovery of a lost data-parallel replica (rung 1 of the recovery ladder, torchft): "
+        "mode none (the default) or replica_groups, where the launcher can run them (its live_recovery capability).",
+    )
+    recovery: RecoveryConfig = Field(
+        default_factory=RecoveryConfig,
+        description="The restart policy: requeues after an infrastructure failure (without the failing hosts) and "
+        "the node quarantine; workload errors are never retried.",
+    )
     serve: ServeConfig | None = Field(
         default=None,
         description="Serving the trained model with vLLM (tdeploy serve, the pipeline's serving check); "
@@ -208,6 +226,7 @@ class DeploymentSpec(StrictModel):
                     "(object stores suit checkpoint.url)",
                 )
             )
+        problems += self._fault_tolerance_problems(launcher)
         if par.model_parallel:
             where = f"cluster.nodes x cluster.procs_per_node = {world}"
             problems.extend(world_problems(par, world, self.cluster.procs_per_node, where))
@@ -243,6 +262,28 @@ class DeploymentSpec(StrictModel):
             )
         return problems
 
+    def _fault_tolerance_problems(self, launcher: type[Launcher]) -> list[Problem]:
+        """Why fault_tolerance cannot run on this scheduler or world size (the layout is training_problems')."""
+        ft, cluster = self.fault_tolerance, self.cluster
+        if ft.mode == "none":
+            return []
+        if not launcher.capabilities.live_recovery:
+            return [(
+                ("fault_tolerance", "mode"), ft.mode,
+                f"cluster.scheduler={cluster.scheduler} cannot run replica groups: live recovery is not done for "
+                "the local (tdeploy train), SSH, Slurm and Kubernetes launchers yet (the replica_loss drill runs it on "
+                "this machine); set fault_tolerance.mode=none: a lost rank then recovers through the memory tier "
+                "(checkpoint.memory_every_steps) or storage",
+            )]  # fmt: skip
+        if cluster.world_size % ft.replica_groups:
+            valid = [d for d in divisors(cluster.world_size) if d >= 2]
+            return [(
+                ("fault_tolerance", "replica_groups"), ft.replica_groups,
+                f"must divide cluster.nodes x cluster.procs_per_node = {cluster.world_size} (each group runs an "
+                f"equal share of the ranks); use one of {valid or 'none: give the job at least 2 ranks'}",
+            )]  # fmt: skip
+        return []
+
     def training_config(
         self, dataset_url: str | None = None, tokenizer_sha256: str | None = None, sources: list[str] | None = None
     ) -> TrainConfig:
@@ -260,6 +301,8 @@ class DeploymentSpec(StrictModel):
             checkpoint=self.checkpoint,
             run=self.run,
             storage=self.storage,
+            watchdog=self.watchdog,
+            fault_tolerance=self.fault_tolerance,
         )
 
     @property

@@ -416,6 +416,37 @@ class CheckpointConfig(StrictModel):
         default=False,
         description="After the retries, log the lost checkpoint loudly and keep training (false: stop the job).",
     )
+    memory_every_steps: int | None = Field(
+        default=None,
+        ge=1,
+        le=MAX_STEPS,
+        description="Every N steps each rank keeps a copy of its state in host memory (memory_dir) and sends one "
+        "to a peer rank on another node; a restarted job restores from these copies, own or a peer's, before it "
+        "reads storage (training/checkpoint/memory.py). Costs two copies of the rank's model and optimizer state "
+        "in RAM per kept step (2 kept). None = off.",
+    )
+    memory_dir: str | None = Field(
+        default=None,
+        max_length=4096,
+        description="Node-local folder in host memory (tmpfs) for the in-memory copies; None = "
+        "/dev/shm/tdeploy-memory. An absolute local path.",
+    )
+
+    @model_validator(mode="after")
+    def _memory_dir_is_local(self) -> CheckpointConfig:
+        value = self.memory_dir
+        if value is None:
+            return self
+        problem = None
+        if _CONTROL.search(value):
+            problem = "has a control character; use a plain absolute path such as /dev/shm/tdeploy-memory"
+        elif not value.startswith("/") or "://" in value:
+            problem = "is not an absolute local path; use a tmpfs folder such as /dev/shm/tdeploy-memory"
+        elif ".." in value.split("/"):
+            problem = "has a '..' part; name the folder without it, e.g. /dev/shm/tdeploy-memory"
+        if problem:
+            raise_problems("CheckpointConfig", [(("memory_dir",), value, problem)])
+        return self
 
 
 class RunConfig(StrictModel):
@@ -431,6 +462,12 @@ class RunConfig(StrictModel):
     seed: int = Field(default=0, ge=0, le=MAX_SEED, description="Seed for init, data order and every RNG.")
     output_url: StorageUrl = Field(description="Local folder for metrics, ranks.json and sample records.")
     log_every_steps: int = Field(default=10, ge=1, le=MAX_STEPS, description="Rank 0 logs a line every N steps.")
+    stop_on_nonfinite_loss: bool = Field(
+        default=True,
+        description="Stop the job when a step's loss is NaN or infinite and no fp16 loss scaler skipped it (seen "
+        "when the step's figures are read: every run.metrics_sync_every_steps): a workload error (failure.json), "
+        "which the restart policy does not retry. false: log it and train on.",
+    )
     compile: bool = Field(
         default=False,
         description="torch.compile each transformer block (in place: checkpoints keep their keys); data-parallel "
@@ -479,6 +516,92 @@ class RunConfig(StrictModel):
     )
 
 
+class WatchdogConfig(StrictModel):
+    """Hang detection per phase (training/watchdog.py): a rank that stays in one phase longer than its timeout dumps
+    the stacks of its threads, records the hang (<output>/hangs.jsonl, naming the ranks that did not arrive) and
+    exits with HANG_EXIT_CODE, so that torchrun's restart (cluster.max_restarts) recovers the job.
+
+    Judged by wall time: a hung rank burns no CPU. None = that phase is not timed, except the step, whose default
+    is derived from the job's own measured steps (the auto rule of step_timeout_s)."""
+
+    enabled: bool = Field(default=True, description="Run the watchdog and write per-rank heartbeats; False = off.")
+    startup_timeout_s: float | None = Field(
+        default=1800.0,
+        gt=0,
+        le=7 * 86400,
+        description="From the rendezvous to the end of the first step (model build, resume, first step); "
+        "None = not timed.",
+    )
+    step_timeout_s: float | None = Field(
+        default=None,
+        gt=0,
+        le=7 * 86400,
+        description="Longest training step; None = auto: max(step_timeout_floor_s, step_timeout_factor x the "
+        "slowest of the last step_timeout_window_steps steps), from the job's own measured steps, so that a slow "
+        "or busy machine (whose every step is slow, or spiky) widens its own tolerance.",
+    )
+    step_timeout_factor: float = Field(
+        default=10.0, ge=1, le=1e6, description="Auto step timeout: multiple of the slowest recent step."
+    )
+    step_timeout_floor_s: float = Field(
+        default=60.0, gt=0, le=7 * 86400, description="Auto step timeout: never shorter than this."
+    )
+    step_timeout_window_steps: int = Field(
+        default=50, ge=1, le=100_000, description="Auto step timeout: recent steps whose slowest sets the timeout."
+    )
+    save_timeout_s: float | None = Field(
+        default=None, gt=0, le=7 * 86400, description="Longest checkpoint save (the part training waits for); "
+        "None = not timed (the storage's own retries and timeouts apply).",
+    )  # fmt: skip
+    eval_timeout_s: float | None = Field(
+        default=None, gt=0, le=7 * 86400, description="Longest evaluation; None = not timed."
+    )
+
+
+class FaultToleranceConfig(StrictModel):
+    """Live recovery of a lost data-parallel replica (training/replica.py, torchft): each node is a replica group
+    with its own torchrun rendezvous under a torchft lighthouse; a lost group is restarted and pulls the model,
+    optimizer and training state from a healthy group while the others go on training without reloading."""
+
+    mode: Literal["none", "replica_groups"] = Field(
+        default="none",
+        description="none: one torchrun job, every failure restarts it; replica_groups: one replica group per node "
+        "(parallel.sharding=ddp only), a lost group heals from a peer.",
+    )
+    replica_groups: int = Field(
+        default=2, ge=2, le=MAX_RANKS, description="replica_groups: how many replica groups the launcher starts."
+    )
+    min_replicas: int = Field(
+        default=1,
+        ge=1,
+        le=MAX_RANKS,
+        description="replica_groups: fewest groups that may commit a step; fewer alive stalls training until one "
+        "comes back.",
+    )
+    timeout_s: float = Field(
+        default=30.0, gt=0, le=3600, description="replica_groups: cross-group collectives and the state transfer."
+    )
+    quorum_timeout_s: float = Field(
+        default=60.0, gt=0, le=3600, description="replica_groups: longest wait for a quorum of groups at a step."
+    )
+    heartbeat_timeout_s: float = Field(
+        default=2.0,
+        gt=0,
+        le=600,
+        description="replica_groups: the lighthouse drops a group whose heartbeats stop for this long "
+        "(the detection time of a lost group).",
+    )
+
+    @model_validator(mode="after")
+    def _groups(self) -> FaultToleranceConfig:
+        if self.min_replicas > self.replica_groups:
+            raise ValueError(
+                f"min_replicas={self.min_replicas} exceeds replica_groups={self.replica_groups}; "
+                f"use at most {self.replica_groups}"
+            )
+        return self
+
+
 class ReferenceConfig(StrictModel):
     """The independent correctness reference (training/reference.py) of a distributed job."""
 
@@ -501,6 +624,13 @@ class TrainConfig(StrictModel):
     checkpoint: CheckpointConfig
     run: RunConfig
     storage: StorageConfig = Field(default_factory=StorageConfig)
+    watchdog: WatchdogConfig = Field(
+        default_factory=WatchdogConfig, description="Hang detection per phase (training/watchdog.py)."
+    )
+    fault_tolerance: FaultToleranceConfig = Field(
+        default_factory=FaultToleranceConfig,
+        description="Live recovery of a lost data-parallel replica group (training/replica.py).",
+    )
     reference: ReferenceConfig | None = Field(
         default=None,
         description="Run the independent reference (training/reference.py) instead of the trainer. Set only by "
@@ -529,6 +659,21 @@ def training_problems(cfg: TrainConfig | Any) -> list[Problem]:
     """
     problems: list[Problem] = []
     par = cfg.parallel
+    ft = getattr(cfg, "fault_tolerance", None)
+    if ft is not None and ft.mode == "replica_groups" and (par.sharding != "ddp" or par.model_parallel):
+        layout = (
+            f"sharding={par.sharding}, tensor={par.tensor_parallel}, pipeline={par.pipeline_parallel}, "
+            f"expert={par.expert_parallel}"
+        )
+        problems.append(
+            (
+                ("fault_tolerance", "mode"),
+                "replica_groups",
+                f"replica groups replicate the whole model (parallel.sharding=ddp, no tensor, pipeline or expert "
+                f"parallelism); got {layout}: use sharding=ddp, or set fault_tolerance.mode=none and recover "
+                "through the memory tier (checkpoint.memory_every_steps) or storage",
+            )
+        )
     if cfg.precision.dtype == "fp16" and par.sharding != "ddp":
         problems.append(
             (

@@ -2,7 +2,8 @@
 
 The rank_kill and node_loss drills hold every rank after a step (`StepHold`) and strike while the job still
 has steps to run; the kill_during_save drill stops every rank at one phase of one checkpoint save
-(`SavePause`). Each stopped rank leaves a marker (`PausedRank`) that the drill waits for.
+(`SavePause`); the hang drill stops one rank short of a step's collective (`HangPoint`) while the others block
+in it. Each stopped rank leaves a marker (`PausedRank`) that the drill waits for.
 
 The points are read from the job variable TDEPLOY_DRILL_POINTS (JSON of `DrillPoints`), which only the
 drills set, on their own jobs (tasks/launch/environment.py `JobEnvironment`); it is never a spec field,
@@ -22,6 +23,8 @@ from typing import Literal, get_args
 import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict, Field
 
+from training.watchdog import deliberate_hold
+
 ENV_VAR = "TDEPLOY_DRILL_POINTS"
 log = logging.getLogger(__name__)
 
@@ -32,6 +35,7 @@ file, after the small files (RNG, train_state.json) but before COMMIT.json, and 
 SAVE_PHASES: tuple[SavePhase, ...] = get_args(SavePhase)
 PAUSE_MARKER_PREFIX = "save-paused-rank-"
 HOLD_MARKER_PREFIX = "held-rank-"
+HANG_MARKER_PREFIX = "hung-rank-"
 RELEASE_FILE = "release"
 
 
@@ -69,6 +73,23 @@ class StepHold(BaseModel):
     timeout_s: float = Field(default=600, gt=0, description="The ranks go on by themselves after this long.")
 
 
+class HangPoint(BaseModel):
+    """Rank `rank` stops progressing at step `step`, just before the step's loss all-reduce, and sleeps until it
+    is killed: the other ranks block inside that collective. It records the moment in `marker_dir`.
+
+    The hang drill sets this on its own job: the watchdog (training/watchdog.py) must find the hang in phase
+    step, name this rank as the one that did not arrive, and the job's restart must recover it.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    step: int = Field(ge=1, description="The step during which the rank stops.")
+    rank: int = Field(default=1, ge=0, description="The rank that stops.")
+    marker_dir: str = Field(
+        description="Local folder (shared by the nodes) where the stopped rank writes hung-rank-NNNNN.json."
+    )
+
+
 class PausedRank(BaseModel):
     """The marker a rank stopped by SavePause (or held by StepHold: phase "held") leaves: who, where, and at
     which point of which save."""
@@ -76,9 +97,18 @@ class PausedRank(BaseModel):
     rank: int
     host: str
     pid: int
-    phase: SavePhase | Literal["held"]
+    phase: SavePhase | Literal["held", "hung"]
     step: int
     time_unix_s: float
+
+
+class NanLossPoint(BaseModel):
+    """Every rank's training loss of `step` becomes NaN: a workload error (the workload_error drill's job), which
+    the trainer must stop on and the restart policy must not retry."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    step: int = Field(ge=1, description="The step whose loss becomes NaN.")
 
 
 class DrillPoints(BaseModel):
@@ -91,6 +121,12 @@ class DrillPoints(BaseModel):
     )
     pause_in_save: SavePause | None = Field(
         default=None, description="Every rank stops at this point of one save (the kill_during_save drill's jobs)."
+    )
+    hang_in_step: HangPoint | None = Field(
+        default=None, description="One rank stops before a collective of one step (the hang drill's job)."
+    )
+    nan_loss: NanLossPoint | None = Field(
+        default=None, description="The loss of one step becomes NaN on every rank (the workload_error drill's job)."
     )
 
 
@@ -115,6 +151,12 @@ def holds_after(step: int) -> bool:
     return hold is not None and hold.step == step
 
 
+def poisons_loss(step: int) -> bool:
+    """Whether this rank's loss of `step` becomes NaN (see NanLossPoint)."""
+    point = active().nan_loss
+    return point is not None and point.step == step
+
+
 def hold(step: int) -> None:
     """Write this rank's marker and wait until the drill releases the job (or the hold's timeout passes)."""
     spec = active().hold_after_step
@@ -123,8 +165,9 @@ def hold(step: int) -> None:
     log.warning("drill point: rank %d holds after step %d until the drill releases it", rank, step)
     release = os.path.join(spec.marker_dir, RELEASE_FILE)
     deadline = time.monotonic() + spec.timeout_s
-    while not os.path.exists(release) and time.monotonic() < deadline:
-        time.sleep(0.02)
+    with deliberate_hold(f"drill hold after step {step}"):  # waiting for the drill is no hang
+        while not os.path.exists(release) and time.monotonic() < deadline:
+            time.sleep(0.02)
 
 
 def pauses_a_save() -> bool:
@@ -148,11 +191,24 @@ def at_save_phase(phase: SavePhase, step: int, shard_written: bool | None = None
         return
     _leave_marker(pause.marker_dir, PAUSE_MARKER_PREFIX, phase, step)
     log.warning("drill point: rank %d stopped at save phase %s of step %d", rank, phase, step)
+    with deliberate_hold(f"drill pause at save phase {phase} of step {step}"):  # the drill kills it: no hang
+        while True:
+            time.sleep(60)
+
+
+def before_collective(step: int) -> None:
+    """Stop this rank for good before the loss all-reduce of `step` when the job's HangPoint names it and the
+    step (its marker records when); otherwise return at once."""
+    point = active().hang_in_step
+    if point is None or point.step != step or point.rank != _rank():
+        return
+    _leave_marker(point.marker_dir, HANG_MARKER_PREFIX, "hung", step)
+    log.warning("drill point: rank %d stops progressing in step %d, before its loss all-reduce", point.rank, step)
     while True:
         time.sleep(60)
 
 
-def _leave_marker(marker_dir: str, prefix: str, phase: SavePhase | Literal["held"], step: int) -> int:
+def _leave_marker(marker_dir: str, prefix: str, phase: SavePhase | Literal["held", "hung"], step: int) -> int:
     """Write this rank's PausedRank marker `prefix`NNNNN.json into `marker_dir`; returns the rank."""
     rank = _rank()
     marker = PausedRank(

@@ -244,6 +244,7 @@ def run_torchrun(argv: list[str]) -> int:
 
     from torch.distributed.elastic.multiprocessing.api import SignalException  # noqa: PLC0415
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError  # noqa: PLC0415
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError  # noqa: PLC0415
 
     _one_preemption_signal()
     started = time.time()
@@ -261,6 +262,13 @@ def run_torchrun(argv: list[str]) -> int:
         codes = {failure.exitcode for failure in failed.failures.values()}
         if codes == {PREEMPTED_EXIT_CODE} or job_was_preempted(argv, started):
             return PREEMPTED_EXIT_CODE
+        raise
+    except RendezvousConnectionError:
+        from training.spares import job_finished_since  # noqa: PLC0415 - only when the store went away
+
+        if job_finished_since(_config_path(argv), started):  # a hot spare left standing by the finished job
+            print("rendezvous store gone after the job finished: a spare stood by unneeded", flush=True)  # noqa: T201
+            return 0
         raise
     return 0
 

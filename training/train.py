@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import gc
 import logging
 import math
@@ -22,7 +23,7 @@ import random
 import signal
 import socket
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,8 +34,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from training import drill_points, preemption, process
+from training import drill_points, failure, preemption, process, replica, spares
 from training.checkpoint import CheckpointManager, CheckpointSaveError, ModelCard, SavedCheckpoint
+from training.checkpoint.memory import MemoryTier
 from training.comm_probe import probe_record
 from training.config import OptimConfig, TrainConfig
 from training.dataset import DatasetError, TokenDataset
@@ -46,10 +48,12 @@ from training.metrics import CommTimer, peak_memory_bytes
 from training.model import Transformer
 from training.network import collective_timeout, network_record
 from training.parallel import comm_timed, gradient_sync, parallelize
+from training.recovery_record import RecoveryEvent, Refusal, append_event
 from training.reference import run_reference
 from training.run_output import CheckpointEvent, EpochEnd, Ranks, RunOutputWriter, RunResult, StepRecord
 from training.sampler import GlobalBatchSampler, SamplerState, blend_of
 from training.telemetry import Telemetry
+from training.watchdog import Watchdog, enable_flight_recorder
 from training.tensor_parallel import lm_loss, loss_context
 
 log = logging.getLogger("training.train")  # not __main__ under `python -m`
@@ -214,9 +218,11 @@ class PendingRecord:
 class Trainer:
     """Builds everything from a TrainConfig, resumes if it can, trains, evaluates, checkpoints."""
 
-    def __init__(self, cfg: TrainConfig, leases: list[Lease] | None = None) -> None:
+    def __init__(self, cfg: TrainConfig, leases: list[Lease] | None = None, watchdog: Watchdog | None = None) -> None:
         self.cfg = cfg
         self.leases = leases or []  # checked every step: a job whose lease was taken over stops writing
+        # Phases and heartbeats (training/watchdog.py); main() starts the real one, in-process use tracks only.
+        self.watchdog = watchdog or Watchdog(cfg.watchdog.model_copy(update={"enabled": False}))
         self.env = DistEnv.from_environ()
         self.device, self.backend = init_distributed(self.env)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
@@ -252,6 +258,10 @@ class Trainer:
         if par.model_parallel:
             self.meshes = ParallelDims.from_config(par, self.world, self.env.local_world_size).build(self.device.type)
             self.dp_rank, self.dp_size = self.meshes.coords["dp"], self.meshes.dims.dp
+        ft = cfg.fault_tolerance
+        self.replica_index = replica.group_index(ft.replica_groups) if ft.mode == "replica_groups" else None
+        if self.replica_index is not None:  # replica groups train disjoint shards of the global batch
+            self.dp_rank, self.dp_size = self.replica_index * self.world + self.rank, ft.replica_groups * self.world
         seed = cfg.run.seed
         self.blend = blend_of(self.train_data, seed)  # None unless the dataset mixes weighted sources
         self.sampler = GlobalBatchSampler(
@@ -311,8 +321,26 @@ class Trainer:
         # outside the sharded matmuls, so they must draw the same dropout masks: one stream per (dp, pp) place.
         stream = self.rank if self.meshes is None else self.dp_rank * self.meshes.dims.pp + self.meshes.coords["pp"]
         seed_everything(cfg.run.seed + 1 + stream)
-        if cfg.checkpoint.resume:
+        # In-memory copies of every rank's state (checkpoint.memory_every_steps): the rung a restart takes before
+        # storage. Replicated (DDP) copies serve any rank; sharded ones only the same world and layout.
+        self.memory: MemoryTier | None = None
+        if cfg.checkpoint.memory_every_steps is not None:
+            node = int(os.environ.get("GROUP_RANK", self.rank // self.env.local_world_size))
+            replicated = self.meshes is None and par.sharding == "ddp"
+            self.memory = MemoryTier(cfg.checkpoint, self._layout(), replicated, self.env.local_world_size, node)
+        self.watchdog.beat("model_built")
+        self.replica: replica.ReplicaGroup | None = None
+        if self.replica_index is not None:
+            self.replica = replica.ReplicaGroup(
+                ft, self.replica_index, self.device, self._replica_state, self._load_replica_state, self._restore,
+                cfg.run.output_url, cfg.storage,
+            )  # fmt: skip
+        # A restarted replica group reads no storage: it pulls the state from a healthy group at its first step.
+        if cfg.checkpoint.resume and (self.replica is None or not replica.restarted()):
             self._resume()
+        if self.replica is not None:
+            self.replica.set_step(self.step)
+        self.watchdog.beat("ranks")
         self._write_ranks()
 
     def _layout(self) -> str:
@@ -354,21 +382,83 @@ class Trainer:
             "scaler": self.scaler.state_dict(),
         }
 
-    def _resume(self) -> None:
-        restored = self.checkpoints.load_latest(self.model, self.optimizer, self.out)
-        if restored is None:
-            return
-        state = restored.train_state
+    def _resume(self, refused_above: Sequence[Refusal] = (), why_not_above: str = "") -> None:
+        """Restore by the rungs of the recovery ladder the trainer walks itself: the host-memory copies, then
+        storage; rank 0 records which one restored what, and what it refused (recovery.jsonl), with what a rung
+        above refused (`refused_above`, `why_not_above`: live recovery)."""
+        started = time.perf_counter()
+        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+        outcome = None
+        if self.memory is not None:
+            outcome = self.memory.restore(self.model, self.optimizer, self._newest_on_storage)
+        refused = [*refused_above, *([] if outcome is None else outcome.refused)]
+        if outcome is not None and outcome.restored is not None:
+            found = outcome.restored
+            event = RecoveryEvent("memory", found.step, self.world, attempt, found.source, refused,
+                                  reason=why_not_above)  # fmt: skip
+            self._apply_train_state(found.train_state)
+            if self.rank == 0:
+                log.info("restored step %d from host memory: %s", found.step, "; ".join(found.source.values()))
+        else:
+            memory_why = "" if outcome is None else f"memory copies not used: {outcome.reason}"
+            why = "; ".join(r for r in (why_not_above, memory_why) if r)
+            restored = self.checkpoints.load_latest(self.model, self.optimizer, self.out)
+            if restored is None:
+                event = RecoveryEvent("fresh", None, self.world, attempt, {}, refused, reason=why)
+            else:
+                event = RecoveryEvent("storage", restored.step, self.world, attempt, {"every rank": restored.path},
+                                      refused, reason=why)  # fmt: skip
+                self._apply_train_state(restored.train_state)
+                if self.rank == 0:
+                    log.info("resumed from %s at step %d (saved by %d ranks)", restored.path, self.step,
+                             restored.saved_world_size)  # fmt: skip
+        if self.rank == 0:
+            event = dataclasses.replace(event, restore_s=round(time.perf_counter() - started, 4))
+            append_event(self.cfg.run.output_url, event, self.cfg.storage)
+
+    def _restore(self, refused: list[Refusal], why: str) -> int:
+        """The trainer's own rungs (memory, storage) when no replica group could be pulled from, or its state was
+        refused (`refused`, `why`); the step."""
+        if self.cfg.checkpoint.resume:
+            self._resume(refused, why)
+        elif refused and self.rank == 0:  # nothing to restore from: the group goes on from its own state
+            append_event(self.cfg.run.output_url, RecoveryEvent(
+                "fresh", None, self.world, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)), {}, refused,
+                reason=f"{why}; checkpoint.resume is off"), self.cfg.storage)  # fmt: skip
+        return self.step
+
+    def _replica_state(self) -> dict[str, Any]:
+        """What a healing replica group pulls from this one (training/replica.py)."""
+        return {"model": self.model.state_dict(), "optim": self.optimizer.state_dict(), "train": self._train_state()}
+
+    def _load_replica_state(self, state: dict[str, Any]) -> None:
+        """Take the state a healthy replica group sent."""
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optim"])
+        self._apply_train_state(state["train"])
+
+    def _apply_train_state(self, state: dict[str, Any]) -> None:
+        """Step, sampler position, LR schedule and loss scale of a restored checkpoint or memory copy."""
         self.step, self.tokens_seen, self.skipped_steps = state["step"], state["tokens_seen"], state["skipped_steps"]
         self.sampler.state = SamplerState(state["epoch"], state["sample_offset"])
         self.scheduler.load_state_dict(state["scheduler"])
         if state["scaler"]:
             self.scaler.load_state_dict(state["scaler"])
         self.resumed_from = self.step
+
+    def _newest_on_storage(self) -> int | None:
+        """The newest step with a COMMIT.json on storage (a listing, no data read; collective); None when there
+        is none or the storage cannot be listed (the memory rung goes on without it)."""
+        newest = None
         if self.rank == 0:
-            log.info(
-                "resumed from %s at step %d (saved by %d ranks)", restored.path, self.step, restored.saved_world_size
-            )
+            try:
+                newest = self.checkpoints.newest_committed_step()
+            except Exception as err:  # noqa: BLE001 - an unreachable storage does not stop a memory restore
+                log.warning("could not list the checkpoints on %s (%s): memory copies are compared with none",
+                            self.cfg.checkpoint.url, err)  # fmt: skip
+        box = [newest]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
 
     def _collective_check(self) -> dict[str, Any]:
         """All-reduce of known values and a broadcast from rank 0 on the real process group."""
@@ -428,10 +518,13 @@ class Trainer:
             "mesh": self._mesh_record(),
             "network": network_record(self.backend),
             "comm_probe": probe_record(self.cfg.run.comm_probe_mb, self.device, self.env.host, self.env.local_rank),
+            **spares.agent_record(),
         }
         everyone: list[Any] = [None] * self.world
         dist.all_gather_object(everyone, me)
         if self.rank == 0:
+            previous = spares.previous_ranks(self.cfg.run.output_url, self.cfg.storage)  # before it is replaced
+            spares.record_takeover(self.cfg.run.output_url, self.cfg.storage, previous, everyone, self.resumed_from)
             self.out.write_ranks(Ranks(self.world, everyone))
             self.out.sync()
 
@@ -474,7 +567,10 @@ class Trainer:
         measured."""
         self._steps_run = getattr(self, "_steps_run", 0) + 1
         if self.meshes is None or self._steps_run != 2:
-            return self._train_step()
+            pending = self._train_step()
+            while pending is None:  # the replica groups did not commit this step: it is trained again
+                pending = self._train_step()
+            return pending
         from training.comm_counter import TrafficCounter, group_labels  # noqa: PLC0415 - model-parallel only
 
         counter = TrafficCounter(labels=group_labels(self.meshes), timed=True)
@@ -482,15 +578,19 @@ class Trainer:
             pending = self._train_step(counted=counter)
         return pending
 
-    def _train_step(self, counted: Any = None) -> PendingRecord:
+    def _train_step(self, counted: Any = None) -> PendingRecord | None:
         """One optimizer step over grad_accum_steps micro-batches; its metrics record, whose device figures are
-        read with the next `flush_metrics`."""
+        read with the next `flush_metrics` (None: the replica groups did not commit it, nothing changed)."""
         cfg = self.cfg
         started, cpu_started = time.perf_counter(), time.process_time()
         compute_events = _compute_events(self.device)
         data_s = data_cpu_s = 0.0
         if not self.model.training:  # evaluate() leaves it in eval mode; train() walks every module
             self.model.train()
+        if self.replica is not None:
+            last = min(cfg.run.steps, cfg.run.stop_after_steps or cfg.run.steps)
+            self.replica.begin_step(last=self.step + 1 == last)  # a group behind the others heals here
+        position = self.sampler.state
         epoch, draws = self.sampler.next_step()
         micro_batches = [self.blend.samples(epoch, d) for d in draws] if self.blend else draws
         loss_sum = torch.zeros((), device=self.device)
@@ -509,10 +609,18 @@ class Trainer:
             data_cpu_s += time.process_time() - fetch_cpu
             with gradient_sync(self.model, enabled=m == accum - 1), loss_context(self._tensor_parallel):
                 loss, aux = self._loss(tokens)
+                if drill_points.poisons_loss(self.step + 1):  # a drill's workload error: NaN from here on
+                    loss = loss * float("nan")
                 objective = loss + coef * aux if coef else loss  # a tensor-parallel loss is a DTensor, aux is not
                 self.scaler.scale(objective / accum).backward()
             loss_sum += _to_tensor(loss.detach())
             aux_sum += _to_tensor(aux.detach())
+        if self.replica is not None:
+            self.replica.sync_gradients(self.model)
+            if not self.replica.should_commit():  # a group failed in this step: drop it, take the quorum again
+                self.optimizer.zero_grad(set_to_none=True)
+                self.sampler.state = position
+                return None
         self.scaler.unscale_(self.optimizer)
         clip = cfg.optim.grad_clip_norm if cfg.optim.grad_clip_norm is not None else float("inf")
         if self.meshes is None:
@@ -535,6 +643,8 @@ class Trainer:
         # (gloo) everything is on the host already: one collective carries the loss and the flags.
         flags = torch.tensor(preemption.WATCH.flags(), dtype=torch.float32)
         loss_work = None
+        drill_points.before_collective(self.step + 1)  # the hang drill's rank stops here, short of the collective
+        self.watchdog.beat("loss_sync")
         if compute_events is not None:
             compute_events[1].record()
         if self.backend == "nccl":
@@ -747,7 +857,8 @@ class Trainer:
         while self.step < last_step:
             for lease in self.leases:
                 lease.check()
-            self._pending.append(self.train_step())
+            with self.watchdog.phase("step", self.step + 1):
+                self._pending.append(self.train_step())
             every = cfg.checkpoint.save_every_steps
             evaluating = bool(cfg.run.eval_every_steps and self.step % cfg.run.eval_every_steps == 0)
             saving = bool(every and self.step % every == 0 and self.step < last_step)
@@ -762,11 +873,16 @@ class Trainer:
                 or self.step % cfg.run.log_every_steps == 0
                 or (self.step % self.metrics_sync_every == 0)
             ):
+                nonfinite: StepRecord | None = None
                 for step_record in self.flush_metrics():
                     last = step_record
                     first_loss = first_loss if first_loss is not None else step_record.loss
                     if not math.isfinite(step_record.loss) and not step_record.skipped:
                         log.error("step %d: loss is %s", step_record.step, step_record.loss)
+                        nonfinite = nonfinite or step_record
+                if nonfinite is not None and cfg.run.stop_on_nonfinite_loss:  # every rank reads the same loss
+                    self.out.sync()
+                    raise failure.NonFiniteLoss(nonfinite.step, nonfinite.loss)
             if (
                 self.rank == 0
                 and last is not None
@@ -780,14 +896,21 @@ class Trainer:
             if self.step % cfg.run.log_every_steps == 0:
                 self.out.sync()
             if evaluating:
-                last_eval = self.evaluate()
+                with self.watchdog.phase("eval", self.step):
+                    last_eval = self.evaluate()
             if saving:
-                self._save(background=cfg.checkpoint.async_save)
+                with self.watchdog.phase("save", self.step):
+                    self._save(background=cfg.checkpoint.async_save)
+            memory_every = cfg.checkpoint.memory_every_steps
+            if self.memory is not None and memory_every and self.step % memory_every == 0 and self.step < last_step:
+                self.memory.snapshot(self.step, self.model, self.optimizer, self._train_state())
             if self.preempt_signal is not None and self.step < last_step:
                 self._preempt(self.preempt_signal)
                 break
             if holding:  # a drill (rank_kill, node_loss) strikes here, with this run's checkpoints committed
                 self._await_save()
+                if self.memory is not None:  # and its in-memory copies kept
+                    self.memory.wait()
                 self.out.sync()
                 drill_points.hold(self.step)
         if self.preempted is not None:  # stopped early: no final evaluation, save or result
@@ -795,10 +918,19 @@ class Trainer:
             self.telemetry.close()
             return {"steps": self.step, "preempted": True, "signal": self.preempted.signal}
         if last_eval is None or last_eval["step"] != self.step:
-            last_eval = self.evaluate()
-        self._await_save()  # the run's last background save is committed before it ends
-        if cfg.checkpoint.save_at_end and self.checkpoints.read_commit(self.step) is None:
-            self._save()
+            with self.watchdog.phase("eval", self.step):
+                last_eval = self.evaluate()
+        with self.watchdog.phase("save", self.step):
+            self._await_save()  # the run's last background save is committed before it ends
+            if cfg.checkpoint.save_at_end and self.checkpoints.read_commit(self.step) is None:
+                self._save()
+        if self.memory is not None:  # the run is over: its host memory is freed
+            stalls, waits = self.memory.stalls_s, self.memory.waits_s
+            if self.rank == 0 and stalls:
+                log.info("in-memory copies: %d, training held %.2f ms per copy (mean; %.2f ms of it waiting for the "
+                         "previous exchange), %.2f ms at most", len(stalls), 1e3 * sum(stalls) / len(stalls),
+                         1e3 * sum(waits) / len(waits), 1e3 * max(stalls))  # fmt: skip
+            self.memory.discard()
         result = {
             "steps": self.step,
             "resumed_from_step": self.resumed_from,
@@ -824,7 +956,8 @@ class Trainer:
 
 @record
 def main(argv: list[str] | None = None) -> int:
-    """Entry point under torchrun; the exit code (0, or PREEMPTED_EXIT_CODE after a checkpoint on a signal)."""
+    """Entry point under torchrun; the exit code (0, PREEMPTED_EXIT_CODE after a checkpoint on a signal, or
+    WORKLOAD_EXIT_CODE when an earlier attempt of this job recorded a workload error: training/failure.py)."""
     preemption.WATCH.install()  # first: a signal during start-up stops the job after its first step
     parser = argparse.ArgumentParser(description="transformer-deploy training payload")
     parser.add_argument("--config", required=True, help="run.json written from the deployment spec")
@@ -837,20 +970,36 @@ def main(argv: list[str] | None = None) -> int:
         # gone (or that hangs) must not wait for; a graceful stop goes through the agent, which waits for it.
         process.die_with_parent(signal.SIGKILL)
     cfg = TrainConfig.from_json_file(args.config)
+    earlier = failure.failure_of_this_job(cfg.run.output_url, cfg.storage)
+    if earlier is not None:  # torchrun restarts workers whatever failed: a workload error is not retried
+        log.error("not retried: %s", earlier.describe())
+        return failure.WORKLOAD_EXIT_CODE
     trainer: Trainer | None = None
+    watchdog: Watchdog | None = None
     code = 0
     try:
+        enable_flight_recorder()  # before the process group: a hang dump then names each rank's last collective
         init_distributed(DistEnv.from_environ())
         with exclusive_roots(cfg) as leases:
             if cfg.reference is not None:  # the acceptance suite's independent reference, not the trainer
                 run_reference(cfg)
             else:
-                trainer = Trainer(cfg, leases)
+                # Start-up is timed from here (rendezvous done, the run's folders ours): nothing is written before.
+                watchdog = Watchdog.for_rank(cfg.watchdog, dist.get_rank(), dist.get_world_size(), cfg.run.output_url)
+                trainer = Trainer(cfg, leases, watchdog)
                 trainer.fit()
                 code = 0 if trainer.preempted is None else preemption.PREEMPTED_EXIT_CODE
+    except Exception as err:
+        found = failure.classify(err, None if trainer is None else trainer.step, int(rank))
+        if found is not None:  # the restart policy stops on it instead of recovering
+            failure.write_failure(cfg.run.output_url, found, cfg.storage)
+            log.error("%s", found.describe())
+        raise
     finally:
         # Free the model (DDP's reducer holds the process group and its last work) while the interpreter is
         # fully alive: left to interpreter shutdown, gloo's teardown can abort a job that finished its work.
+        if watchdog is not None:
+            watchdog.close()
         del trainer
         gc.collect()
         if dist.is_initialized():

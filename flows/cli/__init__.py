@@ -2,9 +2,9 @@
 
 `data` (validate-spec, prepare-data, convert-dataset), `job` (plan, check-nodes, build-image, train, submit,
 status, cancel, run), `accept` (accept, drill, diagnose), `ledger` (history, baseline, rollback, rollout), `serve`
-(export, serve, check-serving) and `alerts` (the `tdeploy alerts` group); `common` holds what they share. This
-module joins them into one app, and is the one place that sets up logging and turns the known failures into an
-exit code and one line.
+(export, serve, check-serving), `alerts` (the `tdeploy alerts` group) and `nodes` (the `tdeploy nodes` group:
+the node quarantine); `common` holds what they share. This module joins them into one app, and is the one place
+that sets up logging and turns the known failures into an exit code and one line.
 
 Only typer and rich load at import: `tdeploy --help` must answer at once, so every command imports the
 pipeline modules it needs (torch, Prefect, Great Expectations and the spec model among them) in its body.
@@ -19,7 +19,7 @@ import click
 import typer
 from typer.core import TyperGroup
 
-from flows.cli import accept, alerts, data, job, ledger, serve
+from flows.cli import accept, alerts, data, job, ledger, nodes, serve
 from flows.cli.common import EXIT_TRANSIENT, EXIT_USER_ERROR, console, err_console, example
 
 # Failures that a command reports as one line (exit 2: fix the input; exit 1: it may pass, run again), never as
@@ -100,6 +100,7 @@ app = typer.Typer(
 for _concern in (data, job, accept, ledger, serve):  # their commands at the top level, listed in this order
     app.add_typer(_concern.app)
 app.add_typer(alerts.app, name="alerts")
+app.add_typer(nodes.app, name="nodes")
 
 
 def main() -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, get_args
 
 from pydantic import Field
 
@@ -13,11 +13,13 @@ from training.storage import LocalPath, StorageUrl
 from validation.acceptance import AcceptanceThresholds
 
 DrillName = Literal[
-    "rank_kill", "kill_during_save", "corrupt_checkpoint", "reshard", "storage_outage", "node_loss", "preemption"
-]
-DRILLS: tuple[DrillName, ...] = (
     "rank_kill", "kill_during_save", "corrupt_checkpoint", "reshard", "storage_outage", "node_loss", "preemption",
-)  # fmt: skip
+    "replica_loss", "spare_takeover", "memory_restore", "hang", "workload_error", "bad_node_recurrence",
+]  # fmt: skip
+DRILLS: tuple[DrillName, ...] = get_args(DrillName)
+"""Every drill, in the order they run: the checkpoint-restore drills (restore from storage, rung 4 of the recovery
+ladder), then one per rung of the ladder (live recovery, hot spare, memory restore), hang detection, and the
+restart policy's two (a workload error is stopped, a node that fails twice is quarantined)."""
 
 
 class CanaryConfig(StrictModel):

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tasks.acceptance.config import DRILLS, AcceptanceConfig, DrillConfig
+from tasks.acceptance.config import AcceptanceConfig, DrillConfig
 from tasks.acceptance.outage import TcpProxy
 from tasks.acceptance.record import AcceptanceReport, DrillResult
 from tasks.acceptance.workspace import (
@@ -34,7 +34,6 @@ from tasks.launch import registry
 from tasks.launch.base import JobState, JobStatus, find_job
 from tasks.launch.cluster import ClusterConfig
 from tasks.launch.environment import JobEnvironment
-from tasks.progress import report
 from training.checkpoint import COMMIT, CheckpointFormatError, CheckpointManager, copy_step, step_dir_name
 from training.config import TrainConfig
 from training.drill_points import HOLD_MARKER_PREFIX, RELEASE_FILE, SAVE_PHASES, SavePhase, paused_ranks
@@ -105,9 +104,10 @@ class DrillContext:
         self.progress_step = progress_step
         self.drills = drills or DrillConfig()
         self.environment, self.image = environment or JobEnvironment(), image
+        # These drills restore from storage (rung 4): no in-memory copies; the ladder's drills turn them on.
         self.base = variant(
             train, root, "drill-base", run={"steps": acceptance.steps},
-            checkpoint={"save_every_steps": acceptance.save_every_steps},
+            checkpoint={"save_every_steps": acceptance.save_every_steps, "memory_every_steps": None},
         )  # fmt: skip
         self._reference = reference
 
@@ -180,10 +180,12 @@ def reuse_acceptance(root: Path, ctx: DrillContext) -> tuple[RunOutcome | None, 
     kill = next((d for d in report.drills if d.name == "rank_kill"), None)
 
     def without_folders(cfg: TrainConfig) -> dict[str, Any]:
-        """The job but for its folders and the communication probe the acceptance run adds (collectives at
-        start-up, before the first step, that touch neither the weights nor the random streams)."""
+        """The job but for its folders, the communication probe the acceptance run adds (collectives at
+        start-up, before the first step, that touch neither the weights nor the random streams) and the in-memory
+        copies (taken between steps, they change no loss)."""
         dump = cfg.model_dump()
         dump["run"]["output_url"] = dump["checkpoint"]["url"] = dump["run"]["comm_probe_mb"] = None
+        dump["checkpoint"]["memory_every_steps"] = dump["checkpoint"]["memory_dir"] = None
         return dump
 
     result = RunOutput(out).result()
@@ -709,43 +711,3 @@ def drill_node_loss(ctx: DrillContext) -> DrillResult:
 
 def _host_names(hosts: list[NodeHost] | None) -> list[str] | None:
     return None if hosts is None else [h.name for h in hosts]
-
-
-def held_to_rto(result: DrillResult, rto_max_s: float | None) -> DrillResult:
-    """`result`, failed when it passed but recovered slower than `rto_max_s` (drills.rto_max_s)."""
-    if result.passed and rto_max_s is not None and result.recovery_s is not None and result.recovery_s > rto_max_s:
-        result.passed = False
-        result.message = (
-            f"recovery took {result.recovery_s:.1f} s > drills.rto_max_s={rto_max_s:g} s; the rung recovered, "
-            "too slowly: see its detection_s and the job log, or raise drills.rto_max_s where this cluster is slower"
-        )
-    return result
-
-
-def run_drills(ctx: DrillContext, only: list[str] | None = None,
-               on_result: Callable[[DrillResult], None] | None = None) -> list[DrillResult]:  # fmt: skip
-    """Run the chosen drills (all by default) and return their results."""
-    chosen = only if only is not None else (ctx.drills.only if ctx.drills.only is not None else list(DRILLS))
-    names = [name for name in DRILLS if name in chosen]
-    results = []
-    table: dict[str, Callable[[DrillContext], DrillResult]] = {
-        "rank_kill": lambda c: drill_rank_kill(c)[0],
-        "kill_during_save": drill_kill_during_save,
-        "corrupt_checkpoint": drill_corrupt_checkpoint,
-        "reshard": drill_reshard,
-        "storage_outage": drill_storage_outage,
-        "node_loss": drill_node_loss,
-        "preemption": drill_preemption,
-    }
-    for k, name in enumerate(names):
-        report(ctx.progress_step, f"drill {name}", k, len(names))
-        try:
-            result = table[name](ctx)
-        except Exception as err:  # noqa: BLE001 - a drill's failure is that drill's finding; the others still run
-            result = stopped_drill(name, err)
-        results.append(held_to_rto(result, ctx.drills.rto_max_s))
-        if on_result:
-            on_result(result)
-    if names:
-        report(ctx.progress_step, "drills done", len(names), len(names))
-    return results

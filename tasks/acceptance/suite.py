@@ -15,7 +15,8 @@ from pydantic import BaseModel, ConfigDict
 from tasks.acceptance.baselines import judge_quality
 from tasks.acceptance.checks import Judged, dimension_names, in_report_order, judge_runs, not_started, rows
 from tasks.acceptance.config import DRILLS, AcceptanceConfig, DrillConfig
-from tasks.acceptance.drills import DrillContext, drill_rank_kill, reuse_acceptance, run_drills, stopped_drill
+from tasks.acceptance.drill_table import run_drills
+from tasks.acceptance.drills import DrillContext, drill_rank_kill, reuse_acceptance, stopped_drill
 from tasks.acceptance.ledger_entry import record_entry, run_identity
 from tasks.acceptance.mode import Mode
 from tasks.acceptance.record import AcceptanceReport, DrillResult

@@ -28,7 +28,9 @@ PROJECT = "transformer-deploy"
 # What the payload imports besides the standard library (checked by a unit test); PyTorch comes from the base image.
 RUNTIME_DEPENDENCIES = ("torch", "numpy", "fsspec", "pydantic")
 # Imported only where a feature is used, inside a guard; wheel extras. s3 is pinned into the image with S3 URLs.
-OPTIONAL_DEPENDENCIES = {"s3": ("s3fs",), "telemetry": ("prometheus-client", "nvidia-ml-py")}
+OPTIONAL_DEPENDENCIES = {
+    "s3": ("s3fs",), "telemetry": ("prometheus-client", "nvidia-ml-py"), "live_recovery": ("torchft",),
+}  # fmt: skip
 S3_DEPENDENCIES = OPTIONAL_DEPENDENCIES["s3"]
 FROM_BASE_IMAGE = ("torch",)
 _ZIP_EPOCH = (1980, 1, 1, 0, 0, 0)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import socket
 import sys
 from pathlib import Path
 
+from tasks.launch.spares import SPARE_WAIT_ENV, stand_down_when_unneeded, wait_until_needed
 from training.preemption import run_torchrun
 from training.process import die_with_parent, exit_now, start_time
 
@@ -31,6 +33,12 @@ def main() -> int:
     (PREEMPTED_EXIT_CODE when the workers checkpointed and stopped on a preemption signal)."""
     die_with_parent()  # the wrapper (or, over SSH, sshd's session) is its parent: its exit fires this
     _record()
+    spare = os.environ.pop(SPARE_WAIT_ENV, None)
+    if spare:
+        importlib.import_module("torch.distributed.run")  # seconds of imports, paid before a node is lost, not after
+        if not wait_until_needed(spare):
+            return 0  # a hot spare whose job ended before its ranks met: nothing to stand by for
+        stand_down_when_unneeded(spare)
     return run_torchrun(sys.argv[1:])
 
 

@@ -12,7 +12,7 @@ import logging
 import os
 import re
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -79,6 +79,8 @@ class JobStatus:
     reason: str = ""
     exit_code: int | None = None
     failure: FailureReport | None = None
+    host: str | None = None
+    """The host of the node that failed first, where the launcher knows it (the restart policy blames it)."""
 
     def describe(self) -> str:
         """One line for people."""
@@ -134,6 +136,11 @@ class Capabilities:
     """`kill_node` kills every process of one node at once (the node-loss drill asks first)."""
     replaces_lost_host: bool
     """A relaunch after a lost node runs on a spare host, so the lost one must not be among the job's ranks."""
+    has_hot_spares: bool = False
+    """cluster.spares: spare hosts wait in the job's rendezvous and take a lost node's place without a requeue."""
+    live_recovery: bool = False
+    """fault_tolerance.mode=replica_groups: `submit` runs the job as replica groups under a torchft lighthouse, a
+    lost group healing from a peer (training/replica.py); False: the spec refuses the mode for this scheduler."""
 
 
 class Launcher(Protocol):
@@ -172,6 +179,14 @@ class Launcher(Protocol):
     def relaunch_cluster(cls, cluster: ClusterConfig, lost_host: str) -> ClusterConfig:
         """Restart policy after losing `lost_host`: the cluster the relaunched job runs on (the same by default:
         the host came back, or the scheduler replaces it)."""
+        return cluster
+
+    @classmethod
+    def excluding(cls, cluster: ClusterConfig, hosts: Sequence[str]) -> ClusterConfig:
+        """The cluster a requeued job runs on without `hosts` (rung 5 of the recovery ladder: the failing and the
+        quarantined hosts). By default the same: the launcher has no hosts to leave out (every node of a local job
+        is this machine). `hosts` are checked here (`excluded_host_names`), at the boundary to the scheduler."""
+        excluded_host_names(hosts)
         return cluster
 
     def submit(
@@ -245,6 +260,21 @@ class Launcher(Protocol):
     ) -> JobStatus:
         """Poll until the job reaches a state in `until` or ends, streaming its log lines (see `wait_for`)."""
         return wait_for(self, handle, until, timeout_s, on_line, poll_s, hopeless=self.hopeless)
+
+
+_EXCLUDABLE_HOST = re.compile(r"[A-Za-z0-9]([A-Za-z0-9._-]{0,252})")
+
+
+def excluded_host_names(hosts: Sequence[str]) -> list[str]:
+    """`hosts` sorted and without repeats, each a plain host name (letters, digits, . _ -; no list syntax, paths
+    or spaces, which a scheduler would read as more than one host); UserError naming the first one that is not."""
+    for host in hosts:
+        if not isinstance(host, str) or not _EXCLUDABLE_HOST.fullmatch(host):
+            raise UserError(
+                f"host {host!r} cannot be excluded: it is not a host name",
+                "host names are letters, digits and . _ - (as the job's ranks record them in ranks.json)",
+            )
+    return sorted(set(hosts))
 
 
 def registry_dir() -> Path:

@@ -37,6 +37,16 @@ class ClusterConfig(StrictModel):
         description="Elastic: the job goes on with as few as this many nodes when others are lost (torchrun "
         "--nnodes=min_nodes:nodes; each loss costs a restart of max_restarts); None = exactly `nodes`.",
     )
+    spares: int = Field(
+        default=0,
+        ge=0,
+        le=10_000,
+        description="Hot spares: hosts beyond `nodes` whose torchrun agents wait in the rendezvous (torchrun's "
+        "standby list) without taking part; when a node is lost, the survivors restart their workers and the "
+        "spare takes its place in the same job, with the same world (no requeue). local: agents on this machine; "
+        "ssh: the inventory lists nodes + spares hosts; slurm: nodes + spares nodes allocated; kubernetes: "
+        "nodes + spares worker pods in an elastic PyTorchJob of exactly `nodes`. Needs max_restarts >= 1.",
+    )
     rdzv_port: int | None = Field(
         default=None, ge=1, le=65535, description="local: rendezvous port on 127.0.0.1; None = a free one."
     )
@@ -88,6 +98,19 @@ class ClusterConfig(StrictModel):
                     0,
                     f"min_nodes={self.min_nodes} lets the job go on after losing a node, which takes a restart; "
                     "set max_restarts >= 1",
+                )
+            )
+        if self.spares and not registry.capabilities(self.scheduler).has_hot_spares:
+            able = ", ".join(n for n in registry.names() if registry.capabilities(n).has_hot_spares)
+            problems.append((("spares",), self.spares, f"scheduler={self.scheduler} keeps no hot spares; use {able} "
+                             "or spares: 0"))  # fmt: skip
+        if self.spares and self.max_restarts == 0:
+            problems.append(
+                (
+                    ("max_restarts",),
+                    0,
+                    f"spares={self.spares}: a spare joins when the survivors restart their workers after a node "
+                    "loss; set max_restarts >= 1 or spares: 0",
                 )
             )
         raise_problems("ClusterConfig", problems)

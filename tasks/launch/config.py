@@ -226,6 +226,14 @@ class KubernetesConfig(StrictModel):
     gpu_resource: Annotated[
         str, matching(_RESOURCE_NAME, "a Kubernetes resource name such as nvidia.com/gpu or amd.com/gpu")
     ] = Field(default="nvidia.com/gpu", description="Extended resource name of the GPUs.")
+    excluded_nodes: list[
+        Annotated[str, matching(_DNS_SUBDOMAIN, "a Kubernetes node name; use lowercase letters, digits, - and .")]
+    ] = Field(
+        default_factory=list,
+        max_length=1000,
+        description="Nodes the pods must not run on (node affinity: kubernetes.io/hostname NotIn); a requeue after "
+        "a failure adds the failing and the quarantined hosts (tasks/recovery/).",
+    )
 
 
 PREEMPTION_SIGNALS = ("SIGTERM", "SIGUSR1")

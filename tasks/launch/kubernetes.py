@@ -14,15 +14,25 @@ kept small and separate, and not exercised by the tests.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from pydantic import ValidationError
+
 from tasks.errors import TransientError, UserError
-from tasks.launch.base import Capabilities, JobHandle, JobState, JobStatus, Launcher
+from tasks.launch.base import (
+    Capabilities,
+    JobHandle,
+    JobState,
+    JobStatus,
+    Launcher,
+    excluded_host_names,
+)
 from tasks.launch.environment import JobEnvironment
 from tasks.launch.torchrun import job_env, preemption_args, rdzv_conf_args
 from training.checkpoint import KEY_ENV as CHECKPOINT_KEY_ENV
-from training.config import TrainConfig
+from training.checkpoint.memory import DEFAULT_MEMORY_DIR
+from training.config import TrainConfig, first_problem
 from training.preemption import PREEMPTED_EXIT_CODE
 
 if TYPE_CHECKING:
@@ -88,17 +98,42 @@ def render_manifests(
         "containers": [container],
         "volumes": [{"name": "tdeploy-config", "configMap": {"name": f"{name}-config"}}],
     }
+    if train.checkpoint.memory_every_steps is not None:
+        # The in-memory checkpoint tier's copies live in RAM (tmpfs) for the pod's life: a restarted container
+        # finds them, a pod lost with its node loses them (its peers on other nodes keep a copy).
+        container["volumeMounts"].append(
+            {"name": "tdeploy-memory", "mountPath": train.checkpoint.memory_dir or DEFAULT_MEMORY_DIR}
+        )
+        pod_spec["volumes"].append({"name": "tdeploy-memory", "emptyDir": {"medium": "Memory"}})
     if k8s.service_account:
         pod_spec["serviceAccountName"] = k8s.service_account
+    if k8s.excluded_nodes:  # the failing and quarantined hosts of a requeue (Launcher.excluding)
+        away = {"key": "kubernetes.io/hostname", "operator": "NotIn", "values": list(k8s.excluded_nodes)}
+        pod_spec["affinity"] = {
+            "nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+                {"matchExpressions": [away]}]}}
+        }  # fmt: skip
     if cluster.preemption.enabled:  # between the kubelet's SIGTERM and its SIGKILL: the step and a checkpoint
         pod_spec["terminationGracePeriodSeconds"] = cluster.preemption.grace_period_s
     replicas = {"Master": 1, "Worker": cluster.nodes - 1}
+    elastic: dict[str, Any] = {}
+    if cluster.spares:
+        # Hot spares: an elastic job of exactly `nodes` (torchrun --nnodes=N:N, c10d on worker 0) with nodes + spares
+        # worker pods; the extra pods' agents stand by in the rendezvous and replace a lost one (tasks/launch/spares).
+        replicas = {"Worker": cluster.nodes + cluster.spares}
+        # The operator sets PET_RDZV_BACKEND and PET_NNODES from the policy; the keep-alive (SPARE_KEEP_ALIVE) and
+        # join timeout go on the command line, which torchrun reads before PET_RDZV_CONF.
+        elastic = {"elasticPolicy": {"rdzvBackend": "c10d", "minReplicas": cluster.nodes, "maxReplicas": cluster.nodes,
+                                     "maxRestarts": cluster.max_restarts}}  # fmt: skip
+        command = [word for word in container["command"] if not word.startswith("--rdzv-conf=")]
+        container["command"] = [*command[:4], *rdzv_conf_args(cluster, backend="c10d"), *command[4:]]
     job = {
         "apiVersion": "kubeflow.org/v1",
         "kind": "PyTorchJob",
         "metadata": {"name": name, "namespace": k8s.namespace, "labels": {"app.kubernetes.io/managed-by": "tdeploy"}},
         "spec": {
             "nprocPerNode": str(cluster.procs_per_node),
+            **elastic,
             "runPolicy": {"cleanPodPolicy": "None", "backoffLimit": cluster.max_restarts},
             "pytorchReplicaSpecs": {
                 role: {"replicas": count, "restartPolicy": "OnFailure", "template": {"spec": pod_spec}}
@@ -218,7 +253,25 @@ class KubernetesLauncher(Launcher):
         delivers_signals=False,
         can_lose_node=False,
         replaces_lost_host=False,
+        has_hot_spares=True,  # cluster.spares: standby agents in the rendezvous (tasks/launch/spares.py)
+        live_recovery=False,  # not done: replica groups start on this machine only (tasks/launch/lighthouse.py)
     )
+
+    @classmethod
+    def excluding(cls, cluster: ClusterConfig, hosts: Sequence[str]) -> ClusterConfig:
+        """cluster.kubernetes.excluded_nodes with `hosts` added: the pods get a node affinity that keeps them off
+        those nodes (UserError for a name that is not a Kubernetes node name)."""
+        names = excluded_host_names(hosts)
+        k8s = cluster.kubernetes
+        merged = list(dict.fromkeys([*k8s.excluded_nodes, *names]))
+        try:  # validated as the spec's own field is: node names are lowercase DNS subdomains
+            checked = type(k8s).model_validate({**k8s.model_dump(), "excluded_nodes": merged})
+        except ValidationError as err:
+            raise UserError(
+                f"hosts {names} cannot be excluded on Kubernetes: {first_problem(err)}",
+                "Kubernetes node names are lowercase letters, digits, - and . (as `kubectl get nodes` lists them)",
+            ) from err
+        return cluster.model_copy(update={"kubernetes": checked})
 
     def __init__(self, env: Mapping[str, str] | None = None) -> None:
         """`env` is ignored: a pod starts from its manifest's environment, not this process's."""
@@ -262,7 +315,8 @@ class KubernetesLauncher(Launcher):
             name,
             train.run.output_url,
             "",
-            details={"namespace": namespace},
+            # With hot spares every pod is a worker (an elastic job): worker 0 hosts the rendezvous store.
+            details={"namespace": namespace, "log_pod": f"{name}-{'worker' if cluster.spares else 'master'}-0"},
             env=dict(cluster.env),
             extra_env=(environment or JobEnvironment()).variables(),
         )
@@ -288,7 +342,7 @@ class KubernetesLauncher(Launcher):
     def logs(self, handle: JobHandle, offset: int = 0) -> tuple[list[str], int]:
         """Log lines of the master pod (offset counts lines here)."""
         namespace, name = handle.job_id.split("/", 1)
-        text = self.core.read_namespaced_pod_log(f"{name}-master-0", namespace)
+        text = self.core.read_namespaced_pod_log(handle.details.get("log_pod", f"{name}-master-0"), namespace)
         lines = text.splitlines()
         return lines[offset:], len(lines)
 

@@ -43,11 +43,12 @@ from tasks.launch.base import (
     record_job,
 )
 from tasks.launch.environment import JobEnvironment
+from tasks.launch.spares import SPARE_WAIT_ENV, spare_nodes, spare_wait_value
 from tasks.launch.torchrun import free_port, job_env, torchrun_args
 from training.config import TrainConfig
 from training.preemption import PREEMPTED_EXIT_CODE, PreemptionFileError, PreemptionRecord, records_since
 from training.process import alive, start_time
-from training.run_output import RunOutput
+from training.run_output import RESULT, RunOutput
 from training.storage import is_local, local_path
 
 if TYPE_CHECKING:
@@ -185,6 +186,8 @@ class LocalLauncher(Launcher):
         delivers_signals=True,
         can_lose_node=True,
         replaces_lost_host=False,
+        has_hot_spares=True,  # cluster.spares: standby agents in the rendezvous (tasks/launch/spares.py)
+        live_recovery=False,  # replica groups run under ReplicaGroupsJob (the replica_loss drill), not `submit` yet
     )
 
     @classmethod
@@ -220,6 +223,13 @@ class LocalLauncher(Launcher):
                 f"run.output_url={train.run.output_url}: the local launcher needs a local folder",
                 "use a path on this machine",
             )
+        if train.fault_tolerance.mode != "none" and not self.capabilities.live_recovery:
+            raise UserError(
+                f"fault_tolerance.mode={train.fault_tolerance.mode}: the local launcher runs one torchrun group per "
+                "job, not replica groups (those run under tasks/launch/lighthouse.py's ReplicaGroupsJob: the "
+                "replica_loss drill)",
+                "set fault_tolerance.mode=none; a lost rank then recovers through the memory tier or storage",
+            )
         if _stopping.is_set():
             raise JobsStopped(f"job {name} not started: this process is being interrupted")
         out = Path(local_path(train.run.output_url)).resolve()
@@ -238,10 +248,15 @@ class LocalLauncher(Launcher):
         (out / AGENTS_DIR).mkdir(exist_ok=True)
         for stale in (out / AGENTS_DIR).glob("node*.json"):
             stale.unlink()
+        submitted = time.time()
+        exit_files = [out / f"exit-{node}.txt" for node in range(cluster.nodes)]
         with open(log_path, "ab") as log_file:
-            for node in range(cluster.nodes):
-                args = torchrun_args(cluster, endpoint, job_id, str(config_path), str(out / "logs" / f"node{node}"))
-                argv, env = self._agent_command(cluster, node, args, environment, out)
+            for node in range(cluster.nodes + cluster.spares):
+                standby = node >= cluster.nodes
+                args = torchrun_args(cluster, endpoint, job_id, str(config_path), str(out / "logs" / f"node{node}"),
+                                     self._store_host(cluster, node))  # fmt: skip
+                spare = {SPARE_WAIT_ENV: spare_wait_value(out, submitted, exit_files)} if standby else {}
+                argv, env = self._agent_command(cluster, node, args, environment, out, spare)
                 env["TDEPLOY_EXIT_FILE"] = str(out / f"exit-{node}.txt")
                 env["TDEPLOY_STOP_FILE"] = str(out / CANCELLED_MARKER)
                 env["TDEPLOY_STOP_GRACE_S"] = str(STOP_GRACE_S)
@@ -270,6 +285,7 @@ class LocalLauncher(Launcher):
                 "endpoint": endpoint,
                 "supervisor": supervisor,
                 "min_nodes": cluster.min_nodes,
+                "spare_nodes": spare_nodes(cluster.nodes, cluster.spares),
                 **self._details(cluster),
             },
             env=dict(cluster.env),
@@ -281,16 +297,31 @@ class LocalLauncher(Launcher):
         log.info("started %d torchrun agent(s) at %s; job %s; log %s", len(agents), endpoint, handle.ref, log_path)
         return handle
 
+    @staticmethod
+    def _store_host(cluster: ClusterConfig, node: int) -> bool | None:
+        """With hot spares, agent 0 hosts the rendezvous store: every agent here matches the endpoint's address, and
+        the store must outlive the lost node and not open beside a gone one in a late spare (None: the first to
+        bind hosts it, as torchrun does)."""
+        return node == 0 if cluster.spares else None
+
     def _endpoint(self, cluster: ClusterConfig) -> str:
         """The c10d rendezvous endpoint: this machine's loopback (the agents all run here)."""
         return f"127.0.0.1:{cluster.rdzv_port or free_port()}"
 
     def _agent_command(
-        self, cluster: ClusterConfig, node: int, args: list[str], environment: JobEnvironment | None, out: Path
+        self,
+        cluster: ClusterConfig,
+        node: int,
+        args: list[str],
+        environment: JobEnvironment | None,
+        out: Path,
+        spare: Mapping[str, str] | None = None,
     ) -> tuple[list[str], dict[str, str]]:
-        """The command the wrapper runs for agent `node` (torchrun `args`) and the environment it starts with."""
+        """The command the wrapper runs for agent `node` (torchrun `args`) and the environment it starts with
+        (`spare`: a hot spare's wait, tasks/launch/spares.py)."""
         env = job_env(cluster, environment, inherited=self.env)
         env[AGENT_RECORD_ENV] = str(out / AGENTS_DIR / f"node{node}.json")
+        env.update(spare or {})
         return [sys.executable, "-m", "tasks.launch.agent", *args], env
 
     def _details(self, cluster: ClusterConfig) -> dict[str, object]:
@@ -330,6 +361,13 @@ class LocalLauncher(Launcher):
             reason = preempted.describe() + "".join(f"; {other}" for other in others)
             return JobStatus(JobState.PREEMPTED, "exited", reason, exit_code=PREEMPTED_EXIT_CODE)
         finished = [node for node, code in enumerate(codes) if code == 0]
+        spares = handle.details.get("spare_nodes") or []
+        if spares and len(finished) >= len(codes) - len(spares) and self._finished_since(handle):
+            # Hot spares: `nodes` agents finished the job; the others are a lost node or a spare left standing.
+            ends = ", ".join(f"node {n} ({self._node_name(handle, n)}, {'spare, ' if n in spares else ''}"
+                             f"{'no exit status' if c is None else f'exit {c}'})" for n, c in enumerate(codes) if c != 0)
+            return JobStatus(JobState.SUCCEEDED, "exited", f"finished on {len(finished)} of {len(codes)} agents "
+                             "(hot spares)" + (f"; not finishing: {ends}" if ends else ""), exit_code=0)  # fmt: skip
         min_nodes = handle.details.get("min_nodes")
         if min_nodes is not None and len(finished) >= min_nodes:  # elastic: it finished without the lost nodes
             lost = ", ".join(f"node {n} ({self._node_name(handle, n)}, exit {c})" for n, c in enumerate(codes) if c)
@@ -348,7 +386,16 @@ class LocalLauncher(Launcher):
         others = [f"node {n} ({self._node_name(handle, n)}): {ends[n]}" for n in failed if n != first]
         reason += "".join(f"; {other}" for other in others)
         text = self._log_text(handle)
-        return JobStatus(JobState.FAILED, "exited", reason, exit_code=code, failure=parse_root_cause(text))
+        return JobStatus(JobState.FAILED, "exited", reason, exit_code=code, failure=parse_root_cause(text),
+                         host=name)  # fmt: skip
+
+    @staticmethod
+    def _finished_since(handle: JobHandle) -> bool:
+        """The trainer wrote this job's result (result.json, at the end of its last step) since it was submitted."""
+        try:
+            return (Path(handle.output_dir) / RESULT).stat().st_mtime >= handle.submitted_unix_s
+        except OSError:
+            return False
 
     @staticmethod
     def _preemption(handle: JobHandle) -> PreemptionRecord | None:

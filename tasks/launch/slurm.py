@@ -27,7 +27,7 @@ import shutil
 import socket
 import subprocess
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -38,6 +38,7 @@ from tasks.launch.base import (
     JobState,
     JobStatus,
     Launcher,
+    excluded_host_names,
     parse_root_cause,
     read_log,
     record_job,
@@ -106,12 +107,24 @@ class SlurmLauncher(Launcher):
         delivers_signals=False,
         can_lose_node=False,
         replaces_lost_host=False,
+        has_hot_spares=True,  # cluster.spares: standby agents in the rendezvous (tasks/launch/spares.py)
+        live_recovery=False,  # not done: replica groups start on this machine only (tasks/launch/lighthouse.py)
     )
 
     @classmethod
     def rdzv_port(cls, cluster: ClusterConfig) -> int | None:
         """cluster.slurm.rdzv_port: the port on the job's first node."""
         return cluster.slurm.rdzv_port
+
+    @classmethod
+    def excluding(cls, cluster: ClusterConfig, hosts: Sequence[str]) -> ClusterConfig:
+        """cluster.slurm.extra_args with `--exclude=` naming `hosts` (merged with an --exclude the spec gives)."""
+        names = excluded_host_names(hosts)
+        given = [a for a in cluster.slurm.extra_args if a.startswith("--exclude=")]
+        others = [a for a in cluster.slurm.extra_args if not a.startswith("--exclude=")]
+        merged = ",".join([*(a.removeprefix("--exclude=") for a in given), *names])  # host lists join with commas
+        slurm = cluster.slurm.model_copy(update={"extra_args": [*others, f"--exclude={merged}"]})
+        return cluster.model_copy(update={"slurm": slurm})
 
     def __init__(self, env: Mapping[str, str] | None = None) -> None:
         """`env`: added to this process's environment for the Slurm tools (SLURM_CONF, PATH, ...)."""
@@ -176,7 +189,7 @@ class SlurmLauncher(Launcher):
         slurm = cluster.slurm
         directives = [
             f"--job-name={name}",
-            f"--nodes={cluster.nodes}",
+            f"--nodes={cluster.nodes + cluster.spares}",  # hot spares: allocated with the job, standing by in it
             "--ntasks-per-node=1",
             f"--time={slurm.time_limit}",
             f"--output={_slurm_filename(output_dir)}/slurm-%j.out",
@@ -198,6 +211,8 @@ class SlurmLauncher(Launcher):
             # B: the warning goes to the batch shell only, which forwards it to the job's steps (every process
             # of them: agents and workers) and so knows that the exit that follows asks for a requeue.
             directives += [f"--signal=B:USR1@{preemption.grace_period_s:d}", "--requeue"]
+        if cluster.spares:  # a failed node must not end the job (or its step) that a spare is there to keep going
+            directives.append("--no-kill")
         directives += slurm.extra_args
         env = job_env(cluster, environment)
         bad_names = [key for key in env if not ENV_NAME.fullmatch(key)]
@@ -220,9 +235,12 @@ class SlurmLauncher(Launcher):
         # sets its own log folder (torchrun reads --log-dir from PET_LOG_DIR), as only there $SLURMD_NODENAME
         # names the node the task runs on. Everything else is data and quoted.
         agent = [
-            _shell(["srun", "--ntasks-per-node=1", "--kill-on-bad-exit=1", *srun_options]),
+            _shell(["srun", "--ntasks-per-node=1", f"--kill-on-bad-exit={0 if cluster.spares else 1}", *srun_options]),
             _shell(["sh", "-c", PER_NODE_LOG_DIR, "tdeploy-task", f"{output_dir}/logs"]),
-            _shell([*launch, "-m", "torch.distributed.run", *agent_args(cluster)]),
+            # With hot spares torchrun runs inside training.preemption, whose exit is 0 for a spare left standing
+            # when the finished job's rendezvous store goes away (torchrun alone exits 1, failing the step).
+            _shell([*launch, "-m", "training.preemption" if cluster.spares else "torch.distributed.run",
+                    *agent_args(cluster)]),  # fmt: skip
             f'"--rdzv-endpoint=$head_node:{slurm.rdzv_port:d}" "--rdzv-id=$SLURM_JOB_ID"',
             _shell([*LOG_ARGS, *payload_args(config_path)]),
         ]

@@ -23,14 +23,14 @@ import shlex
 import signal
 import subprocess
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tasks.errors import UserError
 from tasks.hosts import NodeHost
 from tasks.launch.agent import AGENT_RECORD_ENV
-from tasks.launch.base import Capabilities, JobHandle
+from tasks.launch.base import Capabilities, JobHandle, excluded_host_names
 from tasks.launch.config import SshLaunchConfig
 from tasks.launch.local import AGENTS_DIR, CANCELLED_MARKER, LocalLauncher
 from tasks.launch.torchrun import job_env
@@ -105,6 +105,8 @@ class SshLauncher(LocalLauncher):
         delivers_signals=True,
         can_lose_node=True,
         replaces_lost_host=True,
+        has_hot_spares=True,  # cluster.spares: standby agents in the rendezvous (tasks/launch/spares.py)
+        live_recovery=False,  # not done: replica groups start on this machine only (tasks/launch/lighthouse.py)
     )
 
     @classmethod
@@ -138,12 +140,22 @@ class SshLauncher(LocalLauncher):
                     f"{cluster.nodes} under nodes.hosts or lower cluster.nodes",
                 )
             ]
+        if len(cluster.ssh.hosts) < cluster.nodes + cluster.spares:
+            return [
+                (
+                    ("spares",),
+                    cluster.spares,
+                    f"cluster.scheduler=ssh has {len(cluster.ssh.hosts)} host(s) for nodes={cluster.nodes} and "
+                    f"spares={cluster.spares}; list {cluster.nodes + cluster.spares} under nodes.hosts (the spares "
+                    "after the nodes) or lower cluster.spares",
+                )
+            ]
         return []
 
     @classmethod
     def hosts(cls, cluster: ClusterConfig) -> list[NodeHost] | None:
-        """The first cluster.nodes hosts of cluster.ssh, one agent each."""
-        return None if cluster.ssh is None else cluster.ssh.hosts[: cluster.nodes]
+        """The first cluster.nodes + cluster.spares hosts of cluster.ssh, one agent each (the spares last)."""
+        return None if cluster.ssh is None else cluster.ssh.hosts[: cluster.nodes + cluster.spares]
 
     @classmethod
     def relaunch_cluster(cls, cluster: ClusterConfig, lost_host: str) -> ClusterConfig:
@@ -155,7 +167,24 @@ class SshLauncher(LocalLauncher):
         if len(others) < cluster.nodes:
             log.warning("no spare host for %s in cluster.ssh.hosts: relaunching on the same hosts", lost_host)
             return cluster
-        return cluster.model_copy(update={"ssh": ssh.model_copy(update={"hosts": others})})
+        spares = min(cluster.spares, len(others) - cluster.nodes)  # the lost host's place took a spare host
+        return cluster.model_copy(update={"ssh": ssh.model_copy(update={"hosts": others}), "spares": spares})
+
+    @classmethod
+    def excluding(cls, cluster: ClusterConfig, hosts: Sequence[str]) -> ClusterConfig:
+        """The inventory less `hosts`, in its order (the next hosts move up); UserError when too few are left."""
+        names = set(excluded_host_names(hosts))
+        ssh = launch_config(cluster)
+        kept = [h for h in ssh.hosts if h.name not in names]
+        needed = cluster.nodes + cluster.spares
+        if len(kept) < needed:
+            raise UserError(
+                f"cluster.ssh lists {len(ssh.hosts)} host(s); without {', '.join(sorted(names))} {len(kept)} are left "
+                f"for nodes={cluster.nodes} and spares={cluster.spares}",
+                "list more hosts under nodes.hosts (a requeue runs on the next ones), or clear a quarantined host "
+                "with `tdeploy nodes clear HOST --spec SPEC` once it is repaired",
+            )
+        return cluster.model_copy(update={"ssh": ssh.model_copy(update={"hosts": kept})})
 
     def kill_rank(self, handle: JobHandle, rank: Mapping[str, Any], sig: int) -> None:
         """`sig` to the rank's process on its host, over SSH."""
@@ -179,14 +208,27 @@ class SshLauncher(LocalLauncher):
         first = launch_config(cluster).hosts[0]
         return f"{first.address or first.name}:{cluster.rdzv_port or TORCHRUN_DEFAULT_PORT}"
 
+    @staticmethod
+    def _store_host(cluster: ClusterConfig, node: int) -> bool | None:
+        """The first host's agent hosts the store (its address is the endpoint's); a spare never does."""
+        return False if node >= cluster.nodes else None
+
     def _agent_command(
-        self, cluster: ClusterConfig, node: int, args: list[str], environment: JobEnvironment | None, out: Path
+        self,
+        cluster: ClusterConfig,
+        node: int,
+        args: list[str],
+        environment: JobEnvironment | None,
+        out: Path,
+        spare: Mapping[str, str] | None = None,
     ) -> tuple[list[str], dict[str, str]]:
-        """`ssh HOST` running the agent there with the job's environment (not this machine's)."""
+        """`ssh HOST` running the agent there with the job's environment (not this machine's); `spare`: a hot
+        spare's wait (the run folder is shared, so it sees the ranks meet)."""
         ssh = launch_config(cluster)
         forwarded = {k: v for k, v in self.env.items() if k.startswith(FORWARDED_PREFIXES)}
         remote_env = job_env(cluster, environment, inherited=forwarded)
         remote_env[AGENT_RECORD_ENV] = str(out / AGENTS_DIR / f"node{node}.json")
+        remote_env.update(spare or {})
         agent = [ssh.python, "-m", "tasks.launch.agent", *args]
         remote = remote_command(ssh.workdir or str(PROJECT_ROOT), remote_env, agent)
         return ssh_command(ssh, ssh.hosts[node], remote), dict(self.env)
@@ -194,7 +236,8 @@ class SshLauncher(LocalLauncher):
     def _details(self, cluster: ClusterConfig) -> dict[str, object]:
         """The hosts and SSH settings, so that another process can reach the job's processes."""
         ssh = launch_config(cluster)
-        return {"ssh": ssh.model_dump(mode="json"), "hosts": [h.name for h in ssh.hosts[: cluster.nodes]]}
+        hosts = [h.name for h in ssh.hosts[: cluster.nodes + cluster.spares]]
+        return {"ssh": ssh.model_dump(mode="json"), "hosts": hosts, "spare_hosts": hosts[cluster.nodes :]}
 
     def cancel(self, handle: JobHandle, grace_s: float = 30.0, reason: str = "cancelled by the user") -> None:
         """On every host at once: SIGTERM its agent (torchrun stops its workers), wait up to `grace_s` for it to

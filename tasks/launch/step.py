@@ -8,11 +8,17 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict
 
 from tasks.errors import UserError
+from tasks.launch import registry
 from tasks.launch.base import TERMINAL, JobHandle, JobState, JobStatus
 from tasks.launch.cluster import ClusterConfig
 from tasks.launch.environment import JobEnvironment
 from tasks.launch.history import StepsLost, steps_lost
+from tasks.launch.requeue import decide_after, without_hosts
 from tasks.launch.submit import JobFailed, submit
+from tasks.paths import DeploymentPaths
+from tasks.recovery.config import RecoveryConfig
+from tasks.recovery.policy import Decision
+from tasks.recovery.quarantine import NodeMemory
 from tasks.results import StepResult
 from training.config import TrainConfig
 
@@ -59,6 +65,11 @@ class JobInputs(BaseModel):
     """The job runs on its own: stopping the caller, also while it waits, leaves the job running and waiting has no
     time limit (`tdeploy submit`; `tdeploy cancel` stops the job). Otherwise a job waited for until it finishes
     stops with the caller."""
+    recovery: RecoveryConfig = RecoveryConfig()
+    """The restart policy's limits: requeues after an infrastructure failure, the node quarantine."""
+    node_memory_url: str | None = None
+    """The deployment's node memory (tasks/recovery/quarantine.py; None: failures are not remembered and no host is
+    quarantined)."""
 
     @classmethod
     def of(
@@ -72,7 +83,8 @@ class JobInputs(BaseModel):
     ) -> JobInputs:
         """The job of `spec` on `train` (data_and_training's), running `image`."""
         return cls(
-            cluster=spec.cluster, train=train, name=spec.name, image=image, wait_until=wait_until, detached=detached
+            cluster=spec.cluster, train=train, name=spec.name, image=image, wait_until=wait_until, detached=detached,
+            recovery=spec.recovery, node_memory_url=DeploymentPaths.of(spec).node_memory_url,
         )
 
 
@@ -91,27 +103,54 @@ class JobResult(StepResult):
 
 def run(
     inputs: JobInputs,
-    publish: Callable[[JobHandle, JobStatus, StepsLost | None], None] | None = None,
+    publish: Callable[[JobHandle, JobStatus, StepsLost | None, list[Decision]], None] | None = None,
     on_line: Callable[[str], None] | None = None,
     environment: JobEnvironment | None = None,
 ) -> JobResult:
-    """Submit the training job and wait until it is submitted, running or finished; hand the final state to
-    `publish`; a failed or cancelled job raises JobFailed, a preempted one JobPreempted (its checkpoint is there to
-    resume from)."""
+    """Submit the training job and wait until it is submitted, running or finished; hand the final state and the
+    restart policy's decisions to `publish`; a failed or cancelled job raises JobFailed (with the policy's decision),
+    a preempted one JobPreempted (its checkpoint is there to resume from).
+
+    Rung 5 of the recovery ladder: a job waited for until it ends that fails is judged by the restart policy
+    (tasks/launch/requeue.py); an infrastructure failure that made progress is submitted again, without the failing
+    and the quarantined hosts, up to recovery.requeues times; a workload error is never retried. Quarantined hosts
+    are left out of the first submission too."""
     # A job this step waits for dies with this process; one it only starts, or a detached one, must outlive it.
     supervised = inputs.wait_until == "finished" and not inputs.detached
-    launcher, handle = submit(inputs.cluster, inputs.train, inputs.name, inputs.image, environment=environment,
-                              supervised=supervised)  # fmt: skip
-    if on_line is not None:
-        on_line(f"submitted {handle.ref} (output {handle.output_dir})")
-    timeout_s = None if inputs.detached else inputs.timeout_s
-    status = launcher.wait(handle, _UNTIL[inputs.wait_until], timeout_s, on_line=on_line)
+    memory = None if inputs.node_memory_url is None else NodeMemory(inputs.node_memory_url, inputs.recovery,
+                                                                      inputs.train.storage)  # fmt: skip
+    cluster = inputs.cluster
+    quarantined = memory.quarantined() if memory is not None else []
+    excluded = without_hosts(registry.launcher_class(cluster.scheduler), cluster, quarantined)
+    if excluded is None:  # the launcher has no hosts to leave out (local): nothing is excluded
+        quarantined = []
+    cluster = excluded or cluster
+    decisions: list[Decision] = []
+    step_before: int | None = None
+    while True:
+        launcher, handle = submit(cluster, inputs.train, inputs.name, inputs.image, environment=environment,
+                                  supervised=supervised)  # fmt: skip
+        if on_line is not None:
+            on_line(f"submitted {handle.ref} (output {handle.output_dir})"
+                    + (f" without quarantined host(s) {', '.join(quarantined)}" if quarantined else ""))  # fmt: skip
+        timeout_s = None if inputs.detached else inputs.timeout_s
+        status = launcher.wait(handle, _UNTIL[inputs.wait_until], timeout_s, on_line=on_line)
+        if status.state is not JobState.FAILED or inputs.wait_until != "finished":
+            break
+        requeue = decide_after(launcher, handle, status, inputs.train, cluster, inputs.recovery, memory,
+                               step_before, len(decisions))  # fmt: skip
+        decisions.append(requeue.decision)
+        if on_line is not None:
+            on_line(f"restart policy: {requeue.decision.describe()}")
+        if requeue.cluster is None:
+            break
+        cluster, step_before = requeue.cluster, requeue.decision.step_now
     stopped = status.state in (JobState.FAILED, JobState.CANCELLED, JobState.PREEMPTED)
     lost = steps_lost(inputs.train, handle.output_dir) if stopped else None
     if publish is not None:
-        publish(handle, status, lost)
+        publish(handle, status, lost, decisions)
     if status.state in (JobState.FAILED, JobState.CANCELLED):
-        raise JobFailed(handle, status)
+        raise JobFailed(handle, status, decisions[-1] if decisions else None)
     if status.state is JobState.PREEMPTED:
         raise JobPreempted(handle, status)
     return JobResult(job=handle.ref, state=status.state.value, output_dir=handle.output_dir, handle=handle.to_json())

@@ -7,15 +7,21 @@ from tasks.launch.base import JobHandle, JobStatus, Launcher
 from tasks.launch.cluster import ClusterConfig
 from tasks.launch.environment import JobEnvironment
 from tasks.launch.registry import launcher_for
+from tasks.recovery.policy import Decision
 from training.config import TrainConfig
 
 
 class JobFailed(UserError):
-    """The training job failed or was cancelled; retrying the submission would not help."""
+    """The training job failed or was cancelled; retrying the submission would not help (the launch step's restart
+    policy already requeued what it could: `decision` says why it stopped, where it judged the failure)."""
 
-    def __init__(self, handle: JobHandle, status: JobStatus) -> None:
-        super().__init__(f"job {handle.ref} {status.describe()}", f"read the log: {handle.log_path}")
-        self.handle, self.status = handle, status
+    def __init__(self, handle: JobHandle, status: JobStatus, decision: Decision | None = None) -> None:
+        message = f"job {handle.ref} {status.describe()}"
+        if decision is not None:
+            message += f"; restart policy: {decision.failure_class} failure ({decision.cause}), {decision.why}"
+        fix = decision.fix if decision is not None else None
+        super().__init__(message, f"{fix + '; ' if fix else ''}read the log: {handle.log_path}")
+        self.handle, self.status, self.decision = handle, status, decision
 
 
 def submit(

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from tasks.launch.network import network_env
+from tasks.launch.spares import SPARE_KEEP_ALIVE
 
 if TYPE_CHECKING:
     from tasks.launch.cluster import ClusterConfig
@@ -27,13 +28,16 @@ def free_port() -> int:
 LOG_ARGS = ["--redirects=3", "--tee=3"]
 
 
-def rdzv_conf_args(cluster: ClusterConfig, backend: str = "c10d") -> list[str]:
+def rdzv_conf_args(cluster: ClusterConfig, backend: str = "c10d", is_host: bool | None = None) -> list[str]:
     """`--rdzv-conf` with cluster.network.rdzv_timeout_s, by the name the backend reads: c10d's join_timeout, the
     static rendezvous' timeout (the Kubeflow training operator's default); nothing when it is not set."""
     timeout = cluster.network.rdzv_timeout_s
-    if timeout is None:
-        return []
-    return [f"--rdzv-conf={'timeout' if backend == 'static' else 'join_timeout'}={timeout:d}"]
+    conf = [] if timeout is None else [f"{'timeout' if backend == 'static' else 'join_timeout'}={timeout:d}"]
+    if cluster.spares and backend == "c10d":  # a lost node must leave the rendezvous soon for a spare to join
+        conf += [f"{key}={value:d}" for key, value in SPARE_KEEP_ALIVE.items()]
+    if is_host is not None:  # who hosts the c10d store, where more than one agent could (agents on one machine)
+        conf.append(f"is_host={int(is_host)}")
+    return [f"--rdzv-conf={','.join(conf)}"] if conf else []
 
 
 # torchrun's own signals plus Slurm's warning signal: without it in the list, SIGUSR1 kills the agent.
@@ -51,13 +55,14 @@ def preemption_args(cluster: ClusterConfig) -> list[str]:
     ]
 
 
-def agent_args(cluster: ClusterConfig) -> list[str]:
-    """The size, restart, rendezvous-timeout and signal arguments of one torchrun agent (not the endpoint and id)."""
+def agent_args(cluster: ClusterConfig, is_host: bool | None = None) -> list[str]:
+    """The size, restart, rendezvous-timeout and signal arguments of one torchrun agent (not the endpoint and id);
+    `is_host`: whether it hosts the rendezvous store (None: torchrun decides, by the endpoint's address)."""
     return [
         f"--nnodes={cluster.nodes}" if cluster.min_nodes is None else f"--nnodes={cluster.min_nodes}:{cluster.nodes}",
         f"--nproc-per-node={cluster.procs_per_node}",
         "--rdzv-backend=c10d",
-        *rdzv_conf_args(cluster),
+        *rdzv_conf_args(cluster, is_host=is_host),
         f"--max-restarts={cluster.max_restarts}",
         *preemption_args(cluster),
     ]
@@ -69,10 +74,15 @@ def payload_args(config_path: str) -> list[str]:
 
 
 def torchrun_args(
-    cluster: ClusterConfig, endpoint: str, run_id: str, config_path: str, log_dir: str | None = None
+    cluster: ClusterConfig,
+    endpoint: str,
+    run_id: str,
+    config_path: str,
+    log_dir: str | None = None,
+    is_host: bool | None = None,
 ) -> list[str]:
-    """Arguments after `python -m torch.distributed.run` for one agent."""
-    args = [*agent_args(cluster), f"--rdzv-endpoint={endpoint}", f"--rdzv-id={run_id}"]
+    """Arguments after `python -m torch.distributed.run` for one agent (`is_host`: see agent_args)."""
+    args = [*agent_args(cluster, is_host), f"--rdzv-endpoint={endpoint}", f"--rdzv-id={run_id}"]
     if log_dir:
         args += [f"--log-dir={log_dir}", *LOG_ARGS]
     return args + payload_args(config_path)

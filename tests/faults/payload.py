@@ -30,6 +30,7 @@ from tests.faults.bugs import TestFaults
 from training import config, drill_points, preemption
 from training.checkpoint import manager
 from training.sampler import GlobalBatchSampler
+from training.watchdog import deliberate_hold
 
 log = logging.getLogger(__name__)
 Setter = Callable[[Any, str, Any], None]  # setattr, or pytest's monkeypatch.setattr
@@ -177,8 +178,9 @@ def _patch_stops(trainer: type, faults: TestFaults, put: Setter) -> None:
         if pause:  # a hang to kill: SIGTERM ends it at once, with no checkpoint
             log.warning("test fault: pausing after step %d", step)
             preemption.WATCH.uninstall()
-            while True:
-                time.sleep(60)
+            with deliberate_hold(f"test fault: paused after step {step}"):  # the test kills it, not the watchdog
+                while True:
+                    time.sleep(60)
         return train_step(self)
 
     put(trainer, "train_step", stopping_train_step)

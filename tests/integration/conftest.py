@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.integration.launch.conftest import slurm_session
 from training.checkpoint import KEY_ENV
 
 
@@ -26,3 +27,10 @@ def small_disk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path
         yield mount
     finally:
         subprocess.run(["umount", str(mount)], check=True)
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    """The single-node Slurm test cluster (tests/integration/launch/conftest.py), once per session (per xdist
+    worker), for the launcher's tests and the drills through Slurm; yields the client environment."""
+    yield from slurm_session(tmp_path_factory)

@@ -53,7 +53,8 @@ store.py (reading a checkpoint folder in one process), manager.py (collective
 save, verification, resume, retention), writer.py (DCP's writer hashing as it
 writes), collective.py (how ranks agree on a failure), space.py (size
 estimates), errors.py, card.py (model.json), rng.py, trust.py (allow-list
-readers, signed commits).
+readers, signed commits), memory.py (the in-memory tier: host-memory copies of
+every rank's state, one kept on a peer's node, restored before storage).
 """
 
 from training.checkpoint.card import CardTokenizer, ModelCard

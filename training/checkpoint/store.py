@@ -116,6 +116,11 @@ class CheckpointStore:
                 steps.append(int(match.group(1)))
         return sorted(steps)
 
+    def newest_committed_step(self) -> int | None:
+        """The newest step whose folder has a COMMIT.json (names only: nothing is read or verified)."""
+        committed = [s for s in self.steps_on_storage() if self.fs.exists(join(self._dir(s), COMMIT))]
+        return max(committed, default=None)
+
     def read_commit(self, step: int) -> dict[str, Any] | None:
         """The COMMIT.json of `step`, or None while that checkpoint is unfinished (CheckpointFormatError if bad)."""
         full = join(self._dir(step), COMMIT)

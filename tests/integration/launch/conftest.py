@@ -62,9 +62,10 @@ REQUEUE_DELAY_S = 5
 backfill scheduler, run every 2 s (bf_interval) instead of 30, starts it soon after."""
 
 
-@pytest.fixture(scope="session")
-def slurm_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
-    """Start munged, slurmctld and slurmd on private sockets, ports and state; yields the client environment."""
+def slurm_session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    """Start munged, slurmctld and slurmd on private sockets, ports and state; yields the client environment (the
+    session fixture `slurm_cluster` in tests/integration/conftest.py, shared by the launcher's and the recovery
+    drills' tests)."""
     for tool in ("munged", "slurmctld", "slurmd", "sbatch"):
         assert shutil.which(tool) or Path(f"/usr/sbin/{tool}").exists(), f"{tool} missing: bash .ci/setup --test"
     from tasks.launch.torchrun import free_port

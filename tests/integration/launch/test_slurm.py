@@ -109,7 +109,8 @@ def test_missing_scheduler_tools_are_named(make_spec, tmp_path: Path) -> None:
 
 def test_rank_kill_and_reshard_drills_recover_through_slurm(slurm_cluster, make_spec, tmp_path, monkeypatch) -> None:
     from tasks.acceptance.config import AcceptanceConfig
-    from tasks.acceptance.drills import DrillContext, run_drills
+    from tasks.acceptance.drill_table import run_drills
+    from tasks.acceptance.drills import DrillContext
 
     for key, value in slurm_cluster.items():
         monkeypatch.setenv(key, value)

@@ -205,6 +205,7 @@ def test_each_launcher_has_the_capabilities_the_old_branches_gave_its_scheduler(
         delivers_signals=signals,
         can_lose_node=lose_node,
         replaces_lost_host=replace_host,
+        has_hot_spares=True,  # cluster.spares: every built-in scheduler keeps them (tasks/launch/spares.py)
     )
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tasks.acceptance.config import DrillConfig
-from tasks.acceptance.drills import held_to_rto
+from tasks.acceptance.drill_table import held_to_rto
 from tasks.acceptance.record import DrillResult
 
 
