@@ -235,7 +235,7 @@ class Launcher(Protocol):
         node. Returns node, host, agent_pid and the ranks killed."""
         raise UserError(
             f"job {handle.ref}: the {self.scheduler} launcher cannot kill node {node}",
-            "node loss is drilled on the local and ssh schedulers",
+            "node loss is drilled on the local, ssh and slurm schedulers",
         )
 
     def unreachable_hosts(self, handle: JobHandle) -> list[str]:

@@ -48,6 +48,8 @@ from tasks.launch.network import ENV_NAME
 from tasks.launch.torchrun import LOG_ARGS, agent_args, job_env, payload_args
 from training.config import TrainConfig
 from training.preemption import PREEMPTED_EXIT_CODE, PREEMPTIONS_FILE
+from training.run_output import RESULT
+from training.spares import AGENT_KEY, NODE_KEY
 from training.storage import is_local, local_path
 
 if TYPE_CHECKING:
@@ -105,7 +107,7 @@ class SlurmLauncher(Launcher):
         runs_on_this_machine_only=False,
         needs_shared_output=True,
         delivers_signals=False,
-        can_lose_node=False,
+        can_lose_node=True,  # kill_node: through a step of the job on the node's host
         replaces_lost_host=False,
         has_hot_spares=True,  # cluster.spares: standby agents in the rendezvous (tasks/launch/spares.py)
         live_recovery=False,  # not done: replica groups start on this machine only (tasks/launch/lighthouse.py)
@@ -250,6 +252,11 @@ class SlurmLauncher(Launcher):
             'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
             'echo "tdeploy: job $SLURM_JOB_ID on $SLURM_JOB_NODELIST, rendezvous $head_node"',
         ]
+        if cluster.spares:
+            # A lost node's task fails the step even when a spare took its place and the job finished: the step's
+            # exit is the job's only where the trainer wrote no result since this run began.
+            lines += _finished_with_spares(f"{output_dir}/{RESULT}")
+            agent.append("|| finished_with_spares")
         if not cluster.preemption.enabled:
             return "\n".join([*lines, " ".join(agent)]) + "\n"
         return "\n".join([*lines, *_preemptible(" ".join(agent), f"{output_dir}/{PREEMPTIONS_FILE}")]) + "\n"
@@ -361,6 +368,22 @@ class SlurmLauncher(Launcher):
         self._run("srun", f"--jobid={handle.job_id}", "--overlap", "-w", rank["host"], "-N1", "-n1",
                   "kill", f"-{int(sig)}", str(rank["pid"]))  # fmt: skip
 
+    def kill_node(self, handle: JobHandle, node: int, ranks: list[dict[str, Any]], sig: int) -> dict[str, Any]:
+        """`sig` at once to node `node`'s torchrun agent (its workers' parent, as their ranks.json records name it)
+        and its workers, through a step of the job on that host (`srun --overlap`): a lost node. Without spares the
+        job step ends with it (`--kill-on-bad-exit=1`); with spares the others go on (`--no-kill`)."""
+        victims = [r for r in ranks if int(r.get(NODE_KEY, -1)) == node]
+        if not victims or not victims[0].get(AGENT_KEY):
+            raise UserError(
+                f"job {handle.ref}: ranks.json names no rank of node {node} with its agent",
+                "lose a node of a running job whose ranks recorded their node and agent (training.spares)",
+            )
+        host, agent_pid = str(victims[0][AGENT_KEY]).rsplit(":", 1)
+        pids = [agent_pid, *(str(r["pid"]) for r in victims)]
+        self._run("srun", f"--jobid={handle.job_id}", "--overlap", "-w", host, "-N1", "-n1",
+                  "kill", f"-{int(sig)}", *pids)  # fmt: skip
+        return {"node": node, "host": host, "agent_pid": int(agent_pid), "ranks": sorted(r["rank"] for r in victims)}
+
     def logs(self, handle: JobHandle, offset: int = 0) -> tuple[list[str], int]:
         """Lines of the job's output file."""
         return read_log(handle.log_path, offset)
@@ -411,6 +434,23 @@ def _preemptible(step: str, preemptions: str) -> list[str]:
         f"  exit {PREEMPTED_EXIT_CODE:d}",
         "fi",
         'exit "$rc"',
+    ]
+
+
+def _finished_with_spares(result: str) -> list[str]:
+    """`finished_with_spares`, run after a failed job step: its exit status, or 0 (with a note) where the trainer
+    wrote `result` since the script began (the job finished on its nodes; a lost node or a spare ended badly)."""
+    return [
+        f"result={shlex.quote(result)}",
+        "began=$(date +%s)",
+        "finished_with_spares() {",
+        "  rc=$?",
+        '  if [ "$(stat -c %Y "$result" 2>/dev/null || echo 0)" -ge "$began" ]; then',
+        '    echo "tdeploy: the job finished (hot spares): step exit $rc came from a lost node or a standing spare"',
+        "    return 0",
+        "  fi",
+        '  return "$rc"',
+        "}",
     ]
 
 

@@ -61,13 +61,15 @@ def drill_memory_restore(ctx: DrillContext) -> DrillResult:
     cluster = ctx.cluster
     launcher = registry.launcher_class(cluster.scheduler)
     if cluster.nodes < 2 or not launcher.capabilities.can_lose_node or not ctx.base.checkpoint.url.startswith("/"):
+        able = " or ".join(name for name in registry.names() if registry.capabilities(name).can_lose_node)
         why = (
-            "needs cluster.nodes >= 2" if cluster.nodes < 2
-            else f"not drilled on scheduler {cluster.scheduler}" if not launcher.capabilities.can_lose_node
+            f"not drilled on scheduler {cluster.scheduler}: its launcher cannot lose one node of a running job "
+            f"(needs a node to lose: {able})" if not launcher.capabilities.can_lose_node
+            else "needs cluster.nodes >= 2 (a surviving node keeps the lost one's copies in host memory)"
+            if cluster.nodes < 2
             else "needs a local checkpoint folder (the drill moves its steps aside during the restore)"
         )  # fmt: skip
-        able = " or ".join(name for name in registry.names() if registry.capabilities(name).can_lose_node)
-        return DrillResult(NAME, None, message=f"skipped: {why} ({able})")
+        return DrillResult(NAME, None, message=f"skipped: {why}")
     train = ctx.train(JOB, checkpoint={"memory_every_steps": MEMORY_EVERY_STEPS})
     out = Path(train.run.output_url)
     held_at = hold_step(ctx.acceptance.save_every_steps)

@@ -72,3 +72,13 @@ def test_an_altered_peer_copy_is_refused_named_in_the_record_and_storage_restore
     name = f"node-0/step-00000004/{copy_name(1, 0)}"
     assert refused == {name: "fails its sha256 check (the copy was altered or torn)"}, refused
     assert "step 4" in event.reason
+
+
+def test_the_drill_is_skipped_where_the_launcher_cannot_lose_a_node_and_names_those_that_can(
+    make_spec, tmp_path: Path
+) -> None:
+    spec = make_spec({"cluster": {"scheduler": "kubernetes", "nodes": 2, "procs_per_node": 1}})
+    result = drill_memory_restore(DrillContext(spec.cluster, spec.training_config(), tmp_path, SHORT))
+    assert result.passed is None
+    assert result.message == ("skipped: not drilled on scheduler kubernetes: its launcher cannot lose one node of a "
+                              "running job (needs a node to lose: local or ssh or slurm)")  # fmt: skip

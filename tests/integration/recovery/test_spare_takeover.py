@@ -86,10 +86,10 @@ def test_over_ssh_the_spare_host_takes_the_lost_hosts_place_in_the_same_job(
 def test_the_drill_is_skipped_where_the_launcher_cannot_lose_a_node_and_names_those_that_can(
     make_spec, tmp_path: Path
 ) -> None:
-    spec = make_spec({"cluster": {"scheduler": "slurm", "nodes": 2, "procs_per_node": 1, "max_restarts": 1,
+    spec = make_spec({"cluster": {"scheduler": "kubernetes", "nodes": 2, "procs_per_node": 1, "max_restarts": 1,
                                   "spares": 1}})  # fmt: skip
     result = drill_spare_takeover(DrillContext(spec.cluster, spec.training_config(), tmp_path, SHORT))
     assert result.passed is None
-    assert (
-        result.message == "skipped: not drilled on scheduler slurm (needs hot spares and a node to lose: local or ssh)"
+    assert result.message == (
+        "skipped: not drilled on scheduler kubernetes (needs hot spares and a node to lose: local or ssh or slurm)"
     )

@@ -187,10 +187,10 @@ def test_a_registered_stub_scheduler_is_submitted_by_the_job_step_and_its_rank_k
 OLD_BRANCHES = {
     # scheduler: (image step may skip: scheduler in (local, ssh); tdeploy train: == local;
     #             output_url a folder: in (local, ssh, slurm); preemption drill: delivers_signals() of local/ssh;
-    #             node-loss drill: in (local, ssh); lost host must be gone: == ssh)
+    #             node-loss drill: in (local, ssh), and slurm since its kill_node; lost host must be gone: == ssh)
     "local": (True, True, True, True, True, False),
     "ssh": (True, False, True, True, True, True),
-    "slurm": (False, False, True, False, False, False),
+    "slurm": (False, False, True, False, True, False),
     "kubernetes": (False, False, False, False, False, False),
 }
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shlex
+import subprocess
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -111,6 +112,24 @@ def test_slurm_allocates_the_spares_and_keeps_the_job_when_a_node_fails(make_spe
     plain_lines = SlurmLauncher().render(plain.cluster, "/shared/run/run.json", "llm", "/shared/run", None)
     assert "#SBATCH --nodes=2" in plain_lines.splitlines() and "--kill-on-bad-exit=1" in plain_lines
     assert " -m torch.distributed.run " in plain_lines and "--no-kill" not in plain_lines
+
+
+@pytest.mark.parametrize(("result_written", "exit_code"), [(True, 0), (False, 9)])
+def test_with_spares_a_failed_slurm_step_ends_the_job_only_when_the_trainer_wrote_no_result(
+    make_spec, tmp_path: Path, result_written: bool, exit_code: int
+) -> None:
+    spec = make_spec({"cluster": {"scheduler": "slurm", "nodes": 2, "procs_per_node": 1, "max_restarts": 1,
+                                  "spares": 1}})  # fmt: skip
+    script = SlurmLauncher().render(spec.cluster, f"{tmp_path}/run.json", "llm", str(tmp_path), None)
+    srun = next(line for line in script.splitlines() if line.startswith("srun "))
+    assert srun.endswith(" || finished_with_spares")
+    header = script[script.index("result=") : script.index("\n}\n") + 3]  # the function, its file and start time
+    written = f"touch {shlex.quote(str(tmp_path / RESULT))}; " if result_written else ""
+    # a node lost (its task killed: 137 in the step) after the job finished on the spare, or before anything did
+    proc = subprocess.run(["bash", "-c", f"{header}{written}(exit 9) || finished_with_spares"], capture_output=True)
+    assert proc.returncode == exit_code, proc
+    plain = make_spec({"cluster": {"scheduler": "slurm", "nodes": 2, "procs_per_node": 1}})
+    assert "finished_with_spares" not in SlurmLauncher().render(plain.cluster, "/s/run.json", "llm", "/s", None)
 
 
 def test_kubernetes_renders_spare_worker_pods_in_an_elastic_job_of_exactly_the_nodes(make_spec) -> None:
