@@ -7,6 +7,8 @@ plugin).
 
 from __future__ import annotations
 
+import glob
+import hashlib
 import json
 import logging
 import os
@@ -282,13 +284,23 @@ def registry_dir() -> Path:
     return Path(os.environ.get("TDEPLOY_HOME", Path.home() / ".tdeploy")) / "jobs"
 
 
+def _record_name(handle: JobHandle) -> str:
+    """The registry file of `handle`: by reference and output folder, since two clusters of one scheduler number
+    their jobs independently (two Slurm clusters both have a job 12) and one must not overwrite the other's."""
+    where = hashlib.sha256(str(handle.output_dir).encode()).hexdigest()[:12]
+    return f"{handle.scheduler}-{handle.job_id}@{where}.json"
+
+
 def record_job(handle: JobHandle) -> None:
     """Save the handle in the output folder (job.json) and in the registry."""
     text = json.dumps(handle.to_json(), indent=2)
     Path(handle.output_dir, "job.json").write_text(text)
     registry = registry_dir()
     registry.mkdir(parents=True, exist_ok=True)
-    (registry / f"{handle.scheduler}-{handle.job_id}.json").write_text(text)
+    (registry / _record_name(handle)).write_text(text)
+
+
+_REF = re.compile(r"(?P<scheduler>[a-z][a-z0-9_-]*):(?P<job_id>[A-Za-z0-9_+-][A-Za-z0-9_.+-]*)")
 
 
 def find_job(ref: str) -> JobHandle:
@@ -298,11 +310,24 @@ def find_job(ref: str) -> JobHandle:
         path = path / "job.json"
     if path.is_file():
         return JobHandle.from_json(json.loads(path.read_text()))
-    match = re.fullmatch(r"([a-z][a-z0-9_-]*):(.+)", ref)
-    if match:
-        record = registry_dir() / f"{match.group(1)}-{match.group(2)}.json"
-        if record.is_file():
-            return JobHandle.from_json(json.loads(record.read_text()))
+    match = _REF.fullmatch(ref)
+    if match and ".." not in match["job_id"]:
+        registry, stem = registry_dir(), f"{match['scheduler']}-{match['job_id']}"
+        records = sorted(registry.glob(f"{glob.escape(stem)}@*.json"))
+        if (registry / f"{stem}.json").is_file():  # recorded by a version that named records by reference alone
+            records.append(registry / f"{stem}.json")
+        handles = {}
+        for record in records:
+            handle = JobHandle.from_json(json.loads(record.read_text()))
+            handles[handle.output_dir] = handle
+        if len(handles) == 1:
+            return next(iter(handles.values()))
+        if handles:
+            raise UserError(
+                f"job {ref!r} is ambiguous: {len(handles)} jobs of that reference were recorded (clusters of one "
+                f"scheduler number their jobs independently), with output folders {', '.join(sorted(handles))}",
+                "pass the run's output folder instead of the reference",
+            )
     raise UserError(
         f"job {ref!r} is unknown",
         f"pass the reference `tdeploy submit` printed (scheduler:id, recorded under {registry_dir()}), "
