@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 from types import FrameType
 from typing import Any
 
-from training.storage import StorageConfig, filesystem, join, read_control_file, write_bytes_atomic
+from training.storage import StorageConfig, append_control_line, read_control_lines
 
 PREEMPTED_EXIT_CODE = 75
 """EX_TEMPFAIL (sysexits.h): the job stopped on request after saving; run it again to go on."""
@@ -138,16 +138,10 @@ def _record(data: Any, path: str, line: int) -> PreemptionRecord:
 def read_records(output_url: str, storage: StorageConfig | None = None) -> list[PreemptionRecord]:
     """The preemptions recorded in a run's output folder, oldest first ([] when none); PreemptionFileError for a
     malformed line."""
-    fs, root = filesystem(output_url, storage)
-    path = join(root, PREEMPTIONS_FILE)
-    try:
-        raw = read_control_file(fs, path)  # a regular file of bounded size (ControlFileError naming it otherwise)
-    except FileNotFoundError:
-        return []
+    # a regular file of bounded size (ControlFileError naming it otherwise)
+    path, lines = read_control_lines(output_url, PREEMPTIONS_FILE, storage)
     records = []
-    for number, text in enumerate(raw.decode(errors="replace").splitlines(), start=1):
-        if not text.strip():
-            continue
+    for number, text in lines:
         try:
             data = json.loads(text)
         except ValueError as err:
@@ -169,15 +163,7 @@ def records_since(
 
 def append_record(output_url: str, record: PreemptionRecord, storage: StorageConfig | None = None) -> None:
     """Add one line to preemptions.jsonl, replacing the file as a whole (readers never see half a line)."""
-    fs, root = filesystem(output_url, storage)
-    path = join(root, PREEMPTIONS_FILE)
-    try:
-        old = read_control_file(fs, path)
-    except FileNotFoundError:
-        old = b""
-    if old and not old.endswith(b"\n"):
-        old += b"\n"
-    write_bytes_atomic(fs, path, old + (json.dumps(asdict(record)) + "\n").encode())
+    append_control_line(output_url, PREEMPTIONS_FILE, json.dumps(asdict(record)), storage)
 
 
 def _config_path(argv: list[str]) -> str | None:

@@ -14,7 +14,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from training.storage import StorageConfig, filesystem, join, read_control_file, write_bytes_atomic
+from training.storage import StorageConfig, append_control_line, read_control_lines
 
 RECOVERY_FILE = "recovery.jsonl"
 RUNGS = ("live", "spare", "memory", "storage", "fresh")
@@ -94,16 +94,9 @@ def _event(data: Any, path: str, line: int) -> RecoveryEvent:
 def recovery_events(output_url: str, storage: StorageConfig | None = None) -> list[RecoveryEvent]:
     """The recovery events of a run's output folder, oldest first ([] when none); RecoveryFileError for a
     malformed line."""
-    fs, root = filesystem(output_url, storage)
-    path = join(root, RECOVERY_FILE)
-    try:
-        raw = read_control_file(fs, path)
-    except FileNotFoundError:
-        return []
+    path, lines = read_control_lines(output_url, RECOVERY_FILE, storage)
     events = []
-    for number, text in enumerate(raw.decode(errors="replace").splitlines(), start=1):
-        if not text.strip():
-            continue
+    for number, text in lines:
         try:
             data = json.loads(text)
         except ValueError as err:
@@ -114,12 +107,4 @@ def recovery_events(output_url: str, storage: StorageConfig | None = None) -> li
 
 def append_event(output_url: str, event: RecoveryEvent, storage: StorageConfig | None = None) -> None:
     """Add one line to recovery.jsonl, replacing the file as a whole (readers never see half a line)."""
-    fs, root = filesystem(output_url, storage)
-    path = join(root, RECOVERY_FILE)
-    try:
-        old = read_control_file(fs, path)
-    except FileNotFoundError:
-        old = b""
-    if old and not old.endswith(b"\n"):
-        old += b"\n"
-    write_bytes_atomic(fs, path, old + (json.dumps(event.to_json()) + "\n").encode())
+    append_control_line(output_url, RECOVERY_FILE, json.dumps(event.to_json()), storage)

@@ -353,3 +353,34 @@ def write_bytes_atomic(fs: fsspec.AbstractFileSystem, path: str, data: bytes) ->
         os.replace(tmp, path)
     else:
         fs.pipe_file(path, data)
+
+
+def read_control_lines(
+    url: str, name: str, storage: StorageConfig | None = None, limit: int = CONTROL_FILE_MAX_BYTES
+) -> tuple[str, list[tuple[int, str]]]:
+    """The path of the JSON-lines control file `name` in folder `url` and its non-blank lines, each with its line
+    number from 1 ([] when the file is absent); read as `read_control_file` reads (ControlFileError otherwise)."""
+    fs, root = filesystem(url, storage)
+    path = join(root, name)
+    try:
+        raw = read_control_file(fs, path, limit)
+    except FileNotFoundError:
+        return path, []
+    lines = enumerate(raw.decode(errors="replace").splitlines(), start=1)
+    return path, [(number, text) for number, text in lines if text.strip()]
+
+
+def append_control_line(
+    url: str, name: str, line: str, storage: StorageConfig | None = None, limit: int = CONTROL_FILE_MAX_BYTES
+) -> None:
+    """Add `line` to the JSON-lines control file `name` in folder `url`, rewriting the file whole (object stores
+    cannot append; readers never see half a line)."""
+    fs, root = filesystem(url, storage)
+    path = join(root, name)
+    try:
+        old = read_control_file(fs, path, limit)
+    except FileNotFoundError:
+        old = b""
+    if old and not old.endswith(b"\n"):
+        old += b"\n"
+    write_bytes_atomic(fs, path, old + (line + "\n").encode())

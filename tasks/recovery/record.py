@@ -11,7 +11,7 @@ import json
 from pydantic import ValidationError
 
 from tasks.recovery.policy import Decision
-from training.storage import StorageConfig, filesystem, join, read_control_file, write_bytes_atomic
+from training.storage import StorageConfig, append_control_line, read_control_lines
 
 DECISIONS_FILE = "decisions.jsonl"
 
@@ -25,30 +25,19 @@ class DecisionFileError(ValueError):
         self.path, self.line, self.problem = path, line, problem
 
 
-def _lines(fs, path: str) -> bytes:  # noqa: ANN001 - an fsspec filesystem
-    try:
-        return read_control_file(fs, path, limit=16 << 20)
-    except FileNotFoundError:
-        return b""
+_LIMIT = 16 << 20  # a decision per failure: far below this
 
 
 def append_decision(output_url: str, decision: Decision, storage: StorageConfig | None = None) -> None:
     """Add `decision` to the run's decisions.jsonl (rewritten whole: object stores cannot append)."""
-    fs, root = filesystem(output_url, storage)
-    path = join(root, DECISIONS_FILE)
-    line = decision.model_dump_json(by_alias=True).encode() + b"\n"
-    fs.makedirs(root, exist_ok=True)
-    write_bytes_atomic(fs, path, _lines(fs, path) + line)
+    append_control_line(output_url, DECISIONS_FILE, decision.model_dump_json(by_alias=True), storage, _LIMIT)
 
 
 def read_decisions(output_url: str, storage: StorageConfig | None = None) -> list[Decision]:
     """Every decision of the run, oldest first ([] when there is none)."""
-    fs, root = filesystem(output_url, storage)
-    path = join(root, DECISIONS_FILE)
+    path, lines = read_control_lines(output_url, DECISIONS_FILE, storage, _LIMIT)
     decisions = []
-    for number, line in enumerate(_lines(fs, path).decode(errors="replace").splitlines(), 1):
-        if not line.strip():
-            continue
+    for number, line in lines:
         try:
             decisions.append(Decision.model_validate(json.loads(line)))
         except (ValueError, ValidationError) as err:

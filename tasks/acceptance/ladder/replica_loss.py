@@ -17,6 +17,7 @@ from pathlib import Path
 
 from tasks.acceptance.drills import DrillContext
 from tasks.acceptance.record import DrillResult
+from tasks.launch import registry
 from tasks.launch.lighthouse import ReplicaGroupsJob
 from training.config import TrainConfig
 from training.recovery_record import recovery_events
@@ -105,7 +106,7 @@ def run_replica_loss(
 def drill_replica_loss(ctx: DrillContext) -> DrillResult:
     """SIGKILL one replica group mid-training; it heals from a healthy group, which never reloads."""
     base, cluster = ctx.base, ctx.cluster
-    if cluster.scheduler != "local":
+    if not registry.capabilities(cluster.scheduler).runs_on_this_machine_only:  # the drill starts them here
         return DrillResult(NAME, None, message=f"skipped: replica groups are started by the local launcher only "
                            f"(scheduler {cluster.scheduler}); run the drill with scheduler: local")  # fmt: skip
     if base.parallel.sharding != "ddp" or base.parallel.model_parallel:
