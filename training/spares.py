@@ -15,6 +15,7 @@ import os
 import socket
 from typing import Any
 
+from training.config import TrainConfig
 from training.recovery_record import RecoveryEvent, append_event
 from training.run_output import RANKS, RESULT
 from training.storage import StorageConfig, filesystem, join, read_control_file
@@ -66,8 +67,6 @@ def previous_ranks(output_url: str, storage: StorageConfig | None) -> list[dict[
 def job_finished_since(config_path: str | None, since_unix_s: float) -> bool:
     """Whether the job whose run.json is `config_path` wrote its result (result.json) since `since_unix_s`: a
     standby agent whose rendezvous store went away with the finished job has nothing left to do (exit 0)."""
-    from training.config import TrainConfig  # noqa: PLC0415 - only after the store went away
-
     if config_path is None:
         return False
     try:
