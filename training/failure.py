@@ -8,8 +8,8 @@ Lost ranks, signals, hangs, storage and network errors are the infrastructure's:
 them.
 
 torchrun restarts its workers whatever their exit code. A restarted worker that finds a workload failure.json of
-its own job (the same TORCHELASTIC_RUN_ID) exits at once with WORKLOAD_EXIT_CODE, before it joins the process
-group or trains a step: the failure is not retried.
+its own job (the same TORCHELASTIC_RUN_ID, whatever the restart count) exits at once with WORKLOAD_EXIT_CODE,
+before it joins the process group or trains a step: the failure is not retried.
 """
 
 from __future__ import annotations
@@ -148,9 +148,13 @@ def read_failure(output_url: str, storage: StorageConfig | None = None) -> Workl
 
 def failure_of_this_job(output_url: str, storage: StorageConfig | None = None) -> WorkloadFailure | None:
     """The workload failure an earlier attempt of this very job (same TORCHELASTIC_RUN_ID) recorded, else None:
-    a restarted worker then stops instead of retrying it. A failure.json of another job is not this one's."""
+    a restarted worker then stops instead of retrying it. A failure.json of another job is not this one's.
+
+    The run id alone decides, not TORCHELASTIC_RESTART_COUNT: when one node's worker fails, torchrun restarts the
+    workers of the other nodes as a membership change, which it does not count, so their restarted workers still
+    read 0. Had they trained, they would wait in the process group's start-up for the ranks that stopped here."""
     run_id = os.environ.get("TORCHELASTIC_RUN_ID")
-    if run_id is None or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0:
+    if run_id is None:
         return None
     try:
         failure = read_failure(output_url, storage)
