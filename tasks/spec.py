@@ -270,10 +270,23 @@ class DeploymentSpec(StrictModel):
         if not launcher.capabilities.live_recovery:
             return [(
                 ("fault_tolerance", "mode"), ft.mode,
-                f"cluster.scheduler={cluster.scheduler} cannot run replica groups: live recovery is not done for "
-                "the local (tdeploy train), SSH, Slurm and Kubernetes launchers yet (the replica_loss drill runs it on "
-                "this machine); set fault_tolerance.mode=none: a lost rank then recovers through the memory tier "
-                "(checkpoint.memory_every_steps) or storage",
+                f"cluster.scheduler={cluster.scheduler} cannot run replica groups: live recovery runs on the local "
+                "launcher only (the SSH, Slurm and Kubernetes launchers do not start replica groups yet); use "
+                "cluster.scheduler=local, or set fault_tolerance.mode=none: a lost rank then recovers through the "
+                "memory tier (checkpoint.memory_every_steps) or storage",
+            )]  # fmt: skip
+        if cluster.max_restarts == 0:
+            return [(
+                ("cluster", "max_restarts"), cluster.max_restarts,
+                "must be >= 1 with fault_tolerance.mode=replica_groups: a lost replica group comes back by its torchrun "
+                "restarting it, then heals from a peer; set cluster.max_restarts to 1 or more",
+            )]  # fmt: skip
+        if cluster.spares or cluster.min_nodes is not None:
+            field, value = ("spares", cluster.spares) if cluster.spares else ("min_nodes", cluster.min_nodes)
+            return [(
+                ("cluster", field), value,
+                "is not used with fault_tolerance.mode=replica_groups (the groups replace hot spares and elastic "
+                f"nodes: a lost group restarts and heals from a peer); remove cluster.{field}",
             )]  # fmt: skip
         if cluster.world_size % ft.replica_groups:
             valid = [d for d in divisors(cluster.world_size) if d >= 2]

@@ -71,18 +71,27 @@ def machine() -> Machine:
     return Machine(socket.gethostname(), boot_id, pid_namespace)
 
 
-def die_with_parent(sig: int = signal.SIGTERM) -> bool:
-    """Ask Linux to send `sig` to this process when its parent (thread) exits; exit now if it already has.
-
-    Returns False where the system has no such request (not Linux). Only for processes whose
-    parent is their supervisor and lives as long as they should: torchrun workers and agents.
-    """
+def parent_death_signal(sig: int = signal.SIGKILL) -> bool:
+    """prctl(PR_SET_PDEATHSIG) alone: `sig` to this process when its parent exits (False: not Linux). For a child
+    between fork and exec (subprocess's preexec_fn: a binary that cannot ask itself, the torchft lighthouse); a
+    Python process asks with die_with_parent, which also catches a parent gone before the request."""
     if not sys.platform.startswith("linux"):
         return False
     libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
     if libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
         err = ctypes.get_errno()
         raise OSError(err, f"prctl(PR_SET_PDEATHSIG) failed: {os.strerror(err)}")
+    return True
+
+
+def die_with_parent(sig: int = signal.SIGTERM) -> bool:
+    """Ask Linux to send `sig` to this process when its parent (thread) exits; exit now if it already has.
+
+    Returns False where the system has no such request (not Linux). Only for processes whose
+    parent is their supervisor and lives as long as they should: torchrun workers and agents.
+    """
+    if not parent_death_signal(sig):
+        return False
     if os.getppid() != _PARENT_AT_IMPORT:  # the parent died before the request was in place
         log.error("parent process %d exited before this process (%d) started: exiting", _PARENT_AT_IMPORT, os.getpid())
         os.kill(os.getpid(), sig)

@@ -142,10 +142,14 @@ def _merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
 
 
 def variant(train: TrainConfig, root: Path, name: str, **sections: dict[str, Any]) -> TrainConfig:
-    """A copy of `train` writing under root/name (output, checkpoints), with sections merged in and re-validated."""
+    """A copy of `train` writing under root/name (output, checkpoints), with sections merged in and re-validated.
+
+    Every acceptance job is one torchrun group (fault_tolerance.mode none) unless `sections` ask for replica groups
+    (the replica_loss drill): the dimensions and the other drills read one run output, not a folder per group."""
     paths = {
         "run": {"output_url": str(root / name / "output")},
         "checkpoint": {"url": str(root / name / "checkpoints"), "keep_last": 1000, "resume": True},
+        "fault_tolerance": {"mode": "none"},
     }
     return TrainConfig.model_validate(_merge(_merge(train.model_dump(), paths), sections))
 

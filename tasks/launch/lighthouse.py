@@ -10,9 +10,11 @@ The lighthouse listens on HOST, the address the groups' rendezvous use (loopback
 trainers' checkpoint servers listen on and advertise it too (TDEPLOY_REPLICA_HOST, training/replica_transport.py).
 torchft 0.2.0 leaves no choice for its manager server, which binds every interface ([::], advertising HOST).
 
-Used by the replica_loss drill (tasks/acceptance/ladder/replica_loss.py) and its tests; the local launcher's own
-jobs (tdeploy train) still run one torchrun group per job, and refuse fault_tolerance.mode=replica_groups
-(Capabilities.live_recovery is False).
+Each group's torchrun runs through the local agent (tasks/launch/agent.py: it dies with whoever started it, and a
+preemption ends it with PREEMPTED_EXIT_CODE), and the lighthouse is sent SIGKILL by Linux when its starter exits:
+a group never outlives the process that owns the job. Used by the local launcher's jobs (tdeploy train, through
+tasks/launch/replica_supervisor.py), the replica_loss drill (tasks/acceptance/ladder/replica_loss.py) and their
+tests.
 """
 
 from __future__ import annotations
@@ -24,12 +26,14 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from tasks.errors import UserError
 from tasks.launch.torchrun import WORKER_ENV, free_port
 from training.config import TrainConfig
+from training.process import parent_death_signal, start_time
 from training.replica import HOST_ENV, LIGHTHOUSE_ENV, REPLICA_GROUP_ENV
 from training.run_output import RunOutput
 from training.storage import join
@@ -78,9 +82,16 @@ class ReplicaGroupsJob:
 
     @classmethod
     def start(
-        cls, cfg: TrainConfig, workdir: Path, procs_per_group: int, max_restarts: int, env: dict[str, str] | None = None
+        cls,
+        cfg: TrainConfig,
+        workdir: Path,
+        procs_per_group: int,
+        max_restarts: int,
+        env: dict[str, str] | None = None,
+        torchrun_args: Sequence[str] = (),
     ) -> ReplicaGroupsJob:
-        """Start the lighthouse, then every group's torchrun (logs under `workdir`)."""
+        """Start the lighthouse, then every group's torchrun (logs under `workdir`; `torchrun_args`: more of its
+        arguments, the preemption signals and shutdown timeout)."""
         ft = cfg.fault_tolerance
         if ft.mode != "replica_groups":
             raise UserError(f"fault_tolerance.mode={ft.mode!r}: no replica groups to start", "set it to replica_groups")
@@ -88,7 +99,7 @@ class ReplicaGroupsJob:
         port = free_port()
         lighthouse = subprocess.Popen(  # noqa: S603 - a fixed binary and validated numbers
             lighthouse_command(cfg, port), stdout=(workdir / "lighthouse.log").open("w"), stderr=subprocess.STDOUT,
-            start_new_session=True,
+            start_new_session=True, preexec_fn=parent_death_signal,
         )  # fmt: skip
         job = cls(cfg, workdir, lighthouse)
         base = {**os.environ, **(env or {})}
@@ -99,8 +110,8 @@ class ReplicaGroupsJob:
             config_path = workdir / f"run-replica-{g}.json"
             group_config(cfg, g).to_json_file(config_path)
             cmd = [
-                sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
-                f"--nproc-per-node={procs_per_group}", f"--max-restarts={max_restarts}",
+                sys.executable, "-m", "tasks.launch.agent", "--standalone", "--nnodes=1",
+                f"--nproc-per-node={procs_per_group}", f"--max-restarts={max_restarts}", *torchrun_args,
                 "-m", "training.train", "--config", str(config_path),
             ]  # fmt: skip
             job.groups.append(
@@ -124,6 +135,19 @@ class ReplicaGroupsJob:
         for pid in pids:
             os.kill(pid, sig)
         return pids
+
+    def processes(self) -> list[dict[str, str | int | None]]:
+        """What this job started (the lighthouse, each group's torchrun agent): role, pid and start time."""
+        procs = [("lighthouse", self.lighthouse), *((f"replica-{g}", p) for g, p in enumerate(self.groups))]
+        return [{"role": role, "pid": proc.pid, "start_time": start_time(proc.pid)} for role, proc in procs]
+
+    def signal(self, sig: int) -> None:
+        """`sig` to each group's torchrun agent, which passes a preemption signal on to its workers (they
+        checkpoint at the step boundary and exit PREEMPTED_EXIT_CODE)."""
+        for proc in self.groups:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(proc.pid, sig)
 
     def wait(self, timeout_s: float) -> list[int | None]:
         """Wait for every group's torchrun (None: still running at the timeout); then stop the lighthouse."""

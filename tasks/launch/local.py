@@ -43,8 +43,9 @@ from tasks.launch.base import (
     record_job,
 )
 from tasks.launch.environment import JobEnvironment
+from tasks.launch.replica_supervisor import PROCESSES_FILE
 from tasks.launch.spares import SPARE_WAIT_ENV, spare_nodes, spare_wait_value
-from tasks.launch.torchrun import free_port, job_env, torchrun_args
+from tasks.launch.torchrun import free_port, job_env, preemption_args, torchrun_args
 from training.config import TrainConfig
 from training.preemption import PREEMPTED_EXIT_CODE, PreemptionFileError, PreemptionRecord, records_since
 from training.process import alive, start_time
@@ -57,6 +58,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 CANCELLED_MARKER = "cancelled"  # holds why the job was stopped
+REPLICAS_DIR = "replicas"  # a replica-groups job's group configs and logs, and the lighthouse's log
 AGENTS_DIR = "agents"  # node<N>.json: where agent N runs (host, pid, start time), written by the agent itself
 SUPERVISOR_ENV = ("TDEPLOY_SUPERVISOR_PID", "TDEPLOY_SUPERVISOR_START")
 STOP_GRACE_S = 30  # what `cancel` gives a job too
@@ -187,7 +189,7 @@ class LocalLauncher(Launcher):
         can_lose_node=True,
         replaces_lost_host=False,
         has_hot_spares=True,  # cluster.spares: standby agents in the rendezvous (tasks/launch/spares.py)
-        live_recovery=False,  # replica groups run under ReplicaGroupsJob (the replica_loss drill), not `submit` yet
+        live_recovery=True,  # one replica-groups supervisor in place of the agents (tasks/launch/replica_supervisor.py)
     )
 
     @classmethod
@@ -223,13 +225,6 @@ class LocalLauncher(Launcher):
                 f"run.output_url={train.run.output_url}: the local launcher needs a local folder",
                 "use a path on this machine",
             )
-        if train.fault_tolerance.mode != "none" and not self.capabilities.live_recovery:
-            raise UserError(
-                f"fault_tolerance.mode={train.fault_tolerance.mode}: the local launcher runs one torchrun group per "
-                "job, not replica groups (those run under tasks/launch/lighthouse.py's ReplicaGroupsJob: the "
-                "replica_loss drill)",
-                "set fault_tolerance.mode=none; a lost rank then recovers through the memory tier or storage",
-            )
         if _stopping.is_set():
             raise JobsStopped(f"job {name} not started: this process is being interrupted")
         out = Path(local_path(train.run.output_url)).resolve()
@@ -249,14 +244,18 @@ class LocalLauncher(Launcher):
         for stale in (out / AGENTS_DIR).glob("node*.json"):
             stale.unlink()
         submitted = time.time()
+        replicas = train.fault_tolerance.mode == "replica_groups"
         exit_files = [out / f"exit-{node}.txt" for node in range(cluster.nodes)]
         with open(log_path, "ab") as log_file:
-            for node in range(cluster.nodes + cluster.spares):
-                standby = node >= cluster.nodes
-                args = torchrun_args(cluster, endpoint, job_id, str(config_path), str(out / "logs" / f"node{node}"),
-                                     self._store_host(cluster, node))  # fmt: skip
-                spare = {SPARE_WAIT_ENV: spare_wait_value(out, submitted, exit_files)} if standby else {}
-                argv, env = self._agent_command(cluster, node, args, environment, out, spare)
+            for node in range(1 if replicas else cluster.nodes + cluster.spares):
+                if replicas:  # one process in place of the agents: it runs every replica group
+                    argv, env = self._replica_command(cluster, train, job_id, config_path, environment)
+                else:
+                    standby = node >= cluster.nodes
+                    args = torchrun_args(cluster, endpoint, job_id, str(config_path),
+                                         str(out / "logs" / f"node{node}"), self._store_host(cluster, node))  # fmt: skip
+                    spare = {SPARE_WAIT_ENV: spare_wait_value(out, submitted, exit_files)} if standby else {}
+                    argv, env = self._agent_command(cluster, node, args, environment, out, spare)
                 env["TDEPLOY_EXIT_FILE"] = str(out / f"exit-{node}.txt")
                 env["TDEPLOY_STOP_FILE"] = str(out / CANCELLED_MARKER)
                 env["TDEPLOY_STOP_GRACE_S"] = str(STOP_GRACE_S)
@@ -284,8 +283,9 @@ class LocalLauncher(Launcher):
                 "log_offset": offset,
                 "endpoint": endpoint,
                 "supervisor": supervisor,
-                "min_nodes": cluster.min_nodes,
-                "spare_nodes": spare_nodes(cluster.nodes, cluster.spares),
+                "min_nodes": None if replicas else cluster.min_nodes,
+                "spare_nodes": [] if replicas else spare_nodes(cluster.nodes, cluster.spares),
+                "replica_groups": train.fault_tolerance.replica_groups if replicas else None,
                 **self._details(cluster),
             },
             env=dict(cluster.env),
@@ -324,6 +324,26 @@ class LocalLauncher(Launcher):
         env.update(spare or {})
         return [sys.executable, "-m", "tasks.launch.agent", *args], env
 
+    def _replica_command(
+        self,
+        cluster: ClusterConfig,
+        train: TrainConfig,
+        job_id: str,
+        config_path: Path,
+        environment: JobEnvironment | None,
+    ) -> tuple[list[str], dict[str, str]]:
+        """The command and environment of a replica-groups job's one process (tasks/launch/replica_supervisor.py):
+        fault_tolerance.replica_groups torchruns of world_size / replica_groups ranks each, with the job's restarts
+        (how a lost group comes back) and preemption signals."""
+        env = job_env(cluster, environment, inherited=self.env)
+        groups = train.fault_tolerance.replica_groups
+        argv = [
+            sys.executable, "-m", "tasks.launch.replica_supervisor", "--config", str(config_path), "--job-id", job_id,
+            f"--procs-per-group={cluster.world_size // groups}", f"--max-restarts={cluster.max_restarts}",
+            "--workdir", str(config_path.parent / REPLICAS_DIR), "--", *preemption_args(cluster),
+        ]  # fmt: skip
+        return argv, env
+
     def _details(self, cluster: ClusterConfig) -> dict[str, object]:
         """What job.json keeps beyond the agents, for status and cancel from another process."""
         return {}
@@ -339,7 +359,7 @@ class LocalLauncher(Launcher):
         out = Path(handle.output_dir)
         agents = handle.details["agents"]
         if running_agents(handle):
-            written = RunOutput(out).ranks_written_at()
+            written = self._ranks_written_at(handle)
             started = written is not None and written >= handle.submitted_unix_s
             return JobStatus(JobState.RUNNING if started else JobState.PENDING, "running" if started else "rendezvous")
         marker = out / CANCELLED_MARKER
@@ -388,6 +408,16 @@ class LocalLauncher(Launcher):
         text = self._log_text(handle)
         return JobStatus(JobState.FAILED, "exited", reason, exit_code=code, failure=parse_root_cause(text),
                          host=name)  # fmt: skip
+
+    @staticmethod
+    def _ranks_written_at(handle: JobHandle) -> float | None:
+        """When the job's ranks first wrote ranks.json: its own, or with replica groups the first group's."""
+        out = Path(handle.output_dir)
+        if not handle.details.get("replica_groups"):
+            return RunOutput(out).ranks_written_at()
+        times = [t for g in range(handle.details["replica_groups"])
+                 if (t := RunOutput(out / f"replica-{g}").ranks_written_at()) is not None]  # fmt: skip
+        return min(times) if times else None
 
     @staticmethod
     def _finished_since(handle: JobHandle) -> bool:
@@ -477,8 +507,9 @@ class LocalLauncher(Launcher):
         for pid, _ in agents:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pid, signal.SIGTERM)
-        # Workers run in sessions of their own (torchrun starts them so): follow them by pid too.
-        processes = agents + self._workers(out)
+        # Workers run in sessions of their own (torchrun starts them so), and so do a replica-groups job's
+        # torchruns and lighthouse: follow them by pid too.
+        processes = agents + self._workers(out) + self._replica_processes(out)
         deadline = time.monotonic() + grace_s
         while any(alive(*p) for p in processes) and time.monotonic() < deadline:
             time.sleep(0.2)
@@ -495,13 +526,26 @@ class LocalLauncher(Launcher):
             time.sleep(0.1)
 
     @staticmethod
-    def _workers(out: Path) -> list[tuple[int, str | None]]:
-        """The job's worker processes still running (from ranks.json, checked against their command line)."""
-        ranks = RunOutput(out).ranks()
-        if ranks is None:
+    def _replica_processes(out: Path) -> list[tuple[int, str | None]]:
+        """A replica-groups job's lighthouse and group agents still running (their supervisor's record)."""
+        try:
+            recorded = json.loads((out / REPLICAS_DIR / PROCESSES_FILE).read_text())
+        except (OSError, ValueError):
             return []
         found = []
-        for rank in ranks.ranks:
+        for entry in [e for e in recorded if isinstance(e, dict)] if isinstance(recorded, list) else []:
+            pid, started = entry.get("pid"), entry.get("start_time")
+            if type(pid) is int and pid > 1 and isinstance(started, str) and alive(pid, started):
+                found.append((pid, started))
+        return found
+
+    @staticmethod
+    def _workers(out: Path) -> list[tuple[int, str | None]]:
+        """The job's worker processes still running (from ranks.json, its own and its replica groups', checked
+        against their command line)."""
+        recorded = [RunOutput(folder).ranks() for folder in [out, *sorted(out.glob("replica-*"))]]
+        found = []
+        for rank in [rank for ranks in recorded if ranks is not None for rank in ranks.ranks]:
             pid = rank["pid"]
             try:
                 cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()

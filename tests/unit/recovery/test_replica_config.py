@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -14,9 +13,8 @@ from pydantic import ValidationError
 from tasks.acceptance.config import AcceptanceConfig
 from tasks.acceptance.drills import DrillContext
 from tasks.acceptance.ladder.replica_loss import drill_replica_loss
-from tasks.errors import UserError
+from tasks.acceptance.workspace import variant
 from tasks.launch.cluster import ClusterConfig
-from tasks.launch.local import LocalLauncher
 from tasks.spec import SpecError
 from training.config import FaultToleranceConfig, TrainConfig
 from training.replica import REPLICA_GROUP_ENV, ReplicaGroupError, group_index, restarted
@@ -140,33 +138,46 @@ def test_the_spec_section_reaches_the_trainer(make_spec) -> None:
 
 def test_the_spec_refuses_replica_groups_where_the_launcher_cannot_run_them(make_spec) -> None:
     with pytest.raises(SpecError) as caught:
-        make_spec({"fault_tolerance": {"mode": "replica_groups"}})
+        make_spec({"fault_tolerance": {"mode": "replica_groups"}, "cluster": {"scheduler": "slurm", "max_restarts": 1}})
     (problem,) = [p for p in caught.value.problems if p.startswith("fault_tolerance.mode")]
-    assert problem.startswith("fault_tolerance.mode=replica_groups: cluster.scheduler=local cannot run replica groups")
-    assert "set fault_tolerance.mode=none" in problem
+    assert problem.startswith("fault_tolerance.mode=replica_groups: cluster.scheduler=slurm cannot run replica groups")
+    assert "use cluster.scheduler=local, or set fault_tolerance.mode=none" in problem
 
 
-def test_with_a_launcher_that_runs_them_the_groups_must_split_the_ranks(make_spec, monkeypatch) -> None:
-    able = dataclasses.replace(LocalLauncher.capabilities, live_recovery=True)
-    monkeypatch.setattr(LocalLauncher, "capabilities", able)
-    spec = make_spec({"fault_tolerance": {"mode": "replica_groups"}})
+def test_the_local_launcher_runs_them_when_the_groups_split_the_ranks_and_can_restart(make_spec) -> None:
+    spec = make_spec({"fault_tolerance": {"mode": "replica_groups"}, "cluster": {"max_restarts": 1}})
     assert spec.training_config().fault_tolerance.replica_groups == 2
     with pytest.raises(SpecError) as caught:
-        make_spec({"fault_tolerance": {"mode": "replica_groups", "replica_groups": 3}})
+        make_spec({"fault_tolerance": {"mode": "replica_groups", "replica_groups": 3}, "cluster": {"max_restarts": 1}})
     assert any(p.startswith("fault_tolerance.replica_groups=3: must divide cluster.nodes x cluster.procs_per_node = 2")
                and "use one of [2]" in p for p in caught.value.problems), caught.value.problems  # fmt: skip
     with pytest.raises(SpecError) as caught:  # the layout rule holds at the spec too
-        make_spec({"fault_tolerance": {"mode": "replica_groups"}, "parallel": {"sharding": "fsdp"}})
+        make_spec({"fault_tolerance": {"mode": "replica_groups"}, "parallel": {"sharding": "fsdp"},
+                   "cluster": {"max_restarts": 1}})  # fmt: skip
     assert any(p.startswith("fault_tolerance.mode=replica_groups: replica groups replicate the whole model")
                for p in caught.value.problems), caught.value.problems  # fmt: skip
 
 
-def test_the_local_launcher_refuses_replica_groups_before_starting_anything(make_spec, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("cluster", "problem"),
+    [
+        ({"max_restarts": 0}, "cluster.max_restarts=0: must be >= 1 with fault_tolerance.mode=replica_groups"),
+        ({"max_restarts": 1, "spares": 1}, "cluster.spares=1: is not used with fault_tolerance.mode=replica_groups"),
+        ({"max_restarts": 1, "nodes": 2, "procs_per_node": 1, "min_nodes": 1},
+         "cluster.min_nodes=1: is not used with fault_tolerance.mode=replica_groups"),
+    ],
+)  # fmt: skip
+def test_replica_groups_refuse_a_cluster_that_cannot_heal_them(make_spec, cluster, problem) -> None:
+    with pytest.raises(SpecError) as caught:
+        make_spec({"fault_tolerance": {"mode": "replica_groups"}, "cluster": cluster})
+    assert any(p.startswith(problem) for p in caught.value.problems), caught.value.problems
 
-    spec = make_spec()
-    train = spec.training_config()
-    train = train.model_copy(update={"fault_tolerance": FaultToleranceConfig(mode="replica_groups")})
-    with pytest.raises(UserError, match="the local launcher runs one torchrun group per job") as caught:
-        LocalLauncher().submit(spec.cluster, train, "ft")
-    assert "set fault_tolerance.mode=none" in str(caught.value)
-    assert not Path(train.run.output_url).exists()
+
+def test_acceptance_jobs_of_a_replica_groups_deployment_run_as_one_group_unless_the_drill_asks(tmp_path: Path) -> None:
+    train = _train(tmp_path, {}, {"mode": "replica_groups", "replica_groups": 2, "heartbeat_timeout_s": 0.5})
+    plain = variant(train, tmp_path / "drills", "drill-reference")
+    assert plain.fault_tolerance.mode == "none" and plain.run.output_url == str(
+        tmp_path / "drills/drill-reference/output"
+    )
+    drill = variant(train, tmp_path / "drills", "drill-replica-loss", fault_tolerance={"mode": "replica_groups"})
+    assert (drill.fault_tolerance.mode, drill.fault_tolerance.heartbeat_timeout_s) == ("replica_groups", 0.5)
