@@ -294,7 +294,11 @@ class LocalLauncher(Launcher):
         record_job(handle)
         if supervisor:
             _supervised[job_id] = handle
-        log.info("started %d torchrun agent(s) at %s; job %s; log %s", len(agents), endpoint, handle.ref, log_path)
+        if replicas:
+            log.info("started %d replica group(s) under a torchft lighthouse; job %s; log %s (each group's: %s)",
+                     train.fault_tolerance.replica_groups, handle.ref, log_path, out / REPLICAS_DIR)  # fmt: skip
+        else:
+            log.info("started %d torchrun agent(s) at %s; job %s; log %s", len(agents), endpoint, handle.ref, log_path)
         return handle
 
     @staticmethod

@@ -2,23 +2,28 @@
 and they pull the state from the healthy group (rung "live" in recovery.jsonl), while the healthy group trains on
 without reloading.
 
-Passes when the healthy group's steps run 1..N once each, in order, and it recorded no restore after its start;
-the lost group recorded a "live" recovery after the kill and no restore from memory or storage; no step was lost
-(the pulled step is at least the step the lost group had reached); and both groups end with bit-identical
-parameters. Figures: detection_s (kill to the healthy group's first quorum without the lost one), recovery_s
-(kill to the lost group's first step after it healed), steps_lost.
+The job runs through the spec's launcher as a `fault_tolerance.mode: replica_groups` job (the path `tdeploy train`
+takes: tasks/launch/replica_supervisor.py locally), each group writing under `<output>/replica-<g>`; the lost
+group's ranks are killed through the launcher (`kill_rank`, which reaches their host). Passes when the job
+succeeded; the healthy group's steps ran 1..N once each, in order, and it recorded no restore after its start; the
+lost group recorded a "live" recovery after the kill and no restore from memory or storage; no step was lost (the
+pulled step is at least the step the lost group had reached); and both groups end with bit-identical parameters.
+Figures: detection_s (kill to the healthy group's first quorum without the lost one), recovery_s (kill to the lost
+group's first step after it healed), steps_lost.
 """
 
 from __future__ import annotations
 
 import signal
 import time
-from pathlib import Path
 
 from tasks.acceptance.drills import DrillContext
 from tasks.acceptance.record import DrillResult
+from tasks.acceptance.workspace import Job
+from tasks.errors import UserError
 from tasks.launch import registry
-from tasks.launch.lighthouse import ReplicaGroupsJob
+from tasks.launch.cluster import ClusterConfig
+from tasks.launch.environment import JobEnvironment
 from training.config import TrainConfig
 from training.recovery_record import recovery_events
 from training.replica import quorum_events
@@ -29,40 +34,43 @@ JOB = "drill-replica-loss"
 HEALTHY, LOST = 0, 1
 
 
-def _reached(out: RunOutput, step: int, job: ReplicaGroupsJob, timeout_s: float) -> str | None:
-    """Wait until `out` recorded `step`; None, or why it never did."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if out.metric_ranks() and out.last_step() >= step:
-            return None
-        ended = [g for g, proc in enumerate(job.groups) if proc.poll() is not None]
-        if ended:
-            return f"replica group {ended[0]} ended before step {step}: {job.log_tail(ended[0])}"
-        time.sleep(0.1)
-    return f"replica group {LOST} did not reach step {step} in {timeout_s:.0f} s"
-
-
 def _params(out: RunOutput) -> dict[int, list[tuple[str, str]]]:
     """Every rank's final parameter digests."""
     return {rank: sorted((p.name, p.sha256) for p in record.pieces) for rank, record in out.params().items()}
 
 
+def replica_cluster(cluster: ClusterConfig) -> ClusterConfig:
+    """`cluster` as replica groups need it: restarts (a lost group comes back by one), no spares, no elasticity."""
+    return cluster.model_copy(update={"max_restarts": max(1, cluster.max_restarts), "spares": 0, "min_nodes": None})
+
+
 def run_replica_loss(
-    train: TrainConfig, workdir: Path, procs_per_group: int, kill_at_step: int, timeout_s: float
+    cluster: ClusterConfig,
+    train: TrainConfig,
+    kill_at_step: int,
+    timeout_s: float,
+    environment: JobEnvironment | None = None,
+    image: str | None = None,
 ) -> DrillResult:
-    """Run the drill on `train` (fault_tolerance.mode=replica_groups) with replica groups on this machine."""
-    job = ReplicaGroupsJob.start(train, workdir, procs_per_group, max_restarts=1)
+    """Run the drill on `train` (fault_tolerance.mode=replica_groups) through `cluster`'s launcher."""
+    job = Job(replica_cluster(cluster), train, JOB, environment, image, phase=NAME)
+    out = RunOutput(job.output_dir)
+    healthy, lost = RunOutput(out.dir / f"replica-{HEALTHY}"), RunOutput(out.dir / f"replica-{LOST}")
     try:
-        healthy, lost = job.output(HEALTHY), job.output(LOST)
-        never = _reached(lost, kill_at_step, job, timeout_s)
-        if never is not None:
-            return DrillResult(NAME, False, message=never, evidence={"workdir": str(workdir)})
+        job.wait_until(lambda: bool(lost.metric_ranks()) and lost.last_step() >= kill_at_step,
+                       f"replica group {LOST}'s step {kill_at_step}", timeout_s, poll_s=0.05)  # fmt: skip
         killed_at = lost.last_step()
+        ranks = lost.ranks()
+        if ranks is None:
+            raise UserError(f"replica group {LOST} recorded no ranks in {lost.dir}", f"see {job.handle.log_path}")
         t_fail = time.time()
-        job.kill_group(LOST, signal.SIGKILL)
-        codes = job.wait(timeout_s)
-    finally:
-        job.stop()
+        for rank in ranks.ranks:
+            job.launcher.kill_rank(job.handle, rank, signal.SIGKILL)
+        outcome = job.wait(timeout_s)
+    except UserError as err:
+        if not job.status().state.terminal:
+            job.cancel()
+        return DrillResult(NAME, False, message=str(err), evidence={"output_dir": str(out.dir)})
     steps = train.run.steps
     ran = [r.step for r in healthy.metric_records()]
     healthy_restores = [e for e in recovery_events(str(healthy.dir)) if e.time > t_fail]
@@ -76,8 +84,8 @@ def run_replica_loss(
     steps_lost = None if restored is None else max(0, killed_at - restored)
     matched = bool(_params(healthy)) and _params(healthy) == _params(lost)
     problems = []
-    if codes != [0] * len(codes):
-        problems.append(f"the groups' torchrun exit codes were {codes} (0 expected)")
+    if not outcome.ok:
+        problems.append(f"the job {outcome.status.describe()}")
     if ran != list(range(1, steps + 1)):
         problems.append(f"the healthy group's steps were not 1..{steps} once each: {ran}")
     if healthy_restores:
@@ -98,24 +106,26 @@ def run_replica_loss(
         steps_lost=steps_lost,
         state_matched=matched,
         message="; ".join(problems) or f"replica group {LOST} healed from group {HEALTHY} at step {restored}",
-        evidence={"killed_at_step": killed_at, "restored_step": restored, "exit_codes": codes,
-                  "healthy_steps": len(ran), "workdir": str(workdir)},
+        evidence={"killed_at_step": killed_at, "restored_step": restored, "job": job.handle.ref,
+                  "status": outcome.status.describe(), "healthy_steps": len(ran), "output_dir": str(out.dir)},
     )  # fmt: skip
 
 
 def drill_replica_loss(ctx: DrillContext) -> DrillResult:
     """SIGKILL one replica group mid-training; it heals from a healthy group, which never reloads."""
     base, cluster = ctx.base, ctx.cluster
-    if not registry.capabilities(cluster.scheduler).runs_on_this_machine_only:  # the drill starts them here
-        return DrillResult(NAME, None, message=f"skipped: replica groups are started by the local launcher only "
-                           f"(scheduler {cluster.scheduler}); run the drill with scheduler: local")  # fmt: skip
+    if not registry.capabilities(cluster.scheduler).live_recovery:
+        return DrillResult(NAME, None, message=f"skipped: the {cluster.scheduler} launcher does not run replica "
+                           "groups (Capabilities.live_recovery); run the drill with a launcher that does")  # fmt: skip
     if base.parallel.sharding != "ddp" or base.parallel.model_parallel:
         return DrillResult(NAME, None, message="skipped: live recovery needs a data-parallel layout "
                            "(parallel.sharding=ddp, no tensor, pipeline or expert parallelism); model-parallel "
                            "layouts recover through memory_restore")  # fmt: skip
     # The job's ranks split into replica groups: one per node, or two halves of a lone node.
-    groups = max(2, cluster.nodes)
-    procs = cluster.procs_per_node if cluster.nodes >= 2 else max(1, cluster.procs_per_node // 2)
+    groups = cluster.nodes if cluster.nodes >= 2 else 2
+    if cluster.world_size % groups:
+        return DrillResult(NAME, None, message=f"skipped: {cluster.world_size} rank(s) do not split into {groups} "
+                           "replica groups; give the job at least 2 ranks")  # fmt: skip
     train = ctx.train(JOB, fault_tolerance={"mode": "replica_groups", "replica_groups": groups})
     kill_at = max(2, train.run.steps // 3)
-    return run_replica_loss(train, ctx.root / JOB, procs, kill_at, ctx.acceptance.job_timeout_s)
+    return run_replica_loss(cluster, train, kill_at, ctx.acceptance.job_timeout_s, ctx.environment, ctx.image)

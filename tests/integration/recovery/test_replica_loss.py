@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from tasks.acceptance.ladder.replica_loss import HEALTHY, LOST, run_replica_loss
+from tasks.launch.cluster import ClusterConfig
 from tasks.launch.lighthouse import ReplicaGroupsJob
 from training.config import TrainConfig
 from training.recovery_record import recovery_events
@@ -29,7 +30,8 @@ def _replica_config(make_spec, tmp_path: Path) -> TrainConfig:
 
 def test_a_killed_replica_group_heals_from_its_peer_which_never_reloads(make_spec, tmp_path: Path) -> None:
     train = _replica_config(make_spec, tmp_path)
-    result = run_replica_loss(train, tmp_path / "groups", procs_per_group=1, kill_at_step=8, timeout_s=240)
+    cluster = ClusterConfig(scheduler="local", nodes=1, procs_per_node=2, accelerator="cpu")
+    result = run_replica_loss(cluster, train, kill_at_step=8, timeout_s=240)
     assert result.passed, (result.message, result.evidence)
     assert result.steps_lost == 0 and result.state_matched
     assert result.detection_s is not None and result.recovery_s is not None

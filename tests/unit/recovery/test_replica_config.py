@@ -116,7 +116,7 @@ def test_without_torchft_the_mode_names_the_extra_to_install() -> None:
 @pytest.mark.parametrize(
     ("cluster", "parallel", "why"),
     [
-        ({"scheduler": "slurm"}, {}, "started by the local launcher only (scheduler slurm)"),
+        ({"scheduler": "kubernetes"}, {}, "the kubernetes launcher does not run replica groups"),
         ({"scheduler": "local"}, {"sharding": "fsdp"}, "needs a data-parallel layout"),
     ],
 )
