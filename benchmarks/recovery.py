@@ -14,10 +14,12 @@ all. RTO is from the fault to the first step trained after the recovery; "xtoday
 "restore s" is the part of it the trainer spent restoring the state (recovery.jsonl), the rest is detection and
 the start-up of the restarted processes.
 
-The stall: three jobs of the same model with the memory tier off, and on every 1 and every `--sparse-every` steps
-(no storage saves). The tier records its stall per snapshot only in a log line, so it is read from the step
-records: the wall time between the end of a step and the end of the next less that step's own time, after a
-snapshot, against the same gap in the job without copies (median of each); as a percentage of the median step.
+The stall: four jobs of the same model with the memory tier off, on every 1 and every `--sparse-every` steps, and
+at its default, `auto` (no storage saves, so auto's interval is unbounded). It is read from the step records: the
+wall time between the end of a step and the end of the next less that step's own time, after a snapshot, against
+the same gap in the job without copies (median of each); as a percentage of the median step. For auto, the
+interval is the one its last decision chose (memory_tier.jsonl), the gaps are those after that decision, and the
+tier's own figures (median stall per copy and step, from which it chose) are printed beside them.
 
 Figures are wall times on a shared machine: other processes on its cores stretch them, so read them with the
 machine's load in mind (printed beside the table), and use --repeats for a spread.
@@ -46,6 +48,7 @@ from tasks.acceptance.workspace import RunOutcome
 from tasks.prepare.config import PrepareConfig
 from tasks.prepare.pipeline import prepare_dataset
 from tasks.spec import DeploymentSpec, parse_spec
+from training.checkpoint.memory_auto import TierDecision, tier_decisions
 from training.recovery_record import recovery_events
 from training.run_output import StepRecord
 from training.storage import StorageConfig
@@ -54,7 +57,8 @@ RTO_GOAL_S = 10.0
 STALL_GOAL = 0.05
 """The issue's goals: recovery in 10 s at most, the in-memory save holding training 5% of a step at most."""
 MEMORY_EVERY_STEPS = memory_restore.MEMORY_EVERY_STEPS
-"""The memory interval the drills run at, and checkpoint.memory_every_steps' default: every step."""
+"""The memory interval the drills run at: every step (checkpoint.memory_every_steps' default is auto, which starts
+there and widens the interval where the stall exceeds STALL_GOAL of a step)."""
 
 
 @dataclass(frozen=True)
@@ -90,15 +94,15 @@ def verdict(value: float | None, limit: float) -> str:
     return "met" if value <= limit else "not met"
 
 
-def snapshot_gaps(records: list[StepRecord], every: int | None) -> list[float]:
+def snapshot_gaps(records: list[StepRecord], every: int | None, after_step: int = 0) -> list[float]:
     """Seconds between the end of each step and the end of the next, less the next step's own time: what the
-    trainer did between the two. Only after a snapshot step (a step divisible by `every`); every gap when `every`
-    is None (no copies). Steps with no time recorded are passed over."""
+    trainer did between the two. Only after a snapshot step (a step divisible by `every`) past `after_step`; every
+    gap when `every` is None (no copies). Steps with no time recorded are passed over."""
     ended = {r.step: r for r in records if r.time_unix_s is not None and r.step_time_s is not None}
     gaps = []
     for step, record in sorted(ended.items()):
         after = ended.get(step + 1)
-        if after is None or (every is not None and step % every != 0):
+        if after is None or step <= after_step or (every is not None and step % every != 0):
             continue
         gaps.append(after.time_unix_s - record.time_unix_s - after.step_time_s)  # type: ignore[operator]
     return gaps
@@ -113,6 +117,8 @@ class Stall:
     step_s: float
     gap_s: float
     base_gap_s: float
+    auto: TierDecision | None = None
+    """memory_every_steps=auto: the tier's last decision (its interval is `every`), None for a fixed interval."""
 
     @property
     def stall_s(self) -> float:
@@ -125,13 +131,18 @@ class Stall:
         return self.stall_s / self.step_s
 
 
-def stall_of(every: int, with_copies: list[StepRecord], without: list[StepRecord]) -> Stall:
-    """The stall of copies every `every` steps: median gaps of both jobs, over the median step of the job without."""
-    gaps, base = snapshot_gaps(with_copies, every), snapshot_gaps(without, None)
+def stall_of(
+    every: int, with_copies: list[StepRecord], without: list[StepRecord], auto: TierDecision | None = None
+) -> Stall:
+    """The stall of copies every `every` steps: median gaps of both jobs, over the median step of the job without
+    (auto: the gaps after its last decision, at the interval it chose)."""
+    gaps = snapshot_gaps(with_copies, every, 0 if auto is None else auto.step)
+    base = snapshot_gaps(without, None)
     steps = [r.step_time_s for r in without if r.step_time_s is not None]
     if not gaps or not base or not steps:
         raise ValueError(f"memory_every_steps={every}: too few timed steps to compare; raise --stall-steps")
-    return Stall(every, len(gaps), statistics.median(steps), statistics.median(gaps), statistics.median(base))
+    median = statistics.median
+    return Stall(every, len(gaps), median(steps), median(gaps), median(base), auto)
 
 
 def spec_for(work: Path, dataset: str, save_every: int, max_restarts: int, spares: int) -> dict[str, Any]:
@@ -166,17 +177,26 @@ def run_drill(spec: DeploymentSpec, root: Path, acceptance: AcceptanceConfig, na
 
 
 def stall_jobs(spec: DeploymentSpec, root: Path, steps: int, sparse_every: int) -> list[Stall]:
-    """Jobs without copies and with copies every 1 and every `sparse_every` steps, no storage saves; their stalls."""
+    """Jobs without copies, with copies every 1 and every `sparse_every` steps and at auto, no storage saves; their
+    stalls (auto's at the interval it chose last; left out when it decided the copies do not fit)."""
     ctx = DrillContext(spec.cluster, spec.training_config(), root, AcceptanceConfig(steps=steps, save_every_steps=5))
-    records = {}
-    for every in (None, 1, sparse_every):
+    records, decisions = {}, []
+    for every in (0, 1, sparse_every, "auto"):
         name = f"stall-every-{every or 'off'}"
         checkpoint = {"save_every_steps": None, "save_at_end": False, "memory_every_steps": every}
         outcome = ctx.job(ctx.train(name, run={"steps": steps}, checkpoint=checkpoint), name).wait(600)
         if not outcome.ok:
             raise RuntimeError(f"{name}: the job {outcome.status.describe()}")
         records[every] = outcome.run.metric_records(0)
-    return [stall_of(every, records[every], records[None]) for every in (1, sparse_every)]
+        if every == "auto":
+            decisions = tier_decisions(str(outcome.output_dir))
+    stalls = [stall_of(every, records[every], records[0]) for every in (1, sparse_every)]
+    last = decisions[-1] if decisions else None
+    if last is None or last.interval is None:
+        print(f"  auto: the tier stayed off: {last.reason if last else 'no decision recorded'}", flush=True)
+    else:
+        stalls.append(stall_of(last.interval, records["auto"], records[0], last))
+    return stalls
 
 
 def restore_s(result: DrillResult) -> float | None:
@@ -215,14 +235,21 @@ def stall_table(stalls: list[Stall]) -> list[str]:
     """The stall's lines: per interval, the median step, the gaps, the stall per snapshot and its goal."""
     lines = [
         f"{'memory_every':12} {'snapshots':>9} {'step ms':>8} {'gap ms':>7} {'gap off ms':>10} {'stall ms':>8} "
-        f"{'stall/step':>10} {'per step':>8}  {'stall<=' + format(100 * STALL_GOAL, 'g') + '% of a step'}"
+        f"{'stall/step':>10} {'per step':>8}  {'stall per step<=' + format(100 * STALL_GOAL, 'g') + '% of a step'}"
     ]
     for s in stalls:
+        label = f"auto: {s.every}" if s.auto else str(s.every)
         lines.append(
-            f"{s.every:12d} {s.snapshots:9d} {1e3 * s.step_s:8.1f} {1e3 * s.gap_s:7.2f} {1e3 * s.base_gap_s:10.2f} "
+            f"{label:>12} {s.snapshots:9d} {1e3 * s.step_s:8.1f} {1e3 * s.gap_s:7.2f} {1e3 * s.base_gap_s:10.2f} "
             f"{1e3 * s.stall_s:8.2f} {100 * s.share:9.1f}% {100 * s.share / s.every:7.1f}%  "
-            f"{verdict(s.share, STALL_GOAL) if s.every == MEMORY_EVERY_STEPS else '(not the default interval)'}"
+            f"{verdict(s.share / s.every, STALL_GOAL) if s.auto else '(not the default interval)'}"
         )
+        if s.auto is not None and s.auto.stall_s is not None and s.auto.step_s is not None:
+            lines.append(
+                f"{'':12} the tier chose {s.every} at step {s.auto.step} from its own medians: stall "
+                f"{1e3 * s.auto.stall_s:.2f} ms per copy, step {1e3 * s.auto.step_s:.1f} ms "
+                f"({100 * s.auto.stall_s / s.auto.step_s:.1f}% of a step per copy)"
+            )
     return lines
 
 
@@ -239,15 +266,16 @@ def goals(results: list[tuple[Row, DrillResult, float]], stalls: list[Stall]) ->
     losses = [r.steps_lost for _, r in ladder]
     beyond = None if not ladder or None in losses else max(
         (r.steps_lost or 0) - (row.rpo_bound or 0) for row, r in ladder)  # fmt: skip
-    default = next((s for s in stalls if s.every == MEMORY_EVERY_STEPS), None)
+    default = next((s for s in stalls if s.auto is not None), None)
     return [
         f"goal RTO <= {RTO_GOAL_S:g} s (ladder rungs, slowest): {_num(worst_rto, 0)} s -> "
         f"{verdict(worst_rto, RTO_GOAL_S)}",
         f"goal 0 steps lost beyond the memory interval (ladder rungs, most): "
         f"{'-' if beyond is None else max(0, beyond)} -> {verdict(beyond, 0)}",
-        f"goal stall <= {100 * STALL_GOAL:g}% of a step at memory_every_steps={MEMORY_EVERY_STEPS}: "
-        f"{'-' if default is None else f'{100 * default.share:.1f}%'} -> "
-        f"{verdict(None if default is None else default.share, STALL_GOAL)}",
+        f"goal stall <= {100 * STALL_GOAL:g}% of a step at the default interval (memory_every_steps=auto"
+        f"{'' if default is None else f' -> {default.every}'}), per step: "
+        f"{'-' if default is None else f'{100 * default.share / default.every:.1f}%'} -> "
+        f"{verdict(None if default is None else default.share / default.every, STALL_GOAL)}",
     ]
 
 

@@ -51,7 +51,8 @@ TINY_SPEC: dict[str, Any] = {
     "precision": {"dtype": "fp32"},
     "optim": {"lr_peak": 3e-3, "lr_min": 3e-4, "warmup_steps": 2, "schedule": "cosine"},
     "data": {"dataset_url": "set-by-fixture"},
-    "checkpoint": {"url": "set-by-fixture", "save_every_steps": 10, "keep_last": 3},
+    # The in-memory tier off (its default is auto): these tests restore from storage; tests/*/recovery turn it on.
+    "checkpoint": {"url": "set-by-fixture", "save_every_steps": 10, "keep_last": 3, "memory_every_steps": 0},
     "run": {"steps": 20, "seed": 7, "output_url": "set-by-fixture", "log_every_steps": 5, "threads_per_rank": 1},
 }
 

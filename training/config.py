@@ -416,14 +416,23 @@ class CheckpointConfig(StrictModel):
         default=False,
         description="After the retries, log the lost checkpoint loudly and keep training (false: stop the job).",
     )
-    memory_every_steps: int | None = Field(
-        default=None,
-        ge=1,
-        le=MAX_STEPS,
+    memory_every_steps: Annotated[int, Field(ge=0, le=MAX_STEPS)] | Literal["auto"] | None = Field(
+        default="auto",
         description="Every N steps each rank keeps a copy of its state in host memory (memory_dir) and sends one "
         "to a peer rank on another node; a restarted job restores from these copies, own or a peer's, before it "
         "reads storage (training/checkpoint/memory.py). Costs two copies of the rank's model and optimizer state "
-        "in RAM per kept step (2 kept). None = off.",
+        "in RAM per kept step (2 kept). auto: on when those copies of the node's ranks fit memory_budget_mib (or "
+        "half the host memory available at start), every step unless its measured stall exceeds 5% of a step, "
+        "then the smallest interval that keeps it within (at most save_every_steps); the decision goes to the "
+        "run's memory_tier.jsonl (training/checkpoint/memory_auto.py). 0 or None = off.",
+    )
+    memory_budget_mib: float | None = Field(
+        default=None,
+        gt=0,
+        le=2**40,
+        description="Host memory (MiB) the in-memory copies may hold per node under memory_every_steps=auto; "
+        "None = half of what the node has available at the trainer's start (MemAvailable, and the free space "
+        "of memory_dir's filesystem).",
     )
     memory_dir: str | None = Field(
         default=None,
@@ -431,6 +440,11 @@ class CheckpointConfig(StrictModel):
         description="Node-local folder in host memory (tmpfs) for the in-memory copies; None = "
         "/dev/shm/tdeploy-memory. An absolute local path.",
     )
+
+    @property
+    def memory_tier_on(self) -> bool:
+        """Whether the in-memory tier may take copies (an interval, or auto: decided by the trainer)."""
+        return self.memory_every_steps not in (None, 0)
 
     @model_validator(mode="after")
     def _memory_dir_is_local(self) -> CheckpointConfig:

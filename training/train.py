@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import gc
 import logging
 import math
@@ -37,6 +38,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from training import drill_points, failure, preemption, process, replica, spares
 from training.checkpoint import CheckpointManager, CheckpointSaveError, ModelCard, SavedCheckpoint
 from training.checkpoint.memory import MemoryTier
+from training.checkpoint.memory_auto import record_decision
 from training.comm_probe import probe_record
 from training.config import OptimConfig, TrainConfig
 from training.dataset import DatasetError, TokenDataset
@@ -324,10 +326,13 @@ class Trainer:
         # In-memory copies of every rank's state (checkpoint.memory_every_steps): the rung a restart takes before
         # storage. Replicated (DDP) copies serve any rank; sharded ones only the same world and layout.
         self.memory: MemoryTier | None = None
-        if cfg.checkpoint.memory_every_steps is not None:
+        if cfg.checkpoint.memory_tier_on:
             node = int(os.environ.get("GROUP_RANK", self.rank // self.env.local_world_size))
             replicated = self.meshes is None and par.sharding == "ddp"
-            self.memory = MemoryTier(cfg.checkpoint, self._layout(), replicated, self.env.local_world_size, node)
+            record = functools.partial(record_decision, cfg.run.output_url, cfg.storage) if self.rank == 0 else None
+            self.memory = MemoryTier(
+                cfg.checkpoint, self._layout(), replicated, self.env.local_world_size, node, record
+            )
         self.watchdog.beat("model_built")
         self.replica: replica.ReplicaGroup | None = None
         if self.replica_index is not None:
@@ -901,8 +906,7 @@ class Trainer:
             if saving:
                 with self.watchdog.phase("save", self.step):
                     self._save(background=cfg.checkpoint.async_save)
-            memory_every = cfg.checkpoint.memory_every_steps
-            if self.memory is not None and memory_every and self.step % memory_every == 0 and self.step < last_step:
+            if self.memory is not None and self.memory.due(self.step) and self.step < last_step:
                 self.memory.snapshot(self.step, self.model, self.optimizer, self._train_state())
             if self.preempt_signal is not None and self.step < last_step:
                 self._preempt(self.preempt_signal)

@@ -145,12 +145,15 @@ def variant(train: TrainConfig, root: Path, name: str, **sections: dict[str, Any
     """A copy of `train` writing under root/name (output, checkpoints), with sections merged in and re-validated.
 
     Every acceptance job is one torchrun group (fault_tolerance.mode none) unless `sections` ask for replica groups
-    (the replica_loss drill): the dimensions and the other drills read one run output, not a folder per group."""
+    (the replica_loss drill): the dimensions and the other drills read one run output, not a folder per group.
+    Its in-memory copies are off (memory_every_steps 0) unless `sections` set them (memory_restore): the storage
+    drills restore from storage, and the runs compared with them must not differ in what a restart reads."""
     paths = {
         "run": {"output_url": str(root / name / "output")},
-        "checkpoint": {"url": str(root / name / "checkpoints"), "keep_last": 1000, "resume": True},
+        "checkpoint": {"url": str(root / name / "checkpoints"), "keep_last": 1000, "resume": True,
+                       "memory_every_steps": 0},
         "fault_tolerance": {"mode": "none"},
-    }
+    }  # fmt: skip
     return TrainConfig.model_validate(_merge(_merge(train.model_dump(), paths), sections))
 
 

@@ -30,6 +30,8 @@ from tasks.capacity.serving import ServingPlan, ServingSettings, plan_serving
 from tasks.errors import UserError
 from tasks.launch.cluster import ClusterConfig
 from tasks.paths import plan_location
+from training.checkpoint.memory_auto import HEADROOM as TIER_HEADROOM
+from training.checkpoint.memory_auto import KEPT_STEPS, tier_bytes_per_node
 from training.config import ModelConfig, ParallelConfig, PrecisionConfig, Problem, RunConfig
 from training.layout import PLANNED_ONLY, Layout
 from training.storage import StorageConfig
@@ -128,6 +130,12 @@ class CapacityPlan:
         per_rank = max(m.host_bytes for m in [self.requested.memory, *self.stages])
         return HostMemory(per_rank, self.cluster.procs_per_node, self.capacity.host_memory_gib)
 
+    def memory_tier(self) -> MemoryTierFit:
+        """The in-memory checkpoint tier's copies of the requested layout on a node (memory_every_steps=auto)."""
+        per_rank = max(checkpointed_bytes(m) for m in [self.requested.memory, *self.stages])
+        return MemoryTierFit(per_rank, self.cluster.procs_per_node, self.capacity.host_memory_gib,
+                             self.host_memory().per_node_bytes)  # fmt: skip
+
     def flops_conventions(self) -> list[dict[str, Any]]:
         """Each named FLOPs convention: per token, per step and for the training tokens."""
         lo = self.requested.layout
@@ -219,7 +227,8 @@ class CapacityPlan:
             "requested": _evaluation_json(self.requested)
             | self._payload_json(self.requested)
             | {"stages": [_stage_json(m) for m in self.stages]}
-            | {"host_memory": self.host_memory().as_dict()},
+            | {"host_memory": self.host_memory().as_dict()}
+            | {"memory_tier": self.memory_tier().as_dict()},
             "flops": {
                 "per_token_forward_flops": flops.forward,
                 "per_token_model_flops": flops.model,
@@ -307,6 +316,68 @@ class HostMemory:
             "limit_bytes": self.limit_gib * GIB if self.limit_gib is not None else None,
             "fits": self.problem is None,
             "problem": self.problem,
+        }
+
+
+def checkpointed_bytes(memory: MemoryBreakdown) -> float:
+    """A rank's state as a checkpoint holds it: its weights (on the device, or offloaded) and optimizer state."""
+    states = memory.states
+    weights = states.weights or states.host_weights  # offloaded weights are the host copy; else it is an extra copy
+    return weights + states.optimizer + states.host_optimizer
+
+
+@dataclass(frozen=True)
+class MemoryTierFit:
+    """The in-memory checkpoint tier on a node (training/checkpoint/memory_auto.py): what its copies need (kept
+    steps x own + peer copy x the node's ranks) against capacity.host_memory_gib less the offloaded states, within
+    the tier's headroom; with no host_memory_gib the trainer decides from the memory the node has at start."""
+
+    per_rank_bytes: float
+    ranks_per_node: int
+    limit_gib: float | None
+    offloaded_bytes_per_node: float = 0.0
+
+    @property
+    def per_node_bytes(self) -> float:
+        """What the tier holds on a node."""
+        return tier_bytes_per_node(self.per_rank_bytes, self.ranks_per_node)
+
+    @property
+    def allowed_bytes(self) -> float | None:
+        """What it may take: the headroom of the host memory the offloaded states leave (None: not known)."""
+        if self.limit_gib is None:
+            return None
+        return TIER_HEADROOM * max(0.0, self.limit_gib * GIB - self.offloaded_bytes_per_node)
+
+    @property
+    def fits(self) -> bool | None:
+        """Whether memory_every_steps=auto turns the tier on (None: decided by the trainer at start)."""
+        allowed = self.allowed_bytes
+        return None if allowed is None else self.per_node_bytes <= allowed
+
+    def describe(self) -> str:
+        """One line for the report."""
+        need = (f"{self.per_node_bytes / GIB:.3g} GiB per node ({self.ranks_per_node} ranks x "
+                f"{self.per_rank_bytes / GIB:.3g} GiB x own + peer copy x {KEPT_STEPS} kept steps)")  # fmt: skip
+        if self.fits is None:
+            return (f"in-memory checkpoints: {need}; on if that fits {TIER_HEADROOM:.0%} of the host memory a node "
+                    "has at start (set capacity.host_memory_gib to plan it)")  # fmt: skip
+        allowed = f"{(self.allowed_bytes or 0) / GIB:.3g} GiB allowed"
+        if self.fits:
+            return f"in-memory checkpoints: on (memory_every_steps=auto): {need} of {allowed}"
+        return (f"in-memory checkpoints: OFF under memory_every_steps=auto: {need} exceed {allowed} "
+                f"({TIER_HEADROOM:.0%} of capacity.host_memory_gib={self.limit_gib:g} less offloaded states); "
+                "restarts restore from storage; set checkpoint.memory_budget_mib if the nodes hold more")  # fmt: skip
+
+    def as_dict(self) -> dict[str, Any]:
+        """The figures for plan.json (fits None: the trainer decides at start)."""
+        return {
+            "per_rank_bytes": self.per_rank_bytes,
+            "ranks_per_node": self.ranks_per_node,
+            "per_node_bytes": self.per_node_bytes,
+            "allowed_bytes": self.allowed_bytes,
+            "fits": self.fits,
+            "summary": self.describe(),
         }
 
 

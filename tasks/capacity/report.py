@@ -49,6 +49,7 @@ def _summary_lines(plan: CapacityPlan) -> list[str]:
         *_flops_lines(plan),
         *_calibration_lines(plan),
         *_stage_lines(plan),
+        plan.memory_tier().describe(),
         *_serving_lines(plan),
     ]
 

@@ -6,6 +6,7 @@ import pytest
 
 from benchmarks.recovery import Row, Stall, goals, snapshot_gaps, stall_of, verdict
 from tasks.acceptance.record import DrillResult
+from training.checkpoint.memory_auto import TierDecision
 from training.run_output import StepRecord
 
 
@@ -49,10 +50,22 @@ def test_the_goals_judge_only_the_ladder_rungs_against_their_own_memory_interval
         (Row("3 memory", "memory_restore", 1), DrillResult("memory_restore", True, recovery_s=6.0, steps_lost=1), 1.0),
         (Row("1 live", "replica_loss", 0), DrillResult("replica_loss", True, recovery_s=9.0, steps_lost=0), 1.0),
     ]
-    stalls = [Stall(1, 9, step_s=0.02, gap_s=0.0025, base_gap_s=0.001), Stall(5, 2, 0.02, 0.03, 0.001)]
+    chosen = TierDecision(5, True, 2, 4e6, 8e9, 1e6, stall_s=0.0015, step_s=0.02)
+    stalls = [Stall(1, 9, step_s=0.02, gap_s=0.0025, base_gap_s=0.001), Stall(5, 2, 0.02, 0.03, 0.001),
+              Stall(2, 4, step_s=0.02, gap_s=0.0035, base_gap_s=0.001, auto=chosen)]  # fmt: skip
     rto, rpo, stall = goals(results, stalls)
     assert rto.endswith("9.00 s -> met")  # today's 30 s is the baseline, not judged
     assert rpo.endswith(": 0 -> met")  # one step lost at a copy every step is within the interval
-    assert stall.endswith("7.5% -> not met")  # only the default interval (every step) is judged
+    # only the default interval (auto, which chose 2) is judged, per step: 2.5 ms per copy / 2 steps of 20 ms
+    assert stall.endswith("(memory_every_steps=auto -> 2), per step: 6.2% -> not met")
+    assert goals(results, stalls[:2])[2].endswith("-> -")  # no auto job: not measured
     results.append((Row("2 hot spare", "spare_takeover", 1), DrillResult("spare_takeover", False), 1.0))
     assert [line.rsplit(" ", 1)[-1] for line in goals(results, stalls)[:2]] == ["-", "-"]  # a rung not measured
+
+
+def test_auto_is_read_at_the_interval_of_its_last_decision_from_that_step_on() -> None:
+    records = _steps([1.0, 1.030, 1.055, 1.080, 1.110, 1.135])  # 10 ms after steps 1 and 4, 5 ms after the others
+    assert snapshot_gaps(records, 1, after_step=2) == pytest.approx([0.005, 0.010, 0.005])
+    chosen = TierDecision(3, True, 2, 4e6, 8e9, 1e6, stall_s=0.004, step_s=0.02)
+    stall = stall_of(2, records, _steps([1.0 + 0.021 * k for k in range(6)]), chosen)
+    assert (stall.snapshots, stall.gap_s, stall.auto) == (1, pytest.approx(0.010), chosen)  # after step 4 only

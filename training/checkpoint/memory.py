@@ -66,6 +66,7 @@ from training.checkpoint.collective import all_gather
 from training.checkpoint.commit import parse_json
 from training.checkpoint.errors import CheckpointFormatError
 from training.checkpoint.files import step_dir_name
+from training.checkpoint.memory_auto import KEPT_STEPS, StallWindow, TierDecision, available_bytes, fit
 from training.checkpoint.rng import capture_rng, check_rng, restore_rng
 from training.checkpoint.trust import CheckpointKeyError, checkpoint_key, sign_commit, untrusted_reason
 from training.config import CheckpointConfig
@@ -74,7 +75,7 @@ from training.recovery_record import Refusal
 log = logging.getLogger(__name__)
 
 DEFAULT_MEMORY_DIR = "/dev/shm/tdeploy-memory"
-KEEP_STEPS = 2
+KEEP_STEPS = KEPT_STEPS
 FORMAT = "tdeploy-memory-copy/1"
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)  # the keys storage checkpoints use
 _COPY = re.compile(r"rank-(\d{5})\.by-(\d{5})\.json$")
@@ -293,6 +294,8 @@ class StateView:
             self.index.append([section, key, dtype, list(tensor.shape), offsets.get(dtype, 0)])
             offsets[dtype] = offsets.get(dtype, 0) + tensor.numel()
         self.index_json = json.dumps(self.index)  # the same for every copy: serialised once
+        self.nbytes = sum(t.numel() * t.element_size() for parts in self.parts.values() for t in parts)
+        """Bytes of one packed copy of the tensors."""
 
     def _fingerprint(self) -> tuple[int, ...]:
         """The optimizer's state tensors by identity: a load replaces them, and the view is then taken again."""
@@ -378,8 +381,12 @@ class Outcome:
 class MemoryTier:
     """Host-memory copies of every rank's state, one kept locally and one on a buddy rank's node."""
 
-    def __init__(self, cfg: CheckpointConfig, layout: str, replicated: bool, local_world: int, node: int) -> None:
-        """`replicated`: every data-parallel rank holds the whole model and optimizer state (DDP)."""
+    def __init__(
+        self, cfg: CheckpointConfig, layout: str, replicated: bool, local_world: int, node: int,
+        record: Callable[[TierDecision], None] | None = None,
+    ) -> None:  # fmt: skip
+        """`replicated`: every data-parallel rank holds the whole model and optimizer state (DDP). `record`: where
+        the decisions of memory_every_steps=auto go (rank 0's run output; None: the log only)."""
         self.cfg, self.layout, self.replicated = cfg, layout, replicated
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
@@ -396,6 +403,64 @@ class MemoryTier:
         self.stalls_s: list[float] = []  # per snapshot: training held, in all
         self.waits_s: list[float] = []  # of which waiting for the previous copy's exchange
         os.makedirs(self.folder, exist_ok=True)
+        # memory_every_steps=auto: the node's memory as it is at start; fit and interval decided at the first
+        # snapshot point (the optimizer's state exists from the first step on), the interval again from the stalls.
+        self.auto = cfg.memory_every_steps == "auto"
+        self.every: int | None = None if self.auto else int(cfg.memory_every_steps or 0) or None
+        self.decided = not self.auto
+        self.available = available_bytes(self.folder) if self.auto else (0, "")
+        self.record = record
+        self._window = StallWindow()
+        self._fit_bytes = (0.0, 0.0, 0.0)  # need, allowed, state
+        self._last: tuple[int, float] | None = None  # step and time the previous snapshot let training go on
+
+    def due(self, step: int) -> bool:
+        """Whether a copy is taken after `step` (auto: the first step of this start decides the fit there)."""
+        if not self.decided:
+            return True
+        return self.every is not None and step % self.every == 0
+
+    def _agree(self, values: list[float]) -> list[float]:
+        """The largest of each value over every rank (the tier's own group; no exchange is in flight)."""
+        if self._group is None:
+            return values
+        tensor = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self._group)
+        return tensor.tolist()
+
+    def _decide(self, step: int, decision: TierDecision) -> None:
+        self.decided = True
+        if self.rank == 0:
+            log.info("%s", decision.describe())
+            if self.record is not None:
+                try:
+                    self.record(decision)
+                except Exception as err:  # noqa: BLE001 - the record is evidence; training goes on
+                    log.warning("could not record the memory tier's decision at step %d: %s", step, err)
+
+    def _decide_fit(self, step: int, state_bytes: float) -> bool:
+        """memory_every_steps=auto's first decision, the same on every rank: whether the tier fits each node."""
+        mine = fit(state_bytes, self.local_world, self.cfg.memory_budget_mib, self.available)
+        largest, refused = self._agree([state_bytes, 0.0 if mine.fits else 1.0])
+        verdict = fit(largest, self.local_world, self.cfg.memory_budget_mib, self.available)
+        fits = not refused
+        reason = verdict.reason or ("" if fits else "another node's memory does not hold them (its log says why)")
+        self.every = 1 if fits else None
+        self._fit_bytes = (verdict.need_bytes, verdict.allowed_bytes, largest)
+        self._decide(step, TierDecision(step, fits, self.every, verdict.need_bytes, verdict.allowed_bytes, largest,
+                                        reason=reason))  # fmt: skip
+        return fits
+
+    def _review(self, step: int) -> None:
+        """memory_every_steps=auto: choose the interval again from the measured stalls (every rank the same)."""
+        if not self.auto or self.every is None or not self._window.due():
+            return
+        proposal = int(self._agree([float(self._window.proposal(self.cfg.save_every_steps))])[0])
+        if proposal != self.every or self._window.chosen == 1:  # the first choice is recorded, later ones if new
+            stall, step_s = self._window.medians()
+            self.every = proposal
+            need, allowed, state = self._fit_bytes
+            self._decide(step, TierDecision(step, True, proposal, need, allowed, state, stall, step_s))
 
     # ---- save -------------------------------------------------------------------------------
 
@@ -407,8 +472,12 @@ class MemoryTier:
         started = time.perf_counter()
         self.wait()
         self.waits_s.append(time.perf_counter() - started)
+        self._review(step)
         if self._view is None or self._view.optimizer is not optimizer or not self._view.current():
             self._view = StateView(model, optimizer)
+        state_bytes = self._view.nbytes  # known before the copy is made: a state that does not fit is not copied
+        if not self.decided and not self._decide_fit(step, state_bytes):
+            return 0.0
         flat, hyper, index = self._view.pack()
         if not self._view.exact:  # hyper-parameters not found in param_groups: read them the slow way
             hyper = {k: v for k, v in get_state_dict(model, optimizer, options=_OPTIONS)[1].items()
@@ -418,7 +487,7 @@ class MemoryTier:
         state = {"flat": flat, "hyper": hyper, "index": index, "meta": json.dumps(meta)}
         work: Callable[..., None] = self._keep
         args: tuple[Any, ...] = (step, state)
-        if sum(t.numel() * t.element_size() for t in flat.values()) < BACKGROUND_MIN_BYTES:
+        if state_bytes < BACKGROUND_MIN_BYTES:
             # Small: serialised and committed here, cheaper than a thread's GIL hand-offs; only the exchange, which
             # waits for the peer with the GIL released, goes to the background.
             work, args = self._share, (step, *self._commit_or_nothing(step, state))
@@ -427,8 +496,13 @@ class MemoryTier:
         else:
             self._thread = threading.Thread(target=work, args=args, name=f"memory-copy-{step}", daemon=True)
             self._thread.start()
-        stall = time.perf_counter() - started
+        ended = time.perf_counter()
+        stall = ended - started
         self.stalls_s.append(stall)
+        last = self._last
+        between = None if last is None or step <= last[0] else (started - last[1]) / (step - last[0])
+        self._window.add(stall, between)
+        self._last = (step, ended)
         return stall
 
     def wait(self) -> None:

@@ -226,7 +226,8 @@ def test_recovery_events_read_back_as_written_and_a_bad_line_is_named(tmp_path: 
     [
         ({"memory_every_steps": 1}, "/dev/shm/tdeploy-memory"),
         ({"memory_every_steps": 2, "memory_dir": "/run/copies"}, "/run/copies"),
-        ({"memory_every_steps": None}, None),
+        ({"memory_every_steps": "auto"}, "/dev/shm/tdeploy-memory"),
+        ({"memory_every_steps": 0}, None),
     ],
 )
 def test_kubernetes_pods_keep_the_memory_copies_on_a_memory_backed_volume_when_the_tier_is_on(
