@@ -216,9 +216,10 @@ def _leave_marker(marker_dir: str, prefix: str, phase: SavePhase | Literal["held
     )
     os.makedirs(marker_dir, exist_ok=True)
     path = os.path.join(marker_dir, f"{prefix}{rank:05d}.json")
-    with open(f"{path}.tmp", "w") as handle:
+    partial = f"{path}.{os.getpid()}.tmp"  # replica groups: each group has a rank 0, writing the same marker
+    with open(partial, "w") as handle:
         handle.write(marker.model_dump_json())
-    os.replace(f"{path}.tmp", path)  # whole or absent: the drill never reads half a marker
+    os.replace(partial, path)  # whole or absent: the drill never reads half a marker
     return rank
 
 

@@ -17,7 +17,7 @@ AGENT_RECORD_ENV = "TDEPLOY_AGENT_RECORD"
 """Where the agent writes its host, pid and start time (a job's processes on another host are found by them)."""
 
 
-def _record() -> None:
+def write_record() -> None:
     """Write this agent's host, pid and start time where AGENT_RECORD_ENV says (complete or absent)."""
     path = os.environ.pop(AGENT_RECORD_ENV, None)  # not the workers' business
     if not path:
@@ -32,7 +32,7 @@ def main() -> int:
     """Run torchrun with this process's arguments once the parent-death signal is in place; its exit code
     (PREEMPTED_EXIT_CODE when the workers checkpointed and stopped on a preemption signal)."""
     die_with_parent()  # the wrapper (or, over SSH, sshd's session) is its parent: its exit fires this
-    _record()
+    write_record()
     spare = os.environ.pop(SPARE_WAIT_ENV, None)
     if spare:
         importlib.import_module("torch.distributed.run")  # seconds of imports, paid before a node is lost, not after

@@ -143,6 +143,9 @@ class Capabilities:
     live_recovery: bool = False
     """fault_tolerance.mode=replica_groups: `submit` runs the job as replica groups under a torchft lighthouse, a
     lost group healing from a peer (training/replica.py); False: the spec refuses the mode for this scheduler."""
+    replica_group_per_node: bool = False
+    """With live_recovery: each node (host) of the job runs one replica group, so fault_tolerance.replica_groups
+    must equal cluster.nodes; False: the groups split the ranks of this machine as they divide them."""
 
 
 class Launcher(Protocol):

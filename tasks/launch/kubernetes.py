@@ -6,6 +6,10 @@ OpenAPI schema (nested Kubernetes types included), which rejects missing
 required fields and wrong types, and then requires the round trip to give the
 manifest back unchanged, which rejects unknown or misplaced fields.
 
+With fault_tolerance.mode=replica_groups the manifests are a torchft lighthouse
+(Deployment and Service) and one single-pod PyTorchJob per replica group
+(`replica_groups_manifests`); they are rendered and validated, not submitted.
+
 The live path (`KubernetesLauncher`) needs a cluster with the training
 operator and a kubeconfig; no such cluster runs on the CI machine, so it is
 kept small and separate, and not exercised by the tests.
@@ -13,6 +17,7 @@ kept small and separate, and not exercised by the tests.
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -29,16 +34,21 @@ from tasks.launch.base import (
     excluded_host_names,
 )
 from tasks.launch.environment import JobEnvironment
+from tasks.launch.lighthouse import LIGHTHOUSE_BIN, group_config, lighthouse_command
 from tasks.launch.torchrun import job_env, preemption_args, rdzv_conf_args
 from training.checkpoint import KEY_ENV as CHECKPOINT_KEY_ENV
 from training.checkpoint.memory import DEFAULT_MEMORY_DIR
 from training.config import TrainConfig, first_problem
 from training.preemption import PREEMPTED_EXIT_CODE
+from training.replica import HOST_ENV, LIGHTHOUSE_ENV, REPLICA_GROUP_ENV
 
 if TYPE_CHECKING:
     from tasks.launch.cluster import ClusterConfig
 
 CONFIG_DIR = "/etc/tdeploy"
+LIGHTHOUSE_PORT = 29510
+"""The torchft lighthouse's port, in its pod and on its Service (fault_tolerance.mode=replica_groups)."""
+REPLICA_GROUP_LABEL = "tdeploy/replica-group"
 # The Kubernetes Secret (key `key`) whose value reaches every pod as TDEPLOY_CHECKPOINT_KEY, when it exists.
 CHECKPOINT_KEY_SECRET = "tdeploy-checkpoint-key"
 
@@ -50,7 +60,9 @@ def render_manifests(
     image: str,
     environment: JobEnvironment | None = None,
 ) -> list[dict[str, Any]]:
-    """[ConfigMap with run.json, PyTorchJob] for `cluster.nodes` pods of `procs_per_node` ranks each.
+    """[ConfigMap with run.json, PyTorchJob] for `cluster.nodes` pods of `procs_per_node` ranks each; with
+    fault_tolerance.mode=replica_groups, [ConfigMap, lighthouse Deployment and Service, one PyTorchJob per group]
+    (replica_groups_manifests).
 
     The pods get cluster.env and cluster.network's variables, and `environment`'s (a drill's points, a test
     plugin) where given.
@@ -98,7 +110,7 @@ def render_manifests(
         "containers": [container],
         "volumes": [{"name": "tdeploy-config", "configMap": {"name": f"{name}-config"}}],
     }
-    if train.checkpoint.memory_every_steps is not None:
+    if train.checkpoint.memory_tier_on:
         # The in-memory checkpoint tier's copies live in RAM (tmpfs) for the pod's life: a restarted container
         # finds them, a pod lost with its node loses them (its peers on other nodes keep a copy).
         container["volumeMounts"].append(
@@ -148,7 +160,88 @@ def render_manifests(
         "metadata": {"name": f"{name}-config", "namespace": k8s.namespace},
         "data": {"run.json": train.model_dump_json(indent=2)},
     }
+    if train.fault_tolerance.mode == "replica_groups":
+        return [config_map, *replica_groups_manifests(cluster, train, job, config_map)]
     return [config_map, job]
+
+
+def replica_groups_manifests(
+    cluster: ClusterConfig, train: TrainConfig, job: dict[str, Any], config_map: dict[str, Any]
+) -> list[dict[str, Any]]:
+    """fault_tolerance.mode=replica_groups, rendered: [lighthouse Deployment, its Service, one PyTorchJob per group].
+
+    As on Slurm, each node (here: each pod) runs one replica group: a PyTorchJob of one pod `<name>-replica-<g>`
+    whose torchrun has its own rendezvous (--standalone) and restarts (--max-restarts, then the pod's OnFailure
+    restart up to the job's backoffLimit), its own config in the ConfigMap (`replica-<g>` output and checkpoint
+    folders) and, in its environment, its group index, the lighthouse's Service address, and the pod's IP as the
+    address its manager, checkpoint server and store advertise. The lighthouse is a Deployment of one pod (the
+    training image's torchft_lighthouse, listening on every interface of its pod) behind a Service. `job` (the
+    PyTorchJob render_manifests built) gives each group's pod template; `config_map` gets the groups' configs.
+    """
+    groups, k8s = train.fault_tolerance.replica_groups, cluster.kubernetes
+    name = job["metadata"]["name"]
+    if groups != cluster.nodes:
+        raise UserError(
+            f"fault_tolerance.replica_groups={groups} with cluster.nodes={cluster.nodes}: on Kubernetes each pod runs "
+            "one replica group", f"set fault_tolerance.replica_groups to {cluster.nodes}",
+        )  # fmt: skip
+    lighthouse = f"{name}-lighthouse"
+    if len(lighthouse) > 63:  # a Service name is one DNS label
+        raise UserError(f"job name {name!r} is too long for its lighthouse Service {lighthouse!r}",
+                        "use a job name of at most 52 characters")  # fmt: skip
+    labels = {"app.kubernetes.io/managed-by": "tdeploy", "app.kubernetes.io/name": lighthouse}
+    pod_ip = {"valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
+    address = f"http://{lighthouse}.{k8s.namespace}.svc:{LIGHTHOUSE_PORT:d}"
+    deployment = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": lighthouse, "namespace": k8s.namespace, "labels": labels},
+        "spec": {"replicas": 1, "selector": {"matchLabels": labels}, "template": {
+            "metadata": {"labels": labels},
+            "spec": {"containers": [{
+                "name": "lighthouse", "image": job_image(job), "imagePullPolicy": k8s.image_pull_policy,
+                "command": lighthouse_command(train, LIGHTHOUSE_PORT, host="0.0.0.0", binary=[LIGHTHOUSE_BIN]),
+                "ports": [{"name": "lighthouse", "containerPort": LIGHTHOUSE_PORT}],
+            }]},
+        }},
+    }  # fmt: skip
+    service = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": lighthouse, "namespace": k8s.namespace, "labels": labels},
+        "spec": {"selector": labels, "ports": [{"name": "lighthouse", "port": LIGHTHOUSE_PORT,
+                                                "targetPort": "lighthouse"}]},
+    }  # fmt: skip
+    template = next(iter(job["spec"]["pytorchReplicaSpecs"].values()))["template"]
+    jobs = []
+    for group in range(groups):
+        config_map["data"][f"run-replica-{group}.json"] = group_config(train, group).model_dump_json(indent=2)
+        pod = copy.deepcopy(template)
+        container = pod["spec"]["containers"][0]
+        container["command"] = [
+            "python", "-m", "training.preemption", "--standalone", "--nnodes=1",
+            f"--nproc-per-node={cluster.procs_per_node}", f"--max-restarts={cluster.max_restarts}",
+            *preemption_args(cluster), "-m", "training.train", "--config", f"{CONFIG_DIR}/run-replica-{group}.json",
+        ]  # fmt: skip
+        container["env"] += [
+            {"name": REPLICA_GROUP_ENV, "value": str(group)},
+            {"name": LIGHTHOUSE_ENV, "value": address},
+            {"name": HOST_ENV, **pod_ip},
+            {"name": "PET_LOCAL_ADDR", **pod_ip},  # torchrun's MASTER_ADDR: the group's store, which peers reach
+        ]
+        group_job = copy.deepcopy(job)
+        group_job["metadata"]["name"] = f"{name}-replica-{group}"
+        group_job["metadata"]["labels"] = {**job["metadata"]["labels"], REPLICA_GROUP_LABEL: str(group)}
+        group_job["spec"]["pytorchReplicaSpecs"] = {
+            "Master": {"replicas": 1, "restartPolicy": "OnFailure", "template": pod}
+        }
+        jobs.append(group_job)
+    return [deployment, service, *jobs]
+
+
+def job_image(job: dict[str, Any]) -> str:
+    """The image of a rendered PyTorchJob's pods."""
+    return next(iter(job["spec"]["pytorchReplicaSpecs"].values()))["template"]["spec"]["containers"][0]["image"]
 
 
 def pod_exit_codes(pods: list[dict[str, Any]]) -> dict[str, int]:
@@ -254,7 +347,7 @@ class KubernetesLauncher(Launcher):
         can_lose_node=False,
         replaces_lost_host=False,
         has_hot_spares=True,  # cluster.spares: standby agents in the rendezvous (tasks/launch/spares.py)
-        live_recovery=False,  # not done: replica groups start on this machine only (tasks/launch/lighthouse.py)
+        live_recovery=False,  # replica groups rendered only (replica_groups_manifests), not submitted
     )
 
     @classmethod
@@ -303,6 +396,12 @@ class KubernetesLauncher(Launcher):
         if not image:
             raise UserError(
                 "cluster.scheduler=kubernetes needs an image", "build one first (tdeploy build-image) or pass --image"
+            )
+        if train.fault_tolerance.mode == "replica_groups":  # the spec refuses it here (live_recovery=False)
+            raise UserError(
+                "fault_tolerance.mode=replica_groups: the Kubernetes launcher renders replica groups "
+                "(replica_groups_manifests) but does not submit or watch them yet",
+                "run on the local, SSH or Slurm launcher, or set fault_tolerance.mode=none",
             )
         config_map, job = render_manifests(cluster, train, name, image, environment)
         validate_pytorchjob(job)

@@ -14,7 +14,9 @@ Each group's torchrun runs through the local agent (tasks/launch/agent.py: it di
 preemption ends it with PREEMPTED_EXIT_CODE), and the lighthouse is sent SIGKILL by Linux when its starter exits:
 a group never outlives the process that owns the job. Used by the local launcher's jobs (tdeploy train, through
 tasks/launch/replica_supervisor.py), the replica_loss drill (tasks/acceptance/ladder/replica_loss.py) and their
-tests.
+tests. The SSH launcher's jobs start the same pieces one host at a time (start_lighthouse, start_group, through
+tasks/launch/replica_host.py): one group per host, on that host's inventory address instead of loopback, and the
+lighthouse on the first host.
 """
 
 from __future__ import annotations
@@ -46,19 +48,25 @@ HOST = "127.0.0.1"
 checkpoint servers listen on it rather than on every interface."""
 
 
-def lighthouse_command(cfg: TrainConfig, port: int, host: str = HOST) -> list[str]:
+def lighthouse_command(
+    cfg: TrainConfig, port: int, host: str = HOST, binary: Sequence[str] | None = None
+) -> list[str]:
     """The lighthouse's command line: quorum of at least fault_tolerance.min_replicas groups, a group dropped after
-    heartbeat_timeout_s without heartbeats."""
+    heartbeat_timeout_s without heartbeats. `binary`: how the cluster starts it (a Slurm job's Python's sibling, a
+    container's); None: the torchft_lighthouse beside this Python, which must exist."""
     ft = cfg.fault_tolerance
-    binary = Path(sys.executable).parent / LIGHTHOUSE_BIN
-    if not binary.exists():
-        raise UserError(
-            f"{binary} not found: fault_tolerance.mode=replica_groups needs torchft",
-            "install the training extra (pip install 'transformer-deploy[training]') or set fault_tolerance.mode=none",
-        )
+    if binary is None:
+        found = Path(sys.executable).parent / LIGHTHOUSE_BIN
+        if not found.exists():
+            raise UserError(
+                f"{found} not found: fault_tolerance.mode=replica_groups needs torchft",
+                "install the training extra (pip install 'transformer-deploy[training]') or set "
+                "fault_tolerance.mode=none",
+            )
+        binary = [str(found)]
     join_ms = int(min(ft.quorum_timeout_s, 10.0) * 1000)  # how long a quorum waits for a group that heartbeats
     return [
-        str(binary), f"--bind={host}:{port}", f"--min_replicas={ft.min_replicas}",
+        *binary, f"--bind={host}:{port}", f"--min_replicas={ft.min_replicas}",
         f"--heartbeat_timeout_ms={int(ft.heartbeat_timeout_s * 1000)}", f"--join_timeout_ms={join_ms}",
     ]  # fmt: skip
 
@@ -69,6 +77,61 @@ def group_config(cfg: TrainConfig, group: int) -> TrainConfig:
     run = cfg.run.model_copy(update={"output_url": join(cfg.run.output_url, name)})
     checkpoint = cfg.checkpoint.model_copy(update={"url": join(cfg.checkpoint.url, name)})
     return cfg.model_copy(update={"run": run, "checkpoint": checkpoint})
+
+
+def start_lighthouse(cfg: TrainConfig, workdir: Path, port: int, host: str = HOST) -> subprocess.Popen:
+    """Start the lighthouse on `host`:`port` in a session of its own, SIGKILLed by Linux when its starter exits
+    (its log: `workdir`/lighthouse.log)."""
+    return subprocess.Popen(  # noqa: S603 - a fixed binary and validated numbers
+        lighthouse_command(cfg, port, host), stdout=(workdir / "lighthouse.log").open("w"), stderr=subprocess.STDOUT,
+        start_new_session=True, preexec_fn=parent_death_signal,
+    )  # fmt: skip
+
+
+def start_group(
+    cfg: TrainConfig,
+    group: int,
+    workdir: Path,
+    procs_per_group: int,
+    max_restarts: int,
+    lighthouse: str,
+    host: str = HOST,
+    env: dict[str, str] | None = None,
+    torchrun_args: Sequence[str] = (),
+) -> subprocess.Popen:
+    """Start replica group `group`'s torchrun through the agent, in a session of its own: its config
+    (`workdir`/run-replica-<g>.json) and log (replica-<g>.log) under `workdir`; its servers listen on `host` and its
+    managers reach the lighthouse at `lighthouse` (http://host:port)."""
+    base = {**os.environ, **(env or {})}
+    for key, value in WORKER_ENV.items():
+        base.setdefault(key, value)
+    base.update({LIGHTHOUSE_ENV: lighthouse, HOST_ENV: host, REPLICA_GROUP_ENV: str(group)})
+    config_path = workdir / f"run-replica-{group}.json"
+    group_config(cfg, group).to_json_file(config_path)
+    cmd = [
+        sys.executable, "-m", "tasks.launch.agent", "--standalone", "--nnodes=1",
+        f"--nproc-per-node={procs_per_group}", f"--max-restarts={max_restarts}", *torchrun_args,
+        "-m", "training.train", "--config", str(config_path),
+    ]  # fmt: skip
+    return subprocess.Popen(  # noqa: S603 - our own interpreter and paths
+        cmd, env=base, stdout=(workdir / f"replica-{group}.log").open("w"), stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )  # fmt: skip
+
+
+def stop_sessions(procs: Sequence[subprocess.Popen], grace_s: float = 5.0) -> None:
+    """Stop each process's session (SIGTERM, then SIGKILL after grace_s) and reap the process."""
+    for proc in procs:
+        with contextlib.suppress(ProcessLookupError):  # the session may be gone already
+            os.killpg(proc.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 @dataclass
@@ -97,29 +160,11 @@ class ReplicaGroupsJob:
             raise UserError(f"fault_tolerance.mode={ft.mode!r}: no replica groups to start", "set it to replica_groups")
         workdir.mkdir(parents=True, exist_ok=True)
         port = free_port()
-        lighthouse = subprocess.Popen(  # noqa: S603 - a fixed binary and validated numbers
-            lighthouse_command(cfg, port), stdout=(workdir / "lighthouse.log").open("w"), stderr=subprocess.STDOUT,
-            start_new_session=True, preexec_fn=parent_death_signal,
-        )  # fmt: skip
-        job = cls(cfg, workdir, lighthouse)
-        base = {**os.environ, **(env or {})}
-        for key, value in WORKER_ENV.items():
-            base.setdefault(key, value)
-        base[LIGHTHOUSE_ENV], base[HOST_ENV] = f"http://{HOST}:{port}", HOST
+        job = cls(cfg, workdir, start_lighthouse(cfg, workdir, port))
+        lighthouse = f"http://{HOST}:{port}"
         for g in range(ft.replica_groups):
-            config_path = workdir / f"run-replica-{g}.json"
-            group_config(cfg, g).to_json_file(config_path)
-            cmd = [
-                sys.executable, "-m", "tasks.launch.agent", "--standalone", "--nnodes=1",
-                f"--nproc-per-node={procs_per_group}", f"--max-restarts={max_restarts}", *torchrun_args,
-                "-m", "training.train", "--config", str(config_path),
-            ]  # fmt: skip
-            job.groups.append(
-                subprocess.Popen(  # noqa: S603 - our own interpreter and paths
-                    cmd, env={**base, REPLICA_GROUP_ENV: str(g)}, stdout=(workdir / f"replica-{g}.log").open("w"),
-                    stderr=subprocess.STDOUT, start_new_session=True,
-                )  # fmt: skip
-            )
+            job.groups.append(start_group(cfg, g, workdir, procs_per_group, max_restarts, lighthouse, HOST, env,
+                                          torchrun_args))  # fmt: skip
         return job
 
     def output(self, group: int) -> RunOutput:
@@ -163,18 +208,7 @@ class ReplicaGroupsJob:
 
     def stop(self, grace_s: float = 5.0) -> None:
         """Stop every group's session and the lighthouse (SIGTERM, then SIGKILL after grace_s)."""
-        procs = [*self.groups, self.lighthouse]
-        for proc in procs:
-            with contextlib.suppress(ProcessLookupError):  # the session may be gone already
-                os.killpg(proc.pid, signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        for proc in procs:
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        stop_sessions([*self.groups, self.lighthouse], grace_s)
 
     def log_tail(self, group: int, chars: int = 3000) -> str:
         """The end of replica group `group`'s torchrun log."""

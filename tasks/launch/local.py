@@ -247,9 +247,10 @@ class LocalLauncher(Launcher):
         replicas = train.fault_tolerance.mode == "replica_groups"
         exit_files = [out / f"exit-{node}.txt" for node in range(cluster.nodes)]
         with open(log_path, "ab") as log_file:
-            for node in range(1 if replicas else cluster.nodes + cluster.spares):
-                if replicas:  # one process in place of the agents: it runs every replica group
-                    argv, env = self._replica_command(cluster, train, job_id, config_path, environment)
+            agents_count = self._replica_processes_count(cluster) if replicas else cluster.nodes + cluster.spares
+            for node in range(agents_count):
+                if replicas:  # in place of the agents: here one process runs every replica group
+                    argv, env = self._replica_command(cluster, train, job_id, config_path, environment, node)
                 else:
                     standby = node >= cluster.nodes
                     args = torchrun_args(cluster, endpoint, job_id, str(config_path),
@@ -328,6 +329,11 @@ class LocalLauncher(Launcher):
         env.update(spare or {})
         return [sys.executable, "-m", "tasks.launch.agent", *args], env
 
+    @staticmethod
+    def _replica_processes_count(cluster: ClusterConfig) -> int:
+        """How many processes run a replica-groups job's groups: here one (tasks/launch/replica_supervisor.py)."""
+        return 1
+
     def _replica_command(
         self,
         cluster: ClusterConfig,
@@ -335,6 +341,7 @@ class LocalLauncher(Launcher):
         job_id: str,
         config_path: Path,
         environment: JobEnvironment | None,
+        node: int,
     ) -> tuple[list[str], dict[str, str]]:
         """The command and environment of a replica-groups job's one process (tasks/launch/replica_supervisor.py):
         fault_tolerance.replica_groups torchruns of world_size / replica_groups ranks each, with the job's restarts

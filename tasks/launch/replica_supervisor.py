@@ -24,6 +24,7 @@ import logging
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 
@@ -39,11 +40,12 @@ log = logging.getLogger("tasks.launch.replica_supervisor")
 PROCESSES_FILE = "processes.json"
 """Under --workdir: the lighthouse's and each group's agent's pid (written once they started)."""
 
-_FORWARDED = {signal.SIGTERM: signal.SIGTERM, signal.SIGUSR1: signal.SIGUSR1,
-              signal.SIGINT: signal.SIGTERM, signal.SIGHUP: signal.SIGTERM}  # fmt: skip
+FORWARDED_SIGNALS = {signal.SIGTERM: signal.SIGTERM, signal.SIGUSR1: signal.SIGUSR1,
+                     signal.SIGINT: signal.SIGTERM, signal.SIGHUP: signal.SIGTERM}  # fmt: skip
+"""What a signal to the process running replica groups becomes for their agents (SIGINT, SIGHUP: the cancel path)."""
 
 
-def _copy(cfg: TrainConfig, group: int, name: str) -> bool:
+def copy_from_group(cfg: TrainConfig, group: int, name: str) -> bool:
     """Copy `name` from replica group `group`'s output to the job's (atomically); False when the group has none."""
     fs, root = filesystem(cfg.run.output_url, cfg.storage)
     source = join(group_config(cfg, group).run.output_url, name)
@@ -55,7 +57,7 @@ def _copy(cfg: TrainConfig, group: int, name: str) -> bool:
     return True
 
 
-def _surface_preemption(cfg: TrainConfig, job_id: str, since_unix_s: float) -> bool:
+def surface_preemption(cfg: TrainConfig, job_id: str, since_unix_s: float) -> bool:
     """Write group 0's last preemption record since the job started to the job's output, under the job's id."""
     found = preemption.records_since(group_config(cfg, 0).run.output_url, since_unix_s, storage=cfg.storage)
     if not found:
@@ -65,24 +67,33 @@ def _surface_preemption(cfg: TrainConfig, job_id: str, since_unix_s: float) -> b
     return True
 
 
-def outcome(cfg: TrainConfig, job: ReplicaGroupsJob, codes: list[int], job_id: str, since_unix_s: float) -> int:
-    """The job's exit code from its groups' (see the module's doc), with what the job's output needs written."""
+def surface_failure(cfg: TrainConfig, group: int, since_unix_s: float) -> bool:
+    """Copy replica group `group`'s failure.json (a workload error written since the job started) to the job's
+    output, where the restart policy reads it; False when the group wrote none."""
+    if failure.failure_since(group_config(cfg, group).run.output_url, since_unix_s, cfg.storage) is None:
+        return False
+    return copy_from_group(cfg, group, failure.FAILURE_FILE)
+
+
+def outcome(
+    cfg: TrainConfig, log_tail: Callable[[int], str], codes: list[int], job_id: str, since_unix_s: float
+) -> int:
+    """The job's exit code from its groups' (see the module's doc), with what the job's output needs written;
+    `log_tail(g)`: the end of group g's log, printed for a failed group (the Slurm launcher's replica_step too)."""
     if all(code == 0 for code in codes):
-        if not _copy(cfg, 0, RESULT):
+        if not copy_from_group(cfg, 0, RESULT):
             print("every replica group exited 0 but group 0 wrote no result.json", flush=True)  # noqa: T201
             return 1
         return 0
-    if set(codes) <= {0, preemption.PREEMPTED_EXIT_CODE} and _surface_preemption(cfg, job_id, since_unix_s):
+    if set(codes) <= {0, preemption.PREEMPTED_EXIT_CODE} and surface_preemption(cfg, job_id, since_unix_s):
         return preemption.PREEMPTED_EXIT_CODE
     failed = next(g for g, code in enumerate(codes) if code != 0)
     for group in range(len(codes)):
-        found = failure.failure_since(group_config(cfg, group).run.output_url, since_unix_s, cfg.storage)
-        if found is not None:
-            _copy(cfg, group, failure.FAILURE_FILE)
+        if surface_failure(cfg, group, since_unix_s):
             failed = group
             break
     print(f"replica group {failed} exited {codes[failed]} (groups: {codes}); the end of its log:\n"
-          f"{job.log_tail(failed)}", flush=True)  # fmt: skip  # noqa: T201
+          f"{log_tail(failed)}", flush=True)  # fmt: skip  # noqa: T201
     return codes[failed]
 
 
@@ -104,12 +115,12 @@ def main(argv: list[str] | None = None) -> int:
 
     def forward(signum: int, frame: FrameType | None) -> None:
         received.append(signum)
-        job.signal(_FORWARDED[signal.Signals(signum)])
+        job.signal(FORWARDED_SIGNALS[signal.Signals(signum)])
 
     workdir = Path(args.workdir)
     job = ReplicaGroupsJob.start(cfg, workdir, args.procs_per_group, args.max_restarts,
                                  torchrun_args=args.torchrun_args)  # fmt: skip
-    for signum in _FORWARDED:
+    for signum in FORWARDED_SIGNALS:
         signal.signal(signum, forward)
     try:
         (workdir / PROCESSES_FILE).write_text(json.dumps(job.processes()))
@@ -120,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         job.stop()
     if received:
         log.info("stopped on %s", ", ".join(signal.Signals(s).name for s in received))
-    return outcome(cfg, job, codes, args.job_id, started)
+    return outcome(cfg, job.log_tail, codes, args.job_id, started)
 
 
 if __name__ == "__main__":

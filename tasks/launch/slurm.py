@@ -16,6 +16,14 @@ preemption, a partition of a higher PriorityTier preempts the lower ones over th
 GraceTime should be at least grace_period_s), cluster.slurm.qos (with preempt/qos and accounting) and
 cluster.slurm.nice (lower priority within a partition). All three are validated by the spec (Slurm names, an
 integer) and written as quoted `#SBATCH` directives.
+
+Live recovery (fault_tolerance.mode=replica_groups, one replica group per node, which the spec holds to): the
+script starts the torchft lighthouse in the background on the head node (cluster.slurm.rdzv_port), then one srun
+step whose task on node i runs replica group i's own torchrun (--standalone, --max-restarts, its `replica-<i>`
+config written by `submit`), advertising the node's name; a lost group's torchrun restarts it and it heals from
+another node's group while the others go on. After the step the lighthouse is stopped by its pid and
+tasks/launch/replica_step.py ends the job with the groups' outcome (group 0's result.json, a group's
+failure.json, or the preemption, which requeues the job as above).
 """
 
 from __future__ import annotations
@@ -44,10 +52,14 @@ from tasks.launch.base import (
     record_job,
 )
 from tasks.launch.environment import JobEnvironment
+from tasks.launch.lighthouse import LIGHTHOUSE_BIN, group_config, lighthouse_command
+from tasks.launch.local import REPLICAS_DIR
 from tasks.launch.network import ENV_NAME
-from tasks.launch.torchrun import LOG_ARGS, agent_args, job_env, payload_args
+from tasks.launch.replica_step import EXIT_FILE
+from tasks.launch.torchrun import LOG_ARGS, agent_args, job_env, payload_args, preemption_args
 from training.config import TrainConfig
 from training.preemption import PREEMPTED_EXIT_CODE, PREEMPTIONS_FILE
+from training.replica import HOST_ENV, LIGHTHOUSE_ENV, REPLICA_GROUP_ENV
 from training.run_output import RESULT
 from training.spares import AGENT_KEY, NODE_KEY
 from training.storage import is_local, local_path
@@ -76,6 +88,18 @@ HOPELESS_REASONS = {
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 # Run by `sh -c` in every task: $1 is the logs folder; the rest is the torchrun command.
 PER_NODE_LOG_DIR = 'PET_LOG_DIR="$1/$SLURMD_NODENAME"; export PET_LOG_DIR; shift; exec "$@"'
+# Run by `sh -c` in every task of a replica-groups job: $1 is the logs folder, $2 the groups' folder, the rest is
+# the group's torchrun command without its --config. The node's index in the job is its group; the managers and
+# checkpoint servers advertise the node's name (the rendezvous' address), as torchrun does for the group's store.
+# The shell stays to record the exit code; it takes the signals that torchrun passes on (a trap, not an ignore,
+# which torchrun would inherit) and waits.
+REPLICA_TASK = (
+    f'g="$SLURM_NODEID"; PET_LOG_DIR="$1/$SLURMD_NODENAME"; PET_LOCAL_ADDR="$SLURMD_NODENAME"; '
+    f'{REPLICA_GROUP_ENV}="$g"; {HOST_ENV}="$SLURMD_NODENAME"; '
+    f"export PET_LOG_DIR PET_LOCAL_ADDR {REPLICA_GROUP_ENV} {HOST_ENV}; workdir=\"$2\"; shift 2; "
+    'trap : TERM USR1 INT HUP; rc=0; "$@" --config "$workdir/run-replica-$g.json" || rc=$?; '
+    f'echo "$rc" > "$workdir/{EXIT_FILE.format(group="$g")}"; exit "$rc"'
+)
 _TRANSIENT = re.compile(
     r"Socket timed out|Unable to contact slurm controller|Connection refused|Zero Bytes were transmitted|"
     r"Slurm temporarily unable|Resource temporarily unavailable|Communication connection failure",
@@ -110,7 +134,8 @@ class SlurmLauncher(Launcher):
         can_lose_node=True,  # kill_node: through a step of the job on the node's host
         replaces_lost_host=False,
         has_hot_spares=True,  # cluster.spares: standby agents in the rendezvous (tasks/launch/spares.py)
-        live_recovery=False,  # not done: replica groups start on this machine only (tasks/launch/lighthouse.py)
+        live_recovery=True,  # one replica group per node under a lighthouse on the head node (_replica_groups)
+        replica_group_per_node=True,
     )
 
     @classmethod
@@ -182,11 +207,14 @@ class SlurmLauncher(Launcher):
         output_dir: str,
         image: str | None,
         environment: JobEnvironment | None = None,
+        *,
+        train: TrainConfig | None = None,
     ) -> str:
         """The sbatch script: every value from the spec is quoted for sbatch (directives) or the shell (commands).
 
         It exports cluster.env and cluster.network's variables, and `environment`'s (a drill's points, a test
-        plugin) where given.
+        plugin) where given. With `train`'s fault_tolerance.mode=replica_groups, each node runs its own replica
+        group under a lighthouse on the head node (`_replica_groups`).
         """
         slurm = cluster.slurm
         directives = [
@@ -252,6 +280,11 @@ class SlurmLauncher(Launcher):
             'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
             'echo "tdeploy: job $SLURM_JOB_ID on $SLURM_JOB_NODELIST, rendezvous $head_node"',
         ]
+        if train is not None and train.fault_tolerance.mode == "replica_groups":
+            container = slurm.container if image else None
+            setup, step = _replica_groups(cluster, train, config_path, output_dir, srun_options, launch, container)
+            lines += setup
+            agent = [step]
         if cluster.spares:
             # A lost node's task fails the step even when a spare took its place and the job finished: the step's
             # exit is the job's only where the trainer wrote no result since this run began.
@@ -287,8 +320,12 @@ class SlurmLauncher(Launcher):
         out.mkdir(parents=True, exist_ok=True)
         config_path = out / "run.json"
         train.to_json_file(config_path)
+        if train.fault_tolerance.mode == "replica_groups":  # each node's group reads its own (replica-<g> folders)
+            (out / REPLICAS_DIR).mkdir(exist_ok=True)
+            for group in range(train.fault_tolerance.replica_groups):
+                group_config(train, group).to_json_file(out / REPLICAS_DIR / f"run-replica-{group}.json")
         script = out / "job.sbatch"
-        script.write_text(self.render(cluster, str(config_path), name, str(out), image, environment))
+        script.write_text(self.render(cluster, str(config_path), name, str(out), image, environment, train=train))
         job_id = self._run("sbatch", "--parsable", str(script)).stdout.strip().split(";")[0]
         handle = JobHandle(
             scheduler=self.scheduler,
@@ -435,6 +472,70 @@ def _preemptible(step: str, preemptions: str) -> list[str]:
         "fi",
         'exit "$rc"',
     ]
+
+
+def _replica_groups(
+    cluster: ClusterConfig,
+    train: TrainConfig,
+    config_path: str,
+    output_dir: str,
+    srun_options: list[str],
+    launch: list[str],
+    container: str | None,
+) -> tuple[list[str], str]:
+    """The batch script's lines for fault_tolerance.mode=replica_groups (one group per node, which the spec holds
+    to): the set-up (the lighthouse on the head node, started in the background) and the job step (one srun task
+    per node running its group's torchrun, the lighthouse stopped by its pid, then the job's outcome from the
+    groups': tasks/launch/replica_step.py).
+
+    The lighthouse listens on cluster.slurm.rdzv_port of the node that runs it (the rendezvous' port: each group's
+    torchrun has its own, --standalone). Outside a pyxis container it is a child of the batch shell, which
+    Slurm's warning and a preemption's SIGTERM to the tasks do not reach: it lives while the groups checkpoint. In
+    a pyxis container it runs in a step of its own on the job's first node (`--relative=0`).
+    """
+    workdir = f"{output_dir}/{REPLICAS_DIR}"
+    groups = train.fault_tolerance.replica_groups
+    if container == "pyxis":  # the container exists only in a step
+        first_node = ["srun", "--overlap", "--nodes=1", "--ntasks=1", "--relative=0", *srun_options]
+        binary, lighthouse_host, outcome_python = [*first_node, LIGHTHOUSE_BIN], "$head_node", [*first_node, "python"]
+    elif container == "apptainer":  # `apptainer exec ... IMAGE python`: the image's lighthouse
+        binary, lighthouse_host, outcome_python = [*launch[:-1], LIGHTHOUSE_BIN], "$SLURMD_NODENAME", launch
+    else:  # the cluster's Python (cluster.slurm.python): torchft's lighthouse is installed beside it (or on PATH)
+        python = Path(launch[0])
+        binary = [str(python.parent / LIGHTHOUSE_BIN) if python.is_absolute() else LIGHTHOUSE_BIN]
+        lighthouse_host, outcome_python = "$SLURMD_NODENAME", launch
+    port = cluster.slurm.rdzv_port
+    words = lighthouse_command(train, port, binary=binary)
+    lighthouse = " ".join(
+        f'"--bind=$lighthouse_host:{port:d}"' if word.startswith("--bind=") else shlex.quote(word) for word in words
+    )
+    setup = [
+        f"replicas={shlex.quote(workdir)}",
+        f"lighthouse_host={lighthouse_host}",
+        f'export {LIGHTHOUSE_ENV}="http://$lighthouse_host:{port:d}"',
+        'rm -f "$replicas"/exit-*.txt',
+        f'{lighthouse} > "$replicas/lighthouse.log" 2>&1 &',
+        "lighthouse=$!",
+        f'echo "tdeploy: {groups:d} replica groups, one per node; lighthouse at ${LIGHTHOUSE_ENV}"',
+        "began=$(date +%s)",
+    ]
+    torchrun = [
+        *launch, "-m", "training.preemption", "--standalone", "--nnodes=1",
+        f"--nproc-per-node={cluster.world_size // groups}", f"--max-restarts={cluster.max_restarts}",
+        *preemption_args(cluster), *LOG_ARGS, "-m", "training.train",
+    ]  # fmt: skip
+    step = [
+        "rc=0",
+        # A lost group must not end the others' tasks: they go on in the quorum, and the outcome names the group.
+        _shell(["srun", "--ntasks-per-node=1", "--kill-on-bad-exit=0", *srun_options])
+        + " " + _shell(["sh", "-c", REPLICA_TASK, "tdeploy-replica", f"{output_dir}/logs", workdir, *torchrun])
+        + " || rc=$?",
+        'echo "tdeploy: the replica groups\' step exited $rc"',
+        'kill "$lighthouse" 2>/dev/null || true',
+        _shell([*outcome_python, "-m", "tasks.launch.replica_step", "--config", config_path, "--workdir", workdir])
+        + ' --job-id "$SLURM_JOB_ID" --since "$began"',
+    ]
+    return setup, "\n".join(step)
 
 
 def _finished_with_spares(result: str) -> list[str]:

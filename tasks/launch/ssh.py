@@ -32,13 +32,15 @@ from tasks.hosts import NodeHost
 from tasks.launch.agent import AGENT_RECORD_ENV
 from tasks.launch.base import Capabilities, JobHandle, excluded_host_names
 from tasks.launch.config import SshLaunchConfig
-from tasks.launch.local import AGENTS_DIR, CANCELLED_MARKER, LocalLauncher
-from tasks.launch.torchrun import job_env
+from tasks.launch.local import AGENTS_DIR, CANCELLED_MARKER, REPLICAS_DIR, LocalLauncher
+from tasks.launch.replica_host import processes_file
+from tasks.launch.torchrun import job_env, preemption_args
 from training.config import Problem
 
 if TYPE_CHECKING:
     from tasks.launch.cluster import ClusterConfig
     from tasks.launch.environment import JobEnvironment
+    from training.config import TrainConfig
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +108,8 @@ class SshLauncher(LocalLauncher):
         can_lose_node=True,
         replaces_lost_host=True,
         has_hot_spares=True,  # cluster.spares: standby agents in the rendezvous (tasks/launch/spares.py)
-        live_recovery=False,  # not done: replica groups start on this machine only (tasks/launch/lighthouse.py)
+        live_recovery=True,  # one replica group per host, the lighthouse on the first (tasks/launch/replica_host.py)
+        replica_group_per_node=True,
     )
 
     @classmethod
@@ -233,6 +236,43 @@ class SshLauncher(LocalLauncher):
         remote = remote_command(ssh.workdir or str(PROJECT_ROOT), remote_env, agent)
         return ssh_command(ssh, ssh.hosts[node], remote), dict(self.env)
 
+    @staticmethod
+    def _replica_processes_count(cluster: ClusterConfig) -> int:
+        """One replica group per host (the spec holds fault_tolerance.replica_groups to cluster.nodes)."""
+        return cluster.nodes
+
+    def _replica_command(
+        self,
+        cluster: ClusterConfig,
+        train: TrainConfig,
+        job_id: str,
+        config_path: Path,
+        environment: JobEnvironment | None,
+        node: int,
+    ) -> tuple[list[str], dict[str, str]]:
+        """`ssh HOST` running replica group `node` there (tasks/launch/replica_host.py) with the job's environment;
+        the first host also runs the lighthouse, on the rendezvous endpoint, until every group's exit file is in the
+        shared run folder."""
+        ssh = launch_config(cluster)
+        out = config_path.parent
+        first, here = ssh.hosts[0], ssh.hosts[node]
+        forwarded = {k: v for k, v in self.env.items() if k.startswith(FORWARDED_PREFIXES)}
+        remote_env = job_env(cluster, environment, inherited=forwarded)
+        remote_env[AGENT_RECORD_ENV] = str(out / AGENTS_DIR / f"node{node}.json")
+        lighthouse = ["--start-lighthouse", *(f"--wait-for={out / f'exit-{n}.txt'}" for n in range(1, cluster.nodes))]
+        argv = [
+            ssh.python, "-m", "tasks.launch.replica_host", "--config", str(config_path), "--job-id", job_id,
+            f"--group={node}", f"--host={here.address or here.name}",
+            f"--lighthouse-host={first.address or first.name}",
+            f"--lighthouse-port={cluster.rdzv_port or TORCHRUN_DEFAULT_PORT}",
+            f"--procs-per-group={cluster.world_size // train.fault_tolerance.replica_groups}",
+            f"--max-restarts={cluster.max_restarts}", f"--workdir={out / REPLICAS_DIR}",
+            f"--stop-file={out / CANCELLED_MARKER}", *(lighthouse if node == 0 else []),
+            "--", *preemption_args(cluster),
+        ]  # fmt: skip
+        remote = remote_command(ssh.workdir or str(PROJECT_ROOT), remote_env, argv)
+        return ssh_command(ssh, here, remote), dict(self.env)
+
     def _details(self, cluster: ClusterConfig) -> dict[str, object]:
         """The hosts and SSH settings, so that another process can reach the job's processes."""
         ssh = launch_config(cluster)
@@ -247,12 +287,13 @@ class SshLauncher(LocalLauncher):
         for record in remote_agents(handle):
             with contextlib.suppress(OSError):
                 stops.append(stop_remote(handle, record["node"], record["pid"], grace_s))
-        for host, proc in stops:
-            try:
-                proc.wait(timeout=grace_s + 30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                log.warning("host %s did not answer the stop of job %s: its processes may still run", host, handle.ref)
+        _wait_stops(handle, stops, grace_s)
+        # A replica-groups job: the lighthouse and the group agents its host-side processes recorded, by pid.
+        stops = []
+        for node, entry in replica_processes(handle):
+            with contextlib.suppress(OSError):
+                stops.append(stop_remote(handle, node, entry["pid"], grace_s, entry["start_time"]))
+        _wait_stops(handle, stops, grace_s)
         super().cancel(handle, grace_s, reason)
 
     def signal(self, handle: JobHandle, sig: int = signal.SIGTERM) -> None:
@@ -264,6 +305,31 @@ class SshLauncher(LocalLauncher):
             raise UserError(f"signal {sig.name}: not a preemption signal", "send SIGTERM or SIGUSR1, or cancel the job")
         for record in remote_agents(handle):
             signal_remote(handle, record["node"], record["pid"], sig)
+
+
+def _wait_stops(handle: JobHandle, stops: list[tuple[str, subprocess.Popen[bytes]]], grace_s: float) -> None:
+    """Wait for the remote stops `stop_remote` started (warning about a host that does not answer)."""
+    for host, proc in stops:
+        try:
+            proc.wait(timeout=grace_s + 30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            log.warning("host %s did not answer the stop of job %s: its processes may still run", host, handle.ref)
+
+
+def replica_processes(handle: JobHandle) -> list[tuple[int, dict[str, Any]]]:
+    """A replica-groups job's lighthouse and group agents as each host recorded them (host index, record with an
+    int pid and a start time); [] for other jobs."""
+    found = []
+    for node in range(len(handle.details.get("agents", []))):
+        path = processes_file(Path(handle.output_dir) / REPLICAS_DIR, node)
+        with contextlib.suppress(OSError, ValueError):
+            recorded = json.loads(path.read_text())
+            for entry in recorded if isinstance(recorded, list) else []:
+                pid, started = (entry.get("pid"), entry.get("start_time")) if isinstance(entry, dict) else (0, "")
+                if type(pid) is int and pid > 1 and isinstance(started, str) and started.isdigit():
+                    found.append((node, entry))
+    return found
 
 
 def remote_agents(handle: JobHandle) -> list[dict[str, Any]]:
@@ -281,13 +347,23 @@ _STOP = (
     'kill -TERM "$1" 2>/dev/null || exit 0; i=0; while kill -0 "$1" 2>/dev/null; do [ "$i" -ge "$2" ] && '
     '{ kill -KILL "$1" 2>/dev/null; exit 0; }; i=$((i+1)); sleep 0.1; done'
 )
+# $1 pid, $2 grace, $3 start time (field 22 of /proc/PID/stat): _STOP, only while the pid is the process that started
+# then (not a reused one).
+_STOP_STARTED = (
+    's=$(cat "/proc/$1/stat" 2>/dev/null) || exit 0; set -- "$1" "$2" "$3" ${s##*") "}; [ "${23}" = "$3" ] || exit 0; '
+    + _STOP
+)
 
 
-def stop_remote(handle: JobHandle, node: int, pid: int, grace_s: float) -> tuple[str, subprocess.Popen[bytes]]:
-    """Start stopping process `pid` on the job's host `node` over SSH (TERM, wait, KILL); the host and ssh."""
+def stop_remote(
+    handle: JobHandle, node: int, pid: int, grace_s: float, started: str | None = None
+) -> tuple[str, subprocess.Popen[bytes]]:
+    """Start stopping process `pid` on the job's host `node` over SSH (TERM, wait, KILL; with `started`, only the
+    process of that start time); the host and ssh."""
     ssh = SshLaunchConfig.model_validate(handle.details["ssh"])
     host = ssh.hosts[node]
-    remote = shlex.join(["sh", "-c", _STOP, "stop", str(int(pid)), str(int(grace_s * 10))])
+    script, extra = (_STOP, []) if started is None else (_STOP_STARTED, [started])
+    remote = shlex.join(["sh", "-c", script, "stop", str(int(pid)), str(int(grace_s * 10)), *extra])
     proc = subprocess.Popen(ssh_command(ssh, host, remote), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return host.name, proc
 

@@ -10,12 +10,17 @@ lost group recorded a "live" recovery after the kill and no restore from memory 
 pulled step is at least the step the lost group had reached); and both groups end with bit-identical parameters.
 Figures: detection_s (kill to the healthy group's first quorum without the lost one), recovery_s (kill to the lost
 group's first step after it healed), steps_lost.
+
+Every rank holds after the kill step (training.drill_points.StepHold, as rank_kill does): the lost group is killed
+while it waits there, however fast the steps and however slow the launcher's kill (an SSH round trip), then the
+healthy group is released. Restarted workers run without drill points, so the healed group does not hold again.
 """
 
 from __future__ import annotations
 
 import signal
 import time
+from pathlib import Path
 
 from tasks.acceptance.drills import DrillContext
 from tasks.acceptance.record import DrillResult
@@ -25,9 +30,11 @@ from tasks.launch import registry
 from tasks.launch.cluster import ClusterConfig
 from tasks.launch.environment import JobEnvironment
 from training.config import TrainConfig
+from training.drill_points import RELEASE_FILE
 from training.recovery_record import recovery_events
 from training.replica import quorum_events
 from training.run_output import RunOutput
+from training.storage import local_path
 
 NAME = "replica_loss"
 JOB = "drill-replica-loss"
@@ -52,7 +59,11 @@ def run_replica_loss(
     environment: JobEnvironment | None = None,
     image: str | None = None,
 ) -> DrillResult:
-    """Run the drill on `train` (fault_tolerance.mode=replica_groups) through `cluster`'s launcher."""
+    """Run the drill on `train` (fault_tolerance.mode=replica_groups) through `cluster`'s launcher; the hold's
+    markers go beside its output folder (shared by the hosts as the output is)."""
+    markers = Path(local_path(train.run.output_url)).parent / "hold"
+    hold = {"step": kill_at_step, "marker_dir": str(markers), "timeout_s": timeout_s}
+    environment = (environment or JobEnvironment()).with_drill_points(hold_after_step=hold)
     job = Job(replica_cluster(cluster), train, JOB, environment, image, phase=NAME)
     out = RunOutput(job.output_dir)
     healthy, lost = RunOutput(out.dir / f"replica-{HEALTHY}"), RunOutput(out.dir / f"replica-{LOST}")
@@ -66,6 +77,8 @@ def run_replica_loss(
         t_fail = time.time()
         for rank in ranks.ranks:
             job.launcher.kill_rank(job.handle, rank, signal.SIGKILL)
+        markers.mkdir(parents=True, exist_ok=True)
+        (markers / RELEASE_FILE).touch()  # the healthy group goes on; the lost one's restart holds no more
         outcome = job.wait(timeout_s)
     except UserError as err:
         if not job.status().state.terminal:

@@ -206,7 +206,8 @@ def test_each_launcher_has_the_capabilities_the_old_branches_gave_its_scheduler(
         can_lose_node=lose_node,
         replaces_lost_host=replace_host,
         has_hot_spares=True,  # cluster.spares: every built-in scheduler keeps them (tasks/launch/spares.py)
-        live_recovery=scheduler == "local",  # replica groups: tasks/launch/replica_supervisor.py, local only
+        live_recovery=scheduler in ("local", "ssh", "slurm"),  # replica_supervisor.py; SSH, Slurm: one per node
+        replica_group_per_node=scheduler in ("ssh", "slurm"),
     )
 
 

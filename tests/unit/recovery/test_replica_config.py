@@ -138,10 +138,11 @@ def test_the_spec_section_reaches_the_trainer(make_spec) -> None:
 
 def test_the_spec_refuses_replica_groups_where_the_launcher_cannot_run_them(make_spec) -> None:
     with pytest.raises(SpecError) as caught:
-        make_spec({"fault_tolerance": {"mode": "replica_groups"}, "cluster": {"scheduler": "slurm", "max_restarts": 1}})
+        make_spec({"fault_tolerance": {"mode": "replica_groups"},
+                   "cluster": {"scheduler": "kubernetes", "max_restarts": 1}})  # fmt: skip
     (problem,) = [p for p in caught.value.problems if p.startswith("fault_tolerance.mode")]
-    assert problem.startswith("fault_tolerance.mode=replica_groups: cluster.scheduler=slurm cannot run replica groups")
-    assert "use cluster.scheduler=local, or set fault_tolerance.mode=none" in problem
+    assert problem.startswith("fault_tolerance.mode=replica_groups: cluster.scheduler=kubernetes cannot run replica")
+    assert "use a scheduler that does (local, ssh, slurm), or set fault_tolerance.mode=none" in problem
 
 
 def test_the_local_launcher_runs_them_when_the_groups_split_the_ranks_and_can_restart(make_spec) -> None:
