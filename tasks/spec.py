@@ -268,12 +268,13 @@ class DeploymentSpec(StrictModel):
         if ft.mode == "none":
             return []
         if not launcher.capabilities.live_recovery:
+            able = [name for name in registry.names() if registry.capabilities(name).live_recovery]
             return [(
                 ("fault_tolerance", "mode"), ft.mode,
-                f"cluster.scheduler={cluster.scheduler} cannot run replica groups: live recovery runs on the local "
-                "launcher only (the SSH, Slurm and Kubernetes launchers do not start replica groups yet); use "
-                "cluster.scheduler=local, or set fault_tolerance.mode=none: a lost rank then recovers through the "
-                "memory tier (checkpoint.memory_every_steps) or storage",
+                f"cluster.scheduler={cluster.scheduler} cannot run replica groups: its launcher does not start them; "
+                f"use a scheduler that does ({', '.join(able)}), "
+                "or set fault_tolerance.mode=none: a lost rank then recovers through the memory tier "
+                "(checkpoint.memory_every_steps) or storage",
             )]  # fmt: skip
         if cluster.max_restarts == 0:
             return [(
@@ -287,6 +288,13 @@ class DeploymentSpec(StrictModel):
                 ("cluster", field), value,
                 "is not used with fault_tolerance.mode=replica_groups (the groups replace hot spares and elastic "
                 f"nodes: a lost group restarts and heals from a peer); remove cluster.{field}",
+            )]  # fmt: skip
+        if launcher.capabilities.replica_group_per_node and ft.replica_groups != cluster.nodes:
+            return [(
+                ("fault_tolerance", "replica_groups"), ft.replica_groups,
+                f"must equal cluster.nodes={cluster.nodes} on the {cluster.scheduler} launcher (each node or host runs "
+                f"one replica group); set fault_tolerance.replica_groups to {cluster.nodes}, or cluster.nodes to "
+                f"{ft.replica_groups} (with as many hosts)",
             )]  # fmt: skip
         if cluster.world_size % ft.replica_groups:
             valid = [d for d in divisors(cluster.world_size) if d >= 2]
