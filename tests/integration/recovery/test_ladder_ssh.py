@@ -1,7 +1,7 @@
 """The recovery ladder's drills that the local launcher already runs, through the SSH launcher: two hosts in network
 namespaces (own names and addresses, real SSH, one rank on each) sharing this machine's files. memory_restore loses
 host-b past a storage checkpoint and restores from host-a's copies in host memory; workload_error stops a NaN loss
-with restarts and a requeue left."""
+with restarts and a requeue left; replica_loss kills host-b's replica group, which heals from host-a's."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import pytest
 from tasks.acceptance.config import AcceptanceConfig
 from tasks.acceptance.drills import DrillContext
 from tasks.acceptance.ladder.memory_restore import MEMORY_EVERY_STEPS, drill_memory_restore, hold_step
+from tasks.acceptance.ladder.replica_loss import drill_replica_loss
 from tasks.acceptance.ladder.workload_error import drill_workload_error
 from tests.integration.nodes.conftest import require
 from tests.integration.nodes.testhosts import HostSpec, SshdCluster, start_cluster
@@ -71,3 +72,19 @@ def test_over_ssh_a_nan_loss_is_stopped_and_not_retried(
     assert evidence["failure"]["class"] == "workload" and evidence["failure"]["step"] == 4
     assert [(d["class"], d["action"]) for d in evidence["decisions"]] == [("workload", "stop")]
     assert result.steps_lost == 0 and evidence["steps_after_failure"] == 0
+
+
+def test_over_ssh_the_replica_loss_drill_heals_host_bs_group_from_host_as_without_reloading(
+    make_spec, hosts: SshdCluster, tmp_path: Path, record_property
+) -> None:
+    # One replica group per host; the drill holds every rank after the kill step, so the SSH round trip of the kill
+    # lands before the job could end, however fast its steps.
+    spec = _ssh_spec(make_spec, hosts)
+    acceptance = AcceptanceConfig(steps=12, save_every_steps=100, job_timeout_s=300)
+    result = drill_replica_loss(DrillContext(spec.cluster, spec.training_config(), tmp_path, acceptance))
+    for figure in ("detection_s", "recovery_s", "steps_lost"):  # the figures, in --junitxml
+        record_property(figure, getattr(result, figure))
+    assert result.passed, (result.message, result.evidence)
+    assert result.steps_lost == 0 and result.state_matched
+    lost = recovery_events(str(Path(result.evidence["output_dir"]) / "replica-1"))
+    assert [(e.attempt, e.rung) for e in lost] == [(0, "fresh"), (1, "live")]
