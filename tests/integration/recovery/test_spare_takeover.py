@@ -36,8 +36,11 @@ def test_a_lost_node_is_replaced_by_the_spare_in_the_same_job_with_the_same_worl
     lost_agent = f"{evidence['lost']['host']}:{evidence['lost']['agent_pid']}"
     assert lost_agent in evidence["agents_before"] and lost_agent not in evidence["agents_after"]
     event = evidence["spare_event"]
-    assert event["rung"] == "spare" and list(event["source"]) == ["node 1"]
-    assert event["source"]["node 1"].endswith(f"in place of {lost_agent}")
+    # One takeover; which node index the spare gets in the new round is c10d's choice (the order its participants
+    # joined in), not the lost node's: either is right, as long as the lost agent is the one replaced.
+    assert event["rung"] == "spare" and len(event["source"]) == 1
+    ((node, took_over),) = event["source"].items()
+    assert node in ("node 0", "node 1") and took_over.endswith(f"in place of {lost_agent}")
     assert result.state_matched  # the losses after the takeover equal the uninterrupted run's
     assert evidence["data_consistency"] == {"passed": True, "message": ""}
     assert result.steps_lost == evidence["killed_at_step"] - evidence["resumed_from_step"]
@@ -80,7 +83,9 @@ def test_over_ssh_the_spare_host_takes_the_lost_hosts_place_in_the_same_job(
     assert evidence["spare_hosts"] == ["host-c"] and evidence["lost"]["host"] == "host-b"
     assert evidence["hosts_after"] == ["host-a", "host-c"] and evidence["world_after"] == 2
     assert result.state_matched and evidence["data_consistency"] == {"passed": True, "message": ""}
-    assert evidence["spare_event"]["source"]["node 1"].startswith("spare host-c:")
+    # the spare's node index in the new round is c10d's choice (see the local test): one takeover, by host-c
+    (took_over,) = evidence["spare_event"]["source"].values()
+    assert took_over.startswith("spare host-c:")
 
 
 def test_the_drill_is_skipped_where_the_launcher_cannot_lose_a_node_and_names_those_that_can(
