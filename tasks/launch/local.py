@@ -247,7 +247,9 @@ class LocalLauncher(Launcher):
         replicas = train.fault_tolerance.mode == "replica_groups"
         exit_files = [out / f"exit-{node}.txt" for node in range(cluster.nodes)]
         with open(log_path, "ab") as log_file:
-            agents_count = self._replica_processes_count(cluster) if replicas else cluster.nodes + cluster.spares
+            # Replica groups: one process per node where each node runs a group, else one that runs them all.
+            per_node = self.capabilities.replica_group_per_node
+            agents_count = (cluster.nodes if per_node else 1) if replicas else cluster.nodes + cluster.spares
             for node in range(agents_count):
                 if replicas:  # in place of the agents: here one process runs every replica group
                     argv, env = self._replica_command(cluster, train, job_id, config_path, environment, node)
@@ -328,11 +330,6 @@ class LocalLauncher(Launcher):
         env[AGENT_RECORD_ENV] = str(out / AGENTS_DIR / f"node{node}.json")
         env.update(spare or {})
         return [sys.executable, "-m", "tasks.launch.agent", *args], env
-
-    @staticmethod
-    def _replica_processes_count(cluster: ClusterConfig) -> int:
-        """How many processes run a replica-groups job's groups: here one (tasks/launch/replica_supervisor.py)."""
-        return 1
 
     def _replica_command(
         self,

@@ -236,11 +236,6 @@ class SshLauncher(LocalLauncher):
         remote = remote_command(ssh.workdir or str(PROJECT_ROOT), remote_env, agent)
         return ssh_command(ssh, ssh.hosts[node], remote), dict(self.env)
 
-    @staticmethod
-    def _replica_processes_count(cluster: ClusterConfig) -> int:
-        """One replica group per host (the spec holds fault_tolerance.replica_groups to cluster.nodes)."""
-        return cluster.nodes
-
     def _replica_command(
         self,
         cluster: ClusterConfig,
