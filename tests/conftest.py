@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import copy
 import os
-import random
-import socket
 import subprocess
 import sys
 import tempfile
@@ -21,13 +19,13 @@ from typing import Any
 
 import pytest
 
-from tasks.launch.torchrun import free_port
 from tasks.prepare.config import PrepareConfig
 from tasks.prepare.pipeline import prepare_dataset
 from tasks.roots import ALLOWED_ROOTS_ENV
 from tasks.spec import DeploymentSpec, parse_spec
 from tests import processes
 from tests.processes import run_group
+from training.network import listen_port
 from training import run_output
 from training.run_output import RunOutput, StepRecord
 from training.storage import StorageConfig
@@ -115,25 +113,6 @@ def tiny_dataset(tmp_path_factory: pytest.TempPathFactory) -> str:
         workers=1,
     )
     return prepare_dataset(cfg, StorageConfig(), validate=False).dataset_url
-
-
-def listen_port() -> int:
-    """A free port on 127.0.0.1 below the kernel's ephemeral range, for a server that a test starts more than once.
-
-    `free_port` hands out an ephemeral port, which the kernel may give to any outgoing connection (the other
-    worker's) before the next server binds it: a Slurm drill's relaunched job then failed with EADDRINUSE.
-    """
-    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    rng = random.Random()
-    for _ in range(200 if low > 21000 else 0):
-        port = rng.randrange(20000, min(low, 32768))
-        with socket.socket() as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    return free_port()
 
 
 @pytest.fixture

@@ -34,6 +34,7 @@ from tests.integration.nodes.testhosts import (
     remove_network,
     start_cluster,
 )
+from training.network import listen_port
 
 CLUSTER_FILE = "cluster.json"
 NODES_FILE = "nodes.yaml"
@@ -51,9 +52,7 @@ def _start_time(pid: int) -> int | None:
 
 def _start_s3(address: str, log: Path) -> tuple[int, str]:
     """moto's server on `address` in its own session (it outlives this script); its PID and URL."""
-    with socket.socket() as sock:
-        sock.bind((address, 0))
-        port = sock.getsockname()[1]
+    port = listen_port(address)
     with log.open("w") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "moto.server", "-H", address, "-p", str(port)],

@@ -9,12 +9,54 @@ from __future__ import annotations
 
 import math
 import os
+import random
+import socket
+import threading
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 COLLECTIVE_TIMEOUT_ENV = "TDEPLOY_COLLECTIVE_TIMEOUT_S"
 # The distributed variables a rank records: NCCL's, gloo's and torch's own (TORCH_NCCL_*, TORCH_DISTRIBUTED_*, ...).
 RECORDED_PREFIXES = ("NCCL_", "GLOO_", "TORCH_")
+
+
+_EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_LISTEN_PORTS_FROM = 20000
+_handed_out: set[int] = set()
+_handed_out_lock = threading.Lock()
+
+
+def listen_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on `host` now, for a server started next (a rendezvous store, a daemon, a probe listener).
+
+    Chosen at random below the kernel's ephemeral range: a port from bind(0) is an ephemeral one, which the kernel
+    may give to any outgoing connection (another job's gloo mesh) before the server binds it, and the server then
+    fails with EADDRINUSE (seen as a torchrun "connection to the C10d store has failed" and a slurmd that never
+    started, on a busy machine). A port is not handed out twice by one process. Falls back to bind(0) where the
+    ephemeral range starts too low to leave room.
+    """
+    try:
+        low = int(_EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    high = min(low, 32768)
+    rng = random.Random()
+    for _ in range(200 if high - _LISTEN_PORTS_FROM >= 1000 else 0):
+        port = rng.randrange(_LISTEN_PORTS_FROM, high)
+        with _handed_out_lock:
+            if port in _handed_out:
+                continue
+            with socket.socket() as sock:
+                try:
+                    sock.bind((host, port))
+                except OSError:
+                    continue
+            _handed_out.add(port)
+            return port
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
 
 
 def collective_timeout() -> timedelta | None:

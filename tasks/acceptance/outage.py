@@ -6,6 +6,8 @@ import contextlib
 import socket
 import threading
 
+from training.network import listen_port
+
 
 class TcpProxy:
     """Forwards 127.0.0.1:port to a target; `down()` refuses and drops connections, `up()` restores them."""
@@ -16,10 +18,7 @@ class TcpProxy:
         self._connections: set[socket.socket] = set()
         self._listener: socket.socket | None = None
         self._drop = 0
-        probe = socket.socket()
-        probe.bind(("127.0.0.1", 0))
-        self.port = probe.getsockname()[1]
-        probe.close()
+        self.port = listen_port()
         self.up()
 
     @property

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from training.network import listen_port
 from training.comm_counter import DIMS, PLANNER_KEYS, TrafficCounter, group_labels, ring_bytes
 
 __all__ = ["DIMS", "PLANNER_KEYS", "RankTraffic", "Traffic", "measure", "ring_bytes"]
@@ -116,20 +117,12 @@ class Traffic:
         return self.ranks[0].tokens_per_step / statistics.median(slowest)
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def measure(config_path: Path, nprocs: int, out: Path, measure_steps: tuple[int, int], timeout_s: float) -> Traffic:
     """Run the trainer of `config_path` on `nprocs` local gloo processes with the counter; the ranks' results."""
     env = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     cmd = [
         sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nprocs}", "--master-addr=127.0.0.1",
-        f"--master-port={_free_port()}", "-m", "tasks.capacity.traffic", "--config", str(config_path),
+        f"--master-port={listen_port()}", "-m", "tasks.capacity.traffic", "--config", str(config_path),
         "--out", str(out), "--measure-steps", f"{measure_steps[0]}:{measure_steps[1]}",
     ]  # fmt: skip
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)

@@ -18,7 +18,6 @@ import contextlib
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -28,6 +27,7 @@ from pathlib import Path
 from types import FrameType, TracebackType
 
 from tasks.launch.local import kill_supervised_jobs, stop_supervised_jobs
+from training.network import listen_port
 
 log = logging.getLogger(__name__)
 
@@ -85,13 +85,6 @@ class InterruptGuard:
         raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
-def free_loopback_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on now."""
-    with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 class PrefectServerFailed(RuntimeError):
     """The temporary Prefect server did not answer its health check."""
 
@@ -106,7 +99,7 @@ class PrefectServer:
     """Prefect's temporary API server (as Prefect's own ephemeral mode starts it), in a session of its own."""
 
     def __init__(self, port: int | None = None) -> None:
-        self.port = port or free_loopback_port()
+        self.port = port or listen_port()
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property

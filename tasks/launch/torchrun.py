@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from tasks.launch.network import network_env
 from tasks.launch.spares import SPARE_KEEP_ALIVE
+from training.network import listen_port
 
 if TYPE_CHECKING:
     from tasks.launch.cluster import ClusterConfig
@@ -18,10 +18,8 @@ WORKER_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1"}
 
 
 def free_port() -> int:
-    """A TCP port that is free on 127.0.0.1 right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A TCP port free on 127.0.0.1 now, below the ephemeral range (training.network.listen_port says why)."""
+    return listen_port()
 
 
 # Every rank's stdout and stderr go to files under the log folder, and to the agent's output too.

@@ -10,7 +10,6 @@ install` steps really run, and in which `import training` can be tried.
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +25,7 @@ from tasks.image.build import ImageResult, ensure_image
 from tasks.image.config import ImageConfig
 from tasks.image.payload import payload_source
 from tests.processes import start_group, stop_group
+from training.network import listen_port
 
 BASE_IMAGE = "localhost/tdeploy-test/python-base:3.11"
 PYTHON = Path("/usr/bin/python3.11")
@@ -177,12 +177,6 @@ def built(image_store: Path, payload: Path, tmp_path_factory: pytest.TempPathFac
     return ensure_image(image_config(image_store), record, spec_digest="spec-digest", source=payload)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="session")
 def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A real registry (Debian's docker-registry) on 127.0.0.1, plain HTTP; yields `127.0.0.1:PORT`."""
@@ -190,7 +184,7 @@ def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     if exe is None:
         pytest.fail("docker-registry is not installed; run `bash .ci/setup --test` (installs .ci/apt/test/image.txt)")
     folder = tmp_path_factory.mktemp("registry")
-    port = _free_port()
+    port = listen_port()
     config = folder / "config.yml"
     config.write_text(
         "version: 0.1\nlog:\n  level: warn\n"

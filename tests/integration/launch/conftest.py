@@ -96,8 +96,8 @@ def slurm_session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str
     pid_files: list[Path] = []  # of daemons being started and not yet recorded in pids
     pids: list[int] = []
 
-    def started(pid_file: Path) -> None:
-        pids.append(daemon_pid(pid_file, 15.0))
+    def started(pid_file: Path, log: Path | None = None) -> None:
+        pids.append(daemon_pid(pid_file, 30.0, log))
         track_daemon(pids[-1], pid_file.name)
         pid_files.remove(pid_file)
 
@@ -109,13 +109,13 @@ def slurm_session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str
              f"--seed-file={munge}/munged.seed"],
             check=True, timeout=60,
         )  # fmt: skip
-        started(munge / "munged.pid")
+        started(munge / "munged.pid", munge / "munged.log")
         pid_files.append(root / "slurmctld.pid")
         subprocess.run(["/usr/sbin/slurmctld", "-f", str(conf), "-c"], check=True, env=full_env, timeout=60)
-        started(root / "slurmctld.pid")
+        started(root / "slurmctld.pid", root / "slurmctld.log")
         pid_files.append(root / "slurmd.pid")
         subprocess.run(["/usr/sbin/slurmd", "-f", str(conf), "-N", "localhost"], check=True, env=full_env, timeout=60)
-        started(root / "slurmd.pid")
+        started(root / "slurmd.pid", root / "slurmd.log")
         deadline = time.monotonic() + 30
         while (
             "idle"

@@ -7,7 +7,6 @@ from __future__ import annotations
 import http.server
 import json
 import shutil
-import socket
 import subprocess
 import threading
 import time
@@ -22,6 +21,7 @@ import yaml
 from tasks.alerts import alertmanager_config, dump, prometheus_config, routing
 from tests import processes
 from tests.integration.monitoring.conftest import MONITORING, WebhookReceiver
+from training.network import listen_port
 
 pytestmark = pytest.mark.integration
 
@@ -37,12 +37,6 @@ def amtool() -> str:
     path = shutil.which("amtool")
     assert path, "amtool missing: bash .ci/setup --test (installs Debian's prometheus-alertmanager package)"
     return path
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture
@@ -137,7 +131,7 @@ def test_alerts_reach_the_receiver_of_their_level_and_critical_inhibits_the_warn
     am_config = alertmanager_config(route)
     for node in (am_config["route"], *am_config["route"]["routes"]):  # test timings only: notify within a second
         node |= {"group_wait": "1s", "group_interval": "1s"}
-    am_port, prom_port = _free_port(), _free_port()
+    am_port, prom_port = listen_port(), listen_port()
     (tmp_path / "alertmanager.yml").write_text(dump(am_config))
     prom = prometheus_config(
         [f"127.0.0.1:{am_port}"],

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -14,6 +13,7 @@ from tasks.nodes.check import run_node_checks
 from tasks.nodes.config import NodesConfig
 from tasks.nodes.report import NodeReport
 from tests.integration.nodes.testhosts import HostSpec, SshdCluster, missing_prerequisites, start_cluster
+from training.network import listen_port
 
 # A job Python without site-packages: the same interpreter, but torch is not installed there.
 PYTHON_WITHOUT_TORCH = f"{sys.executable} -S"
@@ -28,10 +28,8 @@ def require(network: str) -> None:
 
 
 def free_port() -> int:
-    """A TCP port that is free on this machine right now."""
-    with socket.socket() as sock:
-        sock.bind(("", 0))
-        return sock.getsockname()[1]
+    """A TCP port that is free on every address of this machine now (below the ephemeral range)."""
+    return listen_port("")
 
 
 def two_node_cluster(**overrides: object) -> ClusterConfig:

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from tests.processes import start_group, stop_group
+from training.network import listen_port
 
 SSHD = "/usr/sbin/sshd"
 REPO = Path(__file__).resolve().parents[3]
@@ -288,12 +289,6 @@ def _run(*argv: str) -> None:
     subprocess.run(list(argv), check=True, capture_output=True)
 
 
-def _free_port(address: str) -> int:
-    with socket.socket() as sock:
-        sock.bind((address, 0))
-        return sock.getsockname()[1]
-
-
 def _wait_listening(address: str, port: int, process: subprocess.Popen, log: Path) -> None:
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
@@ -354,7 +349,7 @@ def start_cluster(
         port = 22
     else:
         addresses = [f"127.0.0.{i + 2}" for i in range(len(specs))]
-        port = _free_port("127.0.0.2")
+        port = listen_port("127.0.0.2")
     hosts_lines = {spec.name: f"{address} {spec.name}" for spec, address in zip(specs, addresses, strict=True)}
     known_hosts = []
     try:
