@@ -25,8 +25,8 @@ from tasks.roots import ALLOWED_ROOTS_ENV
 from tasks.spec import DeploymentSpec, parse_spec
 from tests import processes
 from tests.processes import run_group
-from training.network import listen_port
 from training import run_output
+from training.network import listen_port
 from training.run_output import RunOutput, StepRecord
 from training.storage import StorageConfig
 

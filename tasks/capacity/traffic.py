@@ -24,8 +24,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from training.network import listen_port
 from training.comm_counter import DIMS, PLANNER_KEYS, TrafficCounter, group_labels, ring_bytes
+from training.network import listen_port
 
 __all__ = ["DIMS", "PLANNER_KEYS", "RankTraffic", "Traffic", "measure", "ring_bytes"]
 
