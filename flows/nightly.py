@@ -17,7 +17,9 @@ from tasks.logs import install_user_error_filter
 from tasks.pipeline import Results, SpecSource, diagnose_failure, publish_summary, spec_flow
 from tasks.prepare.step import data_and_training
 from tasks.progress import report_step
-from tasks.results import StepResult
+from tasks.results import SkippedResult, StepResult
+from tasks.soak.step import SoakInputs
+from tasks.soak.task import run_soak_step
 from tasks.steps import NIGHTLY
 
 
@@ -36,7 +38,15 @@ def _drills(run: Deployment) -> StepResult:
     return run_drills(DrillsInputs.of(run.spec, run.trained(), accepted=accepted))
 
 
-RUNNERS: dict[str, Callable[[Deployment], StepResult]] = {"data": _data, "acceptance": _acceptance, "drills": _drills}
+def _soak(run: Deployment) -> StepResult:
+    if run.spec.soak is None:
+        return SkippedResult(reason="the spec has no soak section")
+    return run_soak_step(SoakInputs.of(run.spec, run.trained(), run.spec.soak, nightly=True))
+
+
+RUNNERS: dict[str, Callable[[Deployment], StepResult]] = {
+    "data": _data, "acceptance": _acceptance, "drills": _drills, "soak": _soak,
+}  # fmt: skip
 assert list(RUNNERS) == [step.name for step in NIGHTLY[1:]], "one runner per step of NIGHTLY, in its order"
 
 

@@ -41,6 +41,8 @@ NIGHTLY_DIR = "nightly"
 LEDGER_DIR = "ledger"
 NODES_DIR = "nodes"
 """The node memory (tasks/recovery/quarantine.py: host failures and quarantines) inside the deployment's ledger."""
+EXPOSURE_DIR = "exposure"
+"""Node-hours and failures of the deployment's jobs (tasks/recovery/exposure.py) inside its ledger."""
 BASELINES_DIR = "baselines"
 DATASETS_DIR = "datasets"
 DATA_VALIDATION_DIR = "data-validation"
@@ -181,6 +183,17 @@ class DeploymentPaths:
     def node_memory_url(self) -> str:
         """The deployment's node memory: which hosts failed and which are quarantined (<ledger>/nodes)."""
         return join(self.ledger_url, NODES_DIR)
+
+    @property
+    def health_gate_baseline_url(self) -> str:
+        """The compute rates the deployment's health gates measured on healthy nodes
+        (<ledger>/health_gate_baseline.json, tasks/launch/health_gate.py): what a lone node is judged against."""
+        return join(self.ledger_url, "health_gate_baseline.json")
+
+    @property
+    def exposure_url(self) -> str:
+        """Node-hours and failures of the deployment's jobs, its observed failure rate (<ledger>/exposure)."""
+        return join(self.ledger_url, EXPOSURE_DIR)
 
     def workspace_base(self, nightly: bool = False) -> Path:
         """Where the acceptance run workspaces go (see `workspace_base`)."""

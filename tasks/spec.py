@@ -25,6 +25,7 @@ from tasks.paths import RUNS_DIR, UNNAMED, derived_paths
 from tasks.prepare.config import DataSpec
 from tasks.recovery.config import RecoveryConfig
 from tasks.serve.config import ServeConfig, unservable
+from tasks.soak.config import SoakConfig
 from training.config import (
     MAX_RANKS,
     CheckpointConfig,
@@ -155,6 +156,11 @@ class DeploymentSpec(StrictModel):
         default_factory=RecoveryConfig,
         description="The restart policy: requeues after an infrastructure failure (without the failing hosts) and "
         "the node quarantine; workload errors are never retried.",
+    )
+    soak: SoakConfig | None = Field(
+        default=None,
+        description="The soak under injected failures (tdeploy soak, the nightly flow's soak step): hours, mean "
+        "time between failures, which failures; None (the default) = the nightly flow skips it.",
     )
     serve: ServeConfig | None = Field(
         default=None,

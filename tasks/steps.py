@@ -13,6 +13,8 @@ from tasks.nodes import step as nodes
 from tasks.prepare import step as data
 from tasks.results import SkippedResult, StepResult
 from tasks.serve import step as serving
+from tasks.soak import step as soak
+from tasks.soak.result import SoakResult
 
 DIAGNOSIS_ARTIFACT = "diagnosis"
 """Where the diagnosis of a failed step is published (the details of a failed spec, which has no artifact)."""
@@ -37,11 +39,13 @@ DATA = Step("data", data.TITLE, data.ARTIFACT, (data.DataResult,))
 JOB = Step("job", job.TITLE, job.ARTIFACT, (job.JobResult,))
 ACCEPTANCE = Step("acceptance", acceptance.TITLE, acceptance.ARTIFACT, (acceptance.AcceptanceResult,))
 DRILLS = Step("drills", acceptance.DRILLS_TITLE, acceptance.DRILLS_ARTIFACT, (acceptance.AcceptanceResult,))
+SOAK = Step("soak", soak.TITLE, soak.ARTIFACT, (SoakResult, SkippedResult))
 SERVING = Step("serving", serving.TITLE, serving.ARTIFACT, (serving.ServingResult, SkippedResult))
 
 DEPLOY: tuple[Step, ...] = (SPEC, CAPACITY, NODES, IMAGE, DATA, JOB, ACCEPTANCE, DRILLS, SERVING)
 """deploy-training: every step, in the order the flow runs them (and the summary page lists them)."""
-NIGHTLY: tuple[Step, ...] = (SPEC, DATA, ACCEPTANCE, DRILLS)
-"""nightly-validation: the data (reused), a soak-length acceptance and every drill."""
+NIGHTLY: tuple[Step, ...] = (SPEC, DATA, ACCEPTANCE, DRILLS, SOAK)
+"""nightly-validation: the data (reused), a soak-length acceptance, every drill and the soak under injected
+failures (the spec's soak section; skipped without one)."""
 
 BY_NAME = {step.name: step for step in DEPLOY}

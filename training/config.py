@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from training.secrets import REDACTED, is_credential_name, redact, redact_text
@@ -391,8 +391,21 @@ class CheckpointConfig(StrictModel):
     """Distributed checkpoints (torch.distributed.checkpoint) on any fsspec URL."""
 
     url: StorageUrl = Field(description="Local path or fsspec URL (s3://...) of the checkpoint folder.")
-    save_every_steps: int | None = Field(
-        default=None, ge=1, le=MAX_STEPS, description="Save every N steps; None = off."
+    save_every_steps: Annotated[int, Field(ge=1, le=MAX_STEPS)] | Literal["auto"] | None = Field(
+        default="auto",
+        description="Save to storage every N steps; None = off (save_at_end only). auto: the Young/Daly optimum "
+        "(training/checkpoint/interval.py) from the measured stall of a save and mtbf_s: the trainer saves once at "
+        "step AUTO_FIRST_SAVE_STEP, measures how long it held training and the step time, and saves every optimum "
+        "steps from there, chosen again after each save; with mtbf_s None (no failure rate known) it saves only at "
+        "the end, as None does.",
+    )
+    mtbf_s: float | None = Field(
+        default=None,
+        gt=0,
+        le=1e11,
+        description="The job's mean time between failures (seconds) that save_every_steps=auto is chosen from. Set "
+        "by the job step from the ledger's observed failures, else cluster.mttf_hours / cluster.nodes "
+        "(tasks/recovery/exposure.py); a value here overrides both. None = unknown.",
     )
     save_at_end: bool = Field(default=True, description="Save after the last step.")
     async_save: bool = Field(
@@ -440,6 +453,20 @@ class CheckpointConfig(StrictModel):
         description="Node-local folder in host memory (tmpfs) for the in-memory copies; None = "
         "/dev/shm/tdeploy-memory. An absolute local path.",
     )
+
+    @field_validator("save_every_steps", mode="before")
+    @classmethod
+    def _steps_or_auto(cls, value: Any) -> Any:
+        # Checked before the union, so that a bad value is named as the field itself, not as each union member.
+        if value is None or value == "auto":
+            return value
+        if isinstance(value, int) and not isinstance(value, bool):
+            if 1 <= value <= MAX_STEPS:
+                return value
+            bound = f"must be <= {MAX_STEPS}" if value > MAX_STEPS else "must be >= 1"
+            raise ValueError(f"{bound} (steps between saves), or auto, or null (off)")
+        raise ValueError(f"must be a number of steps from 1 to {MAX_STEPS}, auto (the Young/Daly optimum from the "
+                         "measured stall and checkpoint.mtbf_s) or null (off)")
 
     @property
     def memory_tier_on(self) -> bool:

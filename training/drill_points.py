@@ -3,7 +3,8 @@
 The rank_kill and node_loss drills hold every rank after a step (`StepHold`) and strike while the job still
 has steps to run; the kill_during_save drill stops every rank at one phase of one checkpoint save
 (`SavePause`); the hang drill stops one rank short of a step's collective (`HangPoint`) while the others block
-in it. Each stopped rank leaves a marker (`PausedRank`) that the drill waits for.
+in it. Each stopped rank leaves a marker (`PausedRank`) that the drill waits for. The soak's test plants a memory
+leak in every rank (`LeakPoint`) that the soak must catch.
 
 The points are read from the job variable TDEPLOY_DRILL_POINTS (JSON of `DrillPoints`), which only the
 drills set, on their own jobs (tasks/launch/environment.py `JobEnvironment`); it is never a spec field,
@@ -111,6 +112,15 @@ class NanLossPoint(BaseModel):
     step: int = Field(ge=1, description="The step whose loss becomes NaN.")
 
 
+class LeakPoint(BaseModel):
+    """Every rank keeps `mb_per_step` more memory after each step: a planted leak that the soak
+    (tasks/soak/memory.py) must find in the ranks' memory growth."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    mb_per_step: float = Field(gt=0, le=1024, description="MiB kept per step.")
+
+
 class DrillPoints(BaseModel):
     """The drill points of one job (TDEPLOY_DRILL_POINTS); none by default."""
 
@@ -127,6 +137,9 @@ class DrillPoints(BaseModel):
     )
     nan_loss: NanLossPoint | None = Field(
         default=None, description="The loss of one step becomes NaN on every rank (the workload_error drill's job)."
+    )
+    leak_memory: LeakPoint | None = Field(
+        default=None, description="Every rank keeps more memory after each step (the soak's planted leak)."
     )
 
 
@@ -155,6 +168,16 @@ def poisons_loss(step: int) -> bool:
     """Whether this rank's loss of `step` becomes NaN (see NanLossPoint)."""
     point = active().nan_loss
     return point is not None and point.step == step
+
+
+_leaked: list[bytearray] = []
+
+
+def leak() -> None:
+    """Keep the job's LeakPoint's share of memory for good (touched, so it counts in the RSS); nothing without one."""
+    point = active().leak_memory
+    if point is not None:
+        _leaked.append(bytearray(b"\x5a") * int(point.mb_per_step * 2**20))
 
 
 def hold(step: int) -> None:

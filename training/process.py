@@ -15,6 +15,7 @@ import os
 import signal
 import socket
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,6 +35,16 @@ def start_time(pid: int) -> str | None:
         return None
     fields = stat[stat.rindex(")") + 2 :].split()
     return None if fields[0] in ("Z", "X") else fields[19]
+
+
+def started_unix_s(pid: int | None = None) -> float | None:
+    """When a process (default: this one) started, in unix seconds (to the kernel's clock tick): its start after
+    boot (field 22 of /proc/PID/stat) against the time since boot now; None where /proc does not say."""
+    ticks = start_time(os.getpid() if pid is None else pid)
+    if ticks is None or not hasattr(time, "CLOCK_BOOTTIME"):
+        return None
+    since_boot, now = time.clock_gettime(time.CLOCK_BOOTTIME), time.time()
+    return now - (since_boot - int(ticks) / os.sysconf("SC_CLK_TCK"))
 
 
 def alive(pid: int, started: str | None) -> bool:

@@ -14,7 +14,10 @@ A run's output folder (`run.output_url`) holds, format version 1:
     epochs.jsonl                  one line per epoch that ended: its last step, the remainder it dropped or the
                                   samples it padded with (rank 0, with run.record_samples)
     eval.jsonl                    one line per evaluation: step, val_loss, val_ppl
-    checkpoints.jsonl             one line per save: step and bytes/seconds, or the error of a lost save
+    checkpoints.jsonl             one line per save: step and bytes/seconds, the seconds training was held by it
+                                  (stall_s; runs from before it have none), or the error of a lost save
+    attempts.jsonl                one line per start of the trainer (rank 0): the attempt, when its process started
+                                  and when the trainer was ready for its first step (unix seconds)
     resume.json                   what the checkpoint manager loaded at start-up and which checkpoints it skipped, why
     result.json                   written at the end by rank 0: steps, losses, tokens seen, ...
     params/rank-NNNNN.json        written at the end by every rank: a digest, sum and sum of squares of each piece
@@ -63,6 +66,7 @@ EVALS = "eval.jsonl"
 CHECKPOINTS = "checkpoints.jsonl"
 RESUME = "resume.json"
 RESULT = "result.json"
+ATTEMPTS = "attempts.jsonl"
 PARAMS_DIR = "params"
 TRAIN_LOG = "train.log"
 
@@ -161,12 +165,26 @@ class EpochEnd:
 
 @dataclass(frozen=True)
 class CheckpointEvent:
-    """One line of checkpoints.jsonl: a save that committed (bytes, seconds) or was lost (error)."""
+    """One line of checkpoints.jsonl: a save that committed (bytes, seconds; stall_s: how long training was held by
+    it, the whole save when synchronous, the staging when in the background) or was lost (error)."""
 
     step: int
     bytes: float | None = None
     seconds: float | None = None
     error: str | None = None
+    stall_s: float | None = None
+
+
+@dataclass(frozen=True)
+class AttemptRecord:
+    """One line of attempts.jsonl: a start of the trainer (rank 0's process) -- `attempt` is torchrun's restart
+    count, `started_unix_s` when the process started (before its imports), `ready_unix_s` when the trainer was
+    built, restored and about to train."""
+
+    attempt: int
+    started_unix_s: float
+    ready_unix_s: float
+    world_size: int
 
 
 @dataclass(frozen=True)
@@ -287,6 +305,10 @@ class RunOutputWriter:
     def append_checkpoint(self, event: CheckpointEvent) -> None:
         """One save, committed or lost."""
         self._append(CHECKPOINTS, {k: v for k, v in asdict(event).items() if v is not None})
+
+    def append_attempt(self, record: AttemptRecord) -> None:
+        """A start of the trainer (rank 0)."""
+        self._append(ATTEMPTS, asdict(record))
 
     def write_resume(self, record: ResumeRecord) -> None:
         """resume.json."""
@@ -485,6 +507,19 @@ class RunOutput:
     def checkpoints(self) -> list[CheckpointEvent]:
         """Every save in order, committed or lost."""
         return [CheckpointEvent(**r) for r in read_jsonl(self.dir / CHECKPOINTS)]
+
+    def attempts(self) -> list[AttemptRecord]:
+        """Every start of the trainer in order ([] for runs from before attempts.jsonl)."""
+        path = self.dir / ATTEMPTS
+        records = []
+        for number, line in enumerate(read_jsonl(path), start=1):
+            try:
+                records.append(AttemptRecord(**line))
+            except TypeError as err:
+                raise RunOutputFormatError(
+                    path, f"line {number} is not an attempt record ({err})", "remove it: the trainer writes this file"
+                ) from err
+        return records
 
     def resume(self) -> ResumeRecord | None:
         """What the last start-up loaded and skipped (None: it never looked, e.g. checkpoint.resume=false)."""

@@ -20,12 +20,15 @@ import functools
 import logging
 import math
 import os
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from training.config import RunConfig
+from training.goodput import Goodput, GoodputError, goodput_of_run
+from training.storage import is_local, local_path
 
 if TYPE_CHECKING:
     import torch
@@ -75,9 +78,18 @@ GPU_GAUGES = {
     "gpu_mem_total_bytes": ("tdeploy_gpu_memory_total_bytes", "GPU memory of the device."),
     "gpu_power_w": ("tdeploy_gpu_power_watts", "GPU power draw."),
 }
+GOODPUT_RATIO = "tdeploy_goodput_ratio"
+BADPUT_SECONDS = "tdeploy_badput_seconds"
+GOODPUT_METRICS = frozenset([GOODPUT_RATIO, BADPUT_SECONDS])
+"""Rank 0's, from the run's records (training/goodput.py): the job's goodput so far and its badput by `kind`."""
+GOODPUT_MIN_REFRESH_S = 30.0
+GOODPUT_COST_SHARE = 0.01
+"""The goodput gauges are recomputed from the records at most every GOODPUT_MIN_REFRESH_S, and no more often than
+keeps their reading under this share of one core (the records grow with the run)."""
 EXPORTED_METRICS = frozenset(
-    [*STEP_GAUGES, MEMORY_CAPACITY, BASELINE, f"{NONFINITE_LOSS}_total", *(n for n, _ in GPU_GAUGES.values())]
-)
+    [*STEP_GAUGES, MEMORY_CAPACITY, BASELINE, f"{NONFINITE_LOSS}_total", *(n for n, _ in GPU_GAUGES.values()),
+     *GOODPUT_METRICS]
+)  # fmt: skip
 """Every series name the exporter can expose (GPU ones only with NVML; the baseline only when configured)."""
 
 
@@ -185,6 +197,40 @@ class _GpuCollector:
                 yield family
 
 
+class _GoodputCollector:
+    """The job's goodput so far from the run folder's records, read at scrape time (throttled, see
+    GOODPUT_COST_SHARE); nothing until the records give it."""
+
+    def __init__(self, output_dir: str, labels: dict[str, str]) -> None:
+        self.output_dir, self.labels = output_dir, labels
+        self._figures: Goodput | None = None
+        self._next_s = 0.0
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import GaugeMetricFamily
+
+        now = time.monotonic()
+        if now >= self._next_s:
+            started = time.perf_counter()
+            try:
+                self._figures = goodput_of_run(self.output_dir, ended_unix_s=time.time())
+            except (GoodputError, OSError, ValueError) as err:  # not yet (no attempt record), or records that overlap
+                log.debug("goodput not served: %s", err)
+            cost = time.perf_counter() - started
+            self._next_s = now + max(GOODPUT_MIN_REFRESH_S, cost / GOODPUT_COST_SHARE)
+        if self._figures is None:
+            return
+        ratio = GaugeMetricFamily(GOODPUT_RATIO, "Share of the job's time so far that became kept training progress "
+                                  "(0..1; ml-goodput-measurement's definition).", labels=list(self.labels))  # fmt: skip
+        ratio.add_metric(list(self.labels.values()), self._figures.goodput)
+        yield ratio
+        badput = GaugeMetricFamily(BADPUT_SECONDS, "Seconds of the job so far lost to each kind of badput.",
+                                   labels=[*self.labels, "kind"])  # fmt: skip
+        for kind, seconds in self._figures.badput_s.items():
+            badput.add_metric([*self.labels.values(), kind], seconds)
+        yield badput
+
+
 def memory_capacity_bytes(device: torch.device, local_world_size: int) -> int:
     """Memory one rank may use: its GPU's memory, or the host's (cgroup-limited) RAM shared by the local ranks."""
     if device.type == "cuda":
@@ -220,6 +266,7 @@ class Telemetry:
         gpu: GpuReader | None = None,
         memory_capacity_bytes: int | None = None,
         baseline_tokens_per_s: float | None = None,
+        goodput_of: str | None = None,
     ) -> None:
         self.labels = {"rank": str(rank), "host": host, "train_job": train_job}
         self.gpu = gpu
@@ -244,6 +291,8 @@ class Telemetry:
             prom.Gauge(BASELINE, doc, list(LABELS), registry=registry).labels(*values).set(baseline_tokens_per_s)
         if self.gpu is not None:
             registry.register(_GpuCollector(self.gpu, self.labels))
+        if goodput_of is not None:  # `goodput_of`: the run's local output folder (rank 0 serves the job's goodput)
+            registry.register(_GoodputCollector(goodput_of, self.labels))
         try:
             self._server, _ = prom.start_http_server(port, registry=registry)
         except OSError as err:
@@ -270,6 +319,7 @@ class Telemetry:
             gpu=GpuReader.open(device),
             memory_capacity_bytes=memory_capacity_bytes(device, local_world_size),
             baseline_tokens_per_s=run.throughput_baseline_tokens_per_s,
+            goodput_of=local_path(run.output_url) if rank == 0 and is_local(run.output_url) else None,
         )
 
     @property

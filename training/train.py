@@ -39,6 +39,7 @@ from training import drill_points, failure, preemption, process, replica, spares
 from training.checkpoint import CheckpointManager, CheckpointSaveError, ModelCard, SavedCheckpoint
 from training.checkpoint.memory import MemoryTier
 from training.checkpoint.memory_auto import record_decision
+from training.checkpoint.save_auto import SaveSchedule
 from training.comm_probe import probe_record
 from training.config import OptimConfig, TrainConfig
 from training.dataset import DatasetError, TokenDataset
@@ -52,7 +53,15 @@ from training.network import collective_timeout, network_record
 from training.parallel import comm_timed, gradient_sync, parallelize
 from training.recovery_record import RecoveryEvent, Refusal, append_event
 from training.reference import run_reference
-from training.run_output import CheckpointEvent, EpochEnd, Ranks, RunOutputWriter, RunResult, StepRecord
+from training.run_output import (
+    AttemptRecord,
+    CheckpointEvent,
+    EpochEnd,
+    Ranks,
+    RunOutputWriter,
+    RunResult,
+    StepRecord,
+)
 from training.sampler import GlobalBatchSampler, SamplerState, blend_of
 from training.telemetry import Telemetry
 from training.watchdog import Watchdog, enable_flight_recorder
@@ -316,6 +325,7 @@ class Trainer:
         self.step, self.tokens_seen, self.skipped_steps = 0, 0, 0
         self.resumed_from: int | None = None
         self.saved_step: int | None = None  # the step of the last checkpoint this run committed
+        self.save_schedule = SaveSchedule(cfg.checkpoint.save_every_steps, cfg.checkpoint.mtbf_s)
         self.preempt_signal: str | None = None  # set when the ranks agreed that one of them was signalled
         self._pending: list[PendingRecord] = []  # steps whose device figures the host has not read yet
         self.preempted: preemption.PreemptionRecord | None = None
@@ -345,8 +355,14 @@ class Trainer:
             self._resume()
         if self.replica is not None:
             self.replica.set_step(self.step)
+        self.save_schedule.last_saved = self.step  # auto's first save counts from the resumed step
         self.watchdog.beat("ranks")
         self._write_ranks()
+        if self.rank == 0:  # goodput's start-up share: from the process's start to here (validation/goodput.py)
+            now = time.time()
+            self.out.append_attempt(AttemptRecord(
+                int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)), process.started_unix_s() or now, now, self.world
+            ))  # fmt: skip
 
     def _layout(self) -> str:
         """The model-parallel layout as checkpoints record it ("" for pure data parallelism)."""
@@ -817,7 +833,17 @@ class Trainer:
                 "checkpoint step %d: %.1f MB in %.2fs (training held %.2fs)",
                 saved.step, saved.nbytes / 1e6, saved.seconds, saved.stall_s,
             )  # fmt: skip
-            self.out.append_checkpoint(CheckpointEvent(saved.step, saved.nbytes, saved.seconds))
+            self.out.append_checkpoint(CheckpointEvent(saved.step, saved.nbytes, saved.seconds,
+                                                       stall_s=round(saved.stall_s, 4)))  # fmt: skip
+
+    def _saved_at(self, step: int, stall_s: float, step_s: float) -> None:
+        """Tell the save schedule a periodic save's stall and the step time; under save_every_steps=auto the ranks
+        agree on them first (the largest), so that every rank chooses the same next save."""
+        if self.save_schedule.auto:
+            figures = torch.tensor([stall_s, step_s], dtype=torch.float64, device=self.device)
+            dist.all_reduce(figures, op=dist.ReduceOp.MAX)
+            stall_s, step_s = figures.tolist()
+        self.save_schedule.saved(step, stall_s, step_s)
 
     def _preempt(self, signal_name: str) -> None:
         """Checkpoint this step (unless it was just saved), record the preemption (rank 0), and wait for every
@@ -862,12 +888,14 @@ class Trainer:
         while self.step < last_step:
             for lease in self.leases:
                 lease.check()
+            step_started = time.perf_counter()
             with self.watchdog.phase("step", self.step + 1):
                 self._pending.append(self.train_step())
-            every = cfg.checkpoint.save_every_steps
+            step_s = time.perf_counter() - step_started
             evaluating = bool(cfg.run.eval_every_steps and self.step % cfg.run.eval_every_steps == 0)
-            saving = bool(every and self.step % every == 0 and self.step < last_step)
+            saving = self.save_schedule.due(self.step) and self.step < last_step
             holding = drill_points.holds_after(self.step)
+            drill_points.leak()  # the soak's planted leak (off unless a test sets it)
             stopping = self.preempt_signal is not None or holding or self.step == last_step
             # The step's records are written before anything that reads or keeps them (the log line, an
             # evaluation, a checkpoint, a stop), and at least every metrics_sync_every steps.
@@ -904,8 +932,10 @@ class Trainer:
                 with self.watchdog.phase("eval", self.step):
                     last_eval = self.evaluate()
             if saving:
+                save_started = time.perf_counter()
                 with self.watchdog.phase("save", self.step):
                     self._save(background=cfg.checkpoint.async_save)
+                self._saved_at(self.step, time.perf_counter() - save_started, step_s)
             if self.memory is not None and self.memory.due(self.step) and self.step < last_step:
                 self.memory.snapshot(self.step, self.model, self.optimizer, self._train_state())
             if self.preempt_signal is not None and self.step < last_step:

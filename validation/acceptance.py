@@ -15,13 +15,17 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Self, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Self, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from training.config import StrictModel
 from training.layout import MESH_DIMS, MESH_GROUPS, Layout
 from training.run_output import RANKS, ParamPiece, ParamRecord, RunOutput, StepRecord
+from validation.resources import ResourceLimits, resource_gate
+
+if TYPE_CHECKING:  # the re-check reads checkpoint records (torch); reading a report must not load it
+    from validation.checkpoint_interval import IntervalCheck
 
 
 class AcceptanceThresholds(StrictModel):
@@ -57,6 +61,26 @@ class AcceptanceThresholds(StrictModel):
         "that recorded neither.",
     )
     gpu_utilization_min: float = Field(default=0.7, gt=0, le=1, description="GPUs: smallest mean utilisation.")
+    device_busy_min: float | None = Field(
+        default=None,
+        gt=0,
+        le=1,
+        description="GPUs: smallest device busy share of a rank, the CUDA events around its compute over its step "
+        "time (validation/resources.py); None = off until measured on this project's GPU runs.",
+    )
+    compute_share_min: float | None = Field(
+        default=0.7,
+        gt=0,
+        le=1,
+        description="CPU runs: smallest compute share of a rank, the median over steps of compute / (compute + data "
+        "wait) wall time (validation/resources.py): an idle data loader trips it; None = off.",
+    )
+    sm_active_min: float | None = Field(
+        default=None, gt=0, le=1, description="GPUs: smallest SM activity (DCGM) where measured; None = off."
+    )
+    mfu_min: float | None = Field(
+        default=None, gt=0, le=1, description="GPUs: smallest model FLOPs utilisation where measured; None = off."
+    )
     gpu_memory_max: float = Field(default=0.9, gt=0, le=1, description="GPUs: largest share of device memory used.")
     loss_spike_factor: float = Field(default=3.0, gt=1, description="A loss above factor x recent median is a spike.")
     loss_spike_window_steps: int = Field(default=10, ge=2, description="Steps in the median a spike is judged by.")
@@ -972,8 +996,10 @@ def check_performance(
     sharding: str = "ddp",
     mesh: MeshCheck | None = None,
     hosts: dict[int, str] | None = None,
+    interval: IntervalCheck | None = None,
 ) -> DimensionResult:
-    """Scaling efficiency, communication share (and GPU utilisation/memory), gradient synchronisation that
+    """Scaling efficiency, communication share (and GPU utilisation/memory), the resource gates
+    (validation/resources.py: compute share, device busy share, memory), gradient synchronisation that
     happened; names a rank that lags (compute time above straggler_ratio_max x the median of the others; device
     or CPU time where the records carry it, see COMPUTE_BASES), and its host where `hosts` (rank -> host name,
     from ranks.json) tells it.
@@ -1024,6 +1050,10 @@ def check_performance(
     no_sync = grad_sync_problem(distributed, sync_ranks, sharding, timed)
     if no_sync:
         failures.append(no_sync)
+    resources = resource_gate(distributed, steps, ResourceLimits(
+        limits.compute_share_min, limits.device_busy_min, limits.sm_active_min, limits.mfu_min,
+        limits.gpu_memory_max), sm_active=(gpu or {}).get("sm_active"), mfu=(gpu or {}).get("mfu"))  # fmt: skip
+    failures.extend(resources.failures)
     if gpu:
         if gpu.get("utilization", 1.0) < limits.gpu_utilization_min:
             failures.append(f"GPU utilisation {gpu['utilization']:.2f} < {limits.gpu_utilization_min}")
@@ -1064,7 +1094,7 @@ def check_performance(
             )
             + " (its CPU/GPU, clocks, neighbours)"  # fmt: skip
         )
-        if max(data_wait.values(), default=0) > 0.2:
+        if max(data_wait.values(), default=0) > 0.2 or not resources.passed:
             look.append("data-loader wait is high: more workers, prefetch, larger record files")
     figures = PerformanceFigures(
         scaling_efficiency=efficiency,
@@ -1093,6 +1123,8 @@ def check_performance(
             "stragglers_within_noise": sorted(noisy),
             "straggler_basis": basis,
             "data_wait_share_per_rank": data_wait,
+            "resources": resources.to_json(),
+            **({"checkpoint_interval": interval.to_json()} if interval is not None else {}),
             **({"comm_bytes_per_dim": _per_dimension(rank0, steps, lambda r: r.comm_bytes)} if dims else {}),
             **({"comm_s_per_dim": _per_dimension(rank0, steps, lambda r: r.comm_s_per_dim)} if dims else {}),
             **({"gpu": gpu} if gpu else {}),
@@ -1101,6 +1133,7 @@ def check_performance(
             "scaling_efficiency_min": limits.scaling_efficiency_min,
             "comm_share_max": limits.comm_share_max,
             "straggler_ratio_max": limits.straggler_ratio_max,
+            "compute_share_min": limits.compute_share_min,
         },
         evidence={
             "steps": [steps[0], steps[-1]] if steps else [], "sharding": sharding, "data_parallel_ranks": sync_ranks

@@ -19,7 +19,7 @@ import click
 import typer
 from typer.core import TyperGroup
 
-from flows.cli import accept, alerts, data, job, ledger, nodes, serve
+from flows.cli import accept, alerts, data, job, ledger, nodes, serve, soak
 from flows.cli.common import EXIT_TRANSIENT, EXIT_USER_ERROR, console, err_console, example
 
 # Failures that a command reports as one line (exit 2: fix the input; exit 1: it may pass, run again), never as
@@ -33,7 +33,7 @@ _USER_FAILURES: tuple[tuple[str, str], ...] = (
 )  # fmt: skip
 
 # The log level of each command's library loggers (the rest: WARNING); set once, in _root.
-_LOG_LEVELS = {"train": logging.INFO, "accept": logging.INFO, "drill": logging.INFO}
+_LOG_LEVELS = {"train": logging.INFO, "accept": logging.INFO, "drill": logging.INFO, "soak": logging.INFO}
 
 
 def _loaded_user_failures() -> tuple[type[BaseException], ...]:
@@ -97,7 +97,7 @@ app = typer.Typer(
     callback=_root,
     epilog=example("tdeploy validate-spec examples/local.yaml", "tdeploy run examples/local.yaml"),
 )
-for _concern in (data, job, accept, ledger, serve):  # their commands at the top level, listed in this order
+for _concern in (data, job, accept, soak, ledger, serve):  # their commands at the top level, listed in this order
     app.add_typer(_concern.app)
 app.add_typer(alerts.app, name="alerts")
 app.add_typer(nodes.app, name="nodes")

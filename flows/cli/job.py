@@ -65,6 +65,7 @@ def plan(
     """Estimate memory, time and communication, search the layouts (offline); exit 1 if the requested one does
     not fit."""
     from tasks.capacity.report import format_self_check, rich_report
+    from tasks.capacity.interval import interval_plan_of
     from tasks.capacity.step import CapacityInputs
 
     parsed = load(spec, check_paths)
@@ -96,6 +97,8 @@ def plan(
         console.print_json(data=result.to_json())
     else:
         console.print(rich_report(result))
+        for line in interval_plan_of(parsed, result).lines():
+            console.print(line, markup=False, highlight=False)
         for check in result.self_check:
             console.print(format_self_check(check), markup=False, highlight=False)
         if url:

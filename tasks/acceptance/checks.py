@@ -28,6 +28,7 @@ from validation.acceptance import (
     rank_metrics,
     replica_problems,
 )
+from validation.checkpoint_interval import recheck_run
 from validation.data_consistency import Sampling, check_data_consistency
 
 ALL_MODES = frozenset(Mode)
@@ -130,7 +131,15 @@ def _performance(j: Judged) -> DimensionResult:
         sharding=j.train.parallel.sharding,
         mesh=mesh_of(j.dist.output_dir, world),
         hosts=_hosts_of(j.dist),
+        interval=recheck_run(j.dist.output_dir, j.train.checkpoint.save_every_steps, _mtbf_s(j)),
     )
+
+
+def _mtbf_s(j: Judged) -> float | None:
+    """The job's MTBF the interval is re-checked under: checkpoint.mtbf_s, else cluster.mttf_hours / nodes."""
+    if j.train.checkpoint.mtbf_s is not None or j.cluster.mttf_hours is None:
+        return j.train.checkpoint.mtbf_s
+    return j.cluster.mttf_hours * 3600 / j.cluster.nodes
 
 
 def _stability(j: Judged) -> DimensionResult:
@@ -153,7 +162,8 @@ CHECKS: tuple[Check, ...] = (
     Check(name="correctness", judges="losses, gradient norms, parameters and replicas against the reference; "
           "the quality gate", severity=Severity.FAILS, stage=Stage.RUNS,
           docs="validation/acceptance.py check_correctness, validation/quality.py", judge=_correctness),
-    Check(name="performance", judges="scaling efficiency, communication share, stragglers, GPU use, gradient sync",
+    Check(name="performance", judges="scaling efficiency, communication share, stragglers, resource gates "
+          "(compute share, GPU use, memory), gradient sync",
           severity=Severity.FAILS, stage=Stage.RUNS, docs="validation/acceptance.py check_performance",
           judge=_performance),
     Check(name="stability", judges="abnormal exit, NaN/Inf loss, loss spikes, stalls",

@@ -26,6 +26,7 @@ from tasks.ledger.registry import (
 from tasks.run_id import new_run_id
 from training.config import TrainConfig
 from training.dataset import read_manifest
+from validation.goodput import Goodput
 from validation.plan_accuracy import PlanAccuracy
 
 
@@ -71,8 +72,10 @@ def record_entry(
     provenance: Provenance,
     workspace: Path,
     plan_accuracy: PlanAccuracy | None = None,
+    goodput: Goodput | None = None,
 ) -> LedgerEntry:
-    """Append the entry of an accepted run: keep its checkpoint (pinned), then write the entry itself."""
+    """Append the entry of an accepted run (with its goodput): keep its checkpoint (pinned), then write the entry
+    itself."""
     entry_id = new_run_id()
     curve_key, cluster_key, data_key = run_identity(cluster, run_train, world_size)
     checkpoint = ledger.keep_checkpoint(entry_id, train, run_train)
@@ -93,6 +96,7 @@ def record_entry(
         figures=figures,
         acceptance_run=str(workspace),
         plan_accuracy=plan_accuracy,
+        goodput=goodput,
     )
     ledger.append(entry)
     return entry

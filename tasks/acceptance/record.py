@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from tasks.errors import UserError
 from validation.acceptance import DimensionResult
+from validation.goodput import GoodputField
 from validation.plan_accuracy import PlanAccuracy
 
 ACCEPTANCE_JSON = "acceptance.json"
@@ -70,6 +71,11 @@ class AcceptanceReport(BaseModel):
         default=None,
         description="The capacity plan beside what the distributed run measured (None: no plan given, or no steps).",
     )
+    goodput: GoodputField | None = Field(
+        default=None,
+        description="The distributed run's allocation split into productive time and badput by kind (None: its "
+        "records do not give it, or reports from before goodput).",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -113,6 +119,7 @@ class AcceptanceReport(BaseModel):
             "runs": self.runs,
             "ledger_entry": self.ledger_entry,
             "plan_accuracy": self.plan_accuracy.to_json() if self.plan_accuracy else None,
+            "goodput": self.goodput.to_json() if self.goodput else None,
         }
 
     @staticmethod

@@ -24,6 +24,7 @@ from tasks.ledger.registry import Provenance
 from tasks.paths import DeploymentPaths
 from tasks.results import StepResult
 from training.config import TrainConfig
+from validation.goodput import Goodput
 
 if TYPE_CHECKING:
     from tasks.spec import DeploymentSpec
@@ -58,6 +59,9 @@ class AcceptanceResult(StepResult):
         plan = self.report.get("plan_accuracy")
         if plan:  # the capacity plan beside what the run measured
             text = f"{text}; {plan['line']}" if text else plan["line"]
+        if self.report.get("goodput"):  # the distributed run's
+            line = Goodput.from_json(self.report["goodput"]).describe()
+            text = f"{text}; {line}" if text else line
         return f"{self.verdict_text}: {text}"
 
 

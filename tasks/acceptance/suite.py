@@ -48,6 +48,7 @@ from tasks.run_id import new_run_id
 from training.config import TrainConfig
 from validation.acceptance import AcceptanceThresholds, DimensionResult, mesh_of, rank_metrics
 from validation.data_consistency import Sampling, check_data_consistency, with_resumed_run
+from validation.goodput import Goodput
 from validation.plan_accuracy import PlanAccuracy, PlannedFigures, compare_plan, with_history
 from validation.quality import with_quality
 
@@ -195,9 +196,9 @@ def run_acceptance(inputs: AcceptanceInputs, root: Path) -> AcceptanceReport:
     )
     phase = f"{'stability soak' if soak else 'distributed run'} ({cluster.world_size} ranks)"
     report("acceptance", phase, 0, steps)
-    dist = Job(cluster, dist_train, "accept-distributed", environment, image, phase=phase).wait(
-        acceptance.job_timeout_s, limits.stall_timeout_s
-    )
+    dist_job = Job(cluster, dist_train, "accept-distributed", environment, image, phase=phase)
+    dist = dist_job.wait(acceptance.job_timeout_s, limits.stall_timeout_s)
+    goodput = dist_job.goodput()
     start = check_start(dist)
     if start is not None:  # one finding; the reference, the correctness pair and the drills would tell nothing
         return AcceptanceReport(dimensions=not_started(start, mode), runs={"distributed": str(dist.output_dir)})
@@ -276,12 +277,14 @@ def run_acceptance(inputs: AcceptanceInputs, root: Path) -> AcceptanceReport:
         log.warning("plan vs run: not compared: %s", err)
         accuracy = None
     accepted = AcceptanceReport(
-        dimensions=in_report_order(dimensions), drills=drill_results, runs=runs, plan_accuracy=accuracy
+        dimensions=in_report_order(dimensions), drills=drill_results, runs=runs, plan_accuracy=accuracy,
+        goodput=goodput,
     )
     if accepted.passed and inputs.record:  # every dimension and drill: the run becomes the current baseline
         gate.record(root, dist.output_dir, inputs.deployment_dir)
         assert figures is not None  # a run without a result fails stability
-        accepted.ledger_entry = _record(ledger, cluster, train, dist_train, world, figures, provenance, root, accuracy)
+        accepted.ledger_entry = _record(ledger, cluster, train, dist_train, world, figures, provenance, root, accuracy,
+                                        goodput)  # fmt: skip
     return accepted
 
 
@@ -341,11 +344,12 @@ def _record(
     provenance: Provenance,
     root: Path,
     accuracy: PlanAccuracy | None = None,
+    goodput: Goodput | None = None,
 ) -> str | None:
     """Append the accepted run's ledger entry; its id (None, with a warning, when the ledger cannot be written:
     the acceptance itself passed)."""
     try:
-        entry = record_entry(ledger, cluster, train, dist_train, world, figures, provenance, root, accuracy)
+        entry = record_entry(ledger, cluster, train, dist_train, world, figures, provenance, root, accuracy, goodput)
     except OSError as err:
         log.warning("could not record the ledger entry in %s: %s", ledger.url, err)
         return None

@@ -25,6 +25,7 @@ from tasks.errors import TransientError, UserError
 from tasks.launch.base import JobHandle, JobState, JobStatus
 from tasks.launch.cluster import ClusterConfig
 from tasks.launch.environment import JobEnvironment
+from tasks.launch.goodput import job_goodput
 from tasks.launch.history import StepsLost, steps_lost
 from tasks.launch.submit import submit
 from tasks.progress import report
@@ -32,6 +33,7 @@ from tasks.run_id import RUN_ID, new_run_id
 from training.config import TrainConfig
 from training.layout import data_parallel_degree
 from training.run_output import Ranks, RunOutput, StepRecord
+from validation.goodput import Goodput
 
 log = logging.getLogger(__name__)
 
@@ -365,6 +367,10 @@ class Job:
     def cancel(self) -> None:
         """Stop the job."""
         self.launcher.cancel(self.handle)
+
+    def goodput(self) -> Goodput | None:
+        """The ended job's goodput, from its submission to its last record (None where its records do not give it)."""
+        return job_goodput(self.launcher, self.handle)
 
 
 def first_step_time_after(output_dir: Path, step: int, since_unix_s: float) -> float | None:

@@ -255,6 +255,17 @@ class Launcher(Protocol):
         """A pending job that can never start (none, unless the scheduler says so)."""
         return False
 
+    def queue_seconds(self, handle: JobHandle) -> float | None:
+        """How long the job waited for its allocation, from submission to start (goodput's queue share); None when
+        the scheduler does not say (yet)."""
+        return None
+
+    def gate_command(self, cluster: ClusterConfig, host: NodeHost, module_args: list[str]) -> list[str] | None:
+        """The command that runs `python -m MODULE_ARGS` on `host` before the job starts, for the health gate
+        (tasks/launch/health_gate.py); None: the scheduler places the job, and its gate runs inside the allocation
+        (a step of the batch script, an init container)."""
+        return None
+
     def wait(
         self,
         handle: JobHandle,

@@ -14,6 +14,7 @@ from tasks.launch import registry
 from tasks.launch.config import KubernetesConfig, PreemptionConfig, SlurmConfig, SshLaunchConfig
 from tasks.launch.network import NetworkConfig, env_problems, network_problems
 from training.config import Problem, StrictModel, raise_problems
+from training.health_gate import HealthGateConfig
 
 
 class ClusterConfig(StrictModel):
@@ -50,6 +51,15 @@ class ClusterConfig(StrictModel):
     rdzv_port: int | None = Field(
         default=None, ge=1, le=65535, description="local: rendezvous port on 127.0.0.1; None = a free one."
     )
+    mttf_hours: float | None = Field(
+        default=None,
+        gt=0,
+        le=1e7,
+        description="Mean time to failure of one node (hours), for the checkpoint interval (Young/Daly, "
+        "training/checkpoint/interval.py) until the ledger has observed failures of its own: the job's mean time "
+        "between failures is mttf_hours / nodes. None = unknown (checkpoint.save_every_steps: auto then saves "
+        "only at the end, as before).",
+    )
     env: dict[str, str] = Field(
         default_factory=dict,
         description="Environment of the training processes: NCCL/gloo/torch.distributed/OpenMP tuning variables "
@@ -77,6 +87,11 @@ class ClusterConfig(StrictModel):
         default_factory=PreemptionConfig,
         description="Preemption: the grace period between the scheduler's signal (SIGTERM, or SIGUSR1 from Slurm) "
         "and its kill, in which the trainer finishes its step, checkpoints and exits 75 (state preempted).",
+    )
+    health_gate: HealthGateConfig = Field(
+        default_factory=HealthGateConfig,
+        description="The health gate after placement and before the rendezvous: compute, storage and bandwidth "
+        "probes on every node; a node outside the band is left out (training/health_gate.py).",
     )
 
     @field_validator("scheduler")

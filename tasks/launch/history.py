@@ -9,6 +9,7 @@ Works the same for any launcher's output folder.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -17,10 +18,12 @@ from typing import Any, Literal
 
 from tasks.errors import UserError
 from tasks.launch.base import JobHandle, JobState, JobStatus, Launcher
+from tasks.launch.goodput import job_goodput
 from training.checkpoint import CheckpointManager
 from training.config import TrainConfig
 from training.preemption import PreemptionFileError, PreemptionRecord, read_records
 from training.run_output import RunOutput, StepRecord
+from validation.goodput import Goodput
 
 EventKind = Literal["running", "preempted", "restarted", "resumed", "pending", "finished", "stopped"]
 
@@ -44,6 +47,8 @@ class JobHistory:
     status: JobStatus | None = None
     restarts: int | None = None
     preemptions: list[PreemptionRecord] = field(default_factory=list)
+    goodput: Goodput | None = None
+    """The job's goodput so far (None: its records do not give it)."""
 
     def steps_lost(self) -> int:
         """Steps that ran before a stop and ran again after it (0: every resume went on where the job stopped)."""
@@ -57,6 +62,8 @@ class JobHistory:
             out.append(f"  {when:>8}  {event.text}")
         if self.restarts is not None:
             out.append(f"  scheduler restarts (requeues): {self.restarts}")
+        if self.goodput is not None:
+            out.append(f"  {self.goodput.describe()}")
         return out
 
 
@@ -166,4 +173,5 @@ def steps_lost(train: TrainConfig, output_dir: str | Path) -> StepsLost:
 def job_history(handle: JobHandle, launcher: Launcher) -> JobHistory:
     """The history of a submitted job: its output folder and its scheduler's current state (and the restarts
     it counts: Slurm's requeues)."""
-    return build_history(handle.output_dir, launcher.status(handle), launcher.restarts(handle))
+    history = build_history(handle.output_dir, launcher.status(handle), launcher.restarts(handle))
+    return dataclasses.replace(history, goodput=job_goodput(launcher, handle))

@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 from collections.abc import Mapping, Sequence
+from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
@@ -39,11 +41,14 @@ from tasks.launch.torchrun import job_env, preemption_args, rdzv_conf_args
 from training.checkpoint import KEY_ENV as CHECKPOINT_KEY_ENV
 from training.checkpoint.memory import DEFAULT_MEMORY_DIR
 from training.config import TrainConfig, first_problem
+from training.health_gate import GATE_NODE_ENV
 from training.preemption import PREEMPTED_EXIT_CODE
 from training.replica import HOST_ENV, LIGHTHOUSE_ENV, REPLICA_GROUP_ENV
 
 if TYPE_CHECKING:
     from tasks.launch.cluster import ClusterConfig
+
+log = logging.getLogger(__name__)
 
 CONFIG_DIR = "/etc/tdeploy"
 LIGHTHOUSE_PORT = 29510
@@ -51,6 +56,27 @@ LIGHTHOUSE_PORT = 29510
 REPLICA_GROUP_LABEL = "tdeploy/replica-group"
 # The Kubernetes Secret (key `key`) whose value reaches every pod as TDEPLOY_CHECKPOINT_KEY, when it exists.
 CHECKPOINT_KEY_SECRET = "tdeploy-checkpoint-key"
+
+
+def gate_init_container(cluster: ClusterConfig, train: TrainConfig, trainer: Mapping[str, Any]) -> dict[str, Any]:
+    """The health gate as an init container of every pod: this node's probes (training/health_gate.py) judged
+    alone (its storage, the baseline's compute rate), in the trainer's image and mounts; it exits
+    HEALTH_GATE_EXIT_CODE when the node fails, so the pod never starts its trainer there."""
+    memory = (train.checkpoint.memory_dir or DEFAULT_MEMORY_DIR) if train.checkpoint.memory_tier_on else None
+    folders = [f for f in [memory, *cluster.health_gate.storage_paths] if f]
+    argv = ["python", "-m", "training.health_gate", "probe", "--name", f"$({GATE_NODE_ENV})", "--alone",
+            "--config", cluster.health_gate.model_dump_json().replace("$", "$$")]  # fmt: skip
+    for folder in folders:
+        argv += ["--storage", folder.replace("$", "$$")]
+    return {
+        "name": "health-gate",
+        "image": trainer["image"],
+        "imagePullPolicy": trainer["imagePullPolicy"],
+        "command": argv,
+        "env": [{"name": GATE_NODE_ENV, "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}],
+        "volumeMounts": copy.deepcopy(trainer["volumeMounts"]),
+        **({"resources": copy.deepcopy(trainer["resources"])} if "resources" in trainer else {}),
+    }
 
 
 def render_manifests(
@@ -117,6 +143,8 @@ def render_manifests(
             {"name": "tdeploy-memory", "mountPath": train.checkpoint.memory_dir or DEFAULT_MEMORY_DIR}
         )
         pod_spec["volumes"].append({"name": "tdeploy-memory", "emptyDir": {"medium": "Memory"}})
+    if cluster.health_gate.on:
+        pod_spec["initContainers"] = [gate_init_container(cluster, train, container)]
     if k8s.service_account:
         pod_spec["serviceAccountName"] = k8s.service_account
     if k8s.excluded_nodes:  # the failing and quarantined hosts of a requeue (Launcher.excluding)
@@ -257,6 +285,17 @@ def pod_exit_codes(pods: list[dict[str, Any]]) -> dict[str, int]:
                     codes[pod.get("metadata", {}).get("name", "?")] = terminated["exitCode"]
                     break
     return codes
+
+
+def kubernetes_queue_seconds(job: dict[str, Any], pods: list[dict[str, Any]]) -> float | None:
+    """From the PyTorchJob's creation to the last of its pods' start (`status.startTime`: bound to a node and
+    acknowledged by its kubelet); None while a pod has not started or there are none."""
+    created = job.get("metadata", {}).get("creationTimestamp")
+    starts = [pod.get("status", {}).get("startTime") for pod in pods]
+    if not created or not starts or not all(starts):
+        return None
+    begun = max(datetime.fromisoformat(str(t).replace("Z", "+00:00")) for t in starts)
+    return max(0.0, (begun - datetime.fromisoformat(str(created).replace("Z", "+00:00"))).total_seconds())
 
 
 def job_status(job: dict[str, Any], pods: list[dict[str, Any]]) -> JobStatus:
@@ -437,6 +476,18 @@ class KubernetesLauncher(Launcher):
             except Exception as err:  # noqa: BLE001
                 raise TransientError(f"cannot list the pods of PyTorchJob {handle.job_id}: {err}", "retried") from err
         return job_status(job, pods)
+
+    def queue_seconds(self, handle: JobHandle) -> float | None:
+        """From the PyTorchJob's creation to its last pod's start (`kubernetes_queue_seconds`)."""
+        namespace, name = handle.job_id.split("/", 1)
+        try:
+            job = self.custom.get_namespaced_custom_object("kubeflow.org", "v1", namespace, "pytorchjobs", name)
+            listed = self.core.list_namespaced_pod(namespace, label_selector=f"training.kubeflow.org/job-name={name}")
+        except Exception as err:  # noqa: BLE001 - the API's errors are many; a queue time not known is None
+            log.warning("queue time of %s not known: %s", handle.job_id, err)
+            return None
+        pods = [self.core.api_client.sanitize_for_serialization(pod) for pod in listed.items]
+        return kubernetes_queue_seconds(job, pods)
 
     def logs(self, handle: JobHandle, offset: int = 0) -> tuple[list[str], int]:
         """Log lines of the master pod (offset counts lines here)."""

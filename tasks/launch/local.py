@@ -352,6 +352,10 @@ class LocalLauncher(Launcher):
         ]  # fmt: skip
         return argv, env
 
+    def gate_command(self, cluster: ClusterConfig, host: NodeHost, module_args: list[str]) -> list[str] | None:
+        """The health gate's probe on this machine, with this machine's Python."""
+        return [sys.executable, "-m", *module_args]
+
     def _details(self, cluster: ClusterConfig) -> dict[str, object]:
         """What job.json keeps beyond the agents, for status and cancel from another process."""
         return {}
@@ -361,6 +365,10 @@ class LocalLauncher(Launcher):
         """This process, as the wrapper's watchdog recognises it (None where start times are unknown)."""
         started = start_time(os.getpid())
         return None if started is None else {"pid": os.getpid(), "start_time": started, "host": socket.gethostname()}
+
+    def queue_seconds(self, handle: JobHandle) -> float | None:
+        """No queue: the agents start when the job is submitted (here and over SSH)."""
+        return 0.0
 
     def status(self, handle: JobHandle) -> JobStatus:
         """Running while an agent lives; then succeeded, failed (with the root cause) or cancelled."""

@@ -23,6 +23,7 @@ from tasks.recovery.quarantine import NodeMemory
 from tasks.recovery.record import append_decision
 from training.config import TrainConfig
 from training.failure import FailureFileError, failure_since
+from training.health_gate import HEALTH_GATE_EXIT_CODE, read_health_gate
 from training.run_output import RunOutput, RunOutputFormatError
 from training.storage import is_local
 from training.watchdog import hang_records
@@ -70,13 +71,18 @@ def evidence_of(
             ranks = None
         hosts = {r.get("rank"): r.get("host") for r in (ranks.ranks if ranks else [])}
         hung_hosts = sorted({hosts[rank] for h in hangs for rank in h.late_ranks if hosts.get(rank)})
+    # The gate inside the allocation stopped this job (a gate run before the submission, or one whose job went on
+    # without the excluded nodes, is not the cause of this failure).
+    stopped_by_gate = status.exit_code == HEALTH_GATE_EXIT_CODE and is_local(train.run.output_url)
+    gate = read_health_gate(handle.output_dir, train.storage) if stopped_by_gate else None
+    gate_excluded = tuple(gate.excluded) if gate and gate.started_unix_s >= handle.submitted_unix_s else ()
     failure = status.failure
     return FailureEvidence(
         job=handle.ref, reason=status.reason, exit_code=status.exit_code, failed_host=status.host,
         rank_error=failure.error if failure else "", rank_exit_code=failure.exitcode if failure else None,
         rank_host=failure.host if failure else None, unreachable_hosts=tuple(launcher.unreachable_hosts(handle)),
         workload=workload, hangs=tuple(h.describe()[:300] for h in hangs), hung_hosts=tuple(hung_hosts),
-        step_before=step_before, step_now=last_step(train), requeues_done=requeues_done,
+        step_before=step_before, step_now=last_step(train), requeues_done=requeues_done, gate_excluded=gate_excluded,
     )  # fmt: skip
 
 

@@ -36,6 +36,7 @@ import socket
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
+from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -57,7 +58,9 @@ from tasks.launch.local import REPLICAS_DIR
 from tasks.launch.network import ENV_NAME
 from tasks.launch.replica_step import EXIT_FILE
 from tasks.launch.torchrun import LOG_ARGS, agent_args, job_env, payload_args, preemption_args
+from training.checkpoint.memory import DEFAULT_MEMORY_DIR
 from training.config import TrainConfig
+from training.health_gate import GATE_DIR, HEALTH_GATE_EXIT_CODE, storage_folders
 from training.preemption import PREEMPTED_EXIT_CODE, PREEMPTIONS_FILE
 from training.replica import HOST_ENV, LIGHTHOUSE_ENV, REPLICA_GROUP_ENV
 from training.run_output import RESULT
@@ -120,6 +123,18 @@ def slurm_state(raw: str, exit_code: int | None = None) -> JobState:
         if word in names:
             return state
     return JobState.FAILED
+
+
+def slurm_queue_seconds(submit: str, start: str) -> float | None:
+    """Seconds from Slurm's submit time to its start time (both `YYYY-MM-DDTHH:MM:SS` in the controller's zone);
+    None when the job has not started (Start is Unknown, None or in the future as an estimate)."""
+    try:
+        submitted, started = datetime.fromisoformat(submit.strip()), datetime.fromisoformat(start.strip())
+    except ValueError:
+        return None
+    if started > datetime.now(started.tzinfo):  # a pending job's estimated start
+        return None
+    return max(0.0, (started - submitted).total_seconds())
 
 
 class SlurmLauncher(Launcher):
@@ -280,6 +295,10 @@ class SlurmLauncher(Launcher):
             'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
             'echo "tdeploy: job $SLURM_JOB_ID on $SLURM_JOB_NODELIST, rendezvous $head_node"',
         ]
+        if cluster.health_gate.on:
+            replicas = train is not None and train.fault_tolerance.mode == "replica_groups"
+            lines += _health_gate(cluster, train, output_dir, srun_options, launch, elastic=not replicas)
+            agent[0] += ' ${gate_options[@]+"${gate_options[@]}"}'
         if train is not None and train.fault_tolerance.mode == "replica_groups":
             container = slurm.container if image else None
             setup, step = _replica_groups(cluster, train, config_path, output_dir, srun_options, launch, container)
@@ -389,6 +408,19 @@ class SlurmLauncher(Launcher):
             if job.strip() == handle.job_id:
                 return self._status(state, "", None, handle)
         return None
+
+    def queue_seconds(self, handle: JobHandle) -> float | None:
+        """Start less submit time of the job's (last) allocation: sacct's Submit and Start, else `scontrol show job`'s
+        SubmitTime and StartTime (clusters without accounting storage); None while it is pending or forgotten."""
+        proc = self._run("sacct", "-n", "-P", "-X", "-j", handle.job_id, "-o", "Submit,Start", check=False)
+        rows = proc.stdout.strip().splitlines() if proc.returncode == 0 else []
+        if rows:
+            return slurm_queue_seconds(*(rows[-1].split("|") + [""])[:2])
+        proc = self._run("scontrol", "show", "job", handle.job_id, check=False)
+        submit, start = (re.search(rf"\b{key}=(\S+)", proc.stdout) for key in ("SubmitTime", "StartTime"))
+        if proc.returncode != 0 or submit is None or start is None:
+            return None
+        return slurm_queue_seconds(submit.group(1), start.group(1))
 
     def restarts(self, handle: JobHandle) -> int | None:
         """How often Slurm requeued the job (`scontrol show job`'s Restarts=; None once the controller forgot it)."""
@@ -552,6 +584,55 @@ def _finished_with_spares(result: str) -> list[str]:
         "  fi",
         '  return "$rc"',
         "}",
+    ]
+
+
+def _health_gate(
+    cluster: ClusterConfig,
+    train: TrainConfig | None,
+    output_dir: str,
+    srun_options: list[str],
+    launch: list[str],
+    *,
+    elastic: bool,
+) -> list[str]:
+    """The health gate inside the allocation, before the trainer's srun: one probe task per node (a ring of
+    bandwidth probes, the barrier in the shared output folder), then the verdict on the head node into
+    health_gate.json. Excluded nodes: the trainer's srun runs without them (`gate_options`) where the spares or
+    cluster.min_nodes leave enough, else the script exits HEALTH_GATE_EXIT_CODE naming them."""
+    gate = cluster.health_gate
+    memory = None
+    if train is not None and train.checkpoint.memory_tier_on:
+        memory = train.checkpoint.memory_dir or DEFAULT_MEMORY_DIR
+    folders = storage_folders(output_dir, memory, gate.storage_paths)
+    config = gate.model_dump_json()
+    gate_dir = f"{output_dir}/{GATE_DIR}"
+    needed = cluster.min_nodes if elastic and cluster.min_nodes is not None else cluster.nodes
+    probe = [*launch, "-m", "training.health_gate", "probe", "--config", config, "--peer", "auto",
+             *(word for folder in folders for word in ("--storage", folder))]  # fmt: skip
+    judge = [*launch, "-m", "training.health_gate", "judge", "--config", config, "--output", output_dir]
+    return [
+        f'gate_dir={shlex.quote(gate_dir)}/slurm-"$SLURM_JOB_ID"',
+        "gate_started=$(date +%s.%N)",
+        'gate_names=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | paste -sd, -)',
+        "{ " + _shell(["srun", "--ntasks-per-node=1", "--kill-on-bad-exit=0", *srun_options, "sh", "-c",
+                       'exec "$@" --name "$SLURMD_NODENAME"', "tdeploy-gate", *probe])
+        + ' --gate-dir "$gate_dir" --names "$gate_names" > /dev/null || true; }',
+        "gate_excluded=$(" + _shell(["srun", "--nodes=1", "--ntasks=1", "--relative=0", *srun_options, *judge])
+        + ' --gate-dir "$gate_dir" --names "$gate_names" --started "$gate_started") || '
+        "echo \"tdeploy: the health gate's verdict failed; starting without it\" >&2",
+        "gate_options=()",
+        'if [ -n "${gate_excluded:-}" ]; then',
+        "  gate_left=$(( $(echo \"$gate_names\" | tr , '\\n' | wc -l)"
+        " - $(echo \"$gate_excluded\" | tr , '\\n' | wc -l) ))",
+        f'  if [ "$gate_left" -ge {needed:d} ]; then',
+        '    echo "tdeploy: health gate excluded $gate_excluded; the job runs on the other $gate_left node(s)"',
+        '    gate_options=(--exclude="$gate_excluded" --nodes="$gate_left")',
+        "  else",
+        f'    echo "tdeploy: health gate excluded $gate_excluded: $gate_left node(s) left, {needed:d} needed" >&2',
+        f"    exit {HEALTH_GATE_EXIT_CODE:d}",
+        "  fi",
+        "fi",
     ]
 
 

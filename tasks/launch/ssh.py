@@ -268,6 +268,12 @@ class SshLauncher(LocalLauncher):
         remote = remote_command(ssh.workdir or str(PROJECT_ROOT), remote_env, argv)
         return ssh_command(ssh, here, remote), dict(self.env)
 
+    def gate_command(self, cluster: ClusterConfig, host: NodeHost, module_args: list[str]) -> list[str] | None:
+        """`ssh HOST` running the health gate's probe there, with the hosts' Python in the agents' working folder."""
+        ssh = launch_config(cluster)
+        remote = remote_command(ssh.workdir or str(PROJECT_ROOT), {}, [ssh.python, "-m", *module_args])
+        return ssh_command(ssh, host, remote)
+
     def _details(self, cluster: ClusterConfig) -> dict[str, object]:
         """The hosts and SSH settings, so that another process can reach the job's processes."""
         ssh = launch_config(cluster)

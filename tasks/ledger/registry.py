@@ -70,6 +70,7 @@ from training.storage import (
     read_control_file,
 )
 from validation.acceptance import ConnectivityFigures, DimensionResult, PerformanceFigures, figures_of
+from validation.goodput import GoodputField
 from validation.plan_accuracy import PlanAccuracy
 from validation.quality import LossCurve, loss_curve
 
@@ -168,15 +169,19 @@ class LedgerEntry(_Record):
     plan_accuracy: PlanAccuracy | None = Field(
         default=None, description="The capacity plan beside what the run measured (None: planned without a plan)."
     )
+    goodput: GoodputField | None = Field(
+        default=None, description="The accepted run's goodput and badput by kind (None: entries from before it)."
+    )
 
     def line(self) -> str:
         """One line for `tdeploy history`."""
         f = self.figures
         step = self.checkpoint.step if self.checkpoint else "-"
         tps = f"{f.tokens_per_s:.0f}" if f.tokens_per_s else "-"
+        goodput = f"{100 * self.goodput.goodput:.1f}%" if self.goodput else "-"
         return (
             f"{self.entry_id}  {self.created_at}  image {self.image_ref or '-'}  code {self.code_version}  "
-            f"step {step}  tokens/s {tps}  final loss {f.final_loss:.4f}"
+            f"step {step}  tokens/s {tps}  final loss {f.final_loss:.4f}  goodput {goodput}"
         )
 
 

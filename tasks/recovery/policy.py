@@ -30,6 +30,7 @@ from tasks.hosts import HOST_NAME
 from tasks.recovery.config import RecoveryConfig
 from tasks.recovery.quarantine import NodeMemory
 from training.failure import WorkloadFailure
+from training.health_gate import HEALTH_GATE_EXIT_CODE
 from training.watchdog import HANG_EXIT_CODE
 
 FailureClass = Literal["workload", "infrastructure"]
@@ -68,6 +69,9 @@ class FailureEvidence:
     """The hosts of the ranks that did not arrive, per the hang records."""
     findings: tuple[str, ...] = ()
     """Causes the diagnosis (tasks/diagnose.py) named, where the caller ran it."""
+    gate_excluded: tuple[str, ...] = ()
+    """The hosts the job's health gate excluded (its health_gate.json), where the gate inside the allocation
+    stopped the job (a Slurm batch script, training/health_gate.py)."""
     step_before: int | None = None
     """The last step trained when the previous failure of this job happened (None: the first failure)."""
     step_now: int | None = None
@@ -159,6 +163,13 @@ def _hang(e: FailureEvidence) -> list[str]:
     return found
 
 
+def _gate(e: FailureEvidence) -> list[str]:
+    found = [f"the health gate excluded {h}" for h in e.gate_excluded]
+    if not found and e.exit_code == HEALTH_GATE_EXIT_CODE:
+        found.append(f"the job exited with the health gate's exit code {HEALTH_GATE_EXIT_CODE}")
+    return found
+
+
 RULES: tuple[Rule, ...] = (
     Rule("nan_loss", "workload", _workload("nan_loss"),
          "the loss became NaN or infinite: lower optim.lr_peak or raise optim.warmup_steps, set optim.grad_clip_norm "
@@ -168,6 +179,10 @@ RULES: tuple[Rule, ...] = (
          "then run again"),
     Rule("bug", "workload", lambda e: _workload("bug")(e) or _pattern(_BUG)(e),
          "a programming error in the job: fix the code (the traceback is in the job's log), then run again"),
+    Rule("health_gate", "infrastructure", _gate,
+         "the health gate found nodes outside the band before the job started (health_gate.json in the run's "
+         "output says why): the job is requeued without them; repair them, or set cluster.min_nodes so the job "
+         "starts with the rest", blames=lambda e: _hosts(*e.gate_excluded)),
     Rule("hang", "infrastructure", _hang,
          "a rank stopped progressing: its stacks are in hangs/ of the run's output; the job is requeued without the "
          "hosts of the ranks that did not arrive", blames=lambda e: _hosts(*e.hung_hosts)),

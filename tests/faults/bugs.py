@@ -35,6 +35,12 @@ class TestFaults(BaseModel):
         "but the straggler rule, judged on CPU time, does not see it), or computes longer with slow_factor.",
     )
     slow_step_s: float = Field(default=0.2, ge=0, description="Extra compute time per step of slow_rank.")
+    slow_data_s: float | None = Field(
+        default=None,
+        gt=0,
+        description="Every rank's data loader sleeps this long per batch it reads (an idle input pipeline: the "
+        "resource gate's compute share must trip on it).",
+    )
     checkpoint_without_optimizer: bool = Field(default=False, description="Checkpoints leave the optimizer out.")
     nan_at_step: int | None = Field(default=None, ge=1, description="The loss of this step is NaN on every rank.")
     save_bug_rank: int | None = Field(

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from tests.faults.bugs import TestFaults
-from training import config, drill_points, preemption
+from training import config, dataset, drill_points, preemption
 from training.checkpoint import manager
 from training.sampler import GlobalBatchSampler
 from training.watchdog import deliberate_hold
@@ -45,6 +45,7 @@ def install(faults: TestFaults, put: Setter = setattr) -> None:
     log.warning("TEST FAULTS ACTIVE: %s", faults.model_dump(exclude_defaults=True))
     patch_sampler(faults, put)
     patch_checkpoints(faults, put)
+    patch_data(faults, put)
     read = config.TrainConfig.from_json_file.__func__
     patched: list[ModuleType] = []
 
@@ -283,6 +284,19 @@ def patch_sampler(faults: TestFaults, put: Setter = setattr) -> None:
         return order
 
     put(GlobalBatchSampler, "permutation", skipping)
+
+
+def patch_data(faults: TestFaults, put: Setter = setattr) -> None:
+    """slow_data_s: every batch read sleeps that long first (a starved input pipeline)."""
+    if faults.slow_data_s is None:
+        return
+    batch = dataset.TokenDataset.batch
+
+    def slow_batch(self: dataset.TokenDataset, indices: Any) -> torch.Tensor:
+        time.sleep(faults.slow_data_s)
+        return batch(self, indices)
+
+    put(dataset.TokenDataset, "batch", slow_batch)
 
 
 def patch_checkpoints(faults: TestFaults, put: Setter = setattr) -> None:

@@ -451,11 +451,16 @@ class MemoryTier:
                                         reason=reason))  # fmt: skip
         return fits
 
+    def _storage_every(self) -> int | None:
+        """checkpoint.save_every_steps when it is a number (auto or None: no bound on the tier's interval)."""
+        every = self.cfg.save_every_steps
+        return every if isinstance(every, int) else None
+
     def _review(self, step: int) -> None:
         """memory_every_steps=auto: choose the interval again from the measured stalls (every rank the same)."""
         if not self.auto or self.every is None or not self._window.due():
             return
-        proposal = int(self._agree([float(self._window.proposal(self.cfg.save_every_steps))])[0])
+        proposal = int(self._agree([float(self._window.proposal(self._storage_every()))])[0])
         if proposal != self.every or self._window.chosen == 1:  # the first choice is recorded, later ones if new
             stall, step_s = self._window.medians()
             self.every = proposal

@@ -21,7 +21,7 @@ S3-compatible endpoint on the bridge address, reachable from every node.
 Only the processes started here are stopped, by process group (tests/processes, which also stops them at the
 end of the test session), plus what is left inside the namespaces created here.
 Needs root, openssh-server, iproute2 and util-linux (iptables for `block_port`, the kernel's sch_netem for
-`delay_link(delay_ms=...)`).
+`delay_link(delay_ms=...)`, the cgroup v1 cpu controller at /sys/fs/cgroup/cpu for `limit_cpu`).
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ from tests.processes import start_group, stop_group
 from training.network import listen_port
 
 SSHD = "/usr/sbin/sshd"
+CPU_CGROUP_ROOT = Path("/sys/fs/cgroup/cpu")
 REPO = Path(__file__).resolve().parents[3]
 _CLUSTERS = itertools.count()
 
@@ -151,6 +152,39 @@ class SshdHost:
     def link_qdisc(self) -> str:
         """What `tc qdisc show dev eth0` says inside the node (to check a fault is in place)."""
         return self._in_netns("tc", "qdisc", "show", "dev", "eth0").stdout
+
+    @property
+    def cpu_cgroup(self) -> Path:
+        """The cgroup v1 cpu folder `limit_cpu` puts this node's sshd (and so every later session) in."""
+        return CPU_CGROUP_ROOT / f"tdeploy-test-{os.getpid()}-{self.name}"
+
+    def limit_cpu(self, share: float) -> None:
+        """A CPU quota on the node: its sshd and every process a later SSH session starts get `share` of one CPU
+        (cfs quota per 100 ms period): a slowed node. Its wall time slows, not its CPU time per operation."""
+        self.cpu_cgroup.mkdir(exist_ok=True)
+        (self.cpu_cgroup / "cpu.cfs_period_us").write_text("100000")
+        (self.cpu_cgroup / "cpu.cfs_quota_us").write_text(str(max(1000, int(share * 100000))))
+        (self.cpu_cgroup / "cgroup.procs").write_text(str(self.sshd_pid))
+
+    def clear_cpu_limit(self) -> None:
+        """Undo `limit_cpu`: every process of its cgroup back to the root cgroup, the cgroup removed."""
+        if not self.cpu_cgroup.exists():
+            return
+        for pid in (self.cpu_cgroup / "cgroup.procs").read_text().split():
+            try:
+                (CPU_CGROUP_ROOT / "cgroup.procs").write_text(pid)
+            except OSError:
+                pass  # exited meanwhile
+        self.cpu_cgroup.rmdir()
+
+    def fill_disk(self, path: str, size_kb: int = 1024) -> None:
+        """A full disk on the node: a `size_kb` tmpfs mounted over `path` in its mount namespace, filled up."""
+        script = 'mount -t tmpfs -o size="$1"k tmpfs "$2" && { dd if=/dev/zero of="$2/fill" bs=64k 2>/dev/null; true; }'
+        subprocess.run(self.enter(["sh", "-c", script, "sh", str(size_kb), path], cwd="/"), check=True)
+
+    def free_disk(self, path: str) -> None:
+        """Undo `fill_disk`."""
+        subprocess.run(self.enter(["umount", path], cwd="/"), check=False, capture_output=True)
 
 
 class LinkFaultUnsupported(RuntimeError):

@@ -55,7 +55,10 @@ def job(tmp_path: Path, make_spec):  # noqa: ANN001, ANN201 - a small harness ob
     for name, text in {"srun": SRUN, "scancel": SCANCEL, "scontrol": SCONTROL}.items():
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
-    spec = make_spec({"cluster": {"scheduler": "slurm", "preemption": {"grace_period_s": 45}}})
+    # The stand-in srun is the trainer's step: the health gate's steps (tests/unit/launch/test_health_gate_render.py)
+    # are left out.
+    spec = make_spec({"cluster": {"scheduler": "slurm", "preemption": {"grace_period_s": 45},
+                                  "health_gate": {"level": "off"}}})  # fmt: skip
     script = tmp_path / "job.sbatch"
     script.write_text(SlurmLauncher().render(spec.cluster, f"{out}/run.json", "tiny", str(out), None))
 

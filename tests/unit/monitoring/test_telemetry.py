@@ -21,8 +21,17 @@ from pydantic import ValidationError
 
 from tests.unit.monitoring.conftest import scrape
 from training.config import RunConfig, format_validation_error
-from training.run_output import StepRecord
-from training.telemetry import EXPORTED_METRICS, GPU_GAUGES, GpuReader, Telemetry, memory_capacity_bytes
+from training.goodput import BADPUT_KINDS
+from training.run_output import AttemptRecord, CheckpointEvent, RunOutputWriter, StepRecord
+from training.storage import StorageConfig
+from training.telemetry import (
+    EXPORTED_METRICS,
+    GOODPUT_METRICS,
+    GPU_GAUGES,
+    GpuReader,
+    Telemetry,
+    memory_capacity_bytes,
+)
 
 LABELS = (("host", "node7"), ("rank", "3"), ("train_job", "job-42"))
 RECORD = StepRecord(
@@ -75,7 +84,34 @@ def test_every_served_series_is_declared_and_only_gpu_ones_are_missing_without_a
     telemetry.observe(RECORD)
     served = {name for name in scrape(telemetry.port) if not name.endswith("_created")}
     gpu_metrics = {name for name, _ in GPU_GAUGES.values()}
-    assert served == EXPORTED_METRICS - gpu_metrics
+    assert served == EXPORTED_METRICS - gpu_metrics - GOODPUT_METRICS  # goodput: rank 0 of a run with records
+
+
+def test_rank_0_serves_the_goodput_and_badput_by_kind_of_its_run_records(tmp_path) -> None:  # noqa: ANN001
+    # attempt 0 trains steps 1-3 (1 s each, from t0+2) and is killed; attempt 1 starts at t0+10 and trains 2-4
+    t0 = 1_767_000_000.0
+    out = RunOutputWriter(str(tmp_path), StorageConfig())
+    out.append_attempt(AttemptRecord(0, t0, t0 + 1, 2))
+    out.append_attempt(AttemptRecord(1, t0 + 10, t0 + 11, 2))
+    for step, ended in [(1, 3), (2, 4), (3, 5), (2, 13), (3, 14), (4, 15)]:
+        out.append_metrics(dataclasses.replace(RECORD, rank=0, step=step, time_unix_s=t0 + ended, step_time_s=1.0,
+                                               data_wait_s=0.0))  # fmt: skip
+    out.append_checkpoint(CheckpointEvent(3, 10.0, 0.5, stall_s=0.25))
+    out.close()
+    exporter = Telemetry(0, rank=0, host="node7", train_job="job-42", goodput_of=str(tmp_path))
+    try:
+        samples = scrape(exporter.port)
+    finally:
+        exporter.close()
+    labels = (("host", "node7"), ("rank", "0"), ("train_job", "job-42"))
+    badput = {dict(k)["kind"]: v for k, v in samples["tdeploy_badput_seconds"].items()}
+    assert set(badput) == set(BADPUT_KINDS)
+    # steps 2 and 3 of attempt 0 ran again; 2 s of start-up before each attempt's first step; the save after step 3
+    # held 0.25 s, the rest of the 5 s until the restart is recovery
+    assert (badput["redone_steps"], badput["startup"], badput["checkpoint_save"]) == (2.0, 4.0, 0.25)
+    assert badput["recovery"] == 4.75
+    productive = 4.0  # the kept steps: 1 of attempt 0, 2-4 of attempt 1
+    assert samples["tdeploy_goodput_ratio"][labels] == pytest.approx(productive / (productive + sum(badput.values())))
 
 
 def test_later_steps_replace_the_values_and_nonfinite_losses_are_counted(telemetry: Telemetry) -> None:

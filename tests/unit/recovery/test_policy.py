@@ -85,6 +85,11 @@ RECORDED = [
         JOB, "torchrun exited with 1 on node-1 (node 0)", 1, "node-1", "killed by signal 9", -9, "node-2",
         step_before=4, step_now=8, requeues_done=3),
      "infrastructure", "lost_rank", "stop", ["node-2"]),
+    ("the health gate inside the allocation excluded a node", FailureEvidence(
+        JOB, "NodeFail", 78, None, "", None, None, gate_excluded=("node-3",)),
+     "infrastructure", "health_gate", "requeue_excluding", ["node-3"]),
+    ("the gate's exit code without its record", FailureEvidence(JOB, "NonZeroExitCode", 78),
+     "infrastructure", "health_gate", "requeue", []),
 ]  # fmt: skip
 
 

@@ -1,0 +1,151 @@
+"""Memory growth of every process of a soak's job: RSS sampled with psutil, and a leak verdict from the measured noise.
+
+A process's samples are judged after its warm-up (the first third of its life: model build, first steps, the
+allocator settling). A straight line is fitted to the rest (least squares over the sample index): the growth is
+the line's rise over the window, the noise the spread of the samples around the line (90th less 10th percentile of
+the residuals), so a leak's own slope does not count as noise. A leak is a growth beyond
+max(LEAK_NOISE_FACTOR x the noise, LEAK_FLOOR_FRACTION x the median RSS) with the window's later half's 10th
+percentile above its earlier half's 90th (the whole distribution moved, not a spike). A process sampled fewer than
+MIN_SAMPLES times after its warm-up (a rank killed early) is too short to judge.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+import psutil
+from pydantic import BaseModel, ConfigDict
+
+MIN_SAMPLES = 8
+LEAK_NOISE_FACTOR = 3.0
+LEAK_FLOOR_FRACTION = 0.02
+"""Growth below 2% of a process's RSS is not called a leak, however quiet the process (page-granular RSS of a
+quiet process has a spread near 0)."""
+
+Verdict = Literal["steady", "leak", "short"]
+
+
+class ProcessMemory(BaseModel):
+    """One process's memory over the soak: its samples' summary and the verdict."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    pid: int
+    role: str
+    """'rank N' or 'agent of rank N'."""
+    samples: int
+    first_rss_bytes: int
+    last_rss_bytes: int
+    growth_bytes: int | None
+    """The fitted line's rise over the window after warm-up; None when too short to judge."""
+    noise_bytes: int | None
+    tolerance_bytes: int | None
+    verdict: Verdict
+
+    def describe(self) -> str:
+        """One line: who, how much it grew, against what tolerance."""
+        if self.growth_bytes is None or self.tolerance_bytes is None or self.noise_bytes is None:
+            return f"{self.role} (pid {self.pid}): {self.samples} samples, too short to judge"
+        mib = 2**20
+        return (f"{self.role} (pid {self.pid}): {self.verdict}, grew {self.growth_bytes / mib:+.1f} MiB "
+                f"(tolerance {self.tolerance_bytes / mib:.1f} MiB, noise {self.noise_bytes / mib:.2f} MiB)")
+
+
+def _percentile(values: list[int] | list[float], q: float) -> float:
+    ordered = sorted(values)
+    k = (len(ordered) - 1) * q
+    low, high = int(k), min(int(k) + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (k - low)
+
+
+def judge(pid: int, role: str, rss: list[int]) -> ProcessMemory:
+    """The verdict on one process's RSS samples (in sampling order)."""
+    steady = rss[len(rss) // 3 :]
+    base = {"pid": pid, "role": role, "samples": len(rss), "first_rss_bytes": rss[0] if rss else 0,
+            "last_rss_bytes": rss[-1] if rss else 0}  # fmt: skip
+    if len(steady) < MIN_SAMPLES:
+        return ProcessMemory(**base, growth_bytes=None, noise_bytes=None, tolerance_bytes=None, verdict="short")
+    early, late = steady[: len(steady) // 2], steady[len(steady) // 2 :]
+    n = len(steady)
+    mean_x, mean_y = (n - 1) / 2, statistics.fmean(steady)
+    slope = sum((k - mean_x) * (y - mean_y) for k, y in enumerate(steady)) / sum((k - mean_x) ** 2 for k in range(n))
+    residuals = [y - (mean_y + slope * (k - mean_x)) for k, y in enumerate(steady)]
+    growth = slope * (n - 1)
+    noise = _percentile(residuals, 0.9) - _percentile(residuals, 0.1)
+    tolerance = max(LEAK_NOISE_FACTOR * noise, LEAK_FLOOR_FRACTION * statistics.median(steady))
+    moved = _percentile(late, 0.1) > _percentile(early, 0.9)
+    verdict: Verdict = "leak" if growth > tolerance and moved else "steady"
+    return ProcessMemory(**base, growth_bytes=int(growth), noise_bytes=int(noise), tolerance_bytes=int(tolerance),
+                         verdict=verdict)  # fmt: skip
+
+
+@dataclass
+class _Series:
+    role: str
+    rss: list[int] = field(default_factory=list)
+
+
+class MemorySampler:
+    """Samples the RSS of the job's processes every `every_s` in a thread: `processes()` names them (pid -> role,
+    re-read at every sample, so restarted ranks join); a process is keyed by pid and start time (pids are reused)."""
+
+    def __init__(self, processes: Callable[[], dict[int, str]], every_s: float) -> None:
+        self._processes, self._every_s = processes, every_s
+        self._series: dict[tuple[int, float], _Series] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="soak-memory", daemon=True)
+
+    def __enter__(self) -> MemorySampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._every_s):
+            self.sample()
+
+    def sample(self) -> None:
+        """One sample of every process named now (those gone or unreadable are passed over)."""
+        try:
+            named = self._processes()
+        except (OSError, ValueError):  # the job's records being rewritten: the next sample reads them
+            return
+        for pid, role in named.items():
+            try:
+                process = psutil.Process(pid)
+                key = (pid, process.create_time())
+                rss = process.memory_info().rss
+            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                continue
+            if rss == 0:  # a process on its way out has handed its memory back: no sample of its own use
+                continue
+            self._series.setdefault(key, _Series(role)).rss.append(rss)
+
+    def verdicts(self) -> list[ProcessMemory]:
+        """Every sampled process's verdict, in the order they were first seen."""
+        return [judge(pid, series.role, series.rss) for (pid, _), series in list(self._series.items())]
+
+
+def job_processes(ranks: list[dict[str, object]]) -> dict[int, str]:
+    """The processes of a job's ranks visible on this machine (the local launcher's, and the SSH launcher's on
+    namespace hosts, which share this machine's process table): each rank and its torchrun agent."""
+    named: dict[int, str] = {}
+    for record in ranks:
+        pid, rank = record.get("pid"), record.get("rank")
+        if not isinstance(pid, int) or not psutil.pid_exists(pid):
+            continue
+        named[pid] = f"rank {rank}"
+        try:
+            parent = psutil.Process(pid).parent()
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        if parent is not None and parent.pid > 1:  # the torchrun agent that started the rank
+            named.setdefault(parent.pid, f"agent of rank {rank}")
+    return named
