@@ -67,8 +67,10 @@ def nightly_validation(spec: SpecSource = "examples/local.yaml") -> Results:
             run.results[step] = RUNNERS[step](run)
     except Exception as err:
         diagnosis = diagnose_failure(step, str(err), None, None, None)
-        publish_summary(parsed.name, run.results, step, f"{type(err).__name__}: {err}", diagnosis, parsed.reports_dir)
+        publish_summary(
+            parsed.name, run.results, step, f"{type(err).__name__}: {err}", diagnosis, parsed.reports_dir, NIGHTLY
+        )
         raise
     report_step("nightly", NIGHTLY, None)
-    publish_summary(parsed.name, run.results, None, None, None, parsed.reports_dir)
+    publish_summary(parsed.name, run.results, None, None, None, parsed.reports_dir, NIGHTLY)
     return run.results

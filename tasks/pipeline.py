@@ -265,10 +265,12 @@ def publish_summary(
     error: str | None,
     diagnosis: dict | None,
     reports_dir: str | None = None,
+    steps: tuple[Step, ...] = DEPLOY,
 ) -> str:
-    """One markdown page with every step's verdict, key figures and the detailed artifacts' keys; with
-    `reports_dir`, also summary.json and summary.md there (what `tdeploy run` prints at the end)."""
-    summary = summarize(name, results, failed_step, error, diagnosis)
+    """One markdown page with every step's verdict, key figures and the detailed artifacts' keys (one row per step
+    of the flow's list `steps`); with `reports_dir`, also summary.json and summary.md there (what `tdeploy run`
+    prints at the end)."""
+    summary = summarize(name, results, failed_step, error, diagnosis, steps)
     markdown = summary.markdown()
     verdict = "failed" if failed_step else "succeeded"
     create_markdown_artifact(key="deployment-summary", markdown=markdown, description=f"{name}: {verdict}")
