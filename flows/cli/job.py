@@ -93,11 +93,12 @@ def plan(
             )  # fmt: skip
         sys.stdout.write(result.emit_parallel())
         return
+    intervals = interval_plan_of(parsed, result)
     if as_json:
-        console.print_json(data=result.to_json())
+        console.print_json(data={**result.to_json(), "checkpoint_interval": intervals.as_dict()})
     else:
         console.print(rich_report(result))
-        for line in interval_plan_of(parsed, result).lines():
+        for line in intervals.lines():
             console.print(line, markup=False, highlight=False)
         for check in result.self_check:
             console.print(format_self_check(check), markup=False, highlight=False)

@@ -3,6 +3,7 @@ estimated stalls before a run, the ledger's or mttf_hours' MTBF, and the measure
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -67,3 +68,13 @@ def test_plan_uses_the_last_run_s_measured_stall_and_step(tmp_path: Path) -> Non
     # stall 2 s, step 0.5 s, MTBF 1 h: 237 steps (tests/unit/test_checkpoint_interval.py)
     assert "storage: every 237 step(s)" in storage and "(measured: last run, 2 save(s))" in storage
     assert "step 0.5 s (measured: last run)" in storage
+
+
+def test_plan_json_carries_both_tiers_and_the_failure_rates_source(tmp_path: Path) -> None:
+    spec = _spec(tmp_path, nodes=2, mttf_hours=100.0)
+    result = CliRunner().invoke(app, ["plan", str(spec), "--out", str(tmp_path / "plan"), "--json"])
+    assert result.exit_code == 0, result.output
+    interval = json.loads(result.output)["checkpoint_interval"]
+    assert interval["rate"]["mtbf_s"] == pytest.approx(50 * 3600.0) and interval["rate"]["source"] == "mttf_hours"
+    assert [tier["tier"] for tier in interval["tiers"]] == ["in-memory copies", "storage"]
+    assert all(tier["steps"] >= 1 for tier in interval["tiers"])
