@@ -58,7 +58,7 @@ def _spec(make_spec, tmp_path: Path, overrides: dict, name: str):  # noqa: ANN00
         "acceptance": {
             "steps": 40,
             "save_every_steps": 10,
-            "thresholds": {"scaling_efficiency_min": 0.01, "comm_share_max": 1.0},
+            "thresholds": {"scaling_efficiency_min": 0.01, "comm_share_max": 1.0, "compute_share_min": 0.02},
         },
         "drills": {"only": []},
     }

@@ -91,7 +91,7 @@ def test_deployments_run_through_a_worker_with_schedule_artifacts_and_ui(
             "capacity": {"output_url": str(tmp_path)},
             "image": None,
             "acceptance": {"steps": 40, "save_every_steps": 10, "work_url": str(tmp_path / "acceptance"),
-                           "thresholds": {"scaling_efficiency_min": 0.01, "comm_share_max": 1.0}},
+                           "thresholds": {"scaling_efficiency_min": 0.01, "comm_share_max": 1.0, "compute_share_min": 0.02}},
             "drills": {"only": ["corrupt_checkpoint"]},
         },
     )  # fmt: skip
