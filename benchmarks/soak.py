@@ -12,7 +12,8 @@ memory growth of a process. The issue's goal: goodput >= 90% with the ladder ove
 
 Figures are wall times on a shared machine: other processes on its cores stretch them (the load is printed).
 
-Usage: python benchmarks/soak.py [--minutes 30] [--failure-every 2] [--seed 1] [--save-every 20] [--keep DIR]
+Usage: python benchmarks/soak.py [--minutes 30] [--failure-every 2] [--seed 1] [--save-every 20] [--memory-every 1]
+       [--model tiny|small] [--keep DIR]
 """
 
 from __future__ import annotations
@@ -37,14 +38,25 @@ from training.storage import StorageConfig
 GOODPUT_GOAL = 0.90
 
 
-def spec_for(work: Path, dataset: str) -> dict[str, Any]:
-    """The tiny model on 2 acted-out nodes of one rank each."""
+MODELS: dict[str, tuple[dict[str, int], int]] = {
+    # name: (model fields, micro batch)
+    "tiny": ({"n_layers": 2, "d_model": 32, "n_heads": 4, "n_kv_heads": 2, "ffn_hidden": 64, "vocab_size": 257,
+              "seq_len": 32}, 4),
+    # About 3.1M parameters and 38 GFLOP a step: steps of about a second on one thread, so that a failure's fixed
+    # costs (detection, restart, restore) are weighed against training time of the size real steps have.
+    "small": ({"n_layers": 4, "d_model": 256, "n_heads": 8, "n_kv_heads": 4, "ffn_hidden": 704, "vocab_size": 257,
+               "seq_len": 256}, 8),
+}  # fmt: skip
+
+
+def spec_for(work: Path, dataset: str, model: str = "tiny") -> dict[str, Any]:
+    """The `model` (MODELS) on 2 acted-out nodes of one rank each."""
+    fields, micro_batch = MODELS[model]
     return {
         "name": "bench-soak",
         "cluster": {"scheduler": "local", "nodes": 2, "procs_per_node": 1, "accelerator": "cpu"},
-        "model": {"n_layers": 2, "d_model": 32, "n_heads": 4, "n_kv_heads": 2, "ffn_hidden": 64, "vocab_size": 257,
-                  "seq_len": 32},
-        "parallel": {"sharding": "ddp", "micro_batch": 4, "grad_accum_steps": 1},
+        "model": fields,
+        "parallel": {"sharding": "ddp", "micro_batch": micro_batch, "grad_accum_steps": 1},
         "precision": {"dtype": "fp32"},
         "optim": {"lr_peak": 3e-3, "lr_min": 3e-4, "warmup_steps": 2, "schedule": "cosine"},
         "data": {"dataset_url": dataset},
@@ -77,6 +89,8 @@ def main() -> None:
     parser.add_argument("--failure-every", type=float, default=2.0, help="mean minutes between failures")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--save-every", type=int, default=20, help="storage checkpoint interval (steps)")
+    parser.add_argument("--memory-every", type=int, default=1, help="the ladder's in-memory copy interval (steps)")
+    parser.add_argument("--model", choices=sorted(MODELS), default="tiny")
     parser.add_argument("--keep", type=Path, help="run in this folder and keep the jobs' records (default: a temp dir)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
@@ -88,9 +102,10 @@ def main() -> None:
                           tokenizer={"kind": "bytes"}, workers=1),
             StorageConfig(), validate=False,
         ).dataset_url  # fmt: skip
-        spec = parse_spec(spec_for(work, dataset), "bench-soak")
+        spec = parse_spec(spec_for(work, dataset, args.model), "bench-soak")
         results = {}
-        for name, memory_every in (("ladder (memory every step)", 1), ("storage only", None)):
+        ladder = f"ladder (memory every {args.memory_every} steps)"
+        for name, memory_every in ((ladder, args.memory_every), ("storage only", None)):
             cfg = SoakConfig(hours=args.minutes / 60, failure_every_min=args.failure_every, seed=args.seed,
                              save_every_steps=args.save_every, memory_every_steps=memory_every)  # fmt: skip
             root = work / ("ladder" if memory_every else "storage")
@@ -104,7 +119,8 @@ def main() -> None:
     ladder = next(iter(results.values()))
     kinds = ", ".join(f.kind for f in ladder.failures)
     ratio = ladder.goodput.goodput if ladder.goodput else 0.0
-    print(f"\nschedule (seed {args.seed}, {args.minutes:g} min, a failure every {args.failure_every:g} min on "
+    print(f"\nmodel {args.model}, storage save every {args.save_every} steps; schedule (seed {args.seed}, "
+          f"{args.minutes:g} min, a failure every {args.failure_every:g} min on "
           f"average): {kinds or 'none'}; left out: {ladder.left_out or 'none'}")
     print(f"goal: ladder goodput >= {GOODPUT_GOAL:.0%}: {'met' if ratio >= GOODPUT_GOAL else 'NOT met'} "
           f"({ratio:.1%}); problems: {[p for r in results.values() for p in r.problems] or 'none'}")

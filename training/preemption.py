@@ -12,11 +12,14 @@ the step's loss all-reduce, so agreeing costs no extra collective), and the trai
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import signal
 import threading
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from types import FrameType
 from typing import Any
 
@@ -215,6 +218,44 @@ def _one_preemption_signal() -> None:
     api._terminate_process_handler = handler  # PContext.start() registers it by this name
 
 
+def _stopped_state(pid: int) -> bool:
+    """Whether `pid` is stopped (SIGSTOP, a debugger): state T or t in /proc/<pid>/stat; False where unreadable."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rfind(")") + 2 : stat.rfind(")") + 3] in ("T", "t")
+
+
+def _kill_stopped_workers_on_close() -> None:
+    """Make torchrun's worker teardown SIGKILL a worker that is stopped when it is sent its closing signal. A
+    stopped process (a frozen rank: SIGSTOP, a job-control stop) cannot act on SIGTERM until it is continued,
+    which nobody does, so torchrun's restart waited its whole grace (30 s, not configurable for a restart) for
+    nothing before its own SIGKILL: the hang the soak injects cost that on every recovery. Running workers are
+    untouched (they get SIGTERM and the grace as before)."""
+    try:
+        from torch.distributed.elastic.multiprocessing.subprocess_handler import (  # noqa: PLC0415
+            subprocess_handler as module,
+        )
+    except ImportError:  # another torch layout: torchrun's own teardown applies
+        return
+    handler_class = getattr(module, "SubprocessHandler", None)
+    original = getattr(handler_class, "close", None)
+    if original is None or getattr(original, "tdeploy_kills_stopped", False):
+        return
+
+    def close(self: Any, death_sig: signal.Signals | None = None) -> None:
+        stopped = death_sig != signal.SIGKILL and self.proc.poll() is None and _stopped_state(self.proc.pid)
+        original(self, death_sig)
+        if stopped:
+            print(f"worker pid {self.proc.pid} is stopped (it cannot act on {death_sig}): killed", flush=True)  # noqa: T201
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+
+    close.tdeploy_kills_stopped = True  # type: ignore[attr-defined]
+    handler_class.close = close
+
+
 def run_torchrun(argv: list[str]) -> int:
     """Run torchrun (`python -m torch.distributed.run argv`) in this process; its exit code, and
     PREEMPTED_EXIT_CODE where the job stopped by preemption.
@@ -233,6 +274,7 @@ def run_torchrun(argv: list[str]) -> int:
     from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError  # noqa: PLC0415
 
     _one_preemption_signal()
+    _kill_stopped_workers_on_close()
     started = time.time()
     sys.argv = ["torch.distributed.run", *argv]
     try:
@@ -260,7 +302,6 @@ def run_torchrun(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":  # the agent of a pod: `python -m training.preemption <torchrun arguments>`
-    import os
     import sys
 
     code = run_torchrun(sys.argv[1:])
