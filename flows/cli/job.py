@@ -65,7 +65,6 @@ def plan(
     """Estimate memory, time and communication, search the layouts (offline); exit 1 if the requested one does
     not fit."""
     from tasks.capacity.report import format_self_check, rich_report
-    from tasks.capacity.interval import interval_plan_of
     from tasks.capacity.step import CapacityInputs
 
     parsed = load(spec, check_paths)
@@ -93,12 +92,12 @@ def plan(
             )  # fmt: skip
         sys.stdout.write(result.emit_parallel())
         return
-    intervals = interval_plan_of(parsed, result)
+    intervals = result.checkpoint_interval
     if as_json:
-        console.print_json(data={**result.to_json(), "checkpoint_interval": intervals.as_dict()})
+        console.print_json(data=result.to_json())
     else:
         console.print(rich_report(result))
-        for line in intervals.lines():
+        for line in intervals.lines() if intervals is not None else ():
             console.print(line, markup=False, highlight=False)
         for check in result.self_check:
             console.print(format_self_check(check), markup=False, highlight=False)

@@ -16,7 +16,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tasks.paths import DeploymentPaths
 from tasks.recovery.exposure import FailureRate, failure_rate, read_exposures
 from training.checkpoint.interval import expected_waste, interval_steps, young_daly_s
 from training.storage import is_local, local_path
@@ -24,7 +23,7 @@ from validation.checkpoint_interval import RunStalls, measured_stalls
 
 if TYPE_CHECKING:
     from tasks.capacity.plan import CapacityPlan
-    from tasks.spec import DeploymentSpec
+    from tasks.capacity.step import CapacityInputs
 
 HOST_COPY_BYTES_PER_S = 2e9
 """Estimate of a rank's copy of its state into host memory (a tmpfs file for the in-memory tier, the staging of a
@@ -104,14 +103,16 @@ def plan_intervals(
                                         tier_interval("storage", storage, step, rate.mtbf_s)))  # fmt: skip
 
 
-def interval_plan_of(spec: DeploymentSpec, plan: CapacityPlan) -> IntervalPlan:
+def interval_plan_of(inputs: CapacityInputs, plan: CapacityPlan) -> IntervalPlan:
     """The deployment's interval plan: its ledger's failures, its last run's measured stalls, the plan's state."""
-    paths = DeploymentPaths.of(spec)
-    rate = failure_rate(read_exposures(paths.exposure_url, spec.storage), spec.cluster.nodes, spec.cluster.mttf_hours)
-    if spec.checkpoint.mtbf_s is not None:
-        rate = FailureRate(spec.checkpoint.mtbf_s, "checkpoint.mtbf_s", "set in the spec")
-    output = spec.run.output_url
+    checkpoint, cluster = inputs.checkpoint, inputs.cluster
+    assert checkpoint is not None, "the capacity step's inputs carry the spec's checkpoint section"
+    exposures = read_exposures(inputs.exposure_url, inputs.storage) if inputs.exposure_url else []
+    rate = failure_rate(exposures, cluster.nodes, cluster.mttf_hours)
+    if checkpoint.mtbf_s is not None:
+        rate = FailureRate(checkpoint.mtbf_s, "checkpoint.mtbf_s", "set in the spec")
+    output = inputs.run.output_url
     measured = measured_stalls(output) if is_local(output) and Path(local_path(output)).is_dir() else None
-    setting = spec.checkpoint.save_every_steps
-    return plan_intervals(plan.memory_tier().per_rank_bytes, plan.requested.step_seconds, spec.checkpoint.async_save,
+    setting = checkpoint.save_every_steps
+    return plan_intervals(plan.memory_tier().per_rank_bytes, plan.requested.step_seconds, checkpoint.async_save,
                           measured, rate, "off" if setting is None else str(setting))  # fmt: skip

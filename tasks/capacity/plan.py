@@ -38,6 +38,7 @@ from training.storage import StorageConfig
 from validation.plan_accuracy import PlannedFigures
 
 if TYPE_CHECKING:
+    from tasks.capacity.interval import IntervalPlan
     from tasks.serve.config import ServeConfig
 
 log = logging.getLogger(__name__)
@@ -78,6 +79,8 @@ class CapacityPlan:
     stages: list[MemoryBreakdown] = field(default_factory=list)
     """The requested layout's peak memory on each pipeline stage, in order (one entry without pipelining)."""
     serving: ServingPlan | None = None
+    checkpoint_interval: IntervalPlan | None = None
+    """Each checkpoint tier's interval (tasks/capacity/interval.py; set by the capacity step's inputs)."""
     """The trained model served as the spec's `serve` section says (None: the spec serves nothing)."""
     calibration: Calibration = calib.NONE
     """The measured / planned factors this plan applies (calibration file or the ledger's accepted runs)."""
@@ -265,6 +268,7 @@ class CapacityPlan:
                 "rejected_nearest": [_evaluation_json(e) | {"why_not": e.why_not()} for e in self.search.rejected],
             },
             "serving": None if self.serving is None else _serving_json(self.serving),
+            "checkpoint_interval": None if self.checkpoint_interval is None else self.checkpoint_interval.as_dict(),
             "warnings": self.warnings,
             "self_check": self.self_check,
         }

@@ -16,7 +16,7 @@ from tasks.launch.cluster import ClusterConfig
 from tasks.paths import DeploymentPaths
 from tasks.results import StepResult
 from tasks.serve.config import ServeConfig
-from training.config import ModelConfig, ParallelConfig, PrecisionConfig, RunConfig
+from training.config import CheckpointConfig, ModelConfig, ParallelConfig, PrecisionConfig, RunConfig
 from training.storage import StorageConfig
 from validation.plan_accuracy import PlannedFigures
 
@@ -45,6 +45,10 @@ class CapacityInputs(BaseModel):
     storage: StorageConfig | None = None
     plan_url: str
     """Where plan.json goes (tasks.paths)."""
+    checkpoint: CheckpointConfig | None = None
+    """The checkpoint tiers whose intervals the plan chooses (tasks/capacity/interval.py; None: not planned)."""
+    exposure_url: str | None = None
+    """The deployment's exposure records (the observed failure rate; tasks/recovery/exposure.py)."""
 
     @classmethod
     def of(cls, spec: DeploymentSpec, folder: str | None = None) -> CapacityInputs:
@@ -53,7 +57,7 @@ class CapacityInputs(BaseModel):
         return cls(
             name=spec.name, capacity=spec.capacity, cluster=spec.cluster, model=spec.model, parallel=spec.parallel,
             precision=spec.precision, run=spec.run, serve=spec.serve, ledger=paths.ledger_url, storage=spec.storage,
-            plan_url=paths.plan_url(folder),
+            plan_url=paths.plan_url(folder), checkpoint=spec.checkpoint, exposure_url=paths.exposure_url,
         )  # fmt: skip
 
     def estimate(self, calibration: Calibration | None = None) -> CapacityPlan:
@@ -62,9 +66,15 @@ class CapacityInputs(BaseModel):
                              self.run, self.serve, calibration)  # fmt: skip
 
     def make(self) -> CapacityPlan:
-        """The deployment's plan, calibrated from the ledger's accepted runs where it has some (`make_plan`)."""
-        return make_plan(self.name, self.capacity, self.cluster, self.model, self.parallel, self.precision,
+        """The deployment's plan, calibrated from the ledger's accepted runs where it has some (`make_plan`), with
+        each checkpoint tier's interval (Young/Daly: `tasks.capacity.interval`)."""
+        from tasks.capacity.interval import interval_plan_of  # noqa: PLC0415 - it reads this module's inputs
+
+        plan = make_plan(self.name, self.capacity, self.cluster, self.model, self.parallel, self.precision,
                          self.run, self.serve, self.ledger, self.storage)  # fmt: skip
+        if self.checkpoint is not None:
+            plan.checkpoint_interval = interval_plan_of(self, plan)
+        return plan
 
     def planned(self) -> PlannedFigures:
         """The plan's own (uncalibrated) figures for the layout, that acceptance compares with a run."""

@@ -78,3 +78,13 @@ def test_plan_json_carries_both_tiers_and_the_failure_rates_source(tmp_path: Pat
     assert interval["rate"]["mtbf_s"] == pytest.approx(50 * 3600.0) and interval["rate"]["source"] == "mttf_hours"
     assert [tier["tier"] for tier in interval["tiers"]] == ["in-memory copies", "storage"]
     assert all(tier["steps"] >= 1 for tier in interval["tiers"])
+
+
+def test_plan_json_file_carries_the_interval_plan(tmp_path: Path) -> None:
+    """The written plan.json (what the capacity step and `tdeploy plan --out` leave) holds both tiers' intervals."""
+    spec = _spec(tmp_path, nodes=2, mttf_hours=100.0)
+    result = CliRunner().invoke(app, ["plan", str(spec), "--out", str(tmp_path / "plan")])
+    assert result.exit_code == 0, result.output
+    written = json.loads((tmp_path / "plan" / "plan.json").read_text())["checkpoint_interval"]
+    assert written["rate"]["source"] == "mttf_hours"
+    assert [tier["tier"] for tier in written["tiers"]] == ["in-memory copies", "storage"]
