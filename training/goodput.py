@@ -13,7 +13,8 @@ Kinds (`BADPUT_KINDS`), each an interval of the allocation's timeline:
     queue               submitted -> the scheduler started the job (asked of the launcher: Launcher.queue_seconds)
     startup             the job started -> an attempt's first step began, less the gate and the restore in it
     health_gate         the node checks before rendezvous (training/health_gate.py's record), inside start-up
-    checkpoint_save     the time a save held training (storage saves, as checkpoints.jsonl's stall_s)
+    checkpoint_save     the time a save held training: storage saves (checkpoints.jsonl's stall_s) and in-memory
+                        copies (the next step record's memory_copy_before_s)
     checkpoint_restore  the time the restore of a restart took (recovery.jsonl's restore_s), inside start-up
     recovery            the last step of a failed attempt -> the next attempt's process started (detection, teardown,
                         relaunch), less a hang in it
@@ -21,7 +22,7 @@ Kinds (`BADPUT_KINDS`), each an interval of the allocation's timeline:
     hang                the hung phase of a failed attempt (hangs.jsonl's elapsed_s), inside recovery
     data_wait           the kept steps' wait for their batches
     other               between steps: evaluation, logging, the part of a save that did not hold the first step
-                        after it, in-memory copies; after the last step: the final evaluation, save and exit
+                        after it; after the last step: the final evaluation, save and exit
 
 Productive time is the kept steps' time less their data wait. The kinds tile the timeline, so productive + badput
 equals the allocation unless records overlap (clocks of different hosts, a record that is wrong): `Goodput`
@@ -129,6 +130,8 @@ class StepTiming:
     ended_unix_s: float
     step_s: float
     data_wait_s: float = 0.0
+    copy_before_s: float = 0.0
+    """The in-memory copy that held training between the previous step and this one."""
 
     @property
     def started_unix_s(self) -> float:
@@ -211,8 +214,10 @@ def goodput_of(inputs: GoodputInputs) -> Goodput:
             else:
                 tally.productive += step.step_s - wait
                 tally.badput["data_wait"] += wait
-            following = steps[position + 1][1].started_unix_s if position + 1 < len(steps) else window_end
-            gap = tally.take("checkpoint_save", stall_after(step.step), max(0.0, following - step.ended_unix_s))
+            after = steps[position + 1][1] if position + 1 < len(steps) else None
+            following = after.started_unix_s if after is not None else window_end
+            held = stall_after(step.step) + (after.copy_before_s if after is not None else 0.0)
+            gap = tally.take("checkpoint_save", held, max(0.0, following - step.ended_unix_s))
             if position + 1 < len(steps):
                 tally.badput["redone_steps" if redone else "other"] += gap
             elif final:
@@ -265,7 +270,7 @@ def goodput_inputs_of_run(
         gate_s[_attempt_of(starts, gate.started_unix_s)] = gate.seconds
     attempts = [AttemptTiming(s, restore[i], gate_s[i], hang[i]) for i, s in enumerate(starts)]
     steps = [
-        StepTiming(r.step, r.time_unix_s, r.step_time_s, r.data_wait_s or 0.0)
+        StepTiming(r.step, r.time_unix_s, r.step_time_s, r.data_wait_s or 0.0, r.memory_copy_before_s or 0.0)
         for r in run.metric_records(0)
         if r.time_unix_s is not None and r.step_time_s is not None
     ]

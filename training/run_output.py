@@ -137,6 +137,7 @@ class StepRecord:
     twin_loss: float | None = None  # the reference's noise twin (training/reference.py)
     twin_grad_norm: float | None = None
     twin_parts: int | None = None
+    memory_copy_before_s: float | None = None  # the in-memory copy between the previous step and this one
 
     def to_json(self) -> dict[str, Any]:
         """The line as written."""

@@ -336,6 +336,7 @@ class Trainer:
         # In-memory copies of every rank's state (checkpoint.memory_every_steps): the rung a restart takes before
         # storage. Replicated (DDP) copies serve any rank; sharded ones only the same world and layout.
         self.memory: MemoryTier | None = None
+        self._copy_held_s: float | None = None  # the last in-memory copy's stall, for the next step's record
         if cfg.checkpoint.memory_tier_on:
             node = int(os.environ.get("GROUP_RANK", self.rank // self.env.local_world_size))
             replicated = self.meshes is None and par.sharding == "ddp"
@@ -715,6 +716,7 @@ class Trainer:
             "comm_bytes": dict(counted.sent) if counted is not None else None,
             "comm_s_per_dim": dict(counted.seconds) if counted is not None else None,
             "time_unix_s": time.time(),
+            "memory_copy_before_s": self._take_copy_held(),  # held training between the previous step and this one
             **self.telemetry.gpu_readings(),
         }
         device = {"loss": global_loss.reshape(()), "rank_loss": local_loss.reshape(()), "grad_norm": grad_norm}
@@ -735,6 +737,11 @@ class Trainer:
                 end = EpochEnd(epoch, self.step, sampler.n_samples, sampler.global_batch, dropped, padded)
                 self.out.append_epoch(end)
         return pending
+
+    def _take_copy_held(self) -> float | None:
+        """The stall of the in-memory copy taken since the last step record (once: None afterwards)."""
+        held, self._copy_held_s = self._copy_held_s, None
+        return held
 
     def flush_metrics(self) -> list[StepRecord]:
         """Read the pending steps' device figures in one host transfer, write their records (in step order),
@@ -937,7 +944,7 @@ class Trainer:
                     self._save(background=cfg.checkpoint.async_save)
                 self._saved_at(self.step, time.perf_counter() - save_started, step_s)
             if self.memory is not None and self.memory.due(self.step) and self.step < last_step:
-                self.memory.snapshot(self.step, self.model, self.optimizer, self._train_state())
+                self._copy_held_s = self.memory.snapshot(self.step, self.model, self.optimizer, self._train_state())
             if self.preempt_signal is not None and self.step < last_step:
                 self._preempt(self.preempt_signal)
                 break

@@ -3,6 +3,7 @@ allocation, and records that overlap refused."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import pytest
@@ -68,7 +69,19 @@ def _case_failed_start() -> tuple[GoodputInputs, float, dict[str, float]]:
     return inputs, 3.0, {"recovery": 4.0, "startup": 2.0}
 
 
-@pytest.mark.parametrize("case", [_case_clean, _case_kill_and_redo, _case_failed_start])
+def _case_memory_copies() -> tuple[GoodputInputs, float, dict[str, float]]:
+    # 6 steps of 1 s, 0.5 s apart; an in-memory copy held training 0.2 s before steps 3 and 6 (their records say
+    # so) and a storage save 0.1 s after step 5: the gap before step 6 holds both; no tail.
+    steps = _steps(1, 6, T0, gap_s=0.5)
+    steps = [dataclasses.replace(s, copy_before_s=0.2) if s.step in (3, 6) else s for s in steps]
+    inputs = GoodputInputs(T0, steps[-1].ended_unix_s, [AttemptTiming(T0)], steps, save_stalls_s=[(5, 0.1)])
+    return inputs, 6.0, {"checkpoint_save": 0.5, "other": 5 * 0.5 - 0.5}
+
+
+CASES = [_case_clean, _case_kill_and_redo, _case_failed_start, _case_memory_copies]
+
+
+@pytest.mark.parametrize("case", CASES)
 def test_each_badput_kind_gets_its_hand_worked_seconds_and_the_parts_sum_to_the_allocation(case: Case) -> None:
     inputs, productive, expected = case()
     result = goodput_of(inputs)
@@ -82,7 +95,7 @@ def test_each_badput_kind_gets_its_hand_worked_seconds_and_the_parts_sum_to_the_
 
 def test_every_kind_is_attributed_by_one_of_the_cases() -> None:
     attributed = set()
-    for case in (_case_clean, _case_kill_and_redo, _case_failed_start):
+    for case in CASES:
         attributed |= {k for k, v in goodput_of(case()[0]).badput_s.items() if v > 0}
     assert attributed == set(BADPUT_KINDS)
 

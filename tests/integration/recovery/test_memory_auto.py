@@ -15,6 +15,7 @@ from training.checkpoint.memory import node_folder
 from training.checkpoint.memory_auto import tier_decisions
 from training.drill_points import HOLD_MARKER_PREFIX, paused_ranks
 from training.recovery_record import recovery_events
+from training.run_output import RunOutput
 
 pytestmark = pytest.mark.integration
 
@@ -53,6 +54,9 @@ def test_auto_takes_copies_every_step_and_a_restart_restores_from_them(make_spec
     first = tier_decisions(train.run.output_url)[0]
     assert first.fits and first.interval == 1 and first.step == 1
     assert first.need_bytes == 2 * 2 * first.state_bytes  # 2 kept steps x own + peer copy x 1 rank per node
+    # each copy's stall is in the next step's record (goodput counts it as checkpoint_save, not "other")
+    held = {r.step: r.memory_copy_before_s for r in RunOutput(train.run.output_url).metric_records(0)}
+    assert held[1] is None and all(held[step] is not None and held[step] > 0 for step in (2, 3, 4)), held
 
 
 def test_auto_keeps_the_tier_off_where_the_copies_do_not_fit_and_the_restart_reads_storage(
