@@ -93,12 +93,17 @@ def test_the_result_counts_recoveries_per_rung_and_steps_lost() -> None:
     assert "3/4 failures recovered" in result.summary()
 
 
-def test_tdeploy_soak_names_the_missing_and_the_bad_option_with_the_fix() -> None:
+def test_tdeploy_soak_names_the_missing_and_the_bad_option_with_the_fix(tmp_path: Path) -> None:
+    import yaml
     from typer.testing import CliRunner
 
     from flows.cli import app
 
-    missing = CliRunner().invoke(app, ["soak", "examples/local.yaml", "--failure-every", "1"])
+    raw = yaml.safe_load(Path("examples/local.yaml").read_text())
+    assert raw.pop("soak")["hours"] > 0  # the example's nightly soak
+    no_soak = tmp_path / "no-soak.yaml"
+    no_soak.write_text(yaml.safe_dump(raw))
+    missing = CliRunner().invoke(app, ["soak", str(no_soak), "--failure-every", "1"])
     assert missing.exit_code == 2, missing.output
     assert "--hours not set; set it on the command line or in the spec's soak section" in missing.output
     bad = CliRunner().invoke(app, ["soak", "examples/local.yaml", "--hours", "0", "--failure-every", "1"])
