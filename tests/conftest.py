@@ -124,6 +124,9 @@ def make_spec(tmp_path: Path, tiny_dataset: str) -> Callable[..., DeploymentSpec
             "data": {"dataset_url": tiny_dataset},
             "checkpoint": {"url": str(tmp_path / name / "checkpoints")},
             "run": {"output_url": str(tmp_path / name / "output")},
+            # the deployment's own folder (its ledger: exposure records, the health gate's baseline), not the
+            # shared runs/tiny of the working directory, which other tests' jobs write to
+            "deployment_dir": str(tmp_path / name / "deployment"),
         }
         raw = deep_merge(deep_merge(TINY_SPEC, paths), overrides or {})
         if raw["cluster"].get("scheduler") == "slurm":

@@ -612,7 +612,9 @@ def _health_gate(
              *(word for folder in folders for word in ("--storage", folder))]  # fmt: skip
     judge = [*launch, "-m", "training.health_gate", "judge", "--config", config, "--output", output_dir]
     return [
-        f'gate_dir={shlex.quote(gate_dir)}/slurm-"$SLURM_JOB_ID"',
+        # One folder per run of the script: a requeued job keeps its id, and the first run's barrier files would
+        # let the probes start before their peers listen (a ring probe refused: a healthy node excluded).
+        f'gate_dir={shlex.quote(gate_dir)}/slurm-"$SLURM_JOB_ID"-"${{SLURM_RESTART_COUNT:-0}}"',
         "gate_started=$(date +%s.%N)",
         'gate_names=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | paste -sd, -)',
         "{ " + _shell(["srun", "--ntasks-per-node=1", "--kill-on-bad-exit=0", *srun_options, "sh", "-c",

@@ -113,13 +113,15 @@ def _preempt_and_resume(launcher: SlurmLauncher, spec: DeploymentSpec, env: dict
     assert pending_history[4] == "scheduler restarts (requeues): 1", pending_history
     final = _status_lines(low.ref, env)
     assert final[0].startswith(f"{low.ref}: succeeded")
-    assert final[1:] == [
+    assert final[1:-1] == [
         "running from step 0",
         preempted_line,
         f"running again from step {record.step}",
         f"finished at step {STEPS}",
         "scheduler restarts (requeues): 1",
     ], final
+    # the job's goodput last (tasks/launch/goodput.py): the preemption's requeue and restart are badput
+    assert re.fullmatch(r"goodput \d+\.\d% of [\d.]+s; badput: .+", final[-1]), final
 
     assert any("tdeploy: checkpointed on the signal; requeueing job" in line for line in launcher.logs(low)[0])
     signalled = record.time - record.signal_to_exit_s

@@ -43,10 +43,12 @@ def _probe(name: str, disk_full: bool = False) -> NodeProbe:
                      compute_noise=0.05, throttled_periods=0, storage=[storage])  # fmt: skip
 
 
-def _run_script(tmp_path: Path, make_spec, cluster: dict, probes: list[NodeProbe]) -> tuple[int, str, Path]:
+def _run_script(
+    tmp_path: Path, make_spec, cluster: dict, probes: list[NodeProbe], env_extra: dict[str, str] | None = None
+) -> tuple[int, str, Path]:
     bin_dir, records, out = tmp_path / "bin", tmp_path / "records", tmp_path / "out"
     for folder in (bin_dir, records, out):
-        folder.mkdir()
+        folder.mkdir(exist_ok=True)
     for name, text in {"srun": SRUN, "scontrol": SCONTROL}.items():
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
@@ -58,7 +60,8 @@ def _run_script(tmp_path: Path, make_spec, cluster: dict, probes: list[NodeProbe
     script.write_text(SlurmLauncher().render(spec.cluster, f"{out}/run.json", "tiny", str(out), None))
     nodelist = ",".join(p.name for p in probes)
     env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "RECORDS": str(records), "SLURM_JOB_ID": "7",
-           "SLURM_JOB_NODELIST": nodelist, "PYTHONPATH": str(Path(__file__).resolve().parents[3])}  # fmt: skip
+           "SLURM_JOB_NODELIST": nodelist, "PYTHONPATH": str(Path(__file__).resolve().parents[3]),
+           **(env_extra or {})}  # fmt: skip
     proc = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=120)
     return proc.returncode, proc.stdout + proc.stderr, records
 
@@ -90,6 +93,18 @@ def test_a_clean_slurm_allocation_starts_its_trainer_with_every_node(tmp_path: P
     code, output, records = _run_script(tmp_path, make_spec, {"nodes": 2}, [_probe("node-1"), _probe("node-2")])
     assert code == 0, output
     assert "--exclude" not in (records / "trainer").read_text()
+
+
+def test_a_requeued_slurm_job_probes_in_a_folder_of_its_own(tmp_path: Path, make_spec) -> None:
+    # A requeued job keeps its id: with the first run's folder, its barrier files let a probe start before its
+    # peer listened (a ring probe refused, a healthy node excluded). Each run of the script gets its own folder.
+    probes = [_probe("node-1"), _probe("node-2")]
+    for restart in (None, "1"):
+        extra = {} if restart is None else {"SLURM_RESTART_COUNT": restart}
+        code, output, _ = _run_script(tmp_path, make_spec, {"nodes": 2}, probes, extra)
+        assert code == 0, output
+    folders = sorted(p.name for p in (tmp_path / "out" / "health_gate").iterdir())
+    assert folders == ["slurm-7-0", "slurm-7-1"], folders
 
 
 def test_the_gate_is_left_out_of_the_script_when_off(make_spec) -> None:

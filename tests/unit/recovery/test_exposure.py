@@ -43,10 +43,12 @@ def test_exposures_are_recorded_and_read_back_and_a_stray_file_is_skipped(tmp_pa
 
 
 def test_the_job_step_gives_the_trainer_mttf_hours_over_the_nodes_unless_the_spec_sets_mtbf(tmp_path: Path) -> None:
+    # deployment_dir: its own, empty ledger (no observed failure rate from other runs)
     raw = deep_merge(TINY_SPEC, {"cluster": {"nodes": 2, "mttf_hours": 10.0},
                                  "run": {"output_url": str(tmp_path / "out")},
                                  "checkpoint": {"url": str(tmp_path / "ck")},
-                                 "data": {"dataset_url": str(tmp_path)}})  # fmt: skip
+                                 "data": {"dataset_url": str(tmp_path)},
+                                 "deployment_dir": str(tmp_path)})  # fmt: skip
     spec = parse_spec(raw, "tiny")
     inputs = JobInputs.of(spec, spec.training_config())
     assert inputs.train.checkpoint.mtbf_s == pytest.approx(5 * 3600)
