@@ -13,7 +13,7 @@ memory growth of a process. The issue's goal: goodput >= 90% with the ladder ove
 Figures are wall times on a shared machine: other processes on its cores stretch them (the load is printed).
 
 Usage: python benchmarks/soak.py [--minutes 30] [--failure-every 2] [--seed 1] [--save-every 20] [--memory-every 1]
-       [--model tiny|small] [--keep DIR]
+       [--model tiny|small] [--side-by-side] [--keep DIR]
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ import argparse
 import logging
 import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -30,12 +32,14 @@ from typing import Any
 from tasks.prepare.config import PrepareConfig
 from tasks.prepare.pipeline import prepare_dataset
 from tasks.soak.config import SoakConfig
+from tasks.soak.report import read_report, write_report
 from tasks.soak.result import SoakResult
 from tasks.soak.run import run_soak
 from tasks.spec import parse_spec
 from training.storage import StorageConfig
 
 GOODPUT_GOAL = 0.90
+SOAKS = ("ladder", "storage")
 
 
 MODELS: dict[str, tuple[dict[str, int], int]] = {
@@ -92,24 +96,44 @@ def main() -> None:
     parser.add_argument("--memory-every", type=int, default=1, help="the ladder's in-memory copy interval (steps)")
     parser.add_argument("--model", choices=sorted(MODELS), default="tiny")
     parser.add_argument("--keep", type=Path, help="run in this folder and keep the jobs' records (default: a temp dir)")
+    parser.add_argument(
+        "--side-by-side",
+        action="store_true",
+        help="run the two soaks at the same time (a process each, sharing the cores) instead of one after the other: "
+        "both meet the same load, and the pair takes the time of one",
+    )
+    parser.add_argument("--only", choices=sorted(SOAKS), help=argparse.SUPPRESS)  # a child of --side-by-side
+    parser.add_argument("--dataset", help=argparse.SUPPRESS)  # the parent's prepared dataset (with --only)
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     started, load = time.monotonic(), os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="bench-soak-") as tmp:
         work = args.keep or Path(tmp)
-        dataset = prepare_dataset(
+        dataset = args.dataset or prepare_dataset(
             PrepareConfig(output_url=str(work / "ds"), builtin_corpus="python-docs", builtin_max_bytes=300_000,
                           tokenizer={"kind": "bytes"}, workers=1),
             StorageConfig(), validate=False,
         ).dataset_url  # fmt: skip
         spec = parse_spec(spec_for(work, dataset, args.model), "bench-soak")
-        results = {}
-        ladder = f"ladder (memory every {args.memory_every} steps)"
-        for name, memory_every in ((ladder, args.memory_every), ("storage only", None)):
-            cfg = SoakConfig(hours=args.minutes / 60, failure_every_min=args.failure_every, seed=args.seed,
-                             save_every_steps=args.save_every, memory_every_steps=memory_every)  # fmt: skip
-            root = work / ("ladder" if memory_every else "storage")
-            results[name] = run_soak(spec.cluster, spec.training_config(), cfg, root)
+        memory = {"ladder": args.memory_every, "storage": None}
+        names = {"ladder": f"ladder (memory every {args.memory_every} steps)", "storage": "storage only"}
+        if args.side_by_side:
+            own = [a for a in sys.argv[1:] if a != "--side-by-side"]
+            children = [subprocess.Popen([sys.executable, __file__, *own, "--keep", str(work), "--only", key,
+                                          "--dataset", dataset]) for key in SOAKS]  # fmt: skip
+            codes = [child.wait() for child in children]
+            if any(codes):
+                sys.exit(f"a soak's process failed: exit codes {codes}")
+            results = {names[key]: read_report(work / key) for key in SOAKS}
+        else:
+            results = {}
+            for key in [args.only] if args.only else SOAKS:
+                cfg = SoakConfig(hours=args.minutes / 60, failure_every_min=args.failure_every, seed=args.seed,
+                                 save_every_steps=args.save_every, memory_every_steps=memory[key])  # fmt: skip
+                results[names[key]] = write_report(run_soak(spec.cluster, spec.training_config(), cfg, work / key),
+                                                   work / key)  # fmt: skip
+            if args.only:
+                return
     header = ["soak", "goodput", "largest badput shares", "recovered", "by rung", "steps lost",
               "recovery s (median / max)", "max RSS growth MiB", "steps"]  # fmt: skip
     table = [header, *(row(name, result) for name, result in results.items())]
