@@ -19,10 +19,10 @@ import signal
 import threading
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from training import process
 from training.storage import StorageConfig, append_control_line, read_control_lines
 
 PREEMPTED_EXIT_CODE = 75
@@ -218,15 +218,6 @@ def _one_preemption_signal() -> None:
     api._terminate_process_handler = handler  # PContext.start() registers it by this name
 
 
-def _stopped_state(pid: int) -> bool:
-    """Whether `pid` is stopped (SIGSTOP, a debugger): state T or t in /proc/<pid>/stat; False where unreadable."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat[stat.rfind(")") + 2 : stat.rfind(")") + 3] in ("T", "t")
-
-
 def _kill_stopped_workers_on_close() -> None:
     """Make torchrun's worker teardown SIGKILL a worker that is stopped when it is sent its closing signal. A
     stopped process (a frozen rank: SIGSTOP, a job-control stop) cannot act on SIGTERM until it is continued,
@@ -245,7 +236,7 @@ def _kill_stopped_workers_on_close() -> None:
         return
 
     def close(self: Any, death_sig: signal.Signals | None = None) -> None:
-        stopped = death_sig != signal.SIGKILL and self.proc.poll() is None and _stopped_state(self.proc.pid)
+        stopped = death_sig != signal.SIGKILL and self.proc.poll() is None and process.stopped(self.proc.pid)
         original(self, death_sig)
         if stopped:
             print(f"worker pid {self.proc.pid} is stopped (it cannot act on {death_sig}): killed", flush=True)  # noqa: T201

@@ -27,14 +27,25 @@ _PR_SET_PDEATHSIG = 1
 _PARENT_AT_IMPORT = os.getppid()
 
 
-def start_time(pid: int) -> str | None:
-    """The process's start time (field 22 of /proc/PID/stat), or None if it is gone or a zombie."""
+def _stat_fields(pid: int) -> list[str] | None:
+    """/proc/PID/stat's fields from the state on (field 3), or None where it cannot be read."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    fields = stat[stat.rindex(")") + 2 :].split()
-    return None if fields[0] in ("Z", "X") else fields[19]
+    return stat[stat.rindex(")") + 2 :].split()
+
+
+def start_time(pid: int) -> str | None:
+    """The process's start time (field 22 of /proc/PID/stat), or None if it is gone or a zombie."""
+    fields = _stat_fields(pid)
+    return None if fields is None or fields[0] in ("Z", "X") else fields[19]
+
+
+def stopped(pid: int) -> bool:
+    """Whether the process is stopped (SIGSTOP, a debugger: state T or t); False where /proc does not say."""
+    fields = _stat_fields(pid)
+    return fields is not None and fields[0] in ("T", "t")
 
 
 def started_unix_s(pid: int | None = None) -> float | None:

@@ -79,9 +79,9 @@ class CapacityPlan:
     stages: list[MemoryBreakdown] = field(default_factory=list)
     """The requested layout's peak memory on each pipeline stage, in order (one entry without pipelining)."""
     serving: ServingPlan | None = None
+    """The trained model served as the spec's `serve` section says (None: the spec serves nothing)."""
     checkpoint_interval: IntervalPlan | None = None
     """Each checkpoint tier's interval (tasks/capacity/interval.py; set by the capacity step's inputs)."""
-    """The trained model served as the spec's `serve` section says (None: the spec serves nothing)."""
     calibration: Calibration = calib.NONE
     """The measured / planned factors this plan applies (calibration file or the ledger's accepted runs)."""
     uncalibrated: PlannedFigures | None = None

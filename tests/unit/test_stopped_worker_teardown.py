@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from torch.distributed.elastic.multiprocessing.subprocess_handler.subprocess_handler import SubprocessHandler
 
-from training import preemption
+from training import preemption, process
 
 SLEEPER = "import signal, time; signal.signal(signal.SIGTERM, lambda *a: exit(7)); time.sleep(120)"
 
@@ -31,7 +31,7 @@ def test_a_stopped_worker_is_killed_by_its_closing_signal(patched: None) -> None
     handler = _handler()
     try:
         handler.proc.send_signal(signal.SIGSTOP)
-        while not preemption._stopped_state(handler.proc.pid):  # the stop is asynchronous
+        while not process.stopped(handler.proc.pid):  # the stop is asynchronous
             pass
         handler.close(signal.SIGTERM)
         # Before the change the stopped worker stays stopped (the wait times out): torchrun then waited 30 s.
