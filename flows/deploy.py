@@ -1,4 +1,5 @@
-"""Flow `deploy-training`: capacity -> nodes -> image -> data -> job -> acceptance -> drills -> serving.
+"""Flow `deploy-training`: capacity -> nodes -> image -> data -> job -> acceptance -> drills -> quantize ->
+serving.
 
 The flow walks the step list of tasks/steps.py (DEPLOY); each step is a Prefect task over its package's `run`,
 handed the step's typed inputs (`<Step>Inputs.of(spec, ...)`, as the CLI's command for it), and it retries
@@ -39,6 +40,8 @@ from tasks.pipeline import (
 from tasks.prepare.step import DataInputs, DataResult, check_served_data, data_and_training
 from tasks.prepare.task import check_dataset, prepare_data
 from tasks.progress import report_step
+from tasks.quantize.step import QuantizeInputs, QuantizeResult
+from tasks.quantize.task import quantize_model
 from tasks.results import SkippedResult, StepResult
 from tasks.serve.step import ServingInputs, ServingResult
 from tasks.serve.task import serving_check
@@ -133,11 +136,21 @@ def _drills(run: Deployment) -> StepResult:
     return run_drills(DrillsInputs.of(run.spec, run.trained(), accepted=accepted, image=run.image))
 
 
+def _quantize(run: Deployment) -> StepResult:
+    if run.spec.quantize is None:
+        return SkippedResult(reason="quantize: null")
+    return quantize_model(QuantizeInputs.of(run.spec, run.trained()))
+
+
 def _serving(run: Deployment) -> StepResult:
     spec, train = run.spec, run.trained()
     if spec.serve is None:
         return SkippedResult(reason="serve: null")
-    served = serving_check(ServingInputs.of(spec, train))
+    quantized = run.results.get("quantize")
+    if isinstance(quantized, QuantizeResult):  # the gated quantized folder is what gets served
+        served = serving_check(ServingInputs.of(spec, train, step=quantized.step, model_dir=quantized.model_dir))
+    else:
+        served = serving_check(ServingInputs.of(spec, train))
     accepted = run.results.get("acceptance")
     entry = getattr(accepted, "report", {}).get("ledger_entry")
     if isinstance(served, ServingResult) and entry:  # the accepted entry's golden serving figures
@@ -153,6 +166,7 @@ RUNNERS: dict[str, Callable[[Deployment], StepResult]] = {
     "job": _job,
     "acceptance": _acceptance,
     "drills": _drills,
+    "quantize": _quantize,
     "serving": _serving,
 }
 assert list(RUNNERS) == [step.name for step in DEPLOY[1:]], "one runner per step of DEPLOY, in its order"

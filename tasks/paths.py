@@ -36,6 +36,8 @@ NODE_REPORT = "node-check.json"
 IMAGE_DIR = "image"
 EXPORT_DIR = "export"
 SERVING_DIR = "serving"
+QUANTIZE_DIR = "quantize"
+"""quantization.json, the servers' logs and load tests of the quantize step, in the deployment's reports folder."""
 ACCEPTANCE_DIR = "acceptance"
 NIGHTLY_DIR = "nightly"
 LEDGER_DIR = "ledger"
@@ -163,6 +165,10 @@ class DeploymentPaths:
     def serving_dir(self, folder: str | None = None) -> str:
         """serving.json, the server's log and the manifests: `folder`, else <reports>/serving."""
         return folder or _under(self.reports_dir, SERVING_DIR)
+
+    def quantize_dir(self, folder: str | None = None) -> str:
+        """quantization.json, quantize.log and both models' serving figures: `folder`, else <reports>/quantize."""
+        return folder or _under(self.reports_dir, QUANTIZE_DIR)
 
     @property
     def deployment_dir(self) -> str:

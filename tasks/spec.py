@@ -14,8 +14,10 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from tasks.acceptance.config import AcceptanceConfig, DrillConfig
 from tasks.capacity.catalogue import CATALOGUE
 from tasks.capacity.config import CapacityConfig, capacity_problems
+from tasks.distill import with_teacher_model
 from tasks.errors import TransientError, UserError, is_connection_error
 from tasks.image.config import ImageConfig
+from tasks.init_from import fill_model
 from tasks.launch import registry
 from tasks.launch.base import Launcher
 from tasks.launch.cluster import ClusterConfig
@@ -23,12 +25,14 @@ from tasks.names import NAME_PATTERN, NAME_RULE
 from tasks.nodes.config import NodesConfig
 from tasks.paths import RUNS_DIR, UNNAMED, derived_paths
 from tasks.prepare.config import DataSpec
+from tasks.quantize.config import QuantizeConfig, quantize_problems
 from tasks.recovery.config import RecoveryConfig
 from tasks.serve.config import ServeConfig, unservable
 from tasks.soak.config import SoakConfig
 from training.config import (
     MAX_RANKS,
     CheckpointConfig,
+    DistillConfig,
     FaultToleranceConfig,
     ModelConfig,
     OptimConfig,
@@ -167,6 +171,17 @@ class DeploymentSpec(StrictModel):
         description="Serving the trained model with vLLM (tdeploy serve, the pipeline's serving check); "
         "None (the default) = no serving. `serve: {}` takes every serving default.",
     )
+    quantize: QuantizeConfig | None = Field(
+        default=None,
+        description="Quantize the exported model with LLM Compressor and gate it against the unquantized one, both "
+        "served by vLLM (tdeploy quantize, the pipeline's quantize step; the serving check then serves the "
+        "quantized folder); needs the serve section. None (the default) = serve the unquantized export.",
+    )
+    distill: DistillConfig | None = Field(
+        default=None,
+        description="Train the model as the student of a frozen teacher (our checkpoint or a Hugging Face folder): "
+        "alpha x T^2 x KL to the teacher + (1 - alpha) x cross-entropy; None (the default) = plain training.",
+    )
 
     @field_validator("name", mode="before")
     @classmethod
@@ -181,6 +196,16 @@ class DeploymentSpec(StrictModel):
     @classmethod
     def _derive_paths(cls, data: Any) -> Any:
         return with_precision_default(_scheduler_defaults(derived_paths(data))) if isinstance(data, dict) else data
+
+    @model_validator(mode="after")
+    def _teacher_read(self) -> DeploymentSpec:
+        """The teacher's architecture, where the spec leaves it out, from the teacher's own record (tasks/distill.py):
+        before _consistent, which checks it against the model."""
+        if self.distill is not None and self.distill.teacher_model is None:
+            distill, problems = with_teacher_model(self.distill, self.storage)
+            raise_problems("DeploymentSpec", problems)
+            self.distill = distill
+        return self
 
     @model_validator(mode="after")
     def _consistent(self) -> DeploymentSpec:
@@ -200,6 +225,8 @@ class DeploymentSpec(StrictModel):
         capacity = capacity_problems(self.capacity, c.accelerator, c.nodes, c.procs_per_node, self.model, self.parallel)
         capacity += self.capacity.spec_problems(self.precision.dtype, self.parallel.sharding)
         problems = training_problems(self) + self._cluster_problems() + capacity + self._serve_problems()
+        if self.quantize is not None:
+            problems += quantize_problems(self.quantize, self.serve, self.cluster.accelerator, self.model.seq_len)
         raise_problems("DeploymentSpec", problems)
         return self
 
@@ -330,6 +357,7 @@ class DeploymentSpec(StrictModel):
             storage=self.storage,
             watchdog=self.watchdog,
             fault_tolerance=self.fault_tolerance,
+            distill=self.distill,
         )
 
     @property
@@ -387,6 +415,8 @@ def parse_spec(data: Any, source: str = "<spec>") -> DeploymentSpec:
     if not isinstance(data, dict):
         raise SpecError(source, [f"<spec>={type(data).__name__}: the spec must be a YAML mapping of sections"])
     problems = credential_problems(data)
+    data, filled = fill_model(data)  # model.init_from: the architecture config.json gives (tasks/init_from.py)
+    problems += filled
     try:
         spec = DeploymentSpec.model_validate(data)
     except ValidationError as err:

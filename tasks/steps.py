@@ -11,6 +11,7 @@ from tasks.image import step as image
 from tasks.launch import step as job
 from tasks.nodes import step as nodes
 from tasks.prepare import step as data
+from tasks.quantize import step as quantize
 from tasks.results import SkippedResult, StepResult
 from tasks.serve import step as serving
 from tasks.soak import step as soak
@@ -40,9 +41,10 @@ JOB = Step("job", job.TITLE, job.ARTIFACT, (job.JobResult,))
 ACCEPTANCE = Step("acceptance", acceptance.TITLE, acceptance.ARTIFACT, (acceptance.AcceptanceResult,))
 DRILLS = Step("drills", acceptance.DRILLS_TITLE, acceptance.DRILLS_ARTIFACT, (acceptance.AcceptanceResult,))
 SOAK = Step("soak", soak.TITLE, soak.ARTIFACT, (SoakResult, SkippedResult))
+QUANTIZE = Step("quantize", quantize.TITLE, quantize.ARTIFACT, (quantize.QuantizeResult, SkippedResult))
 SERVING = Step("serving", serving.TITLE, serving.ARTIFACT, (serving.ServingResult, SkippedResult))
 
-DEPLOY: tuple[Step, ...] = (SPEC, CAPACITY, NODES, IMAGE, DATA, JOB, ACCEPTANCE, DRILLS, SERVING)
+DEPLOY: tuple[Step, ...] = (SPEC, CAPACITY, NODES, IMAGE, DATA, JOB, ACCEPTANCE, DRILLS, QUANTIZE, SERVING)
 """deploy-training: every step, in the order the flow runs them (and the summary page lists them)."""
 NIGHTLY: tuple[Step, ...] = (SPEC, DATA, ACCEPTANCE, DRILLS, SOAK)
 """nightly-validation: the data (reused), a soak-length acceptance, every drill and the soak under injected

@@ -181,6 +181,13 @@ class ModelConfig(StrictModel):
         description="Dropout probability on the attention and MLP outputs before each residual add (training only).",
     )
     moe: MoEConfig | None = Field(default=None, description="Mixture-of-Experts MLP; None = dense.")
+    init_from: StorageUrl | None = Field(
+        default=None,
+        description="Start from this Hugging Face checkpoint (a local folder or fsspec URL holding config.json and "
+        "*.safetensors of a Llama, Mistral or Mixtral model) instead of random weights: the architecture fields the "
+        "spec leaves out are read from its config.json, the ones it states must agree (training/hf_load.py). A "
+        "resumed run continues from its own checkpoint. None = random initialisation.",
+    )
 
     @property
     def kv_heads(self) -> int:
@@ -328,6 +335,11 @@ class PrecisionConfig(StrictModel):
     fp16_growth_interval_steps: int = Field(
         default=2000, ge=1, le=MAX_STEPS, description="fp16: overflow-free steps before the loss scale doubles."
     )
+
+    @property
+    def torch_name(self) -> str:
+        """The torch dtype the forward runs in (float32, bfloat16, float16): the one to serve an export in."""
+        return {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[self.dtype]
 
 
 class OptimConfig(StrictModel):
@@ -643,6 +655,76 @@ class FaultToleranceConfig(StrictModel):
         return self
 
 
+class DistillConfig(StrictModel):
+    """Knowledge distillation (training/distill.py): the model trains as the student of a frozen teacher, on
+    alpha x T^2 x KL(teacher || student, both softened by the temperature T) + (1 - alpha) x cross-entropy."""
+
+    teacher_url: StorageUrl = Field(
+        description="The teacher: a checkpoint folder of ours (another run's checkpoint.url; teacher_kind "
+        "checkpoint) or a Hugging Face model folder, safetensors and config.json (teacher_kind hf)."
+    )
+    teacher_kind: Literal["checkpoint", "hf"] = Field(
+        default="checkpoint", description="checkpoint: one of our checkpoints; hf: a Hugging Face folder."
+    )
+    teacher_step: int | None = Field(
+        default=None,
+        ge=0,
+        le=MAX_STEPS,
+        description="teacher_kind checkpoint: the step to load; None = the newest sound checkpoint.",
+    )
+    teacher_model: ModelConfig | None = Field(
+        default=None,
+        description="The teacher's architecture. None = read at start from the checkpoint's model.json or the "
+        "folder's config.json; the spec step fills it in so that a mismatch is found before the job starts.",
+    )
+    alpha: float = Field(
+        default=0.5, ge=0, le=1, description="Weight of the KL term; 1 - alpha weighs the cross-entropy on the data."
+    )
+    temperature: float = Field(
+        default=2.0,
+        gt=0,
+        le=100,
+        description="Softmax temperature of both teacher and student in the KL term (Hinton et al. 2015); the "
+        "term is multiplied by T^2 so that its gradients keep their scale as T changes.",
+    )
+
+    @model_validator(mode="after")
+    def _step_of_a_checkpoint(self) -> DistillConfig:
+        if self.teacher_step is not None and self.teacher_kind != "checkpoint":
+            raise_problems(
+                "DistillConfig",
+                [(("teacher_step",), self.teacher_step, "only applies to teacher_kind=checkpoint; remove it")],
+            )
+        return self
+
+
+def distill_problems(distill: DistillConfig, student: ModelConfig, par: ParallelConfig) -> list[Problem]:
+    """Why this teacher cannot teach this student under this layout (the teacher's stated or read architecture)."""
+    problems: list[Problem] = []
+    for name in ("tensor_parallel", "pipeline_parallel", "expert_parallel"):
+        if getattr(par, name) > 1:
+            problems.append(
+                (
+                    ("parallel", name),
+                    getattr(par, name),
+                    "distillation (the distill section) runs under data-parallel layouts only (ddp, fsdp, hsdp: the "
+                    f"teacher is replicated on every rank); set parallel.{name}=1 or remove the distill section",
+                )
+            )
+    teacher = distill.teacher_model
+    if teacher is not None and teacher.vocab_size != student.vocab_size:
+        problems.append(
+            (
+                ("distill", "teacher_model", "vocab_size"),
+                teacher.vocab_size,
+                f"the teacher's vocabulary must be the student's (model.vocab_size={student.vocab_size}): the KL "
+                "term compares their distributions token by token; distil from a teacher of the same tokenizer and "
+                f"vocabulary, or set model.vocab_size to {teacher.vocab_size}",
+            )
+        )
+    return problems
+
+
 class ReferenceConfig(StrictModel):
     """The independent correctness reference (training/reference.py) of a distributed job."""
 
@@ -676,6 +758,16 @@ class TrainConfig(StrictModel):
         default=None,
         description="Run the independent reference (training/reference.py) instead of the trainer. Set only by "
         "the acceptance suite: a deployment spec has no such section; None = train.",
+    )
+    init_check_url: StorageUrl | None = Field(
+        default=None,
+        description="With model.init_from: the init_check.json the pipeline wrote (transformers' fp32 logits of the "
+        "checkpoint on a fixed prompt, training/hf_load.py); after loading the weights under its layout the job "
+        "computes its own and refuses to start when they differ beyond tolerance. Set by the pipeline, not the "
+        "spec; None = no check.",
+    )
+    distill: DistillConfig | None = Field(
+        default=None, description="Train as the student of a frozen teacher (training/distill.py); None = off."
     )
 
     @model_validator(mode="after")
@@ -748,6 +840,18 @@ def training_problems(cfg: TrainConfig | Any) -> list[Problem]:
     from training.layout import layout_problems  # noqa: PLC0415 - layout imports this module
 
     problems.extend(layout_problems(cfg.model, par, cfg.precision.dtype))
+    distill = getattr(cfg, "distill", None)
+    if distill is not None:
+        problems.extend(distill_problems(distill, cfg.model, par))
+        if distill.teacher_url.rstrip("/") == cfg.checkpoint.url.rstrip("/"):
+            problems.append(
+                (
+                    ("distill", "teacher_url"),
+                    distill.teacher_url,
+                    "is this run's own checkpoint.url, which the student's checkpoints go to; point it at the "
+                    "teacher run's checkpoint folder",
+                )
+            )
     if cfg.optim.warmup_steps > cfg.run.steps:
         problems.append((("optim", "warmup_steps"), cfg.optim.warmup_steps, f"must be <= run.steps={cfg.run.steps}"))
     return problems

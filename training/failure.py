@@ -31,7 +31,7 @@ FAILURE_FILE = "failure.json"
 WORKLOAD_EXIT_CODE = 76
 """The exit code of a restarted worker that refused to retry its job's workload failure (75 is a preemption)."""
 
-WorkloadCause = Literal["nan_loss", "bad_data", "bug"]
+WorkloadCause = Literal["nan_loss", "bad_data", "bad_model", "bug"]
 
 # Programming errors: raised by code that is wrong, whatever the machine. RuntimeError is left out on purpose:
 # torch raises it for lost peers and device faults as well as for shape mismatches.
@@ -74,7 +74,7 @@ class WorkloadFailure(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
     failure_class: Literal["workload"] = Field(default="workload", alias="class", description="Always workload.")
-    cause: WorkloadCause = Field(description="nan_loss, bad_data or bug.")
+    cause: WorkloadCause = Field(description="nan_loss, bad_data, bad_model or bug.")
     step: int | None = Field(description="The step being trained when it failed (None: before the first step).")
     error: str = Field(description="The exception, one line: its type and message.")
     fix: str = Field(description="What to change before running the job again.")
@@ -94,6 +94,9 @@ _FIXES: dict[WorkloadCause, str] = {
     "fp16; check the data of that step; then run again (it resumes from the last checkpoint before the NaN)",
     "bad_data": "fix the dataset as the error says (prepare it again, or point data.dataset_url at a good one), "
     "then run again",
+    "bad_model": "the starting model (model.init_from) or the distillation teacher (distill) cannot be loaded, does "
+    "not fit or does not compute what transformers does: fix the spec or the checkpoint as the error says, then run "
+    "again",
     "bug": "a programming error in the job's code: fix it (the traceback is in the job's log), then run again",
 }
 
@@ -104,6 +107,13 @@ def _dataset_error() -> type[BaseException]:
     return DatasetError
 
 
+def _model_errors() -> tuple[type[BaseException], ...]:
+    from training.distill import TeacherError  # noqa: PLC0415 - torch, for the trainer only
+    from training.hf_load import HFLoadError, InitCheckError  # noqa: PLC0415 - torch, for the trainer only
+
+    return HFLoadError, InitCheckError, TeacherError
+
+
 def classify(err: BaseException, step: int | None, rank: int) -> WorkloadFailure | None:
     """The workload failure `err` is (None: the infrastructure's, or unknown: the restart policy recovers)."""
     cause: WorkloadCause
@@ -112,6 +122,8 @@ def classify(err: BaseException, step: int | None, rank: int) -> WorkloadFailure
         cause, step = "nan_loss", err.step
     elif isinstance(err, _dataset_error()):
         cause, fix = "bad_data", f"{err.fix}; then run again"
+    elif isinstance(err, _model_errors()):
+        cause, fix = "bad_model", f"{err.fix}; then run again"
     elif isinstance(err, _BUG_TYPES) and not isinstance(err, _infrastructure_types()):
         cause = "bug"
     else:

@@ -6,7 +6,8 @@ gradient accumulation, gradient synchronisation, optimizer construction, LR sche
 does share is what defines the problem, and only where each is a definition rather than a computation:
 
 - the model (training/model.py) and its initial weights: torch seeded with `run.seed` right before the
-  model is built, as the trainer does on every rank;
+  model is built, as the trainer does on every rank; with model.init_from, the Hugging Face checkpoint's
+  weights read whole by training/hf_load.py's `load_hf_state` (the trainer reads each rank's slices instead);
 - the data: the dataset reader, and the sampler's documented order (training/sampler.py) written out again
   here: epoch e is `np.random.default_rng([seed, e]).permutation(n)`, step after step takes the next global
   batch of it, and the rest of an epoch (less than one global batch) is dropped, or with data.drop_last
@@ -14,7 +15,11 @@ does share is what defines the problem, and only where each is a definition rath
 - the optimizer's definition: `torch.optim.AdamW` over the same two parameter groups (weight decay on the
   matrices only) and the spec's hyperparameters; the LR schedule written out below from OptimConfig's
   description (linear warmup, then cosine, linear or constant towards lr_min over run.steps);
-- the run-output format, through training/run_output.py, so acceptance reads it like any other run.
+- the run-output format, through training/run_output.py, so acceptance reads it like any other run;
+- under distillation (the distill section), the teacher's weights as training/distill.py's `load_teacher` reads
+  them: which teacher is part of the problem. Its forward here is plain, and the objective, alpha x T^2 x
+  KL(teacher || student at temperature T) + (1 - alpha) x cross-entropy, is written out again below from its
+  definition (`_softened_kl`), not taken from training/distill.py.
 
 What it does differently on purpose: one process, fp32, no sharding, no loss scaling and no accumulation.
 The whole global batch (micro_batch x grad_accum_steps x the distributed job's world size) goes through one
@@ -51,6 +56,8 @@ import torch.nn.functional as F
 
 from training.config import OptimConfig, TrainConfig
 from training.dataset import TokenDataset
+from training.distill import load_teacher
+from training.hf_load import load_hf_state
 from training.holdings import param_pieces, param_record
 from training.metrics import peak_memory_bytes
 from training.model import Transformer
@@ -69,6 +76,7 @@ class _Step:
     lr: float
     loss: float
     aux: float
+    kl: float
     grad_norm: float
     data_s: float
     elapsed_s: float
@@ -104,15 +112,43 @@ def batch_indices(
     return epoch, order[np.arange(position * global_batch, (position + 1) * global_batch) % n_samples]
 
 
-def _mean_loss(model: Transformer, tokens: torch.Tensor, group: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mean next-token cross-entropy over `tokens`, and the MoE load-balancing loss (mean over groups)."""
+def _softened_kl(teacher_logits: torch.Tensor, student_logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """KL(p || q) = sum_v p_v (log p_v - log q_v) of the teacher's (p) and the student's (q) distributions at the
+    temperature, averaged over the positions."""
+    log_p = torch.log_softmax(teacher_logits.float() / temperature, dim=-1)
+    log_q = torch.log_softmax(student_logits.float() / temperature, dim=-1)
+    return (log_p.exp() * (log_p - log_q)).sum(dim=-1).mean()
+
+
+@dataclass(frozen=True)
+class _Distill:
+    """The reference's teacher and the objective's weights."""
+
+    teacher: torch.nn.Module
+    alpha: float
+    temperature: float
+
+
+def _mean_loss(
+    model: Transformer, tokens: torch.Tensor, group: int | None, distill: _Distill | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Mean next-token objective over `tokens` (the cross-entropy, or under `distill` the distillation objective),
+    the MoE load-balancing loss and the KL to the teacher (0 without one), each a mean over groups."""
     groups = tokens.split(group) if group else (tokens,)
-    losses, auxes = [], []
+    losses, auxes, kls = [], [], []
     for part in groups:
         logits, aux = model(part[:, :-1])
-        losses.append(F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), part[:, 1:].reshape(-1)))
+        ce = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), part[:, 1:].reshape(-1))
+        kl = torch.zeros((), device=logits.device)
+        if distill is not None:
+            with torch.no_grad():
+                teacher_logits, _ = distill.teacher(part[:, :-1])
+            kl = _softened_kl(teacher_logits, logits, distill.temperature)
+            ce = distill.alpha * distill.temperature**2 * kl + (1 - distill.alpha) * ce
+        losses.append(ce)
         auxes.append(aux)
-    return torch.stack(losses).mean(), torch.stack(auxes).mean()
+        kls.append(kl.detach())
+    return torch.stack(losses).mean(), torch.stack(auxes).mean(), torch.stack(kls).mean()
 
 
 def run_reference(cfg: TrainConfig) -> RunResult:
@@ -141,10 +177,19 @@ def run_reference(cfg: TrainConfig) -> RunResult:
     # Group k of micro_batch sequences is micro-batch k // world of rank k % world (the sampler's layout).
     group = cfg.parallel.micro_batch if model_cfg.moe else None
     clip = optim.grad_clip_norm if optim.grad_clip_norm is not None else math.inf
+    distill = None
+    if cfg.distill is not None:
+        teacher = load_teacher(cfg.distill, model_cfg, cfg.storage, device).model
+        distill = _Distill(teacher, cfg.distill.alpha, cfg.distill.temperature)
 
     def build(perturbed: bool = False) -> tuple[Transformer, torch.optim.AdamW]:
         torch.manual_seed(run.seed)  # the trainer's initial weights: torch seeded with run.seed, then the model built
         model = Transformer(model_cfg).to(device)
+        if model_cfg.init_from is not None:  # the trainer's starting weights, read whole (the trainer reads slices)
+            state = load_hf_state(model_cfg.init_from, model_cfg, storage=cfg.storage)
+            with torch.no_grad():
+                for name, param in model.named_parameters():
+                    param.copy_(state.pop(name).to(device))
         if perturbed:  # every initial value off by one rounding error of fp32, up or down at random
             signs = torch.Generator().manual_seed(run.seed)
             with torch.no_grad():
@@ -172,20 +217,23 @@ def run_reference(cfg: TrainConfig) -> RunResult:
         for param_group in optimizer.param_groups:
             param_group["lr"] = lr
         if parts == 1:
-            loss, aux = _mean_loss(model, tokens, group)
+            loss, aux, kl = _mean_loss(model, tokens, group, distill)
             (loss + coef * aux).backward()
         else:
-            losses, auxes = [], []
+            losses, auxes, kls = [], [], []
             for part in tokens.split(global_batch // parts):
-                part_loss, part_aux = _mean_loss(model, part, group)
+                part_loss, part_aux, part_kl = _mean_loss(model, part, group, distill)
                 ((part_loss + coef * part_aux) / parts).backward()
                 losses.append(part_loss.detach())
                 auxes.append(part_aux.detach())
-            loss, aux = torch.stack(losses).mean(), torch.stack(auxes).mean()
+                kls.append(part_kl)
+            loss, aux, kl = torch.stack(losses).mean(), torch.stack(auxes).mean(), torch.stack(kls).mean()
         grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        return _Step(epoch, indices, lr, loss.item(), aux.item(), grad_norm, data_s, time.perf_counter() - started)
+        return _Step(
+            epoch, indices, lr, loss.item(), aux.item(), kl.item(), grad_norm, data_s, time.perf_counter() - started
+        )
 
     out = RunOutputWriter(run.output_url, cfg.storage)
     me = {
@@ -238,6 +286,7 @@ def run_reference(cfg: TrainConfig) -> RunResult:
                 loss=loss_value,
                 rank_loss=loss_value,
                 aux_loss=done.aux if model_cfg.moe else None,
+                distill_kl=done.kl if distill is not None else None,
                 lr=lr,
                 grad_norm=grad_norm,
                 twin_loss=twin[step].loss,
@@ -272,6 +321,7 @@ def run_reference(cfg: TrainConfig) -> RunResult:
         skipped_steps=0,
         tokens_seen=last_step * global_batch * model_cfg.seq_len,
         n_params=model.num_params(),
+        teacher_val_loss=None if distill is None else _validation_loss(distill.teacher, val, cfg, device),
     )
     out.write_params(replace(param_record(model, 0, last_step, model_cfg), twin=twin_pieces))
     out.write_result(result)
@@ -291,6 +341,6 @@ def _validation_loss(model: Transformer, val: TokenDataset, cfg: TrainConfig, de
     losses = []
     for first in range(0, count, b):
         tokens = val.batch([k % len(val) for k in range(first, first + b)]).to(device)
-        loss, _ = _mean_loss(model, tokens, None)
+        loss, _, _ = _mean_loss(model, tokens, None)
         losses.append(loss.item())
     return float(np.mean(losses))

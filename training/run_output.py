@@ -110,6 +110,7 @@ class StepRecord:
     loss: float  # mean over the ranks
     rank_loss: float | None = None  # this rank's own
     aux_loss: float | None = None  # MoE load-balancing loss
+    distill_kl: float | None = None  # distill: this rank's KL(teacher || student) at the temperature
     lr: float | None = None
     grad_norm: float | None = None
     loss_scale: float | None = None
@@ -235,6 +236,7 @@ class RunResult:
     skipped_steps: int
     tokens_seen: int
     n_params: int
+    teacher_val_loss: float | None = None  # distill: the teacher's validation loss on the same batches
 
 
 @dataclass(frozen=True)

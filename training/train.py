@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from training import drill_points, failure, preemption, process, replica, spares
+from training import drill_points, failure, hf_load, preemption, process, replica, spares
 from training.checkpoint import CheckpointManager, CheckpointSaveError, ModelCard, SavedCheckpoint
 from training.checkpoint.memory import MemoryTier
 from training.checkpoint.memory_auto import record_decision
@@ -43,6 +43,7 @@ from training.checkpoint.save_auto import SaveSchedule
 from training.comm_probe import probe_record
 from training.config import OptimConfig, TrainConfig
 from training.dataset import DatasetError, TokenDataset
+from training.distill import load_teacher
 from training.grad_clip import clip_grad_norm
 from training.holdings import held_layers, param_record
 from training.lease import Lease
@@ -304,6 +305,8 @@ class Trainer:
             # timer does not see, so its comm_s is not measured rather than zero.
             self.comm_measured = self.meshes.dims.dp_shard > 1
         self.optimizer = build_optimizer(self.model, cfg.optim, self.device.type)
+        # distill: a frozen teacher, whole on every rank (collective load; training/distill.py).
+        self.teacher = load_teacher(cfg.distill, model_cfg, cfg.storage, self.device) if cfg.distill else None
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg.optim, cfg.run.steps))
         self.autocast_dtype = _AUTOCAST[cfg.precision.dtype]
         self.scaler = torch.amp.GradScaler(
@@ -354,6 +357,17 @@ class Trainer:
         # A restarted replica group reads no storage: it pulls the state from a healthy group at its first step.
         if cfg.checkpoint.resume and (self.replica is None or not replica.restarted()):
             self._resume()
+        # A fresh start from a Hugging Face checkpoint: its weights, checked against transformers' logits.
+        self.started_from_hf = (
+            cfg.model.init_from is not None and self.resumed_from is None
+            and (self.replica is None or not replica.restarted())
+        )  # fmt: skip
+        self.init_deviation: float | None = None
+        if self.started_from_hf:
+            self.init_deviation = hf_load.initialise(
+                self.model, self.pipeline, self.meshes, model_cfg, par.pipeline_chunks, cfg.init_check_url,
+                self.device, cfg.storage,
+            )  # fmt: skip
         if self.replica is not None:
             self.replica.set_step(self.step)
         self.save_schedule.last_saved = self.step  # auto's first save counts from the resumed step
@@ -540,6 +554,8 @@ class Trainer:
             "mesh": self._mesh_record(),
             "network": network_record(self.backend),
             "comm_probe": probe_record(self.cfg.run.comm_probe_mb, self.device, self.env.host, self.env.local_rank),
+            # model.init_from's load check: the largest deviation from transformers' logits (None: not checked)
+            "init_check_deviation": self.init_deviation,
             **spares.agent_record(),
         }
         everyone: list[Any] = [None] * self.world
@@ -552,14 +568,21 @@ class Trainer:
 
     # ---- loop -------------------------------------------------------------------------------
 
-    def _loss(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _loss(
+        self, tokens: torch.Tensor, distilled: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The loss, the MoE aux loss and, `distilled` (training steps of a distill run), the KL to the teacher:
+        the loss is then the distillation objective; evaluation keeps the plain cross-entropy."""
         inputs, targets = tokens[:, :-1].to(self.device), tokens[:, 1:].to(self.device)
         with torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
             logits, aux = self.model(inputs)
+            if distilled and self.teacher is not None:
+                parts = self.teacher.loss(logits, inputs, targets)
+                return parts.total, aux, parts.kl
         if self.meshes is not None:  # vocabulary-sharded logits under tensor parallelism (loss_context)
-            return lm_loss(logits, targets), aux
+            return lm_loss(logits, targets), aux, None
         loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))
-        return loss, aux
+        return loss, aux, None
 
     @property
     def _tensor_parallel(self) -> bool:
@@ -617,6 +640,7 @@ class Trainer:
         micro_batches = [self.blend.samples(epoch, d) for d in draws] if self.blend else draws
         loss_sum = torch.zeros((), device=self.device)
         aux_sum = torch.zeros((), device=self.device)
+        kl_sum = torch.zeros((), device=self.device)
         accum = len(micro_batches)
         coef = cfg.model.moe.aux_loss_coef if cfg.model.moe else 0.0
         if self.pipeline is not None:
@@ -630,13 +654,15 @@ class Trainer:
             data_s += time.perf_counter() - fetch
             data_cpu_s += time.process_time() - fetch_cpu
             with gradient_sync(self.model, enabled=m == accum - 1), loss_context(self._tensor_parallel):
-                loss, aux = self._loss(tokens)
+                loss, aux, kl = self._loss(tokens, distilled=True)
                 if drill_points.poisons_loss(self.step + 1):  # a drill's workload error: NaN from here on
                     loss = loss * float("nan")
                 objective = loss + coef * aux if coef else loss  # a tensor-parallel loss is a DTensor, aux is not
                 self.scaler.scale(objective / accum).backward()
             loss_sum += _to_tensor(loss.detach())
             aux_sum += _to_tensor(aux.detach())
+            if kl is not None:
+                kl_sum += kl.detach()
         if self.replica is not None:
             self.replica.sync_gradients(self.model)
             if not self.replica.should_commit():  # a group failed in this step: drop it, take the quorum again
@@ -722,6 +748,8 @@ class Trainer:
         device = {"loss": global_loss.reshape(()), "rank_loss": local_loss.reshape(()), "grad_norm": grad_norm}
         if cfg.model.moe:
             device["aux_loss"] = (aux_sum / accum).detach().float().reshape(())
+        if self.teacher is not None:
+            device["distill_kl"] = (kl_sum / accum).float().reshape(())
         pending = PendingRecord(record, device, loss_work, 1 if self.backend == "nccl" else self.world, compute_events)
         if cfg.run.record_samples and (self.meshes is None or self.meshes.is_data_leader):
             # One record per data-parallel rank (its first-stage, tensor-rank-0 process), keyed by that rank.
@@ -785,15 +813,20 @@ class Trainer:
         return take_dropped_tokens(self.model)
 
     @torch.no_grad()
-    def evaluate(self) -> dict[str, Any]:
-        """Mean validation loss and perplexity over eval_batches micro-batches per rank, reduced across ranks."""
+    def evaluate(self, of_teacher: bool = False) -> dict[str, Any]:
+        """Mean validation loss and perplexity over eval_batches micro-batches per rank, reduced across ranks;
+        `of_teacher`: the distillation teacher's on the same batches (not recorded as an evaluation)."""
         self.model.eval()
         b, n = self.cfg.parallel.micro_batch, len(self.val_data)
         totals = torch.zeros(2, dtype=torch.float64, device=self.device)
         for j in range(self.cfg.run.eval_batches):
             first = (j * self.dp_size + self.dp_rank) * b
             tokens = self.val_data.batch([(first + k) % n for k in range(b)])
-            if self.pipeline is not None:
+            if of_teacher and self.teacher is not None:
+                autocast = self.autocast_dtype is not None
+                with torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=autocast):
+                    loss = self.teacher.cross_entropy(tokens.to(self.device))
+            elif self.pipeline is not None:
                 loss = self._from_last_stage(self.pipeline.eval_loss(tokens))
             else:
                 with loss_context(self._tensor_parallel):
@@ -804,7 +837,7 @@ class Trainer:
         dist.all_reduce(totals)
         val_loss = (totals[0] / totals[1]).item()
         result = {"step": self.step, "val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 700.0))}
-        if self.rank == 0:
+        if self.rank == 0 and not of_teacher:
             self.out.append_eval(result)
         return result
 
@@ -892,6 +925,9 @@ class Trainer:
         first_loss = last = None
         last_eval: dict[str, Any] | None = None
         last_step = min(cfg.run.steps, cfg.run.stop_after_steps or cfg.run.steps)
+        if self.started_from_hf:  # the starting model's validation loss (step 0): the quality gate's bar
+            with self.watchdog.phase("eval", self.step):
+                self.evaluate()
         while self.step < last_step:
             for lease in self.leases:
                 lease.check()
@@ -983,6 +1019,7 @@ class Trainer:
             "skipped_steps": self.skipped_steps,
             "tokens_seen": self.tokens_seen,
             "n_params": self.n_params,
+            "teacher_val_loss": self.evaluate(of_teacher=True)["val_loss"] if self.teacher is not None else None,
         }
         # Every rank's parameter pieces: acceptance checks that replicas are bit-identical and compares the
         # whole parameters with the reference's.

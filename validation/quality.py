@@ -8,7 +8,11 @@ recorded by the first accepted run: tasks/acceptance/baselines.py):
 - with a baseline, the final validation loss and the mean training loss over the last 10% of the steps
   may each be worse than the baseline's by at most `quality_max_rel_worse` (relative);
 - before a baseline exists, an absolute sanity rule: the final validation loss must be at most
-  (1 - `quality_min_loss_drop_fraction`) x the first step's training loss (about ln(vocab) at init).
+  (1 - `quality_min_loss_drop_fraction`) x the first step's training loss (about ln(vocab) at init);
+- a run that started from a Hugging Face checkpoint (model.init_from) is fine-tuning a model that is already
+  trained: a fixed drop from its first loss means nothing there. Its bar is the starting model's own validation
+  loss, which the trainer measures before the first step (the eval record of step 0): the final validation loss
+  must not be above it (rule `init_from` before a baseline exists; with a baseline, on top of the baseline rule).
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ class LossCurve:
     losses: dict[int, float]
     val_loss: float
     first_loss: float
+    start_val_loss: float | None = None
+    """The starting model's validation loss (model.init_from: the trainer's step-0 evaluation); None otherwise."""
 
 
 @dataclass
@@ -57,7 +63,8 @@ def loss_curve(output_dir: str | Path) -> LossCurve | None:
     losses = {step: float(m.loss) for step, m in run.metrics().items()}
     if result is None or not losses:
         return None
-    return LossCurve(losses, float(result.val_loss), losses[min(losses)])
+    start = next((float(e["val_loss"]) for e in run.evals() if e.get("step") == 0), None)
+    return LossCurve(losses, float(result.val_loss), losses[min(losses)], start)
 
 
 def tail_steps(steps: list[int]) -> list[int]:
@@ -77,6 +84,8 @@ def _rel_worse(value: float, baseline: float) -> float:
 def check_quality(run: LossCurve, baseline: LossCurve | None, limits: AcceptanceThresholds) -> QualityResult:
     """The baseline rule when a baseline exists, else the sanity rule; both figures in `measured`."""
     drop = 1 - run.val_loss / run.first_loss if run.first_loss else math.nan
+    if baseline is None and run.start_val_loss is not None:
+        return _from_start(run, drop)
     if baseline is None:
         return _sanity(run, drop, limits.quality_min_loss_drop_fraction)
     rule: Literal["baseline"] = "baseline"
@@ -99,6 +108,10 @@ def check_quality(run: LossCurve, baseline: LossCurve | None, limits: Acceptance
         "loss_drop_fraction": drop,
     }
     problems = []
+    if run.start_val_loss is not None:
+        measured["start_val_loss"] = run.start_val_loss
+        if not run.val_loss <= run.start_val_loss:
+            problems.append(_worse_than_start(run))
     if not steps:
         problems.append("the run and its baseline have no step in common")
     if not rel_val <= max_rel:
@@ -118,6 +131,31 @@ def check_quality(run: LossCurve, baseline: LossCurve | None, limits: Acceptance
         "; ".join(f"quality: {p}" for p in problems),
         LOOK_FIRST if problems else "",
     )
+
+
+def _worse_than_start(run: LossCurve) -> str:
+    return (
+        f"final validation loss {run.val_loss:.4f} is above the starting model's {run.start_val_loss:.4f} "
+        "(model.init_from, measured before the first step): the fine-tuning made the model worse on held-out data"
+    )
+
+
+def _from_start(run: LossCurve, drop: float) -> QualityResult:
+    """Fine-tuning without a baseline: the final validation loss against the starting model's."""
+    assert run.start_val_loss is not None
+    passed = run.val_loss <= run.start_val_loss  # False for a NaN loss
+    measured = {
+        "rule": "init_from",
+        "val_loss": run.val_loss,
+        "start_val_loss": run.start_val_loss,
+        "baseline_val_loss": None,
+        "rel_worse": _rel_worse(run.val_loss, run.start_val_loss),
+        "first_loss": run.first_loss,
+        "loss_drop_fraction": drop,
+    }
+    message = "" if passed else f"quality (fine-tuning, no baseline yet): {_worse_than_start(run)}"
+    look = "" if passed else "the learning rate (a fine-tune wants a smaller one than pre-training), then the data"
+    return QualityResult(passed, measured, {"rule": "init_from", "max_val_loss": run.start_val_loss}, message, look)
 
 
 def _sanity(run: LossCurve, drop: float, min_drop: float) -> QualityResult:

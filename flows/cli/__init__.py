@@ -2,8 +2,8 @@
 
 `data` (validate-spec, prepare-data, convert-dataset), `job` (plan, check-nodes, build-image, train, submit,
 status, cancel, run), `accept` (accept, drill, diagnose), `ledger` (history, baseline, rollback, rollout), `serve`
-(export, serve, check-serving), `alerts` (the `tdeploy alerts` group) and `nodes` (the `tdeploy nodes` group:
-the node quarantine); `common` holds what they share. This module joins them into one app, and is the one place
+(export, serve, check-serving), `quantize` (quantize), `alerts` (the `tdeploy alerts` group) and `nodes` (the
+`tdeploy nodes` group: the node quarantine); `common` holds what they share. This module joins them into one app, and is the one place
 that sets up logging and turns the known failures into an exit code and one line.
 
 Only typer and rich load at import: `tdeploy --help` must answer at once, so every command imports the
@@ -19,7 +19,7 @@ import click
 import typer
 from typer.core import TyperGroup
 
-from flows.cli import accept, alerts, data, job, ledger, nodes, serve, soak
+from flows.cli import accept, alerts, data, job, ledger, nodes, quantize, serve, soak
 from flows.cli.common import EXIT_TRANSIENT, EXIT_USER_ERROR, console, err_console, example
 
 # Failures that a command reports as one line (exit 2: fix the input; exit 1: it may pass, run again), never as
@@ -97,7 +97,8 @@ app = typer.Typer(
     callback=_root,
     epilog=example("tdeploy validate-spec examples/local.yaml", "tdeploy run examples/local.yaml"),
 )
-for _concern in (data, job, accept, soak, ledger, serve):  # their commands at the top level, listed in this order
+# their commands at the top level, listed in this order
+for _concern in (data, job, accept, soak, ledger, serve, quantize):
     app.add_typer(_concern.app)
 app.add_typer(alerts.app, name="alerts")
 app.add_typer(nodes.app, name="nodes")

@@ -15,7 +15,9 @@ app = typer.Typer()
 
 @app.command(
     epilog=example(
-        "tdeploy export examples/local.yaml", "tdeploy export examples/local.yaml --step 20 --out runs/local/hf"
+        "tdeploy export examples/local.yaml",
+        "tdeploy export examples/local.yaml --step 20 --out runs/local/hf",
+        "tdeploy export examples/local.yaml --format onnx",
     )
 )
 def export(
@@ -34,19 +36,35 @@ def export(
         help="tokenizer.json (path or fsspec URL) for a run trained on adopted token ids without one "
         "(data.tokenizer_url unset); other runs ship their dataset's tokenizer.",
     ),
+    export_format: str = typer.Option(
+        "hf",
+        "--format",
+        help="hf: a Hugging Face folder; onnx: that folder, then its ONNX Runtime graphs for CPU and edge inference "
+        "(fp32 and int8, each with its parity) in the local folders --out and <--out>-int8 (default <deployment_dir>/"
+        "export/step-<N>-onnx and step-<N>-onnx-int8; the Hugging Face folder goes to its default place).",
+    ),
 ) -> None:
-    """Export a checkpoint as a Hugging Face model folder (config, safetensors, tokenizer) for transformers or vLLM."""
+    """Export a checkpoint as a Hugging Face model folder (config, safetensors, tokenizer) for transformers or vLLM,
+    or also as ONNX (--format onnx)."""
+    from tasks.export.onnx import check_format, run_onnx
     from tasks.export.step import ExportInputs, run
 
+    check_format(export_format)
     parsed = load(spec)
     cfg = training_config_prepared(parsed)
-    result = run(ExportInputs.of(parsed, cfg, step, out, tokenizer))
+    if export_format == "onnx":
+        result, onnx = run_onnx(ExportInputs.of(parsed, cfg, step, None, tokenizer), out)
+    else:
+        result, onnx = run(ExportInputs.of(parsed, cfg, step, out, tokenizer)), None
     console.print(f"exported {result.summary()}", markup=False, highlight=False)
     console.print(f"from {result.checkpoint_dir}", markup=False, highlight=False)
     for name in result.files:
         console.print(f"  {name}", markup=False, highlight=False)
     for note in result.notes:
         err_console.print(f"note: {note}", style="yellow", markup=False, highlight=False)
+    for variant in onnx.variants if onnx is not None else []:
+        console.print(f"ONNX {variant.precision}: {variant.model_dir} ({variant.bytes / 1e6:.1f} MB); parity "
+                      f"{variant.parity.describe()}", markup=False, highlight=False)  # fmt: skip
 
 
 @app.command(

@@ -97,9 +97,11 @@ def curve_identity(train: TrainConfig, world_size: int, manifest: DatasetManifes
     data-parallel ranks (the job's processes with the tensor and pipeline degrees divided out: the layout does not
     change the mathematics, the global batch does)."""
     par = train.parallel
+    # model.init_from only when set: the keys of runs from random weights stay those recorded before it existed.
+    model = train.model.model_dump(mode="json", exclude={"init_from"} if train.model.init_from is None else None)
     return {
         "key_version": KEY_VERSION,
-        "model": train.model.model_dump(mode="json"),
+        "model": model,
         "optim": train.optim.model_dump(mode="json"),
         "precision": train.precision.model_dump(mode="json"),
         "batch": {

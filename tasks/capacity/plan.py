@@ -563,7 +563,7 @@ def plan_capacity(
         parallel=parallel,
         payload={ev.layout: check(ev.layout) for ev in [requested, *found.fitting]},
         stages=est.memory.stages(layout),
-        serving=None if serve is None else serving_plan(arch, est.accelerator, serve),
+        serving=None if serve is None else serving_plan(arch, est.accelerator, serve, precision),
         calibration=calibration,
         uncalibrated=uncalibrated,
     )
@@ -626,9 +626,13 @@ def _serving_json(plan: ServingPlan) -> dict[str, Any]:
     }
 
 
-def serving_plan(arch: Architecture, accelerator: Accelerator, serve: ServeConfig) -> ServingPlan:
-    """The serving plan of `serve` (the settings `tdeploy serve` starts vLLM with) on `accelerator`."""
-    return plan_serving(arch, accelerator, ServingSettings.of(serve, accelerator), serve.max_model_len)
+def serving_plan(
+    arch: Architecture, accelerator: Accelerator, serve: ServeConfig, precision: PrecisionConfig
+) -> ServingPlan:
+    """The serving plan of `serve` (the settings `tdeploy serve` starts vLLM with) on `accelerator`, for a model
+    trained at `precision` (served in it unless serve.dtype says otherwise)."""
+    settings = ServingSettings.of(serve, accelerator, precision)
+    return plan_serving(arch, accelerator, settings, serve.max_model_len)
 
 
 def write_plan(plan: CapacityPlan, folder: str | None = None) -> str:

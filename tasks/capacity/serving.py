@@ -23,6 +23,7 @@ from tasks.capacity.catalogue import Accelerator
 from tasks.capacity.memory import kv_cache_bytes
 from tasks.capacity.params import Architecture, count_params
 from tasks.capacity.units import GIB, count, gib
+from training.config import PrecisionConfig
 
 if TYPE_CHECKING:
     from tasks.serve.config import ServeConfig
@@ -67,12 +68,15 @@ class ServingSettings:
     overhead_gib: float = 1.0
 
     @classmethod
-    def of(cls, serve: ServeConfig, accelerator: Accelerator) -> ServingSettings:
-        """The settings `tasks.serve.server` starts vLLM with for `serve` on `accelerator`."""
+    def of(
+        cls, serve: ServeConfig, accelerator: Accelerator, precision: PrecisionConfig | None = None
+    ) -> ServingSettings:
+        """The settings `tasks.serve.server` starts vLLM with for `serve` on `accelerator`, for a model trained at
+        `precision` (default fp32), which an export is served in unless serve.dtype says otherwise."""
         # On CPU the server sizes the cache with VLLM_CPU_KVCACHE_SPACE in whole GiB (server_env_vars).
         kv_cache_gib = float(max(1, int(serve.kv_cache_gib))) if accelerator.kind == "cpu" else None
         return cls(
-            dtype=serve.dtype,
+            dtype=serve.dtype or (precision or PrecisionConfig()).torch_name,
             tensor_parallel=serve.tensor_parallel,
             gpu_memory_utilization=serve.gpu_memory_utilization,
             max_num_seqs=serve.max_num_seqs,

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -26,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import fsspec
 
 from tasks.errors import UserError
+from training import hf_names
 
 if TYPE_CHECKING:
     import torch
@@ -43,31 +43,6 @@ TOKENIZER_CONFIG = "tokenizer_config.json"
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # transformers' own default shard size before 5.0 ("5GB")
 BYTE_EOS_TOKEN = "<|endoftext|>"  # the bytes tokenizer's EOS (id 256, tasks/prepare/tokenizer.py BYTE_EOS)
 _BYTE_VOCAB = 256
-
-# Our parameter names (training/model.py) -> the Hugging Face ones; one table, read by `hf_name`.
-_NAMES: tuple[tuple[re.Pattern[str], str], ...] = tuple(
-    (re.compile(ours), theirs)
-    for ours, theirs in (
-        (r"tok_emb\.weight", "model.embed_tokens.weight"),
-        (r"norm\.weight", "model.norm.weight"),
-        (r"lm_head\.weight", "lm_head.weight"),
-        (r"blocks\.(\d+)\.attn\.wq\.weight", r"model.layers.\1.self_attn.q_proj.weight"),
-        (r"blocks\.(\d+)\.attn\.wk\.weight", r"model.layers.\1.self_attn.k_proj.weight"),
-        (r"blocks\.(\d+)\.attn\.wv\.weight", r"model.layers.\1.self_attn.v_proj.weight"),
-        (r"blocks\.(\d+)\.attn\.wo\.weight", r"model.layers.\1.self_attn.o_proj.weight"),
-        (r"blocks\.(\d+)\.attn_norm\.weight", r"model.layers.\1.input_layernorm.weight"),
-        (r"blocks\.(\d+)\.mlp_norm\.weight", r"model.layers.\1.post_attention_layernorm.weight"),
-        (r"blocks\.(\d+)\.mlp\.w1\.weight", r"model.layers.\1.mlp.gate_proj.weight"),
-        (r"blocks\.(\d+)\.mlp\.w3\.weight", r"model.layers.\1.mlp.up_proj.weight"),
-        (r"blocks\.(\d+)\.mlp\.w2\.weight", r"model.layers.\1.mlp.down_proj.weight"),
-        (r"blocks\.(\d+)\.mlp\.router\.weight", r"model.layers.\1.block_sparse_moe.gate.weight"),
-        (
-            r"blocks\.(\d+)\.mlp\.experts\.(\d+)\.(w[123])\.weight",
-            r"model.layers.\1.block_sparse_moe.experts.\2.\3.weight",
-        ),
-    )
-)
-
 
 class ExportError(UserError):
     """A checkpoint that cannot become a Hugging Face model folder; `field` and `value` name what is at fault."""
@@ -105,9 +80,16 @@ def behaviour_notes(card: ModelCard) -> list[str]:
     return []
 
 
-def hf_config(model: ModelConfig, eos_id: int | None = None, bos_id: int | None = None) -> dict[str, Any]:
+def hf_config(
+    model: ModelConfig,
+    eos_id: int | None = None,
+    bos_id: int | None = None,
+    pad_id: int | None = None,
+    dtype: str = "float32",
+) -> dict[str, Any]:
     """config.json of `model`: LlamaForCausalLM when dense, MixtralForCausalLM with MoE (ExportError if neither
-    can express it)."""
+    can express it). `dtype` goes into torch_dtype: the dtype loaders and servers take by default (the tensors
+    themselves stay fp32, which loses nothing)."""
     problems = unexportable(model)
     if problems:
         raise problems[0]
@@ -134,9 +116,9 @@ def hf_config(model: ModelConfig, eos_id: int | None = None, bos_id: int | None 
         "use_cache": True,
         "bos_token_id": bos_id,
         "eos_token_id": eos_id,
-        "pad_token_id": None,
-        "torch_dtype": "float32",
-        "dtype": "float32",  # transformers >= 5 spells torch_dtype so
+        "pad_token_id": pad_id,
+        "torch_dtype": dtype,
+        "dtype": dtype,  # transformers >= 5 spells torch_dtype so
     }
     if model.moe is None:
         return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **config, "mlp_bias": False}
@@ -154,18 +136,17 @@ def hf_config(model: ModelConfig, eos_id: int | None = None, bos_id: int | None 
 
 
 def hf_name(name: str, tied: bool = False) -> str | None:
-    """The Hugging Face name of our parameter `name`; None for lm_head.weight when tied to the embedding."""
-    if tied and name == "lm_head.weight":
-        return None
-    for pattern, theirs in _NAMES:
-        if pattern.fullmatch(name):
-            return pattern.sub(theirs, name)
-    raise ExportError(
-        "tensor",
-        name,
-        "is not a parameter of training/model.py's Transformer, so it has no Hugging Face name",
-        "export a checkpoint this trainer saved (or add the name to tasks/export/hf.py _NAMES)",
-    )
+    """The Hugging Face name of our parameter `name` (training/hf_names.py); None for lm_head.weight when tied to
+    the embedding; ExportError for a name training/model.py does not have."""
+    try:
+        return hf_names.hf_name(name, tied)
+    except hf_names.UnknownName as err:
+        raise ExportError(
+            "tensor",
+            name,
+            "is not a parameter of training/model.py's Transformer, so it has no Hugging Face name",
+            "export a checkpoint this trainer saved (or add the name to training/hf_names.py _NAMES)",
+        ) from err
 
 
 def expected_tensors(model: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -313,6 +294,12 @@ def _read_tokenizer(card: ModelCard, storage: StorageConfig) -> str:
     return raw.decode("utf-8")
 
 
+def pad_token(tokenizer_json: str, eos_token: str | None) -> str | None:
+    """The pad token to declare: the one tokenizer.json pads with, else `eos_token` (None when neither exists)."""
+    padding = json.loads(tokenizer_json).get("padding") or {}
+    return padding.get("pad_token") or eos_token
+
+
 def write_tokenizer(card: ModelCard, storage: StorageConfig, out_dir: Path) -> list[str]:
     """tokenizer.json and tokenizer_config.json (a PreTrainedTokenizerFast) of the run's tokenizer; the files."""
     from tokenizers import Tokenizer
@@ -329,6 +316,10 @@ def write_tokenizer(card: ModelCard, storage: StorageConfig, out_dir: Path) -> l
     tokenizer_config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "eos_token": eos_token,
+        # batched tokenisation with padding needs a pad token: the tokenizer's own, else EOS (ours have none);
+        # left padding, since a batch is padded for generation (transformers warns on right-padded generate)
+        "pad_token": pad_token(text, eos_token),
+        "padding_side": "left",
         "model_max_length": card.model.seq_len,
         "clean_up_tokenization_spaces": False,
         "add_bos_token": False,
@@ -339,19 +330,22 @@ def write_tokenizer(card: ModelCard, storage: StorageConfig, out_dir: Path) -> l
     return [TOKENIZER, TOKENIZER_CONFIG]
 
 
-def write_configs(card: ModelCard, out_dir: Path) -> list[str]:
-    """config.json and generation_config.json (greedy, stop at EOS); the files.
+def write_configs(card: ModelCard, out_dir: Path, dtype: str = "float32") -> list[str]:
+    """config.json (`dtype`: the dtype to serve in, the run's precision) and generation_config.json (greedy, stop
+    and pad at EOS); the files.
 
     Our documents carry no BOS: each follows the previous one's EOS in the training stream, so EOS is also the
     id to start from (bos_token_id = eos_id, as GPT-2 does); the tokenizer adds nothing.
     """
-    config = hf_config(card.model, eos_id=card.eos_id, bos_id=card.eos_id)
+    config = hf_config(card.model, eos_id=card.eos_id, bos_id=card.eos_id, pad_id=card.eos_id, dtype=dtype)
     (out_dir / CONFIG).write_text(json.dumps(config, indent=2))
+    # No max_length: a fixed one conflicts with every caller's max_new_tokens (transformers warns when both are
+    # set); the context limit is config.json's max_position_embeddings.
     generation = {
         "bos_token_id": card.eos_id,
         "eos_token_id": card.eos_id,
+        "pad_token_id": card.eos_id,
         "do_sample": False,
-        "max_length": card.model.seq_len,
     }
     (out_dir / GENERATION_CONFIG).write_text(json.dumps(generation, indent=2))
     return [CONFIG, GENERATION_CONFIG]

@@ -17,6 +17,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import os
 import shutil
 import tempfile
 import time
@@ -37,6 +38,8 @@ from tasks.export.hf import (
     write_configs,
     write_tokenizer,
 )
+from tasks.export.parity import ExportParity, check_export, parity_prompts, require_parity
+from tasks.export.readme import ReadmeFacts, write_readme
 from tasks.paths import DeploymentPaths, default_export_root
 from tasks.prepare.tokenizer import read_tokenizer
 from tasks.results import StepResult
@@ -47,6 +50,7 @@ from training.run_output import SkippedCheckpoint
 from training.storage import check_storage_url, filesystem, free_bytes, is_local, is_no_space, join, local_path
 
 if TYPE_CHECKING:
+    from tasks.acceptance.record import AcceptanceReport
     from tasks.spec import DeploymentSpec
 
 log = logging.getLogger(__name__)
@@ -100,13 +104,23 @@ class ExportResult(StepResult):
     architecture: str
     notes: list[str] = []
     """Where the exported model computes something other than the run (an MoE capacity factor, say)."""
+    serving_dtype: str = "float32"
+    """The dtype to serve the folder in (config.json torch_dtype): the one the run trained in."""
+    parity: ExportParity | None = None
+    """The load-time check: transformers' logits of the folder against the checkpoint's."""
 
     def summary(self) -> str:
         """Step, architecture, size and where the folder is."""
         notes = f"; {len(self.notes)} note(s) in EXPORT.json" if self.notes else ""
+        parity = (
+            f"; transformers' logits within {self.parity.max_abs_logit_diff:.2g} of the checkpoint's "
+            f"(tolerance {self.parity.tolerance:.2g}); serve in {self.serving_dtype}"
+            if self.parity is not None
+            else ""
+        )
         return (
             f"step {self.step} as {self.architecture}: {self.n_params / 1e6:.2f}M params, {len(self.files)} files, "
-            f"{self.bytes / 1e6:.1f} MB in `{self.model_dir}`{notes}"
+            f"{self.bytes / 1e6:.1f} MB in `{self.model_dir}`{notes}{parity}"
         )
 
 
@@ -233,13 +247,23 @@ def _write_folder(
     train: TrainConfig,
     folder: Path,
     max_shard_bytes: int,
+    acceptance: AcceptanceReport | None = None,
 ) -> dict[str, Any]:
-    """Every file of the export into `folder`, EXPORT.json last; returns EXPORT.json's content."""
-    files = write_configs(card, folder)
+    """Every file of the export into `folder`, then the load-back check (ExportParityError when the folder does
+    not reproduce the checkpoint), EXPORT.json last; returns EXPORT.json's content."""
+    dtype = train.precision.torch_name  # served in what the run's forward (and evaluations) ran in
+    files = write_configs(card, folder, dtype)
     weights = export_model_weights(manager, step, card.model, folder, max_shard_bytes)
     files += weights.files
     files += write_tokenizer(card, train.storage, folder)
     config = json.loads((folder / CONFIG).read_text())
+    parity = _load_back(manager, step, card, train, folder)
+    facts = ReadmeFacts(
+        step=step, checkpoint_url=manager.step_url(step), architecture=config["architectures"][0],
+        n_params=weights.n_params, serving_dtype=dtype, parity=parity, base_model=card.model.init_from,
+        acceptance=acceptance, notes=notes,
+    )  # fmt: skip
+    files += write_readme(card, facts, folder)
     record = {
         "format_version": EXPORT_VERSION,
         "source": {
@@ -250,13 +274,57 @@ def _write_folder(
         },
         "architecture": config["architectures"][0],
         "n_params": weights.n_params,
+        "serving_dtype": dtype,
+        "parity": parity.model_dump(mode="json"),
         "card": card.model_dump(mode="json"),
         "notes": notes,
         "exported_unix_s": time.time(),
         "files": {name: {"sha256": _sha256(folder / name), "bytes": (folder / name).stat().st_size} for name in files},
     }
     (folder / EXPORT_RECORD).write_text(_record_text(record))
+    share_modes(folder)
     return record
+
+
+def _load_back(
+    manager: CheckpointManager, step: int, card: ModelCard, train: TrainConfig, folder: Path
+) -> ExportParity:
+    """The written `folder` loaded by transformers against checkpoint `step` (tasks/export/parity.py);
+    ExportParityError, naming the largest-deviating tensor, when it does not reproduce the checkpoint."""
+    from training.model import Transformer
+
+    ours = Transformer(card.model)
+    manager.load_model(step, ours)
+    prompts, source = parity_prompts(train, card.vocab_size, card.model.seq_len)
+    parity = check_export(folder, ours.eval(), prompts, source)
+    del ours
+    require_parity(parity, f"checkpoint step {step}")
+    log.info(
+        "export parity of step %d: max |logit diff| %.3g (tolerance %.3g) on %d prompts from %s",
+        step, parity.max_abs_logit_diff, parity.tolerance, parity.prompts, parity.prompts_from,
+    )  # fmt: skip
+    return parity
+
+
+def _umask() -> int:
+    """This process's umask (read without changing it where /proc says it)."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def share_modes(folder: Path) -> None:
+    """Files 0666 and the folder 0777, less the umask (0644 / 0755 under the usual 022): a serving pod that runs
+    as another user reads the folder on shared storage (mkdtemp makes 0700)."""
+    mask = _umask()
+    for path in folder.iterdir():
+        if path.is_file():
+            path.chmod(0o666 & ~mask)
+    folder.chmod(0o777 & ~mask)
 
 
 def _record_text(record: dict[str, Any]) -> str:
@@ -317,12 +385,14 @@ def export_checkpoint(
     export_root: str | None = None,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     tokenizer_url: str | None = None,
+    acceptance: AcceptanceReport | None = None,
 ) -> ExportResult:
     """Export checkpoint `step` (None: the newest sound one) of `train`'s checkpoint folder to `out`.
 
     `out` is the model folder (a local path or an object-store URL); None = <export_root>/step-<N>, where
     export_root defaults to `export` beside checkpoint.url (callers with a spec pass DeploymentPaths.export_dir).
     `tokenizer_url`: the tokenizer.json of a run trained on adopted ids without one (see _with_tokenizer).
+    `acceptance`: the run's acceptance report (AcceptanceReport.read), whose figures go into the model card.
     """
     manager = CheckpointManager(train.checkpoint, train.storage)
     try:
@@ -354,7 +424,9 @@ def export_checkpoint(
                     raise _no_space(staging, needed, fix)
                 partial = Path(tempfile.mkdtemp(prefix=f"{PARTIAL_PREFIX}{final.name}-", dir=final.parent))
                 try:
-                    record = _write_folder(manager, chosen, commit, card, notes, train, partial, max_shard_bytes)
+                    record = _write_folder(
+                        manager, chosen, commit, card, notes, train, partial, max_shard_bytes, acceptance
+                    )
                     _replace(partial, final)
                 finally:
                     shutil.rmtree(partial, ignore_errors=True)
@@ -362,7 +434,9 @@ def export_checkpoint(
             else:
                 with tempfile.TemporaryDirectory(prefix=f"{PARTIAL_PREFIX}export-") as tmp:
                     staging = tmp
-                    record = _write_folder(manager, chosen, commit, card, notes, train, Path(tmp), max_shard_bytes)
+                    record = _write_folder(
+                        manager, chosen, commit, card, notes, train, Path(tmp), max_shard_bytes, acceptance
+                    )
                     _upload(Path(tmp), target, train)
                 model_dir = target
         except Exception as err:
@@ -388,6 +462,8 @@ def export_checkpoint(
         bytes=total,
         architecture=record["architecture"],
         notes=notes,
+        serving_dtype=record["serving_dtype"],
+        parity=ExportParity.model_validate(record["parity"]),
     )
     log.info("exported %s", result.summary())
     for note in notes:

@@ -16,6 +16,13 @@ def export_model(inputs: ExportInputs) -> ExportResult:
     get_run_logger().info("export: %s", result.summary())
     rows = "\n".join(f"| `{name}` |" for name in result.files)
     notes = "".join(f"\n- note: {note}" for note in result.notes)
+    if result.parity is not None:
+        p = result.parity
+        notes += (
+            f"\n- load-time parity: transformers' logits within {p.max_abs_logit_diff:.2g} of the checkpoint's "
+            f"(tolerance {p.tolerance:.2g}; {p.prompts} prompts of {p.prompt_tokens} tokens from {p.prompts_from})"
+            f"\n- serve in: {result.serving_dtype}"
+        )
     create_markdown_artifact(
         key=ARTIFACT,
         markdown=(

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel, ConfigDict
 
 from tasks.errors import UserError
+from tasks.init_from import with_init_check
 from tasks.prepare.config import DataSpec, PrepareConfig
 from tasks.prepare.existing import CheckedDataset, check_dataset_url
 from tasks.prepare.pipeline import PrepareResult, Progress, prepare_dataset
@@ -119,8 +120,10 @@ def run(
 def training_config(spec: DeploymentSpec, data: DataResult) -> TrainConfig:
     """The training job's config: the spec's training sections on the dataset of the data step."""
     if spec.data.prepare is None:  # the spec's own data, or its adoption: the spec's tokenizer pin stays
-        return spec.training_config(data.dataset_url, spec.data.tokenizer_sha256, data.sources)
-    return spec.training_config(data.dataset_url, data.tokenizer_sha256)
+        train = spec.training_config(data.dataset_url, spec.data.tokenizer_sha256, data.sources)
+    else:
+        train = spec.training_config(data.dataset_url, data.tokenizer_sha256)
+    return with_init_check(train)  # model.init_from: transformers' logits for the job's load check
 
 
 def data_and_training(

@@ -177,6 +177,9 @@ RULES: tuple[Rule, ...] = (
     Rule("bad_data", "workload", lambda e: _workload("bad_data")(e) or _pattern(_DATA)(e),
          "the dataset is bad: fix it as the error says (prepare it again or point data.dataset_url at a good one), "
          "then run again"),
+    Rule("bad_model", "workload", _workload("bad_model"),
+         "the starting model (model.init_from) cannot be loaded or its logits differ from transformers': fix the "
+         "spec's model section or the checkpoint as failure.json says, then run again"),
     Rule("bug", "workload", lambda e: _workload("bug")(e) or _pattern(_BUG)(e),
          "a programming error in the job: fix the code (the traceback is in the job's log), then run again"),
     Rule("health_gate", "infrastructure", _gate,

@@ -141,7 +141,8 @@ def our_greedy(model: torch.nn.Module, prompts: list[list[int]], tokens: int) ->
     return out
 
 
-def _post(url: str, body: dict[str, Any], timeout_s: float = 120.0) -> dict[str, Any]:
+def post_json(url: str, body: dict[str, Any], timeout_s: float = 120.0) -> dict[str, Any]:
+    """POST `body` as JSON to our own server; its JSON answer (TransientError when the request fails)."""
     req = urllib.request.Request(
         url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}, method="POST"
     )
@@ -164,7 +165,7 @@ def served_greedy(server: Server, prompts: list[list[int]], tokens: int) -> tupl
             "ignore_eos": True,
             "return_token_ids": True,
         }
-        choice = _post(f"{server.url}/v1/completions", body)["choices"][0]
+        choice = post_json(f"{server.url}/v1/completions", body)["choices"][0]
         ids.append(list(choice.get("token_ids") or []))
         texts.append(choice.get("text", ""))
     return ids, texts
@@ -302,30 +303,39 @@ def run_serving_check(
     out_dir: Path,
     export_root: str,
     step: int | None = None,
+    model_dir: str | None = None,
 ) -> ServingReport:
     """Export the newest sound (or the given) checkpoint under `export_root` (as `tdeploy export` does), serve it,
-    measure it, write the reports into `out_dir`, stop the server; the report says whether it passed."""
+    measure it, write the reports into `out_dir`, stop the server; the report says whether it passed.
+
+    `model_dir`: serve this finished folder of checkpoint `step` instead (the quantize step's quantized folder);
+    greedy parity still compares with our own model of that step."""
     from tasks.export.step import export_checkpoint
     from tasks.serve.config import unservable
     from tasks.serve.report import write_reports
-    from tasks.serve.server import SERVER_LOG, start_server
+    from tasks.serve.server import SERVER_LOG, start_server, with_folder_dtype
 
     problems = unservable(train.model, serve, accelerator) + check_problems(train.model, serve, serve.check)
     if problems:
         raise UserError("; ".join(problems))
     check = serve.check
     out_dir.mkdir(parents=True, exist_ok=True)
-    report_progress("serving", "exporting the checkpoint")
-    exported = export_checkpoint(train, step, export_root=export_root)
-    if not is_local(exported.model_dir):
-        raise UserError(
-            f"the export went to {exported.model_dir}: vLLM serves a local folder",
-            "put the deployment folder (deployment_dir) on a local or shared filesystem",
-        )
-    model_dir = Path(local_path(exported.model_dir))
+    if model_dir is None:
+        report_progress("serving", "exporting the checkpoint")
+        exported = export_checkpoint(train, step, export_root=export_root)
+        if not is_local(exported.model_dir):
+            raise UserError(
+                f"the export went to {exported.model_dir}: vLLM serves a local folder",
+                "put the deployment folder (deployment_dir) on a local or shared filesystem",
+            )
+        served, served_step = Path(local_path(exported.model_dir)), exported.step
+    else:
+        assert step is not None, "a given model folder comes with its checkpoint step"
+        served, served_step = Path(model_dir), step
+    serve = with_folder_dtype(serve, served)  # the dtype the run trained in, unless the spec names one
     count = max(check.parity_prompts, check.quality_prompts, check.num_prompts)
     data = held_out(train, check, count)
-    ours = our_greedy(load_our_model(train, exported.step), data.prompts[: check.parity_prompts], check.parity_tokens)
+    ours = our_greedy(load_our_model(train, served_step), data.prompts[: check.parity_prompts], check.parity_tokens)
     max_model_len = serve.max_model_len or train.model.seq_len
     started = time.monotonic()
     starting = f"starting the vLLM server (ready within serve.startup_timeout_s={serve.startup_timeout_s:g})"
@@ -334,18 +344,18 @@ def run_serving_check(
     def waited(seconds: float) -> None:
         report_progress("serving", starting, int(seconds), int(serve.startup_timeout_s), quiet=True)
 
-    server = start_server(model_dir, serve, name, max_model_len, out_dir / SERVER_LOG, accelerator, waited)
+    server = start_server(served, serve, name, max_model_len, out_dir / SERVER_LOG, accelerator, waited)
     try:
-        log.info("serving %s at %s (up in %.0f s)", model_dir, server.url, time.monotonic() - started)
+        log.info("serving %s at %s (up in %.0f s)", served, server.url, time.monotonic() - started)
         report_progress("serving", "greedy parity, quality and load test")
-        measured = measure(server, model_dir, data, ours, check, out_dir)
+        measured = measure(server, served, data, ours, check, out_dir)
     finally:
         server.stop()
     devices = serve.tensor_parallel if accelerator != "cpu" else 1
     checks = judge(measured.load, measured.parity, measured.quality, check.thresholds, devices)
     report = ServingReport(
-        model_dir=str(model_dir),
-        step=exported.step,
+        model_dir=str(served),
+        step=served_step,
         url=server.url,
         server_pid=server.pid,
         accelerator=accelerator,

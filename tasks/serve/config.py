@@ -18,8 +18,11 @@ class ServeConfig(StrictModel):
     """The serving engine and its limits (`tdeploy serve`, the pipeline's serving check)."""
 
     engine: Literal["vllm"] = Field(default="vllm", description="Serving engine: vLLM's OpenAI-compatible server.")
-    dtype: Literal["float32", "bfloat16", "float16"] = Field(
-        default="float32", description="Weights and activations dtype of the served model."
+    dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
+        default=None,
+        description="Weights and activations dtype of the served model; None = the model folder's own (config.json "
+        "torch_dtype, which the export sets to the dtype the run trained in). vLLM's own default would downcast a "
+        "float32 model to bfloat16.",
     )
     max_model_len: int | None = Field(
         default=None, ge=2, le=1_048_576, description="Longest prompt + completion in tokens; None = model.seq_len."

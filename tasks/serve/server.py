@@ -52,6 +52,9 @@ LOG_TAIL_LINES = 25
 # traceback at the end of the log only says "Engine core initialization failed. See root cause above").
 _ERROR_LINE = re.compile(r"\bERROR\b.*?\b([A-Z]\w*(?:Error|Exception): .*)")
 _POLL_S = 0.5
+SERVABLE_DTYPES = ("float32", "bfloat16", "float16")
+FALLBACK_DTYPE = "float32"
+"""Served when neither the spec nor the folder names a dtype: full precision, never a silent downcast."""
 
 
 class ServerStartFailed(UserError):
@@ -136,7 +139,7 @@ def server_args(
     """Arguments of vLLM's OpenAI-compatible server for `model_dir`, served as `name` on host:serve.port; the one
     place its flags are spelt (this machine's server, the Kubernetes and Slurm manifests)."""
     args = ["--model", model_dir, "--served-model-name", name, "--host", host, "--port", str(serve.port)]
-    args += ["--dtype", serve.dtype]
+    args += ["--dtype", serve.dtype or FALLBACK_DTYPE]  # callers that know the folder resolve it: with_folder_dtype
     limit = max_model_len or serve.max_model_len
     if limit is not None:  # else vLLM takes the model's own limit (the trained seq_len)
         args += ["--max-model-len", str(limit)]
@@ -145,6 +148,24 @@ def server_args(
         args += ["--gpu-memory-utilization", str(serve.gpu_memory_utilization)]
     args += ["--custom-histogram-buckets", json.dumps({"request_latency": list(REQUEST_LATENCY_BUCKETS_S)})]
     return args
+
+
+def folder_dtype(model_dir: Path) -> str:
+    """The dtype a model folder asks to be served in: its config.json torch_dtype (dtype in transformers >= 5),
+    FALLBACK_DTYPE when it names none or none that vLLM takes."""
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return FALLBACK_DTYPE
+    named = (config.get("torch_dtype") or config.get("dtype")) if isinstance(config, dict) else None
+    return named if named in SERVABLE_DTYPES else FALLBACK_DTYPE
+
+
+def with_folder_dtype(serve: ServeConfig, model_dir: Path) -> ServeConfig:
+    """`serve` with its dtype settled: serve.dtype when the spec states one, else the folder's (`folder_dtype`)."""
+    if serve.dtype is not None:
+        return serve
+    return serve.model_copy(update={"dtype": folder_dtype(model_dir)})
 
 
 def server_env_vars(serve: ServeConfig, accelerator: str) -> dict[str, str]:
@@ -296,6 +317,21 @@ class Server:
             self._proc.poll()  # reap the leader so that it does not linger as a zombie member
         return _group_members(self.pid)
 
+    def rss_bytes(self) -> int | None:
+        """Resident memory of the server's processes (the API server and its engine), summed; None when none
+        could be read."""
+        total, read = 0, False
+        for pid in self._group_left():
+            try:
+                status = Path(f"/proc/{pid}/status").read_text()
+            except OSError:
+                continue
+            for line in status.splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1]) * 1024
+                    read = True
+        return total if read else None
+
     def __enter__(self) -> Server:
         return self
 
@@ -322,6 +358,7 @@ def start_server(
             "pass the folder `tdeploy serve` exports (or an existing Hugging Face model folder)",
         )
     check_port_free(serve.host, serve.port)
+    serve = with_folder_dtype(serve, model_dir)
     command = server_command(model_dir.resolve(), serve, served_name, max_model_len, accelerator)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log.info("starting vLLM: %s (log %s)", " ".join(command), log_path)

@@ -41,18 +41,26 @@ class ServingInputs(BaseModel):
     """The folder the served checkpoint is exported under (tasks.paths: <reports>/export)."""
     step: int | None = None
     """The checkpoint step to export and serve (None: the newest sound one)."""
+    model_dir: str | None = None
+    """A finished model folder of checkpoint `step` to serve instead of exporting (the quantize step's)."""
 
     @classmethod
     def of(
-        cls, spec: DeploymentSpec, train: TrainConfig, folder: str | None = None, step: int | None = None
+        cls,
+        spec: DeploymentSpec,
+        train: TrainConfig,
+        folder: str | None = None,
+        step: int | None = None,
+        model_dir: str | None = None,
     ) -> ServingInputs:
         """The serving check of `spec` (`train`: data_and_training's), its reports in `folder` (default
-        <reports>/serving); serve: null is the caller's case."""
+        <reports>/serving); `model_dir` (with its `step`): serve that folder, the quantize step's, instead of
+        the export; serve: null is the caller's case."""
         assert spec.serve is not None, "callers handle serve: null"
         paths = DeploymentPaths.of(spec)
         return cls(
             serve=spec.serve, train=train, accelerator=spec.cluster.accelerator, name=spec.name,
-            out_dir=paths.serving_dir(folder), export_root=paths.export_dir, step=step,
+            out_dir=paths.serving_dir(folder), export_root=paths.export_dir, step=step, model_dir=model_dir,
         )  # fmt: skip
 
 
@@ -106,7 +114,7 @@ def run(inputs: ServingInputs, publish: Callable[[ServingReport], None] | None =
     """Export the checkpoint, serve it with vLLM, load-test it and check its outputs; hand the report to
     `publish`; ServingCheckFailed naming the failed figures when one misses its threshold."""
     report = run_serving_check(inputs.serve, inputs.train, inputs.accelerator, inputs.name, Path(inputs.out_dir),
-                               inputs.export_root, inputs.step)  # fmt: skip
+                               inputs.export_root, inputs.step, inputs.model_dir)  # fmt: skip
     if publish is not None:
         publish(report)
     if not report.passed:

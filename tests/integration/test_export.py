@@ -27,7 +27,9 @@ transformers = pytest.importorskip("transformers")
 
 # head_dim 32 (d_model 64 / 2 heads, one KV head): the shape of examples/local.yaml's model
 MODEL = {"d_model": 64, "n_heads": 2, "n_kv_heads": 1, "ffn_hidden": 96}
-HF_FILES = {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"}
+HF_FILES = {
+    "config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "README.md"
+}  # fmt: skip
 
 
 def _spec_file(root: Path, name: str, dataset: str, overrides: dict[str, Any] | None = None) -> Path:
@@ -86,6 +88,20 @@ def test_tdeploy_export_writes_a_folder_that_transformers_runs_with_our_logits(t
 
     newest = export_checkpoint(spec.training_config(), out=Path(spec.deployment_dir) / "newest")
     assert newest.step == 4 and _max_logit_diff(newest.model_dir, _ours(spec, 4)) < 1e-5
+
+
+def test_the_export_checks_its_logits_on_the_datasets_held_out_split_and_records_them(
+    trained, tmp_path: Path
+) -> None:
+    _, spec = trained
+    train = spec.training_config()
+    result = export_checkpoint(train, step=4, out=tmp_path / "hf")
+    parity = result.parity
+    assert parity is not None and parity.passed
+    assert parity.prompts_from == f"split {train.data.val_split!r} of {train.data.dataset_url}"
+    record = json.loads((tmp_path / "hf" / EXPORT_RECORD).read_text())
+    assert record["parity"]["max_abs_logit_diff"] == parity.max_abs_logit_diff <= parity.tolerance
+    assert record["serving_dtype"] == "float32"  # the tiny spec trains in fp32 on CPU
 
 
 def test_export_of_a_step_that_does_not_exist_exits_2_naming_the_steps_there(trained) -> None:

@@ -111,3 +111,29 @@ def test_the_loss_curve_of_a_run_output_is_rank_0s_losses_and_the_results_valida
     assert loss_curve(tmp_path) is None  # unfinished: no result.json yet
     writer.write_result(RunResult(3, None, 2, 5.5, 4.5, 4.4, math.exp(4.4), 0, 0, 0))
     assert loss_curve(tmp_path) == LossCurve({1: 5.5, 2: 4.9, 3: 4.5}, 4.4, 5.5)
+
+
+def test_a_fine_tune_is_judged_against_the_starting_models_validation_loss() -> None:
+    # Fine-tuning a trained model (model.init_from): its loss barely falls, so the sanity rule's 20% drop would
+    # fail it; the bar is the starting model's validation loss, measured before the first step.
+    improved = LossCurve({1: 2.0, 2: 1.95, 3: 1.9}, 1.92, 2.0, start_val_loss=2.01)
+    result = check_quality(improved, None, LIMITS)
+    assert result.passed is True and result.measured["rule"] == "init_from"
+    assert result.measured["start_val_loss"] == 2.01 and result.threshold["max_val_loss"] == 2.01
+    worse = LossCurve({1: 2.0, 2: 2.4, 3: 2.6}, 2.5, 2.0, start_val_loss=2.01)
+    result = check_quality(worse, None, LIMITS)
+    assert result.passed is False and "2.5000" in result.message and "2.0100" in result.message
+    against_baseline = check_quality(worse, LossCurve({1: 2.0, 2: 2.4, 3: 2.6}, 2.5, 2.0), LIMITS)
+    assert against_baseline.passed is False and "starting model's 2.0100" in against_baseline.message
+
+
+def test_the_loss_curve_carries_the_starting_models_validation_loss_from_the_step_0_evaluation(
+    tmp_path: Path,
+) -> None:
+    writer = RunOutputWriter(str(tmp_path), StorageConfig())
+    writer.append_eval({"step": 0, "val_loss": 2.5, "val_ppl": math.exp(2.5)})
+    writer.append_metrics(StepRecord(step=1, loss=2.4))
+    writer.append_eval({"step": 1, "val_loss": 2.3, "val_ppl": math.exp(2.3)})
+    writer.write_result(RunResult(1, None, 2, 2.4, 2.4, 2.3, math.exp(2.3), 0, 0, 0))
+    writer.close()
+    assert loss_curve(tmp_path) == LossCurve({1: 2.4}, 2.3, 2.4, start_val_loss=2.5)

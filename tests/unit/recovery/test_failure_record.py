@@ -10,6 +10,7 @@ import pytest
 from tasks.diagnose import diagnose_run
 from training.checkpoint import CheckpointFormatError
 from training.dataset import DatasetError
+from training.hf_load import HFLoadError, InitCheckError
 from training.failure import (
     FAILURE_FILE,
     FailureFileError,
@@ -26,6 +27,8 @@ from training.failure import (
     [
         (NonFiniteLoss(5, float("nan")), "nan_loss"),
         (DatasetError("/data", "shard 2 sha256 mismatch", "prepare the dataset again"), "bad_data"),
+        (InitCheckError("/models/llama", 0.53, 5.1e-3, "check the spec's model fields"), "bad_model"),
+        (HFLoadError("model.init_from tensor", "lm_head.weight", "missing", "use the right folder"), "bad_model"),
         (TypeError("unsupported operand type(s) for +: 'int' and 'NoneType'"), "bug"),
         (KeyError("scheduler"), "bug"),
         (AssertionError("layout"), "bug"),

@@ -33,6 +33,10 @@ RECORDED = [
         JOB, "torchrun exited with 1 on node-1 (node 0)", 1, "node-1", "DatasetError: /data/train: shard 2 ...", 1,
         "node-1", workload=_workload("bad_data", "DatasetError: /data/train: shard 2 sha256 mismatch")),
      "workload", "bad_data", "stop", []),
+    ("bad starting model (failure.json)", FailureEvidence(
+        JOB, "torchrun exited with 1 on node-1 (node 0)", 1, "node-1", "InitCheckError: model.init_from=...", 1,
+        "node-1", workload=_workload("bad_model", "InitCheckError: model.init_from=/m: the job's logits deviate")),
+     "workload", "bad_model", "stop", []),
     ("bad data (root cause only)", FailureEvidence(
         JOB, "torchrun exited with 1 on node-1 (node 0)", 1, "node-1",
         "training.dataset.DatasetError: /data/train: manifest.json names 4 shards, 3 exist; prepare it again", 1,

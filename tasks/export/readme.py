@@ -1,0 +1,124 @@
+"""README.md of an exported folder: the Hugging Face model card (YAML front matter, then what a user needs).
+
+The front matter holds the fields the Hub and its tools read (library_name, pipeline_tag, base_model, datasets,
+tags); the body says where the weights came from, the dtype to serve them in (vLLM's `--dtype auto` downcasts a
+float32 config to bfloat16, which is not what an fp32 run trained), the load-time parity the export measured, and
+the training figures of the run's acceptance report when one is given.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import yaml
+
+if TYPE_CHECKING:
+    from tasks.acceptance.record import AcceptanceReport
+    from tasks.export.parity import ExportParity
+    from training.checkpoint import ModelCard
+
+README = "README.md"
+_FIGURES_PER_DIMENSION = 6
+
+
+@dataclass(frozen=True)
+class ReadmeFacts:
+    """What the model card states beyond the checkpoint's own card."""
+
+    step: int
+    checkpoint_url: str
+    architecture: str
+    n_params: int
+    serving_dtype: str
+    parity: ExportParity
+    base_model: str | None = None
+    """The Hugging Face model the run started from (model.init_from), if any."""
+    acceptance: AcceptanceReport | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+def front_matter(card: ModelCard, facts: ReadmeFacts) -> dict[str, Any]:
+    """The model card's metadata (Hugging Face's model card fields)."""
+    meta: dict[str, Any] = {"library_name": "transformers", "pipeline_tag": "text-generation"}
+    if facts.base_model is not None:
+        meta["base_model"] = facts.base_model
+    meta["datasets"] = [card.dataset_url]
+    meta["tags"] = ["tdeploy", "llama" if card.model.moe is None else "mixtral"]
+    return meta
+
+
+def _figures(measured: Any) -> str:
+    """A dimension's scalar figures, a few, as `name=value`."""
+    if not isinstance(measured, dict):
+        return "" if measured is None else json.dumps(measured, default=str)[:80]
+    shown = [
+        f"{key}={value:.4g}" if isinstance(value, float) else f"{key}={value}"
+        for key, value in measured.items()
+        if isinstance(value, int | float | str) and not isinstance(value, bool)
+    ]
+    return ", ".join(shown[:_FIGURES_PER_DIMENSION])
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def readme_text(card: ModelCard, facts: ReadmeFacts) -> str:
+    """The whole README.md."""
+    m = card.model
+    kind = "dense" if m.moe is None else f"MoE, {m.moe.n_experts} experts, top-{m.moe.top_k}"
+    parity = facts.parity
+    lines = [
+        "---",
+        yaml.safe_dump(front_matter(card, facts), sort_keys=False).rstrip(),
+        "---",
+        "",
+        f"# {facts.architecture} exported from checkpoint step {facts.step}",
+        "",
+        f"- source checkpoint: `{facts.checkpoint_url}`"
+        + (f", fine-tuned from `{facts.base_model}`" if facts.base_model else ""),
+        f"- architecture: {facts.architecture} ({kind}), {facts.n_params:,} parameters, {m.n_layers} layers, "
+        f"d_model {m.d_model}, {m.n_heads} heads ({m.kv_heads} KV), context {m.seq_len} tokens",
+        f"- trained on: `{card.dataset_url}` ({card.tokenizer.kind} tokenizer, vocabulary {card.vocab_size})",
+        f"- weights: float32 safetensors; serve in **{facts.serving_dtype}** (config.json `torch_dtype`), the "
+        "dtype the run trained in",
+        f"- load-time parity: transformers' logits within {parity.max_abs_logit_diff:.2g} of the checkpoint's "
+        f"(tolerance {parity.tolerance:.2g}) on {parity.prompts} prompts of {parity.prompt_tokens} tokens from "
+        f"{parity.prompts_from}",
+        "",
+        "## Use",
+        "",
+        "```python",
+        "from transformers import AutoModelForCausalLM, AutoTokenizer",
+        "",
+        'tokenizer = AutoTokenizer.from_pretrained("PATH")  # pads with EOS, on the left',
+        'model = AutoModelForCausalLM.from_pretrained("PATH")',
+        'batch = tokenizer(["first prompt", "a second, longer prompt"], return_tensors="pt", padding=True)',
+        "out = model.generate(**batch, max_new_tokens=32)",
+        "```",
+        "",
+        f"vLLM: `vllm serve PATH --dtype {facts.serving_dtype}` (with `--dtype auto` vLLM downcasts a float32 config "
+        "to bfloat16).",
+    ]
+    for note in facts.notes:
+        lines += ["", f"Note: {note}"]
+    report = facts.acceptance
+    if report is not None:
+        lines += [
+            "",
+            f"## Training figures (acceptance: {'passed' if report.passed else 'failed'})",
+            "",
+            "| dimension | status | figures |",
+            "|---|---|---|",
+        ]
+        lines += [f"| {d.name} | {d.status} | {_cell(_figures(d.measured))} |" for d in report.dimensions]
+    return "\n".join(lines) + "\n"
+
+
+def write_readme(card: ModelCard, facts: ReadmeFacts, out_dir: Path) -> list[str]:
+    """README.md (the model card) into `out_dir`; the files."""
+    (out_dir / README).write_text(readme_text(card, facts))
+    return [README]
