@@ -26,7 +26,8 @@ DIST_NAME = "tdeploy-training"
 PACKAGE = "training"
 PROJECT = "transformer-deploy"
 # What the payload imports besides the standard library (checked by a unit test); PyTorch comes from the base image.
-RUNTIME_DEPENDENCIES = ("torch", "numpy", "fsspec", "pydantic")
+# safetensors: model.init_from's weights and Hugging Face distillation teachers (training/hf_load.py)
+RUNTIME_DEPENDENCIES = ("torch", "numpy", "fsspec", "pydantic", "safetensors")
 # Imported only where a feature is used, inside a guard; wheel extras. s3 is pinned into the image with S3 URLs.
 OPTIONAL_DEPENDENCIES = {
     "s3": ("s3fs",), "telemetry": ("prometheus-client", "nvidia-ml-py"), "live_recovery": ("torchft",),

@@ -57,7 +57,7 @@ def test_tdeploy_run_prints_plain_progress_lines_when_stdout_is_not_a_terminal(
     assert not runner.console.is_terminal
     with runner._drawing_progress():
         report("acceptance", "distributed run", 40, 200, quiet=True)
-    assert "progress 0:00:00 [7/9 acceptance] acceptance: distributed run (40/200)" in out.getvalue()
+    assert "progress 0:00:00 [7/10 acceptance] acceptance: distributed run (40/200)" in out.getvalue()
 
 
 def test_accept_and_drill_print_progress_lines_in_place_of_the_progress_loggers(
