@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from tasks.acceptance.record import latest_card
 from tasks.acceptance.step import AcceptanceResult, AcceptanceStepInputs, DrillsInputs
 from tasks.acceptance.task import run_acceptance, run_drills
 from tasks.cache import cached_step_options
@@ -139,7 +140,8 @@ def _drills(run: Deployment) -> StepResult:
 def _quantize(run: Deployment) -> StepResult:
     if run.spec.quantize is None:
         return SkippedResult(reason="quantize: null")
-    return quantize_model(QuantizeInputs.of(run.spec, run.trained()))
+    card = latest_card(DeploymentPaths.of(run.spec).acceptance_workspaces)  # the model card's training figures
+    return quantize_model(QuantizeInputs.of(run.spec, run.trained(), acceptance=card))
 
 
 def _serving(run: Deployment) -> StepResult:
@@ -148,9 +150,11 @@ def _serving(run: Deployment) -> StepResult:
         return SkippedResult(reason="serve: null")
     quantized = run.results.get("quantize")
     if isinstance(quantized, QuantizeResult):  # the gated quantized folder is what gets served
-        served = serving_check(ServingInputs.of(spec, train, step=quantized.step, model_dir=quantized.model_dir))
+        served = serving_check(ServingInputs.of(spec, train, step=quantized.step, model_dir=quantized.model_dir,
+                                                  quantization_json=quantized.files.get("json")))
     else:
-        served = serving_check(ServingInputs.of(spec, train))
+        card = latest_card(DeploymentPaths.of(spec).acceptance_workspaces)  # the model card's training figures
+        served = serving_check(ServingInputs.of(spec, train, acceptance=card))
     accepted = run.results.get("acceptance")
     entry = getattr(accepted, "report", {}).get("ledger_entry")
     if isinstance(served, ServingResult) and entry:  # the accepted entry's golden serving figures

@@ -37,6 +37,10 @@ IMAGE_DIR = "image"
 EXPORT_DIR = "export"
 SERVING_DIR = "serving"
 QUANTIZE_DIR = "quantize"
+EXPORT_RECORD = "EXPORT.json"
+"""Written last into an exported model folder (tasks/export/step.py): its presence means the export is finished."""
+QUANTIZE_RECORD = "QUANTIZE.json"
+"""Written last into a quantized model folder (tasks/quantize/quantizer.py), naming its source export."""
 """quantization.json, the servers' logs and load tests of the quantize step, in the deployment's reports folder."""
 ACCEPTANCE_DIR = "acceptance"
 NIGHTLY_DIR = "nightly"
@@ -179,6 +183,11 @@ class DeploymentPaths:
     def export_dir(self) -> str:
         """The folder exports go under, one step-<N>/ each: <reports>/export."""
         return _under(self.reports_dir, EXPORT_DIR)
+
+    @property
+    def acceptance_workspaces(self) -> Path:
+        """The folder of the deployment's acceptance run workspaces and their latest.json."""
+        return workspace_base(self.acceptance.work_url, self.output_url)
 
     @property
     def ledger_url(self) -> str:

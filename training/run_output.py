@@ -20,6 +20,9 @@ A run's output folder (`run.output_url`) holds, format version 1:
                                   and when the trainer was ready for its first step (unix seconds)
     resume.json                   what the checkpoint manager loaded at start-up and which checkpoints it skipped, why
     result.json                   written at the end by rank 0: steps, losses, tokens seen, ...
+    distillation.json             distill runs, written at the end by rank 0: the student and the teacher side by
+                                  side, their parameters, validation loss and perplexity on the same batches and
+                                  forward tokens per CPU-second (training/distill_report.py)
     params/rank-NNNNN.json        written at the end by every rank: a digest, sum and sum of squares of each piece
                                   of each parameter it holds (name, global offset, shape), to check replicas and
                                   compare with the reference (the reference adds its noise twin's)
@@ -66,6 +69,7 @@ EVALS = "eval.jsonl"
 CHECKPOINTS = "checkpoints.jsonl"
 RESUME = "resume.json"
 RESULT = "result.json"
+DISTILLATION = "distillation.json"
 ATTEMPTS = "attempts.jsonl"
 PARAMS_DIR = "params"
 TRAIN_LOG = "train.log"
@@ -240,6 +244,56 @@ class RunResult:
 
 
 @dataclass(frozen=True)
+class ModelFigures:
+    """One side of distillation.json: a model's size, its validation loss and its forward speed."""
+
+    params: int
+    val_loss: float
+    val_ppl: float
+    tokens_per_cpu_s: float
+    """Forward tokens per CPU-second of one thread (median of the alternating repeats)."""
+
+
+@dataclass(frozen=True)
+class DistillationRecord:
+    """distillation.json: the student against its teacher at the end of a distill run, on the same batches."""
+
+    step: int
+    student: ModelFigures
+    teacher: ModelFigures
+    speed_tokens: int
+    """Tokens of each timed forward pass (rank 0's validation micro-batches)."""
+    speed_repeats: int
+    speed_threads: int
+
+    @property
+    def speed_ratio(self) -> float:
+        """How many times faster the student's forward is than the teacher's (CPU time)."""
+        return self.student.tokens_per_cpu_s / self.teacher.tokens_per_cpu_s
+
+    @property
+    def params_ratio(self) -> float:
+        """The student's share of the teacher's parameters."""
+        return self.student.params / self.teacher.params
+
+    def summary(self) -> str:
+        """One line: both models' size, loss and speed."""
+        s, t = self.student, self.teacher
+        return (
+            f"distillation at step {self.step}: student {s.params / 1e6:.3g}M params, val_loss {s.val_loss:.4f} "
+            f"(ppl {s.val_ppl:.2f}), {s.tokens_per_cpu_s:.4g} tokens/CPU-s; teacher {t.params / 1e6:.3g}M params, "
+            f"val_loss {t.val_loss:.4f} (ppl {t.val_ppl:.2f}), {t.tokens_per_cpu_s:.4g} tokens/CPU-s; "
+            f"student {self.speed_ratio:.2f}x the teacher's speed at {self.params_ratio:.2f}x its size"
+        )
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> DistillationRecord:
+        """From the parsed file."""
+        sides = {k: ModelFigures(**data[k]) for k in ("student", "teacher")}
+        return cls(**{**data, **sides})
+
+
+@dataclass(frozen=True)
 class ParamPiece:
     """This rank's piece of one parameter: where it sits in the whole (offset, shape of full_shape), its bytes'
     sha256, and the sum and sum of squares of its values (float64)."""
@@ -320,6 +374,10 @@ class RunOutputWriter:
     def write_result(self, result: RunResult) -> None:
         """result.json."""
         self._write_json(RESULT, asdict(result))
+
+    def write_distillation(self, record: DistillationRecord) -> None:
+        """distillation.json (rank 0 of a distill run)."""
+        self._write_json(DISTILLATION, asdict(record))
 
     def write_params(self, record: ParamRecord) -> None:
         """params/rank-NNNNN.json of the record's rank."""
@@ -539,6 +597,11 @@ class RunOutput:
         """result.json (None until the job finished)."""
         data = self._json(RESULT)
         return None if data is None else RunResult(**data)
+
+    def distillation(self) -> DistillationRecord | None:
+        """distillation.json (None: not a distill run, or not finished)."""
+        data = self._json(DISTILLATION)
+        return None if data is None else DistillationRecord.from_json(data)
 
 
 def _sound_pid(pid: Any) -> bool:

@@ -44,6 +44,7 @@ from training.comm_probe import probe_record
 from training.config import OptimConfig, TrainConfig
 from training.dataset import DatasetError, TokenDataset
 from training.distill import load_teacher
+from training.distill_report import distillation_record, gathered_student
 from training.grad_clip import clip_grad_norm
 from training.holdings import held_layers, param_record
 from training.lease import Lease
@@ -817,11 +818,9 @@ class Trainer:
         """Mean validation loss and perplexity over eval_batches micro-batches per rank, reduced across ranks;
         `of_teacher`: the distillation teacher's on the same batches (not recorded as an evaluation)."""
         self.model.eval()
-        b, n = self.cfg.parallel.micro_batch, len(self.val_data)
         totals = torch.zeros(2, dtype=torch.float64, device=self.device)
         for j in range(self.cfg.run.eval_batches):
-            first = (j * self.dp_size + self.dp_rank) * b
-            tokens = self.val_data.batch([(first + k) % n for k in range(b)])
+            tokens = self._val_batch(j)
             if of_teacher and self.teacher is not None:
                 autocast = self.autocast_dtype is not None
                 with torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=autocast):
@@ -840,6 +839,25 @@ class Trainer:
         if self.rank == 0 and not of_teacher:
             self.out.append_eval(result)
         return result
+
+    def _val_batch(self, j: int) -> torch.Tensor:
+        """This rank's `j`-th validation micro-batch of every evaluation."""
+        b, n = self.cfg.parallel.micro_batch, len(self.val_data)
+        first = (j * self.dp_size + self.dp_rank) * b
+        return self.val_data.batch([(first + k) % n for k in range(b)])
+
+    def _write_distillation(self, student_val_loss: float, teacher_val_loss: float) -> None:
+        """distillation.json: the student beside its teacher on rank 0's validation batches (collective: the
+        student's weights are gathered on rank 0, which alone measures both forwards)."""
+        assert self.teacher is not None
+        student = gathered_student(self.model, self.cfg.model, self.rank)
+        if student is None:
+            return
+        batches = [self._val_batch(j) for j in range(self.cfg.run.eval_batches)]
+        record = distillation_record(self.step, student, self.teacher.model, student_val_loss, teacher_val_loss,
+                                     batches)  # fmt: skip
+        self.out.write_distillation(record)
+        log.info("%s", record.summary())
 
     def _save(self, background: bool = False) -> None:
         """Checkpoint this step, after recording the background save still in flight (if any). `background`:
@@ -1024,6 +1042,9 @@ class Trainer:
         # Every rank's parameter pieces: acceptance checks that replicas are bit-identical and compares the
         # whole parameters with the reference's.
         self.out.write_params(param_record(self.model, self.rank, self.step, cfg.model))
+        if self.teacher is not None:
+            with self.watchdog.phase("eval", self.step):
+                self._write_distillation(result["val_loss"], result["teacher_val_loss"])
         if self.rank == 0:
             self.out.write_result(RunResult(**result))
             log.info("done: step %d val_loss %.4f val_ppl %.2f", self.step, result["val_loss"], result["val_ppl"])

@@ -125,6 +125,48 @@ class ParityFigures:
 
 
 @dataclass(frozen=True)
+class LogprobFigures:
+    """The server's log-probabilities of the parity prompts' own tokens against our model's, token by token: how
+    far what is served is from the training forward (greedy parity only sees a flip of the argmax)."""
+
+    prompts: int
+    tokens: int
+    max_abs_diff: float
+    mean_abs_diff: float
+
+
+def logprob_deviation(ours: list[list[float]], served: list[list[float]]) -> LogprobFigures:
+    """|served - ours| over every scored token of every prompt (equal lengths per prompt)."""
+    diffs = [abs(a - b) for o, s in zip(ours, served, strict=True) for a, b in zip(o, s, strict=True)]
+    return LogprobFigures(prompts=len(ours), tokens=len(diffs), max_abs_diff=max(diffs, default=0.0),
+                          mean_abs_diff=sum(diffs) / len(diffs) if diffs else 0.0)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ParityHop:
+    """One hop of the model's chain (training forward -> export -> quantized -> served): what was compared with
+    what, the measure, its measured value and the tolerance it was held to (None: a figure, not gated)."""
+
+    hop: str
+    compared: str
+    measure: str
+    measured: float
+    tolerance: float | None
+    upper: bool
+    """The tolerance is an upper bound (a deviation) or a lower one (an agreement share)."""
+    passed: bool | None
+    source: str
+    """The record the figures come from."""
+
+
+def hop(hop: str, compared: str, measure: str, measured: float, tolerance: float | None, upper: bool,
+        source: str) -> ParityHop:  # fmt: skip
+    """A hop judged against its tolerance (a figure when there is none)."""
+    passed = None if tolerance is None else (measured <= tolerance if upper else measured >= tolerance)
+    return ParityHop(hop, compared, measure, measured, tolerance, upper, passed, source)
+
+
+@dataclass(frozen=True)
 class QualityFigures:
     """Generation quality of greedy continuations of held-out text against the true continuations."""
 

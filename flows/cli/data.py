@@ -19,6 +19,7 @@ from flows.cli.common import (
 )
 
 if TYPE_CHECKING:
+    from tasks.export.readme import AcceptanceFigures
     from tasks.prepare.step import DataInputs, DataResult
     from tasks.spec import DeploymentSpec
     from training.config import TrainConfig
@@ -77,6 +78,14 @@ def training_config_prepared(parsed: DeploymentSpec) -> TrainConfig:
     from tasks.prepare.step import data_and_training
 
     return data_and_training(parsed, data_step)[1]
+
+
+def model_card_figures(parsed: DeploymentSpec) -> AcceptanceFigures | None:
+    """The deployment's latest acceptance figures, for the model card of what the command exports."""
+    from tasks.acceptance.record import latest_card
+    from tasks.paths import DeploymentPaths
+
+    return latest_card(DeploymentPaths.of(parsed).acceptance_workspaces)
 
 
 @app.command("prepare-data", epilog=example("tdeploy prepare-data examples/local.yaml"))

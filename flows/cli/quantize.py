@@ -7,7 +7,7 @@ from pathlib import Path
 import typer
 
 from flows.cli.common import EXIT_FAILED_CHECK, EXIT_USER_ERROR, SPEC_HELP, console, err_console, example, load
-from flows.cli.data import training_config_prepared
+from flows.cli.data import model_card_figures, training_config_prepared
 
 app = typer.Typer()
 
@@ -34,7 +34,8 @@ def quantize(
         err_console.print("the spec has no quantize section; add `quantize: {}` (and `serve: {}`)", markup=False)
         raise typer.Exit(EXIT_USER_ERROR)
     parsed = load(spec)
-    inputs = QuantizeInputs.of(parsed, training_config_prepared(parsed), str(out) if out else None, step)
+    inputs = QuantizeInputs.of(parsed, training_config_prepared(parsed), str(out) if out else None, step,
+                               model_card_figures(parsed))
 
     def show(report) -> None:  # noqa: ANN001 - tasks.quantize.gate.QuantizationReport
         for row in table_rows(report):

@@ -8,7 +8,7 @@ from pathlib import Path
 import typer
 
 from flows.cli.common import EXIT_FAILED_CHECK, EXIT_USER_ERROR, SPEC_HELP, console, err_console, example, load
-from flows.cli.data import training_config_prepared
+from flows.cli.data import model_card_figures, training_config_prepared
 
 app = typer.Typer()
 
@@ -53,9 +53,9 @@ def export(
     parsed = load(spec)
     cfg = training_config_prepared(parsed)
     if export_format == "onnx":
-        result, onnx = run_onnx(ExportInputs.of(parsed, cfg, step, None, tokenizer), out)
+        result, onnx = run_onnx(ExportInputs.of(parsed, cfg, step, None, tokenizer, model_card_figures(parsed)), out)
     else:
-        result, onnx = run(ExportInputs.of(parsed, cfg, step, out, tokenizer)), None
+        result, onnx = run(ExportInputs.of(parsed, cfg, step, out, tokenizer, model_card_figures(parsed))), None
     console.print(f"exported {result.summary()}", markup=False, highlight=False)
     console.print(f"from {result.checkpoint_dir}", markup=False, highlight=False)
     for name in result.files:
@@ -101,7 +101,8 @@ def serve(
         from tasks.export.step import ExportInputs
         from tasks.export.step import run as export_step
 
-        result = export_step(ExportInputs.of(parsed, training_config_prepared(parsed), step))
+        result = export_step(ExportInputs.of(parsed, training_config_prepared(parsed), step,
+                                                 acceptance=model_card_figures(parsed)))
         console.print(f"exported {result.summary()}", markup=False, highlight=False)
         if not is_local(result.model_dir):
             err_console.print(f"{result.model_dir}: vLLM serves a local folder; export to one", markup=False)
@@ -179,7 +180,8 @@ def check_serving(
     if parsed.serve is None:
         err_console.print("the spec has no serve section: serving is off; add `serve: {}` to check it", markup=False)
         raise typer.Exit(EXIT_USER_ERROR)
-    inputs = ServingInputs.of(parsed, training_config_prepared(parsed), str(out) if out else None, step)
+    inputs = ServingInputs.of(parsed, training_config_prepared(parsed), str(out) if out else None, step,
+                              acceptance=model_card_figures(parsed))
     try:
         run(inputs, _print_serving)
     except ServingCheckFailed:  # the table said which figure missed
@@ -187,10 +189,14 @@ def check_serving(
 
 
 def _print_serving(report) -> None:  # noqa: ANN001 - tasks.serve.check.ServingReport
+    from tasks.serve.chain import chain_rows
     from tasks.serve.report import table_rows
 
     for row in table_rows(report):
         console.print(f"{row['check']}: {row['verdict']} ({row['message']})", markup=False, highlight=False)
+    for row in chain_rows(report.chain):
+        console.print(f"parity {row['hop']}, {row['measure']}: {row['measured']} {row['tolerance']} "
+                      f"{row['verdict']} ({row['compared']})", markup=False, highlight=False)  # fmt: skip
     load = report.load
     console.print(
         f"step {report.step} served from {report.model_dir}: {load.requests} requests at concurrency "

@@ -7,16 +7,23 @@ the ledger read reports without loading the acceptance suite.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from tasks.errors import UserError
+from training.run_output import DistillationRecord
 from validation.acceptance import DimensionResult
 from validation.goodput import GoodputField
 from validation.plan_accuracy import PlanAccuracy
+
+if TYPE_CHECKING:
+    from tasks.export.readme import AcceptanceFigures
+
+log = logging.getLogger(__name__)
 
 ACCEPTANCE_JSON = "acceptance.json"
 """The report's file name in a run workspace (or its drills/ folder)."""
@@ -76,6 +83,11 @@ class AcceptanceReport(BaseModel):
         description="The distributed run's allocation split into productive time and badput by kind (None: its "
         "records do not give it, or reports from before goodput).",
     )
+    distillation: DistillationRecord | None = Field(
+        default=None,
+        description="A distill run's student beside its teacher (the distributed run's distillation.json; None: not "
+        "a distill run).",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -120,6 +132,7 @@ class AcceptanceReport(BaseModel):
             "ledger_entry": self.ledger_entry,
             "plan_accuracy": self.plan_accuracy.to_json() if self.plan_accuracy else None,
             "goodput": self.goodput.to_json() if self.goodput else None,
+            "distillation": asdict(self.distillation) if self.distillation else None,
         }
 
     @staticmethod
@@ -151,3 +164,19 @@ def _first_error(err: ValidationError) -> str:
     first = err.errors()[0]
     where = ".".join(str(p) for p in first["loc"])
     return f"{where}: {first['msg']} ({err.error_count()} problem(s))"
+
+
+def latest_card(workspaces: Path) -> AcceptanceFigures | None:
+    """The model card's view of the last acceptance report under `workspaces` (tasks.paths
+    DeploymentPaths.acceptance_workspaces; None before the first; an unreadable one is logged and left out)."""
+    from tasks.acceptance.workspace import latest_run
+    from tasks.export.readme import AcceptanceFigures
+
+    root = latest_run(workspaces)
+    if root is None:
+        return None
+    try:
+        return AcceptanceFigures.of(AcceptanceReport.read(root))
+    except UnreadableReport as err:
+        log.warning("the model card leaves the acceptance figures out: %s", err)
+        return None

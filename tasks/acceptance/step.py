@@ -24,6 +24,7 @@ from tasks.ledger.registry import Provenance
 from tasks.paths import DeploymentPaths
 from tasks.results import StepResult
 from training.config import TrainConfig
+from training.run_output import DistillationRecord
 from validation.goodput import Goodput
 
 if TYPE_CHECKING:
@@ -61,6 +62,9 @@ class AcceptanceResult(StepResult):
             text = f"{text}; {plan['line']}" if text else plan["line"]
         if self.report.get("goodput"):  # the distributed run's
             line = Goodput.from_json(self.report["goodput"]).describe()
+            text = f"{text}; {line}" if text else line
+        if self.report.get("distillation"):  # the student beside its teacher
+            line = DistillationRecord.from_json(self.report["distillation"]).summary()
             text = f"{text}; {line}" if text else line
         return f"{self.verdict_text}: {text}"
 

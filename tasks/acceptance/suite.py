@@ -278,7 +278,7 @@ def run_acceptance(inputs: AcceptanceInputs, root: Path) -> AcceptanceReport:
         accuracy = None
     accepted = AcceptanceReport(
         dimensions=in_report_order(dimensions), drills=drill_results, runs=runs, plan_accuracy=accuracy,
-        goodput=goodput,
+        goodput=goodput, distillation=dist.run.distillation() if dist.ok else None,
     )
     if accepted.passed and inputs.record:  # every dimension and drill: the run becomes the current baseline
         gate.record(root, dist.output_dir, inputs.deployment_dir)

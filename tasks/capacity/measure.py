@@ -25,9 +25,11 @@ from tasks.capacity.catalogue import CATALOGUE
 from tasks.capacity.memory import MemoryBreakdown, MemoryModel, Precision, Runtime
 from tasks.capacity.params import Architecture
 from tasks.capacity.search import Estimator
+from tasks.capacity.teacher import TeacherLoad
 from tasks.capacity.timing import StepTime
 from tasks.launch.cluster import ClusterConfig
 from training.config import ModelConfig, OptimConfig, ParallelConfig, PrecisionConfig
+from training.distill import distill_loss
 from training.layout import Layout
 from training.model import Transformer
 from training.train import build_optimizer
@@ -69,6 +71,8 @@ class MeasureCase:
     world: int = 1
     grad_accum: int = 1
     label: str = ""
+    teacher: ModelConfig | None = None
+    """distill: a frozen teacher whose forward runs on every micro-batch (ddp only, as the payload replicates it)."""
 
     def layout(self) -> Layout:
         """The estimator's layout for this case (DDP with one rank has no buckets: the payload does not wrap it)."""
@@ -119,7 +123,11 @@ def predict(case: MeasureCase, device: str = "cpu") -> MemoryBreakdown:
     """The estimator's breakdown for `case` on this kind of device (no margin)."""
     arch = Architecture.from_model_config(case.model)
     runtime = Runtime(device=device, ddp_buckets=case.world > 1, foreach_optimizer=device != "cpu")  # type: ignore[arg-type]
-    return MemoryModel(arch, Precision.of(case.dtype), runtime).estimate(case.layout())
+    precision = Precision.of(case.dtype)
+    teacher = None
+    if case.teacher is not None:
+        teacher = TeacherLoad.of(Architecture.from_model_config(case.teacher), precision, runtime)
+    return MemoryModel(arch, precision, runtime, teacher=teacher).estimate(case.layout())
 
 
 def _components(breakdown: MemoryBreakdown) -> dict[str, float]:
@@ -127,10 +135,10 @@ def _components(breakdown: MemoryBreakdown) -> dict[str, float]:
     optimizer state and autocast's weight copies as activations)."""
     in_optimizer = breakdown.phase == "optimizer step"
     return {
-        "weights": breakdown.weights,
+        "weights": breakdown.weights + breakdown.teacher_weights,
         "gradients": breakdown.gradients,
         "optimizer": breakdown.optimizer + (breakdown.transient if in_optimizer else 0.0),
-        "activations": breakdown.activations + breakdown.weight_copies,
+        "activations": breakdown.activations + breakdown.weight_copies + breakdown.teacher_logits,
         "buffers": breakdown.buffers,
         "transient": 0.0 if in_optimizer else breakdown.transient,
     }
@@ -156,6 +164,7 @@ def _step(
     tokens: torch.Tensor,
     case: MeasureCase,
     after_micro_batch: Callable[[], None] = lambda: None,
+    teacher: torch.nn.Module | None = None,
 ) -> None:
     """One optimizer step as training/train.py runs it (loss in a function so the logits die before backward)."""
     dtype = _AUTOCAST[case.dtype]
@@ -164,6 +173,11 @@ def _step(
     def loss_of(batch: torch.Tensor) -> torch.Tensor:
         with torch.autocast(device_type, dtype=dtype, enabled=dtype is not None):
             logits, aux = model(batch[:, :-1])
+            if teacher is not None:  # as training/distill.py: the teacher's forward, no autograd
+                with torch.no_grad():
+                    teacher_logits = teacher(batch[:, :-1])[0]
+        if teacher is not None:
+            return distill_loss(logits, teacher_logits, batch[:, 1:], 0.5, 2.0).total + 0.01 * aux
         loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), batch[:, 1:].reshape(-1))
         return loss + 0.01 * aux
 
@@ -201,15 +215,17 @@ def _measure_fake(case: MeasureCase) -> dict[str, float]:
                 model = apply_fsdp(model, mesh)
             optimizer = build_optimizer(model, OptimConfig(lr_peak=1e-3))
             tokens = torch.randint(0, case.model.vocab_size, (case.micro_batch, case.model.seq_len + 1))
+            # The teacher keeps requires_grad (the tracker hooks every parameter it meets); no_grad keeps it frozen.
+            teacher = None if case.teacher is None else Transformer(case.teacher).eval()
             if sharded:
                 tracker: Any = FSDPMemTracker(model, optimizer)
                 tracker.track_inputs((tokens,))
             else:
                 tracker = MemTracker()
-                tracker.track_external(model, optimizer, tokens)
+                tracker.track_external(model, optimizer, tokens, *([teacher] if teacher is not None else []))
             with tracker:
                 for _ in range(2):  # the first step creates the optimizer states
-                    _step(model, optimizer, tokens, case, tracker.reset_mod_stats)
+                    _step(model, optimizer, tokens, case, tracker.reset_mod_stats, teacher)
             peak = tracker.get_tracker_snapshot("peak")
     (snapshot,) = peak.values()
     measured = dict.fromkeys(COMPONENTS, 0.0)

@@ -17,11 +17,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from tasks.capacity.params import Architecture, ParamCount, count_params
 from tasks.capacity.units import GIB
 from training.layout import Layout, Recompute
+
+if TYPE_CHECKING:
+    from tasks.capacity.teacher import TeacherLoad
 
 Recipe = Literal["fp32", "autocast", "master-weights", "pure-16bit"]
 Optimizer = Literal["adamw", "sgd-momentum", "adafactor", "adam-8bit"]
@@ -420,6 +423,12 @@ class MemoryBreakdown:
     activations_stored: float = 0.0
     """Every activation the stage saves for backward, at the start of its first backward (all micro-batches in
     flight, autocast's weight copies apart): the stored total; `activations` is what is alive at the peak moment."""
+    teacher_weights: float = 0.0
+    """distill: the frozen teacher's weights, whole on the rank (tasks/capacity/teacher.py)."""
+    teacher_logits: float = 0.0
+    """distill: the teacher's logits of one micro-batch, kept for the KL term."""
+    teacher_forward: float = 0.0
+    """distill: the teacher forward's transient working set (part of `transient` when the peak is its forward)."""
 
     @property
     def allocated_peak(self) -> float:
@@ -432,6 +441,8 @@ class MemoryBreakdown:
             + self.weight_copies
             + self.buffers
             + self.transient
+            + self.teacher_weights
+            + self.teacher_logits
         )
 
     @property
@@ -455,6 +466,9 @@ class MemoryBreakdown:
             "autocast_weight_copies_bytes": self.weight_copies,
             "buffers_bytes": self.buffers,
             "transient_bytes": self.transient,
+            "teacher_weights_bytes": self.teacher_weights,
+            "teacher_logits_bytes": self.teacher_logits,
+            "teacher_forward_bytes": self.teacher_forward,
             "allocated_peak_bytes": self.allocated_peak,
             "margin_bytes": self.margin,
             "total_bytes": self.total,
@@ -595,8 +609,11 @@ class MemoryModel:
         runtime: Runtime | None = None,
         margin: Margin | None = None,
         offload: Offload = "none",
+        teacher: TeacherLoad | None = None,
     ) -> None:
         self.arch, self.p, self.rt = arch, precision, runtime or Runtime()
+        self.teacher = teacher
+        """distill: the frozen teacher every rank holds beside the student (None: no distillation)."""
         self.margin = margin or Margin()
         self.offload: Offload = offload
         self.params: ParamCount = count_params(arch)
@@ -650,7 +667,7 @@ class MemoryModel:
         model states alone do not fit before it looks at their activations."""
         layers = lo.stage_layers(self.arch.n_layers)[0] if lo.pp > 1 else self.arch.n_layers
         states = self._states(lo, self._stage_params(lo, True, lo.pp == 1, layers), True, lo.pp == 1, layers)
-        resident = states.weights + states.optimizer
+        resident = states.weights + states.optimizer + (self.teacher.weights_bytes if self.teacher else 0.0)
         return resident * (1 + self.margin.fragmentation_fraction) + self.margin.framework_bytes
 
     def _states(self, lo: Layout, params: StageParams, first: bool, last: bool, layers: int) -> ModelStates:
@@ -770,6 +787,8 @@ class MemoryModel:
         ]  # fmt: skip
         if last:
             loss_transient = acts.tokens * 8 * self.arch.vocab_size / lo.tp  # fp32 gradients of log-probs and logits
+            if self.teacher is not None:  # distill: the KL term's saved log-softmaxes and gradients besides
+                loss_transient += self.teacher.kl_loss_bytes(acts.tokens)
             candidates.append(
                 ("start of backward", acts.live, grads.resident, loss_transient, 0.0, copies_live + acts.head_copies)
             )
@@ -798,6 +817,10 @@ class MemoryModel:
         else:
             opt_transient = self._per_tensor_opt_transient / lo.tp
         candidates.append(("optimizer step", 0.0, states.gradients, opt_transient, 0.0, 0.0))
+        if last and self.teacher is not None:
+            # The teacher's forward runs after the student's (all its activations saved), before its backward.
+            candidates.append(("teacher forward", acts.live, grads.resident, self.teacher.forward_bytes(acts.tokens),
+                               0.0, copies_live + acts.head_copies))  # fmt: skip
         peak, peak_total = candidates[0], -1.0
         for candidate in candidates:
             total = candidate[1] + candidate[2] + candidate[3] + candidate[4]
@@ -821,7 +844,11 @@ class MemoryModel:
         peak = self._moments(lo, params, states, acts, grads, buffers.gathered, last)
         copies = min(peak.weight_copies, peak.live)
         buffer_bytes = buffers.resident + peak.gathered
+        teacher = self.teacher if last else None  # distill runs data-parallel layouts only: one stage
+        teacher_weights = teacher.weights_bytes if teacher else 0.0
+        teacher_logits = teacher.logits_bytes(acts.tokens) if teacher else 0.0
         allocated = states.weights + states.optimizer + buffer_bytes + peak.live + peak.gradients + peak.transient
+        allocated += teacher_weights + teacher_logits
         return MemoryBreakdown(
             weights=states.weights,
             gradients=peak.gradients,
@@ -837,4 +864,7 @@ class MemoryModel:
             stage_layers=layers,
             states=states,
             activations_stored=acts.in_flight * acts.layers * acts.per_layer + acts.head_saved,
+            teacher_weights=teacher_weights,
+            teacher_logits=teacher_logits,
+            teacher_forward=teacher.forward_bytes(acts.tokens) if teacher else 0.0,
         )

@@ -27,12 +27,13 @@ from tasks.capacity.search import (
     search,
 )
 from tasks.capacity.serving import ServingPlan, ServingSettings, plan_serving
+from tasks.capacity.teacher import TeacherLoad
 from tasks.errors import UserError
 from tasks.launch.cluster import ClusterConfig
 from tasks.paths import plan_location
 from training.checkpoint.memory_auto import HEADROOM as TIER_HEADROOM
 from training.checkpoint.memory_auto import KEPT_STEPS, tier_bytes_per_node
-from training.config import ModelConfig, ParallelConfig, PrecisionConfig, Problem, RunConfig
+from training.config import DistillConfig, ModelConfig, ParallelConfig, PrecisionConfig, Problem, RunConfig
 from training.layout import PLANNED_ONLY, Layout
 from training.storage import StorageConfig
 from validation.plan_accuracy import PlannedFigures
@@ -86,6 +87,8 @@ class CapacityPlan:
     """The measured / planned factors this plan applies (calibration file or the ledger's accepted runs)."""
     uncalibrated: PlannedFigures | None = None
     """The planner's own figures for the requested layout, before calibration: what acceptance compares."""
+    teacher: TeacherLoad | None = None
+    """distill: the frozen teacher each rank holds and runs forward (tasks/capacity/teacher.py; None: no distill)."""
 
     def planned(self) -> PlannedFigures:
         """The requested layout's figures as acceptance compares them with a run (uncalibrated)."""
@@ -243,6 +246,7 @@ class CapacityPlan:
                 "hfu": self.requested.hfu,
             },
             "flop_budget": self.flop_budget(),
+            "distill_teacher": None if self.teacher is None else self.teacher_json(),
             "calibration": self.calibration.as_dict() | {"uncalibrated": self.planned().model_dump(mode="json")},
             "training": {
                 "tokens": self.train_tokens,
@@ -271,6 +275,17 @@ class CapacityPlan:
             "checkpoint_interval": None if self.checkpoint_interval is None else self.checkpoint_interval.as_dict(),
             "warnings": self.warnings,
             "self_check": self.self_check,
+        }
+
+    def teacher_json(self) -> dict[str, Any]:
+        """distill: the teacher's figures and its share of the requested layout's peak and step."""
+        assert self.teacher is not None
+        ev, tokens = self.requested, self.requested.layout.micro_batch * self.arch.seq_len
+        return self.teacher.as_dict() | {
+            "logits_bytes": ev.memory.teacher_logits,
+            "forward_working_set_bytes": self.teacher.forward_bytes(tokens),
+            "forward_flops_per_step": self.teacher.forward_flops_per_token * ev.layout.global_batch * self.arch.seq_len,
+            "forward_seconds": ev.time.teacher_forward,
         }
 
     def _payload_json(self, ev: Evaluation) -> dict[str, Any]:
@@ -461,8 +476,10 @@ def make_estimator(
     cluster: ClusterConfig,
     precision: PrecisionConfig,
     calibration: Calibration = calib.NONE,
+    teacher: Architecture | None = None,
 ) -> Estimator:
-    """An estimator for the spec's model, cluster, precision and assumptions, with `calibration` applied."""
+    """An estimator for the spec's model, cluster, precision and assumptions, with `calibration` applied;
+    `teacher`: the distillation teacher every rank holds and runs forward (None: no distillation)."""
     acc = resolve_accelerator(cluster.accelerator, capacity.accelerator_overrides())
     prec = Precision.of(precision.dtype, capacity.mixed_precision, capacity.optimizer, capacity.grad_dtype, arch)
     runtime = Runtime(attention=capacity.attention, device=acc.kind, foreach_optimizer=acc.kind == "gpu")
@@ -470,9 +487,10 @@ def make_estimator(
         fragmentation_fraction=max(0.0, capacity.fragmentation_fraction + calibration.memory_scale - 1),
         framework_bytes=framework_overhead_gib(capacity, acc) * GIB,
     )
+    load = None if teacher is None else TeacherLoad.of(teacher, prec, runtime)
     return Estimator(
         arch=arch,
-        memory=MemoryModel(arch, prec, runtime, margin, offload=capacity.offload),
+        memory=MemoryModel(arch, prec, runtime, margin, offload=capacity.offload, teacher=load),
         accelerator=acc,
         gpus_per_node=cluster.procs_per_node,
         usable_bytes=acc.memory_bytes * (1 - capacity.headroom_fraction),
@@ -484,6 +502,7 @@ def make_estimator(
         overlap_fraction=capacity.dp_overlap_fraction,
         scatter_gather=capacity.pipeline_scatter_gather,
         compute_scale=calibration.step_time_scale,
+        teacher_flops_per_token=0.0 if load is None else load.forward_flops_per_token,
     )
 
 
@@ -512,22 +531,29 @@ def plan_capacity(
     run: RunConfig,
     serve: ServeConfig | None = None,
     calibration: Calibration | None = None,
+    distill: DistillConfig | None = None,
 ) -> CapacityPlan:
     """Estimate the requested layout and search the alternatives (the spec has been validated); with
     capacity.search_runnable_only the search skips layouts the payload would reject; with `serve`, plan serving
     the trained model too (memory and the largest concurrency that fits). `calibration`: measured / planned
-    factors (None: capacity.calibration_url's entry for the accelerator, if set)."""
+    factors (None: capacity.calibration_url's entry for the accelerator, if set). `distill`: its teacher
+    (teacher_model, as the spec fills it in) is held and run forward by every rank."""
     arch = Architecture.from_model_config(model, name=name)
+    teacher = None
+    if distill is not None and distill.teacher_model is not None:
+        # The payload runs the teacher on the student's sequences (load_teacher).
+        teacher = Architecture.from_model_config(distill.teacher_model.model_copy(update={"seq_len": model.seq_len}),
+                                                 name=f"{name}-teacher")  # fmt: skip
     if calibration is None:
         calibration = (
             calib.from_file(capacity.calibration_url, cluster.accelerator) if capacity.calibration_url else calib.NONE
         )
-    est = make_estimator(arch, capacity, cluster, precision, calibration)
+    est = make_estimator(arch, capacity, cluster, precision, calibration, teacher)
     layout = requested_layout(capacity, cluster, parallel)
     requested = est.evaluate(layout)
     uncalibrated = None
     if calibration != calib.NONE:
-        raw = make_estimator(arch, capacity, cluster, precision)
+        raw = make_estimator(arch, capacity, cluster, precision, teacher=teacher)
         uncalibrated = planned_figures(cluster.accelerator, raw.evaluate(layout), raw.memory.stages(layout))
     check = _PayloadCheck(model, parallel, precision.dtype, cluster)
     layouts = enumerate_layouts(
@@ -566,7 +592,11 @@ def plan_capacity(
         serving=None if serve is None else serving_plan(arch, est.accelerator, serve, precision),
         calibration=calibration,
         uncalibrated=uncalibrated,
+        teacher=est.memory.teacher,
     )
+    if distill is not None and teacher is None:
+        warnings.append("distill: the teacher's architecture is unknown (distill.teacher_model), so the plan leaves "
+                        "out its weights, logits and forward; state teacher_model or make teacher_url readable")  # fmt: skip
     if plan.serving is not None:
         warnings += [f"serving: {p.message}" for p in plan.serving.problems]
     if capacity.optimizer != "adamw" or capacity.offload != "none":
@@ -593,6 +623,7 @@ def make_plan(
     serve: ServeConfig | None = None,
     ledger: str | None = None,
     storage: StorageConfig | None = None,
+    distill: DistillConfig | None = None,
 ) -> CapacityPlan:
     """The deployment's plan (`tdeploy plan` and the capacity step): `plan_capacity`, calibrated from the
     ledger's accepted runs on the accelerator where `ledger` has some, else from capacity.calibration_url."""
@@ -600,7 +631,7 @@ def make_plan(
 
     accuracies = Ledger(ledger, storage).plan_accuracies(cluster.accelerator) if ledger else []
     calibration = calib.calibration_for(capacity.calibration_url, cluster.accelerator, accuracies)
-    return plan_capacity(name, capacity, cluster, model, parallel, precision, run, serve, calibration)
+    return plan_capacity(name, capacity, cluster, model, parallel, precision, run, serve, calibration, distill)
 
 
 def _serving_json(plan: ServingPlan) -> dict[str, Any]:

@@ -26,9 +26,21 @@ def memory_rows(ev: Evaluation) -> list[tuple[str, str]]:
         ("autocast weight copies", gib(m.weight_copies)),
         ("buffers (DDP buckets, gathered FSDP params, rope)", gib(m.buffers)),
         ("temporaries", gib(m.transient)),
+        *_teacher_rows(ev),
         ("fragmentation + framework margin", gib(m.margin)),
         ("total", gib(m.total)),
         ("usable (device less headroom)", gib(ev.usable_bytes)),
+    ]
+
+
+def _teacher_rows(ev: Evaluation) -> list[tuple[str, str]]:
+    """distill: the frozen teacher's rows of the peak (none without a teacher)."""
+    m = ev.memory
+    if not m.teacher_weights:
+        return []
+    return [
+        ("distillation teacher weights (fp32, whole per rank)", gib(m.teacher_weights)),
+        ("distillation teacher logits (one micro-batch, fp32)", gib(m.teacher_logits)),
     ]
 
 
@@ -47,10 +59,24 @@ def _summary_lines(plan: CapacityPlan) -> list[str]:
         f"activations: {gib(ev.memory.activations_stored)} GiB stored for backward (every micro-batch in flight), "
         f"{gib(ev.memory.activations)} GiB alive at the peak ({ev.memory.phase})",
         *_flops_lines(plan),
+        *_teacher_lines(plan),
         *_calibration_lines(plan),
         *_stage_lines(plan),
         plan.memory_tier().describe(),
         *_serving_lines(plan),
+    ]
+
+
+def _teacher_lines(plan: CapacityPlan) -> list[str]:
+    """distill: the teacher's size, its share of the peak and its forward's share of the step."""
+    if plan.teacher is None:
+        return []
+    t = plan.teacher_json()
+    return [
+        f"distillation teacher: {count(t['params'])} parameters, weights {gib(t['weights_bytes'])} GiB (fp32, whole "
+        f"on every rank), logits {gib(t['logits_bytes'])} GiB, forward working set "
+        f"{gib(t['forward_working_set_bytes'])} GiB (transient, no autograd); forward "
+        f"{t['forward_flops_per_step']:.4g} FLOPs = {sig(t['forward_seconds'])} s per step"
     ]
 
 
@@ -101,8 +127,9 @@ def _time_terms(ev: Evaluation) -> str:
     exposed = [(name, value) for name, value in (("DP", t.data_parallel_exposed), ("TP", t.tensor_parallel),
                ("PP", t.pipeline_parallel), ("EP", t.expert_parallel)) if value]  # fmt: skip
     comm = ", ".join(f"{name} {sig(value)} s" for name, value in exposed) or "none"
+    teacher = f" + teacher forward {sig(t.teacher_forward)} s" if t.teacher_forward else ""
     return (
-        f"matmuls {sig(t.matmul)} s + memory-bound {sig(t.memory_bound)} s + exposed communication ({comm}) + "
+        f"matmuls {sig(t.matmul)} s + memory-bound {sig(t.memory_bound)} s{teacher} + exposed communication ({comm}) + "
         f"bubble {sig(t.bubble)} s; DP {sig(t.data_parallel_overlapped)} s hidden behind backward"
     )
 

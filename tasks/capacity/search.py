@@ -61,6 +61,7 @@ class Evaluation:
             "buffers": m.buffers,
             "temporaries": m.transient,
             "fragmentation and framework margin": m.margin,
+            "distillation teacher (weights and logits)": m.teacher_weights + m.teacher_logits,
         }
         name = max(parts, key=lambda k: parts[k])
         return name, parts[name]
@@ -93,6 +94,8 @@ class Estimator:
     scatter_gather: bool = False
     compute_scale: float = 1.0
     """Calibration: measured / planned step time, applied to the compute terms (matmuls, memory-bound work)."""
+    teacher_flops_per_token: float = 0.0
+    """distill: the frozen teacher's forward FLOPs per token (tasks/capacity/teacher.py; 0: no distillation)."""
     _flops: dict[str, tuple[float, float]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -115,6 +118,13 @@ class Estimator:
         imbalance = max(layout.stage_layers(self.arch.n_layers)) * layout.pp / self.arch.n_layers
         return hw_tok * tokens * imbalance / (layout.world * self.flops_rate) * self.compute_scale
 
+    def teacher_seconds(self, layout: Layout) -> float:
+        """distill: the teacher's forward on the step's tokens, spread over the ranks at the sustained FLOP rate."""
+        if not self.teacher_flops_per_token:
+            return 0.0
+        tokens = layout.global_batch * self.arch.seq_len
+        return self.teacher_flops_per_token * tokens / (layout.world * self.flops_rate) * self.compute_scale
+
     def evaluate(self, layout: Layout, memory: MemoryBreakdown | None = None) -> Evaluation:
         """Memory, compute, communication and step time of `layout` (`memory`: its estimate, if already made)."""
         mem = memory or self.memory.estimate(layout)
@@ -126,7 +136,8 @@ class Estimator:
             rate = self.accelerator.hbm_tb_s * 1e12 * self.bandwidth_efficiency
             bound = memory_bound(self.arch, self.memory.p, layout, self.memory.rt.attention, rate).seconds
             bound *= self.compute_scale
-        compute = matmul + bound
+        teacher = self.teacher_seconds(layout)
+        compute = matmul + bound + teacher
         comm = communication(
             self.arch,
             self.memory.params,
@@ -150,6 +161,7 @@ class Estimator:
             expert_parallel=comm.seconds["expert_parallel"],
             bubble=comm.bubble_seconds,
             context_parallel=comm.seconds["context_parallel"],
+            teacher_forward=teacher,
         )
         peak = self.accelerator.peak_flops(self.memory.p.compute_dtype)
         return Evaluation(

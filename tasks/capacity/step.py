@@ -16,7 +16,7 @@ from tasks.launch.cluster import ClusterConfig
 from tasks.paths import DeploymentPaths
 from tasks.results import StepResult
 from tasks.serve.config import ServeConfig
-from training.config import CheckpointConfig, ModelConfig, ParallelConfig, PrecisionConfig, RunConfig
+from training.config import CheckpointConfig, DistillConfig, ModelConfig, ParallelConfig, PrecisionConfig, RunConfig
 from training.storage import StorageConfig
 from validation.plan_accuracy import PlannedFigures
 
@@ -49,6 +49,8 @@ class CapacityInputs(BaseModel):
     """The checkpoint tiers whose intervals the plan chooses (tasks/capacity/interval.py; None: not planned)."""
     exposure_url: str | None = None
     """The deployment's exposure records (the observed failure rate; tasks/recovery/exposure.py)."""
+    distill: DistillConfig | None = None
+    """The teacher every rank holds and runs forward (its teacher_model as the spec filled it in)."""
 
     @classmethod
     def of(cls, spec: DeploymentSpec, folder: str | None = None) -> CapacityInputs:
@@ -58,12 +60,13 @@ class CapacityInputs(BaseModel):
             name=spec.name, capacity=spec.capacity, cluster=spec.cluster, model=spec.model, parallel=spec.parallel,
             precision=spec.precision, run=spec.run, serve=spec.serve, ledger=paths.ledger_url, storage=spec.storage,
             plan_url=paths.plan_url(folder), checkpoint=spec.checkpoint, exposure_url=paths.exposure_url,
+            distill=spec.distill,
         )  # fmt: skip
 
     def estimate(self, calibration: Calibration | None = None) -> CapacityPlan:
         """The plan with `calibration` (None: capacity.calibration_url's entry; the ledger is not read)."""
         return plan_capacity(self.name, self.capacity, self.cluster, self.model, self.parallel, self.precision,
-                             self.run, self.serve, calibration)  # fmt: skip
+                             self.run, self.serve, calibration, self.distill)  # fmt: skip
 
     def make(self) -> CapacityPlan:
         """The deployment's plan, calibrated from the ledger's accepted runs where it has some (`make_plan`), with
@@ -71,7 +74,7 @@ class CapacityInputs(BaseModel):
         from tasks.capacity.interval import interval_plan_of  # noqa: PLC0415 - it reads this module's inputs
 
         plan = make_plan(self.name, self.capacity, self.cluster, self.model, self.parallel, self.precision,
-                         self.run, self.serve, self.ledger, self.storage)  # fmt: skip
+                         self.run, self.serve, self.ledger, self.storage, self.distill)  # fmt: skip
         if self.checkpoint is not None:
             plan.checkpoint_interval = interval_plan_of(self, plan)
         return plan

@@ -117,11 +117,13 @@ class StepTime:
     """Pipeline fill and drain: (p - 1) / (m v) of the compute."""
     context_parallel: float = 0.0
     """Keys and values gathered over the context-parallel ranks (and their gradients reduce-scattered)."""
+    teacher_forward: float = 0.0
+    """distill: the frozen teacher's forward on every micro-batch (2 x its params FLOPs per token, no backward)."""
 
     @property
     def compute(self) -> float:
-        """Matmuls and memory-bound work."""
-        return self.matmul + self.memory_bound
+        """Matmuls, memory-bound work and the distillation teacher's forward."""
+        return self.matmul + self.memory_bound + self.teacher_forward
 
     @property
     def exposed_communication(self) -> float:
@@ -144,6 +146,7 @@ class StepTime:
         return {
             "matmul_seconds": self.matmul,
             "memory_bound_seconds": self.memory_bound,
+            "teacher_forward_seconds": self.teacher_forward,
             "data_parallel_overlapped_seconds": self.data_parallel_overlapped,
             "data_parallel_exposed_seconds": self.data_parallel_exposed,
             "tensor_parallel_seconds": self.tensor_parallel,

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import yaml
+from pydantic import BaseModel, ConfigDict
 
 if TYPE_CHECKING:
     from tasks.acceptance.record import AcceptanceReport
@@ -22,6 +23,21 @@ if TYPE_CHECKING:
 
 README = "README.md"
 _FIGURES_PER_DIMENSION = 6
+
+
+class AcceptanceFigures(BaseModel):
+    """The model card's view of an acceptance report: its verdict and, per dimension, its status and a few
+    figures (the export step's inputs carry it; tasks/acceptance/record.py `latest_card` makes it)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    passed: bool
+    dimensions: list[tuple[str, str, str]]
+    """(name, status, figures as `name=value, ...`) in report order."""
+
+    @classmethod
+    def of(cls, report: AcceptanceReport) -> AcceptanceFigures:
+        """The card's view of `report`."""
+        return cls(passed=report.passed, dimensions=[(d.name, d.status, _figures(d.measured)) for d in report.dimensions])
 
 
 @dataclass(frozen=True)
@@ -36,7 +52,7 @@ class ReadmeFacts:
     parity: ExportParity
     base_model: str | None = None
     """The Hugging Face model the run started from (model.init_from), if any."""
-    acceptance: AcceptanceReport | None = None
+    acceptance: AcceptanceFigures | None = None
     notes: list[str] = field(default_factory=list)
 
 
@@ -114,7 +130,7 @@ def readme_text(card: ModelCard, facts: ReadmeFacts) -> str:
             "| dimension | status | figures |",
             "|---|---|---|",
         ]
-        lines += [f"| {d.name} | {d.status} | {_cell(_figures(d.measured))} |" for d in report.dimensions]
+        lines += [f"| {name} | {status} | {_cell(figures)} |" for name, status, figures in report.dimensions]
     return "\n".join(lines) + "\n"
 
 

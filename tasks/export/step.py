@@ -39,8 +39,8 @@ from tasks.export.hf import (
     write_tokenizer,
 )
 from tasks.export.parity import ExportParity, check_export, parity_prompts, require_parity
-from tasks.export.readme import ReadmeFacts, write_readme
-from tasks.paths import DeploymentPaths, default_export_root
+from tasks.export.readme import AcceptanceFigures, ReadmeFacts, write_readme
+from tasks.paths import EXPORT_RECORD, DeploymentPaths, default_export_root
 from tasks.prepare.tokenizer import read_tokenizer
 from tasks.results import StepResult
 from training.checkpoint import CardTokenizer, CheckpointManager, ModelCard
@@ -50,12 +50,10 @@ from training.run_output import SkippedCheckpoint
 from training.storage import check_storage_url, filesystem, free_bytes, is_local, is_no_space, join, local_path
 
 if TYPE_CHECKING:
-    from tasks.acceptance.record import AcceptanceReport
     from tasks.spec import DeploymentSpec
 
 log = logging.getLogger(__name__)
 
-EXPORT_RECORD = "EXPORT.json"
 EXPORT_VERSION = 1
 PARTIAL_PREFIX = ".partial-"
 TITLE = "export"
@@ -75,6 +73,8 @@ class ExportInputs(BaseModel):
     """The folder exports go under (tasks.paths: <deployment_dir>/export)."""
     tokenizer_url: str | None = None
     """The tokenizer.json of a run trained on adopted ids without one."""
+    acceptance: AcceptanceFigures | None = None
+    """The acceptance figures the model card shows (the flow and the CLI pass the deployment's latest)."""
 
     @classmethod
     def of(
@@ -84,10 +84,12 @@ class ExportInputs(BaseModel):
         step: int | None = None,
         out: str | None = None,
         tokenizer_url: str | None = None,
+        acceptance: AcceptanceFigures | None = None,
     ) -> ExportInputs:
         """The export of `spec`'s checkpoint (`train`: data_and_training's) under its deployment's export folder."""
         export_root = DeploymentPaths.of(spec).export_dir
-        return cls(train=train, step=step, out=out, export_root=export_root, tokenizer_url=tokenizer_url)
+        return cls(train=train, step=step, out=out, export_root=export_root, tokenizer_url=tokenizer_url,
+                   acceptance=acceptance)  # fmt: skip
 
 
 class ExportResult(StepResult):
@@ -247,7 +249,7 @@ def _write_folder(
     train: TrainConfig,
     folder: Path,
     max_shard_bytes: int,
-    acceptance: AcceptanceReport | None = None,
+    acceptance: AcceptanceFigures | None = None,
 ) -> dict[str, Any]:
     """Every file of the export into `folder`, then the load-back check (ExportParityError when the folder does
     not reproduce the checkpoint), EXPORT.json last; returns EXPORT.json's content."""
@@ -385,14 +387,14 @@ def export_checkpoint(
     export_root: str | None = None,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     tokenizer_url: str | None = None,
-    acceptance: AcceptanceReport | None = None,
+    acceptance: AcceptanceFigures | None = None,
 ) -> ExportResult:
     """Export checkpoint `step` (None: the newest sound one) of `train`'s checkpoint folder to `out`.
 
     `out` is the model folder (a local path or an object-store URL); None = <export_root>/step-<N>, where
     export_root defaults to `export` beside checkpoint.url (callers with a spec pass DeploymentPaths.export_dir).
     `tokenizer_url`: the tokenizer.json of a run trained on adopted ids without one (see _with_tokenizer).
-    `acceptance`: the run's acceptance report (AcceptanceReport.read), whose figures go into the model card.
+    `acceptance`: the run's acceptance figures (AcceptanceFigures.of a report), shown in the model card.
     """
     manager = CheckpointManager(train.checkpoint, train.storage)
     try:
@@ -473,6 +475,5 @@ def export_checkpoint(
 
 def run(inputs: ExportInputs) -> ExportResult:
     """Export the checkpoint `inputs` name (see `export_checkpoint`)."""
-    return export_checkpoint(
-        inputs.train, inputs.step, inputs.out, export_root=inputs.export_root, tokenizer_url=inputs.tokenizer_url
-    )
+    return export_checkpoint(inputs.train, inputs.step, inputs.out, export_root=inputs.export_root,
+                             tokenizer_url=inputs.tokenizer_url, acceptance=inputs.acceptance)  # fmt: skip

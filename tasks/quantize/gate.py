@@ -15,7 +15,7 @@ from tasks.errors import UserError
 from tasks.progress import report as report_progress
 from tasks.quantize.config import QuantizeConfig, quantize_problems
 from tasks.quantize.quantizer import QuantizedFolder, quantize_folder, weight_bytes
-from tasks.serve.check import decode, post_json, served_greedy
+from tasks.serve.check import decode, prompt_logprobs, served_greedy
 from validation.quantization import (
     AgreementFigures,
     QuantizationCheck,
@@ -26,8 +26,8 @@ from validation.quantization import (
 )
 
 if TYPE_CHECKING:
+    from tasks.export.readme import AcceptanceFigures
     from tasks.serve.config import ServeConfig
-    from tasks.serve.server import Server
     from training.config import TrainConfig
 
 log = logging.getLogger(__name__)
@@ -71,19 +71,6 @@ def gate_data(train: TrainConfig, cfg: QuantizeConfig, prompt_tokens: int) -> Ga
         prompts=spread(prompt_tokens, cfg.greedy_prompts, n_cal + cfg.eval_samples, total),
         split=split,
     )
-
-
-def prompt_logprobs(server: Server, sequence: list[int]) -> list[float]:
-    """The server's log-probability of each token of `sequence` after the ones before it (all but the first)."""
-    body = {"model": server.served_name, "prompt": sequence, "max_tokens": 1, "temperature": 0.0,
-            "prompt_logprobs": 0}  # fmt: skip
-    scored = post_json(f"{server.url}/v1/completions", body)["choices"][0].get("prompt_logprobs")
-    if not scored or len(scored) != len(sequence):
-        raise UserError(
-            f"the vLLM server at {server.url} returned no prompt log-probabilities for a {len(sequence)}-token "
-            "prompt", "serve with a vLLM that supports prompt_logprobs (vLLM >= 0.6)",
-        )  # fmt: skip
-    return [float(entry[str(token)]["logprob"]) for entry, token in zip(scored[1:], sequence[1:], strict=True)]
 
 
 def measure_served(
@@ -178,10 +165,10 @@ def gate(
 
 def run_quantization(
     cfg: QuantizeConfig, serve: ServeConfig, train: TrainConfig, accelerator: str, name: str, out_dir: Path,
-    export_root: str, step: int | None = None,
+    export_root: str, step: int | None = None, acceptance: AcceptanceFigures | None = None,
 ) -> QuantizationReport:  # fmt: skip
-    """Export the newest sound (or the given) checkpoint, quantize it beside the export, gate it; the report
-    says whether it passed."""
+    """Export the newest sound (or the given) checkpoint (its model card with the `acceptance` figures),
+    quantize it beside the export, gate it; the report says whether it passed."""
     from tasks.export.step import export_checkpoint
     from training.storage import is_local, local_path
 
@@ -190,7 +177,7 @@ def run_quantization(
         raise UserError("; ".join(f"{'.'.join(map(str, at))}={value}: {why}" for at, value, why in problems))
     out_dir.mkdir(parents=True, exist_ok=True)
     report_progress("quantize", "exporting the checkpoint")
-    exported = export_checkpoint(train, step, export_root=export_root)
+    exported = export_checkpoint(train, step, export_root=export_root, acceptance=acceptance)
     if not is_local(exported.model_dir):
         raise UserError(
             f"the export went to {exported.model_dir}: LLM Compressor and vLLM read a local folder",

@@ -18,14 +18,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tasks.errors import UserError
+from tasks.paths import EXPORT_RECORD, QUANTIZE_RECORD
 from tasks.quantize.config import QuantizeConfig
 
 REPO = Path(__file__).resolve().parents[2]
 QUANT_PYTHON_ENV = "TDEPLOY_QUANT_PYTHON"
 """Names the Python of an environment with LLM Compressor; default <repo>/.venv-quant/bin/python."""
 WORKER = Path(__file__).with_name("llmc_worker.py")
-QUANTIZE_RECORD = "QUANTIZE.json"
-EXPORT_RECORD = "EXPORT.json"  # tasks/export/step.py's; repeated here so that this module loads no torch
 PARTIAL_PREFIX = ".partial-"
 QUANTIZE_LOG = "quantize.log"
 QUANTIZE_VERSION = 1

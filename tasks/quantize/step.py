@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from pydantic import BaseModel, ConfigDict
 
 from tasks.errors import UserError
+from tasks.export.readme import AcceptanceFigures
 from tasks.paths import DeploymentPaths
 from tasks.quantize.config import QuantizeConfig
 from tasks.quantize.gate import QuantizationReport, run_quantization
@@ -43,11 +44,14 @@ class QuantizeInputs(BaseModel):
     """The folder the checkpoint is exported under; the quantized folder is the export's sibling."""
     step: int | None = None
     """The checkpoint step to export and quantize (None: the newest sound one)."""
+    acceptance: AcceptanceFigures | None = None
+    """The acceptance figures the exported folder's model card shows (the deployment's latest)."""
 
     @classmethod
     def of(
-        cls, spec: DeploymentSpec, train: TrainConfig, folder: str | None = None, step: int | None = None
-    ) -> QuantizeInputs:
+        cls, spec: DeploymentSpec, train: TrainConfig, folder: str | None = None, step: int | None = None,
+        acceptance: AcceptanceFigures | None = None,
+    ) -> QuantizeInputs:  # fmt: skip
         """The quantize step of `spec` (`train`: data_and_training's); quantize: null is the caller's case (the
         spec refuses a quantize section without a serve section)."""
         assert spec.quantize is not None and spec.serve is not None, "callers handle quantize: null"
@@ -55,6 +59,7 @@ class QuantizeInputs(BaseModel):
         return cls(
             quantize=spec.quantize, serve=spec.serve, train=train, accelerator=spec.cluster.accelerator,
             name=spec.name, out_dir=paths.quantize_dir(folder), export_root=paths.export_dir, step=step,
+            acceptance=acceptance,
         )  # fmt: skip
 
 
@@ -116,7 +121,7 @@ def run(inputs: QuantizeInputs, publish: Callable[[QuantizationReport], None] | 
     """Export, quantize and gate; hand the report to `publish`; QuantizationGateFailed naming the failed figures
     when the quantized model misses a bound."""
     report = run_quantization(inputs.quantize, inputs.serve, inputs.train, inputs.accelerator, inputs.name,
-                              Path(inputs.out_dir), inputs.export_root, inputs.step)  # fmt: skip
+                              Path(inputs.out_dir), inputs.export_root, inputs.step, inputs.acceptance)  # fmt: skip
     if publish is not None:
         publish(report)
     if not report.passed:

@@ -16,10 +16,12 @@ from pydantic import Field
 
 from tasks.errors import TransientError, UserError
 from tasks.progress import report as report_progress
+from tasks.serve.chain import ParityChain, parity_chain
 from training.config import ModelConfig, StrictModel, TrainConfig
 from training.storage import is_local, local_path
 from validation.serving import (
     LoadFigures,
+    LogprobFigures,
     ParityFigures,
     QualityFigures,
     ServerFigures,
@@ -27,10 +29,12 @@ from validation.serving import (
     ServingThresholds,
     compare_greedy,
     judge,
+    logprob_deviation,
     score_quality,
 )
 
 if TYPE_CHECKING:
+    from tasks.export.readme import AcceptanceFigures
     import torch
 
     from tasks.serve.config import ServeConfig
@@ -141,6 +145,20 @@ def our_greedy(model: torch.nn.Module, prompts: list[list[int]], tokens: int) ->
     return out
 
 
+def our_logprobs(model: torch.nn.Module, prompts: list[list[int]]) -> list[list[float]]:
+    """Our model's log-probability of each token of each prompt after the ones before it (all but the first), as
+    the server's prompt_logprobs give them."""
+    import torch
+
+    out = []
+    with torch.no_grad():
+        for prompt in prompts:
+            logits, _ = model(torch.tensor([prompt], dtype=torch.long))
+            logprobs = torch.log_softmax(logits[0, :-1].float(), dim=-1)
+            out.append(logprobs.gather(1, torch.tensor(prompt[1:]).unsqueeze(1)).squeeze(1).tolist())
+    return out
+
+
 def post_json(url: str, body: dict[str, Any], timeout_s: float = 120.0) -> dict[str, Any]:
     """POST `body` as JSON to our own server; its JSON answer (TransientError when the request fails)."""
     req = urllib.request.Request(
@@ -151,6 +169,19 @@ def post_json(url: str, body: dict[str, Any], timeout_s: float = 120.0) -> dict[
             return json.loads(resp.read())
     except OSError as err:
         raise TransientError(f"serving check: request to {url} failed: {err}", "see the server log") from err
+
+
+def prompt_logprobs(server: Server, sequence: list[int]) -> list[float]:
+    """The server's log-probability of each token of `sequence` after the ones before it (all but the first)."""
+    body = {"model": server.served_name, "prompt": sequence, "max_tokens": 1, "temperature": 0.0,
+            "prompt_logprobs": 0}  # fmt: skip
+    scored = post_json(f"{server.url}/v1/completions", body)["choices"][0].get("prompt_logprobs")
+    if not scored or len(scored) != len(sequence):
+        raise UserError(
+            f"the vLLM server at {server.url} returned no prompt log-probabilities for a {len(sequence)}-token "
+            "prompt", "serve with a vLLM that supports prompt_logprobs (vLLM >= 0.6)",
+        )  # fmt: skip
+    return [float(entry[str(token)]["logprob"]) for entry, token in zip(scored[1:], sequence[1:], strict=True)]
 
 
 def served_greedy(server: Server, prompts: list[list[int]], tokens: int) -> tuple[list[list[int]], list[str]]:
@@ -270,8 +301,11 @@ class ServingReport:
     load: LoadFigures
     server: ServerFigures
     parity: ParityFigures
+    logprobs: LogprobFigures
     quality: QualityFigures
     checks: list[ServingCheck]
+    chain: ParityChain
+    """Training forward -> export -> quantized -> served: each hop's measured deviation and tolerance."""
     per_request_e2e_ms: list[float]
     files: dict[str, str]
 
@@ -292,6 +326,7 @@ class ServingReport:
         data["verdict"] = "passed" if self.passed else "failed"
         data["load"]["error_rate"] = self.load.error_rate
         data["parity"]["share"] = self.parity.share
+        data["chain"]["passed"] = self.chain.passed
         return data
 
 
@@ -304,12 +339,15 @@ def run_serving_check(
     export_root: str,
     step: int | None = None,
     model_dir: str | None = None,
+    quantization_json: str | None = None,
+    acceptance: AcceptanceFigures | None = None,
 ) -> ServingReport:
     """Export the newest sound (or the given) checkpoint under `export_root` (as `tdeploy export` does), serve it,
     measure it, write the reports into `out_dir`, stop the server; the report says whether it passed.
 
     `model_dir`: serve this finished folder of checkpoint `step` instead (the quantize step's quantized folder);
-    greedy parity still compares with our own model of that step."""
+    greedy parity still compares with our own model of that step, and `quantization_json` (the quantize step's
+    gate report) is the quantized hop of the parity chain; `acceptance`: the figures the model card shows."""
     from tasks.export.step import export_checkpoint
     from tasks.serve.config import unservable
     from tasks.serve.report import write_reports
@@ -322,7 +360,7 @@ def run_serving_check(
     out_dir.mkdir(parents=True, exist_ok=True)
     if model_dir is None:
         report_progress("serving", "exporting the checkpoint")
-        exported = export_checkpoint(train, step, export_root=export_root)
+        exported = export_checkpoint(train, step, export_root=export_root, acceptance=acceptance)
         if not is_local(exported.model_dir):
             raise UserError(
                 f"the export went to {exported.model_dir}: vLLM serves a local folder",
@@ -335,7 +373,10 @@ def run_serving_check(
     serve = with_folder_dtype(serve, served)  # the dtype the run trained in, unless the spec names one
     count = max(check.parity_prompts, check.quality_prompts, check.num_prompts)
     data = held_out(train, check, count)
-    ours = our_greedy(load_our_model(train, served_step), data.prompts[: check.parity_prompts], check.parity_tokens)
+    model = load_our_model(train, served_step)
+    ours = our_greedy(model, data.prompts[: check.parity_prompts], check.parity_tokens)
+    ours_logprobs = our_logprobs(model, data.prompts[: check.parity_prompts])
+    del model
     max_model_len = serve.max_model_len or train.model.seq_len
     started = time.monotonic()
     starting = f"starting the vLLM server (ready within serve.startup_timeout_s={serve.startup_timeout_s:g})"
@@ -348,11 +389,13 @@ def run_serving_check(
     try:
         log.info("serving %s at %s (up in %.0f s)", served, server.url, time.monotonic() - started)
         report_progress("serving", "greedy parity, quality and load test")
-        measured = measure(server, served, data, ours, check, out_dir)
+        measured = measure(server, served, data, ours, ours_logprobs, check, out_dir)
     finally:
         server.stop()
     devices = serve.tensor_parallel if accelerator != "cpu" else 1
     checks = judge(measured.load, measured.parity, measured.quality, check.thresholds, devices)
+    chain = parity_chain(served, None if quantization_json is None else Path(quantization_json), measured.parity,
+                         measured.logprobs, check.thresholds.greedy_match_min, out_dir / SERVING_JSON)  # fmt: skip
     report = ServingReport(
         model_dir=str(served),
         step=served_step,
@@ -363,8 +406,10 @@ def run_serving_check(
         load=measured.load,
         server=measured.server,
         parity=measured.parity,
+        logprobs=measured.logprobs,
         quality=measured.quality,
         checks=checks,
+        chain=chain,
         per_request_e2e_ms=measured.per_request_e2e_ms,
         files={},
     )
@@ -376,6 +421,7 @@ class Measured:
     """What the serving check measured on a running server."""
 
     parity: ParityFigures
+    logprobs: LogprobFigures
     quality: QualityFigures
     load: LoadFigures
     per_request_e2e_ms: list[float]
@@ -383,9 +429,11 @@ class Measured:
 
 
 def measure(
-    server: Server, model_dir: Path, data: HeldOut, ours: list[list[int]], check: ServingCheckConfig, out_dir: Path
-) -> Measured:
-    """Greedy parity against `ours`, generation quality and the load test, on `server`.
+    server: Server, model_dir: Path, data: HeldOut, ours: list[list[int]], ours_logprobs: list[list[float]],
+    check: ServingCheckConfig, out_dir: Path,
+) -> Measured:  # fmt: skip
+    """Greedy parity against `ours`, the prompts' log-probabilities against `ours_logprobs`, generation quality
+    and the load test, on `server`.
 
     A server process that exited meanwhile is the finding (ServerExited: its exit code, first error and log),
     whether a request failed because of it or the load generator only counted failed requests."""
@@ -395,6 +443,8 @@ def measure(
     try:
         served, _ = served_greedy(server, data.prompts[: check.parity_prompts], check.parity_tokens)
         parity = compare_greedy(ours, served, check.parity_tokens)
+        served_logprobs = [prompt_logprobs(server, p) for p in data.prompts[: check.parity_prompts]]
+        logprobs = logprob_deviation(ours_logprobs, served_logprobs)
         _, predictions = served_greedy(server, data.prompts[: check.quality_prompts], check.output_tokens)
         references = decode(model_dir, data.continuations[: check.quality_prompts])
         quality = score_quality(predictions, references)
@@ -410,7 +460,7 @@ def measure(
     exited = server.exited(during)
     if exited is not None:
         raise exited
-    return Measured(parity, quality, load, per_request, figures)
+    return Measured(parity, logprobs, quality, load, per_request, figures)
 
 
 def decode(model_dir: Path, sequences: list[list[int]]) -> list[str]:

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from pydantic import BaseModel, ConfigDict
 
 from tasks.errors import UserError
+from tasks.export.readme import AcceptanceFigures
 from tasks.paths import DeploymentPaths
 from tasks.results import StepResult
 from tasks.serve.check import ServingReport, run_serving_check
@@ -20,6 +21,7 @@ if TYPE_CHECKING:
 
 TITLE = "serving check"
 ARTIFACT = "serving"
+CHAIN_ARTIFACT = "serving-parity-chain"
 
 
 class ServingCheckFailed(UserError):
@@ -43,6 +45,10 @@ class ServingInputs(BaseModel):
     """The checkpoint step to export and serve (None: the newest sound one)."""
     model_dir: str | None = None
     """A finished model folder of checkpoint `step` to serve instead of exporting (the quantize step's)."""
+    quantization_json: str | None = None
+    """The quantize step's gate report of `model_dir`: the parity chain's quantized hop."""
+    acceptance: AcceptanceFigures | None = None
+    """The acceptance figures the exported folder's model card shows (the deployment's latest)."""
 
     @classmethod
     def of(
@@ -52,6 +58,8 @@ class ServingInputs(BaseModel):
         folder: str | None = None,
         step: int | None = None,
         model_dir: str | None = None,
+        quantization_json: str | None = None,
+        acceptance: AcceptanceFigures | None = None,
     ) -> ServingInputs:
         """The serving check of `spec` (`train`: data_and_training's), its reports in `folder` (default
         <reports>/serving); `model_dir` (with its `step`): serve that folder, the quantize step's, instead of
@@ -61,6 +69,7 @@ class ServingInputs(BaseModel):
         return cls(
             serve=spec.serve, train=train, accelerator=spec.cluster.accelerator, name=spec.name,
             out_dir=paths.serving_dir(folder), export_root=paths.export_dir, step=step, model_dir=model_dir,
+            quantization_json=quantization_json, acceptance=acceptance,
         )  # fmt: skip
 
 
@@ -114,7 +123,8 @@ def run(inputs: ServingInputs, publish: Callable[[ServingReport], None] | None =
     """Export the checkpoint, serve it with vLLM, load-test it and check its outputs; hand the report to
     `publish`; ServingCheckFailed naming the failed figures when one misses its threshold."""
     report = run_serving_check(inputs.serve, inputs.train, inputs.accelerator, inputs.name, Path(inputs.out_dir),
-                               inputs.export_root, inputs.step, inputs.model_dir)  # fmt: skip
+                               inputs.export_root, inputs.step, inputs.model_dir, inputs.quantization_json,
+                               inputs.acceptance)  # fmt: skip
     if publish is not None:
         publish(report)
     if not report.passed:

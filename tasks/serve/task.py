@@ -6,18 +6,25 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_table_artifact
 
 from tasks.errors import retry_on_transient
+from tasks.serve.chain import chain_rows
 from tasks.serve.check import ServingReport
 from tasks.serve.report import table_rows
-from tasks.serve.step import ARTIFACT, ServingInputs, ServingResult, run
+from tasks.serve.step import ARTIFACT, CHAIN_ARTIFACT, ServingInputs, ServingResult, run
 
 
 def publish(report: ServingReport) -> None:
-    """Publish the check table; log each row."""
+    """Publish the check table and the parity chain's; log each row."""
     logger = get_run_logger()
     verdict = report.to_json()["verdict"]
     create_table_artifact(key=ARTIFACT, table=table_rows(report), description=f"verdict: {verdict}")
     for row in table_rows(report):
         logger.info("%s: %s %s", row["check"], row["verdict"], row["message"])
+    chain = "passed" if report.chain.passed else "failed"
+    create_table_artifact(key=CHAIN_ARTIFACT, table=chain_rows(report.chain),
+                          description=f"parity chain, training forward to served: {chain}")  # fmt: skip
+    for row in chain_rows(report.chain):
+        logger.info("parity %s, %s: %s %s (%s)", row["hop"], row["measure"], row["measured"], row["verdict"],
+                    row["tolerance"])  # fmt: skip
 
 
 @task(name="serving_check", retries=1, retry_delay_seconds=30, retry_condition_fn=retry_on_transient)

@@ -84,6 +84,14 @@ def _served(runs: Path) -> None:
     assert load["ttft_ms"]["p50"] <= load["e2e_ms"]["p50"], load
     parity = report["parity"]
     assert (parity["prompts"], parity["tokens"], parity["matched"]) == (4, 8, 4), parity
+    # the parity chain: the export's load-time check, then what vLLM serves against our model (fp32 both)
+    chain = report["chain"]
+    assert chain["passed"] and not chain["missing"], chain
+    assert [(h["hop"], h["measure"]) for h in chain["hops"]] == [
+        ("training -> export", "max |logit difference|"), ("export -> served", "greedy prompts identical"),
+        ("export -> served", "max |log-probability difference|")], chain  # fmt: skip
+    assert 0 <= chain["hops"][0]["measured"] <= chain["hops"][0]["tolerance"] and chain["hops"][1]["measured"] == 1
+    assert report["logprobs"]["tokens"] == 4 * 31 and report["logprobs"]["max_abs_diff"] < 1e-2, report["logprobs"]
     quality = report["quality"]
     assert quality["prompts"] == 16 and 0 <= quality["rouge_l"] <= 1 and 0 <= quality["bleu4"] <= 100, quality
     server = report["server"]
@@ -95,6 +103,8 @@ def _served(runs: Path) -> None:
     model = runs.parent.parent / report["model_dir"]  # relative to where tdeploy ran, like every report path
     config = json.loads((model / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"] and config["head_dim"] == 32, config
+    card = (model / "README.md").read_text()  # the model card carries this deployment's acceptance figures
+    assert "## Training figures (acceptance: passed)" in card and "| correctness | passed |" in card, card
     suite = ET.parse(runs / "serving" / "junit.xml").getroot()
     assert suite.get("failures") == "0" and int(suite.get("tests")) == len(report["checks"])
     assert (runs / "serving" / "latency_histogram.png").read_bytes()[:4] == b"\x89PNG"

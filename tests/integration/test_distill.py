@@ -20,6 +20,7 @@ from tests.conftest import TINY_SPEC, deep_merge, metrics_by_step, run_lone_proc
 from training.checkpoint import CheckpointStore
 from training.config import CheckpointConfig, DistillConfig, ModelConfig
 from training.distill import TeacherError, load_teacher
+from training.run_output import RunOutput
 from training.storage import StorageConfig
 from validation.acceptance import check_correctness
 
@@ -93,7 +94,9 @@ def test_the_payload_refuses_a_teacher_that_is_not_the_stated_one_or_does_not_fi
 
 
 def test_the_students_kl_to_the_teacher_falls_as_it_trains(teacher: str, tiny_dataset: str, tmp_path: Path) -> None:
-    spec = _student(teacher, tiny_dataset, tmp_path, {"cluster": {"procs_per_node": 1}, "run": {"steps": 20}})
+    # An evaluation after every step: the student's validation loss before distillation did much (step 1).
+    spec = _student(teacher, tiny_dataset, tmp_path, {"cluster": {"procs_per_node": 1},
+                                                      "run": {"steps": 20, "eval_every_steps": 1}})  # fmt: skip
     result = run_lone_process(spec)
     metrics = metrics_by_step(spec.run.output_url)
     kl = [metrics[s].distill_kl for s in sorted(metrics)]
@@ -107,6 +110,18 @@ def test_the_students_kl_to_the_teacher_falls_as_it_trains(teacher: str, tiny_da
     # The teacher's validation loss on the same batches, for the student's quality beside it.
     assert result["teacher_val_loss"] is not None and result["teacher_val_loss"] < math.log(257)
     print(f"validation loss: student {result['val_loss']:.4f}, teacher {result['teacher_val_loss']:.4f}")
+    # distillation.json: the student beside its teacher, on the same batches, measured in one process.
+    output = RunOutput(spec.run.output_url)
+    report = output.distillation()
+    assert report is not None and report.step == 20
+    assert report.student.params == result["n_params"] < report.teacher.params
+    assert report.student.val_loss == result["val_loss"] and report.teacher.val_loss == result["teacher_val_loss"]
+    for side in (report.student, report.teacher):
+        assert math.isfinite(side.val_loss) and side.val_ppl == pytest.approx(math.exp(side.val_loss))
+        assert side.tokens_per_cpu_s > 0
+    first_eval = output.evals()[0]
+    assert first_eval["step"] == 1 and report.student.val_loss < first_eval["val_loss"]
+    print(f"{report.summary()}; student val_loss after step 1: {first_eval['val_loss']:.4f}")
 
 
 @pytest.fixture(scope="module")
@@ -151,6 +166,9 @@ def test_a_two_rank_student_agrees_with_the_independent_reference(
     assert reference.metrics()[1].distill_kl == pytest.approx(ranks_kl, rel=1e-5)
     teacher_val = reference.run.result().teacher_val_loss
     assert teacher_val is not None and outcome.run.result().teacher_val_loss == pytest.approx(teacher_val, rel=1e-6)
+    # The student's weights gathered from both ranks' DDP replicas or FSDP shards: the report's student is whole.
+    report = outcome.run.distillation()
+    assert report is not None and report.student.params == outcome.run.result().n_params < report.teacher.params
 
 
 def test_a_student_weighing_the_terms_otherwise_fails_against_the_reference(

@@ -248,7 +248,7 @@ def test_a_server_that_dies_during_the_check_is_named_with_its_exit_and_log_not_
     data = HeldOut(prompts=[[1, 2, 3]] * 4, continuations=[[4, 5]] * 4, split="val")
     with start_server(model_dir, ServeConfig(port=free_port()), "tiny", 32, log_path) as server:
         with pytest.raises(ServerExited) as caught:
-            measure(server, model_dir, data, [[0] * 8] * 4, ServingCheckConfig(), tmp_path / "serving")
+            measure(server, model_dir, data, [[0] * 8] * 4, [[0.0] * 2] * 4, ServingCheckConfig(), tmp_path / "serving")
     err = caught.value
     assert err.returncode == -9 and err.log_path == log_path and err.pid == server.pid
     assert str(err).startswith(

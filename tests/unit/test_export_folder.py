@@ -15,7 +15,7 @@ import torch
 import yaml
 
 from tasks.acceptance.record import AcceptanceReport
-from tasks.export.readme import README
+from tasks.export.readme import README, AcceptanceFigures
 from tasks.export.step import EXPORT_RECORD, export_checkpoint
 from tasks.serve.config import ServeConfig
 from tasks.serve.server import server_args, with_folder_dtype
@@ -111,7 +111,7 @@ def test_the_model_card_names_library_task_base_model_dataset_and_the_acceptance
     ]
     AcceptanceReport(dimensions=dimensions).write(tmp_path / "workspace")
     report = AcceptanceReport.read(tmp_path / "workspace")
-    result = export_checkpoint(train, out=tmp_path / "hf", acceptance=report)
+    result = export_checkpoint(train, out=tmp_path / "hf", acceptance=AcceptanceFigures.of(report))
     text = (Path(result.model_dir) / README).read_text()
     meta = _front_matter(text)
     assert meta["library_name"] == "transformers" and meta["pipeline_tag"] == "text-generation"
@@ -161,3 +161,26 @@ def test_a_folder_that_names_no_servable_dtype_is_served_in_float32_never_downca
     (tmp_path / "config.json").write_text(json.dumps(config))
     args = server_args(with_folder_dtype(ServeConfig(), tmp_path), "m", str(tmp_path), "cpu")
     assert args[args.index("--dtype") + 1] == served
+
+
+def test_the_commands_and_the_flow_give_the_model_card_the_deployments_latest_acceptance_figures(
+    make_spec, tmp_path: Path
+) -> None:
+    from flows.cli.data import model_card_figures
+    from tasks.acceptance.record import latest_card
+    from tasks.acceptance.workspace import mark_latest, open_workspace
+    from tasks.paths import DeploymentPaths
+    from tasks.run_id import new_run_id
+
+    spec = make_spec(name="card")
+    base = DeploymentPaths.of(spec).acceptance_workspaces
+    assert latest_card(base) is None and model_card_figures(spec) is None  # before the first acceptance run
+    workspace = open_workspace(base / new_run_id(), keep=3)
+    dimensions = [DimensionResult(name="quality", passed=True, measured={"val_loss": 2.5})]
+    AcceptanceReport(dimensions=dimensions).write(workspace.root)
+    mark_latest(workspace)
+    card = model_card_figures(spec)
+    assert card == latest_card(base) and card is not None
+    assert card.passed and card.dimensions == [("quality", "passed", "val_loss=2.5")]
+    AcceptanceReport.path_in(workspace.root).write_text("{not json")
+    assert latest_card(base) is None  # left out of the card (logged); the export goes on

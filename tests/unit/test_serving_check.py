@@ -9,12 +9,14 @@ from xml.etree import ElementTree as ET
 
 import pytest
 
+from tasks.serve.chain import ParityChain
 from tasks.serve.check import ServingCheckConfig, ServingReport, check_problems
 from tasks.serve.config import ServeConfig
 from tasks.serve.load import bench_command, load_figures
 from tasks.serve.report import write_junit
 from training.config import ModelConfig
 from validation.serving import (
+    LogprobFigures,
     LatencyFigures,
     LoadFigures,
     ParityFigures,
@@ -143,8 +145,8 @@ def test_the_junit_file_has_one_case_per_judged_figure(tmp_path: Path) -> None:
     checks = judge(load, ParityFigures(4, 8, 4), QualityFigures(16, 0.3, 2.0), ServingThresholds())
     server = ServerFigures(3, 0.1, 4.0, 0.0, 3.5, 0.0)
     report = ServingReport(
-        "m", 6, "http://x", 1, "cpu", 1, load, server, ParityFigures(4, 8, 4), QualityFigures(16, 0.3, 2.0),
-        checks, [1.0], {},
+        "m", 6, "http://x", 1, "cpu", 1, load, server, ParityFigures(4, 8, 4), LogprobFigures(4, 28, 1e-5, 1e-6),
+        QualityFigures(16, 0.3, 2.0), checks, ParityChain([]), [1.0], {},
     )  # fmt: skip
     suite = ET.parse(write_junit(report, tmp_path / "junit.xml")).getroot()
     assert suite.get("tests") == str(len(checks)) and suite.get("failures") == "1"

@@ -84,3 +84,18 @@ def test_the_acceptance_summary_shows_the_plan_beside_the_run_and_the_capacity_s
     capacity = _results()["capacity"]
     assert isinstance(capacity, CapacityResult) and capacity.planned is not None
     assert capacity.planned.layout == capacity.layout and capacity.calibration == "none"
+
+
+def test_the_acceptance_report_carries_a_distill_runs_student_beside_its_teacher() -> None:
+    from tasks.acceptance.record import AcceptanceReport
+    from training.run_output import DistillationRecord, ModelFigures
+
+    record = DistillationRecord(
+        step=20, student=ModelFigures(24_200, 4.27, 71.5, 9.0e4), teacher=ModelFigures(35_000, 3.88, 48.4, 5.0e4),
+        speed_tokens=512, speed_repeats=5, speed_threads=1,
+    )  # fmt: skip
+    written = AcceptanceReport(dimensions=[], distillation=record).to_json()
+    assert AcceptanceReport.model_validate(written).distillation == record  # read back from acceptance.json
+    result = AcceptanceResult(verdict_text="passed", files={}, report=written, root="acc")
+    assert result.summary() == f"passed: {record.summary()}"
+    assert "student 1.80x the teacher's speed at 0.69x its size" in record.summary()

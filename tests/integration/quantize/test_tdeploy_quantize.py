@@ -72,7 +72,20 @@ def test_tdeploy_quantize_writes_its_report_and_the_serving_check_then_serves_th
     assert (tmp_path / "quant" / "quantize" / "unquantized" / "server.log").is_file()
 
     # the pipeline's next step, as flows/deploy.py hands it the quantize step's folder
-    served = serve_step.run(ServingInputs.of(spec, spec.training_config(), step=4, model_dir=str(quantized)))
+    served = serve_step.run(ServingInputs.of(spec, spec.training_config(), step=4, model_dir=str(quantized),
+                                             quantization_json=str(tmp_path / "quant" / "quantize" / "quantization.json")))  # fmt: skip
     assert served.model_dir == str(quantized) and served.step == 4
     serving = json.loads((tmp_path / "quant" / "serving" / "serving.json").read_text())
     assert serving["model_dir"] == str(quantized)
+    # one parity chain, each hop from its own record: the export's load-time check, the quantize gate, the serving
+    chain = serving["chain"]
+    assert [h["hop"] for h in chain["hops"]] == ["training -> export"] + ["export -> quantized (W8A8, rtn)"] * 2 + [
+        "quantized -> served"] * 2 and not chain["missing"], chain  # fmt: skip
+    export_parity = json.loads((tmp_path / "quant" / "export" / "step-4" / "EXPORT.json").read_text())["parity"]
+    assert chain["hops"][0]["measured"] == export_parity["max_abs_logit_diff"] <= chain["hops"][0]["tolerance"]
+    increase = report["measured"]["perplexity"] / report["base"]["perplexity"] - 1
+    assert chain["hops"][1]["measured"] == pytest.approx(increase) and chain["hops"][1]["tolerance"] == 100
+    assert chain["hops"][3]["measured"] == serving["parity"]["share"]
+    # int8 weights and activations move the served log-probabilities away from the fp32 training forward
+    assert chain["hops"][4]["measured"] == serving["logprobs"]["max_abs_diff"] > 0 and chain["passed"]
+    print(f"parity chain: {[(h['hop'], h['measure'], h['measured']) for h in chain['hops']]}")

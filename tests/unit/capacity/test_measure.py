@@ -36,6 +36,9 @@ CASES = [
     MeasureCase(_model(), 4, sharding="fsdp", world=2, dtype="bf16", recompute="full", label="fsdp bf16 full"),
     MeasureCase(_model(n_layers=4, d_model=256, vocab_size=257, seq_len=32), 1, label="optimizer-step peak"),
     MeasureCase(_model(d_model=64, seq_len=64, moe=MoEConfig(n_experts=4, top_k=2)), 2, label="moe top-2"),
+    # distill: the teacher's weights, its forward's working set and its logits (tasks/capacity/teacher.py).
+    MeasureCase(_model(), 4, teacher=_model(n_layers=4, d_model=256, ffn_hidden=688), label="distill, larger teacher"),
+    MeasureCase(_model(), 4, teacher=_model(), label="distill, teacher of the student's size"),
 ]
 
 
