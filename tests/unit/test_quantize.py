@@ -50,6 +50,16 @@ def test_w8a8_and_w4a16_in_bf16_are_accepted_on_cpu() -> None:
     assert spec.quantize is not None and spec.quantize.scheme == "W4A16"
 
 
+def test_perplexity_sequences_leave_room_in_the_served_context_for_the_token_a_scoring_request_generates() -> None:
+    # vLLM answered HTTP 400 to a 64-token prompt_logprobs request with max_tokens 1 at max_model_len 64
+    with pytest.raises(SpecError) as err:
+        parse_spec(spec_data({"serve": {"max_model_len": 64}, "quantize": {"eval_tokens": 64}}), "test")
+    (problem,) = [p for p in err.value.problems if p.startswith("quantize.eval_tokens")]
+    assert "served context 64; use at most 63" in problem
+    spec = parse_spec(spec_data({"serve": {"max_model_len": 64}, "quantize": {"eval_tokens": 63}}), "test")
+    assert spec.quantize is not None and spec.quantize.eval_tokens == 63
+
+
 def test_perplexity_is_the_exponential_of_the_mean_negative_log_probability() -> None:
     value, tokens = perplexity([[-1.0, -2.0], [-3.0]])
     assert tokens == 3

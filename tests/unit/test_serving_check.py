@@ -195,3 +195,38 @@ def test_the_sampler_counts_the_loads_engine_steps_from_counter_deltas_not_from_
         httpd.server_close()
     assert figures.running_max == 0.0 and figures.engine_steps == 128
     assert figures.output_tokens_per_step == 4.0 and figures.mean_batch_tokens == 5.0
+
+
+def test_a_request_the_server_refuses_is_a_user_error_quoting_its_reason_not_a_retried_failure() -> None:
+    import http.server
+    import threading
+
+    from tasks.errors import TransientError, UserError
+    from tasks.serve.check import post_json
+
+    reason = b'{"error": "This model\'s maximum context length is 64 tokens. However, you requested 65 tokens"}'
+
+    class Refusing(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 - the stdlib's name
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(400 if self.path == "/bad" else 503)
+            self.end_headers()
+            self.wfile.write(reason)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Refusing)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        with pytest.raises(UserError) as refused:
+            post_json(f"{url}/bad", {"prompt": [1, 2]})
+        assert "HTTP 400" in str(refused.value) and "maximum context length is 64" in str(refused.value)
+        assert not isinstance(refused.value, TransientError)
+        with pytest.raises(TransientError, match="HTTP 503"):
+            post_json(f"{url}/busy", {"prompt": [1, 2]})
+    finally:
+        server.shutdown()
+        thread.join()
