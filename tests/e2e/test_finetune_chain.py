@@ -18,6 +18,7 @@ import pytest
 import yaml
 
 from tasks.launch.torchrun import free_port
+from tasks.paths import QUANTIZE_RECORD
 from tests.conftest import REPO
 from tests.processes import run_group
 from training.hf_load import HF_INIT_CHECK, read_init_check, tolerance
@@ -60,10 +61,22 @@ def test_a_hugging_face_model_is_fine_tuned_accepted_quantized_and_served_with_e
     quality = next(d for d in acceptance["dimensions"] if d["name"] == "correctness")["measured"]["quality"]
     assert quality["rule"] == "init_from", quality
 
-    # the quantize gate passed on the fine-tuned export
+    # the quantize gate passed on the fine-tuned export: the quantized folder beside the export, naming it
     gate = json.loads((runs / "quantize" / "quantization.json").read_text())
     assert gate["verdict"] == "passed" and gate["quantized"]["scheme"] == "W8A8", gate["checks"]
-    card = (Path(gate["base"]["model_dir"]) / "README.md").read_text()
+    step = gate["step"]
+    # report paths are relative to where tdeploy ran, like every report path (tmp_path / an absolute one is itself)
+    assert tmp_path / gate["base"]["model_dir"] == runs / "export" / f"step-{step}"
+    quantized = tmp_path / gate["quantized"]["model_dir"]
+    assert quantized == runs / "export" / f"step-{step}-w8a8-gptq"
+    source = json.loads((quantized / QUANTIZE_RECORD).read_text())["source"]["model_dir"]
+    assert source == str((runs / "export" / f"step-{step}").resolve())
+    for side in ("base", "measured"):
+        assert gate[side]["perplexity"] > 1 and gate[side]["eval_tokens"] == 16 * 47, gate[side]
+        assert gate[side]["p99_e2e_ms"] > 0 and gate[side]["output_tokens_per_s"] > 0, gate[side]
+    assert gate["measured"]["weight_bytes"] < gate["base"]["weight_bytes"]
+    assert (runs / "quantize" / "quantize.log").is_file() and (runs / "quantize" / "unquantized" / "server.log").is_file()
+    card = (tmp_path / gate["base"]["model_dir"] / "README.md").read_text()
     assert f"base_model: {BASE}" in card and "## Training figures (acceptance: passed)" in card, card
 
     # the serving check served the quantized folder; its chain has every hop, each within its tolerance
