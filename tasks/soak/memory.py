@@ -5,8 +5,13 @@ allocator settling). A straight line is fitted to the rest (least squares over t
 the line's rise over the window, the noise the spread of the samples around the line (90th less 10th percentile of
 the residuals), so a leak's own slope does not count as noise. A leak is a growth beyond
 max(LEAK_NOISE_FACTOR x the noise, LEAK_FLOOR_FRACTION x the median RSS) with the window's later half's 10th
-percentile above its earlier half's 90th (the whole distribution moved, not a spike). A process sampled fewer than
-MIN_SAMPLES times after its warm-up (a rank killed early) is too short to judge.
+percentile above its earlier half's 90th (the whole distribution moved, not a spike), and with the growth sustained:
+the later half's own rate, over the whole window, would rise beyond the tolerance too, and is no less than SUSTAINED_FRACTION of the
+earlier half's rate. A leak grows at an even rate, so a straight line's halves each rise by half its growth; a process
+still settling (the allocator, caches and the page cache warming: ranks' RSS keeps rising for minutes after their
+first steps, most in the first of them, and a rank restarted late in a soak is judged on that alone) flattens out,
+and its later half rises by little. A process sampled fewer than MIN_SAMPLES times after its warm-up (a rank killed
+early) is too short to judge.
 """
 
 from __future__ import annotations
@@ -25,6 +30,9 @@ LEAK_NOISE_FACTOR = 3.0
 LEAK_FLOOR_FRACTION = 0.02
 """Growth below 2% of a process's RSS is not called a leak, however quiet the process (page-granular RSS of a
 quiet process has a spread near 0)."""
+SUSTAINED_FRACTION = 0.5
+"""A leak's later half grows at least at this fraction of its earlier half's rate (an even rate gives 1; a settling
+curve's rate decays)."""
 
 Verdict = Literal["steady", "leak", "short"]
 
@@ -62,6 +70,13 @@ def _percentile(values: list[int] | list[float], q: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (k - low)
 
 
+def _slope(values: list[int]) -> float:
+    """The least-squares line's rise per sample."""
+    n = len(values)
+    mean_x, mean_y = (n - 1) / 2, statistics.fmean(values)
+    return sum((k - mean_x) * (y - mean_y) for k, y in enumerate(values)) / sum((k - mean_x) ** 2 for k in range(n))
+
+
 def judge(pid: int, role: str, rss: list[int]) -> ProcessMemory:
     """The verdict on one process's RSS samples (in sampling order)."""
     steady = rss[len(rss) // 3 :]
@@ -71,14 +86,16 @@ def judge(pid: int, role: str, rss: list[int]) -> ProcessMemory:
         return ProcessMemory(**base, growth_bytes=None, noise_bytes=None, tolerance_bytes=None, verdict="short")
     early, late = steady[: len(steady) // 2], steady[len(steady) // 2 :]
     n = len(steady)
+    slope = _slope(steady)
     mean_x, mean_y = (n - 1) / 2, statistics.fmean(steady)
-    slope = sum((k - mean_x) * (y - mean_y) for k, y in enumerate(steady)) / sum((k - mean_x) ** 2 for k in range(n))
     residuals = [y - (mean_y + slope * (k - mean_x)) for k, y in enumerate(steady)]
     growth = slope * (n - 1)
     noise = _percentile(residuals, 0.9) - _percentile(residuals, 0.1)
     tolerance = max(LEAK_NOISE_FACTOR * noise, LEAK_FLOOR_FRACTION * statistics.median(steady))
     moved = _percentile(late, 0.1) > _percentile(early, 0.9)
-    verdict: Verdict = "leak" if growth > tolerance and moved else "steady"
+    late_slope = _slope(late)
+    sustained = late_slope * (n - 1) > tolerance and late_slope >= SUSTAINED_FRACTION * _slope(early)
+    verdict: Verdict = "leak" if growth > tolerance and moved and sustained else "steady"
     return ProcessMemory(**base, growth_bytes=int(growth), noise_bytes=int(noise), tolerance_bytes=int(tolerance),
                          verdict=verdict)  # fmt: skip
 

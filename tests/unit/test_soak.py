@@ -3,6 +3,7 @@ launcher can take, and the per-rung accounting of the result."""
 
 from __future__ import annotations
 
+import math
 import random
 import statistics
 from pathlib import Path
@@ -53,6 +54,18 @@ def test_a_steadily_growing_process_is_a_leak_and_a_noisy_flat_one_is_not() -> N
     # the warm-up (first third) may grow as much as it likes
     warming = judge(3, "rank 2", [int(100 * MIB + k * 10 * MIB) for k in range(20)] + _noisy(40, 300 * MIB, MIB))
     assert warming.verdict == "steady"
+
+
+def test_a_process_still_settling_is_no_leak_and_a_leak_on_top_of_settling_is() -> None:
+    # a rank's RSS measured in a 3-minute soak: 443 -> 783 MiB, rising for minutes after its first steps, most in
+    # the first of them (sampled every second; the warm-up third leaves a rise of ~75 MiB against a ~30 MiB
+    # tolerance, which the straight-line test alone called a leak)
+    draw = random.Random(3)
+    settling = [int((443 + 340 * (1 - math.exp(-t / 50)) + draw.uniform(-1, 1)) * MIB) for t in range(180)]
+    verdict = judge(1, "rank 0", settling)
+    assert verdict.growth_bytes > verdict.tolerance_bytes and verdict.verdict == "steady", verdict.describe()
+    leaking = judge(2, "rank 0", [int(r + k * 0.5 * MIB) for k, r in enumerate(settling)])
+    assert leaking.verdict == "leak", leaking.describe()
 
 
 def test_growth_within_the_floor_or_a_single_spike_is_no_leak_and_short_lives_are_not_judged() -> None:
