@@ -62,7 +62,8 @@ def test_a_report_in_the_format_written_before_the_reader_reads(tmp_path: Path) 
     """The keys the writer has always written, the derived ones (verdict, status, the plan's errors) included."""
     written = _report().write(tmp_path)
     data = json.loads(written.read_text())
-    assert list(data) == ["verdict", "dimensions", "drills", "runs", "ledger_entry", "plan_accuracy", "goodput"]
+    assert list(data) == ["verdict", "dimensions", "drills", "runs", "ledger_entry", "plan_accuracy", "goodput",
+                          "distillation"]  # fmt: skip
     assert data["verdict"] == "failed" and [d["status"] for d in data["dimensions"]] == [
         "passed", "failed", "not measured"
     ]  # fmt: skip

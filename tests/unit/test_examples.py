@@ -20,7 +20,9 @@ INPUT_FILES = (("nodes", "ssh_key_path"), ("nodes", "known_hosts_path"))
 
 
 def _remap(value: Any, root: Path) -> Any:
-    """The spec with every absolute path and object-store URL moved under `root` (relative paths stay)."""
+    """The spec with every absolute path and object-store URL moved under `root`; the repository's own files an
+    example reads (examples/models/...: relative to the repository root, where the README runs them) made
+    absolute; other relative paths stay."""
     if isinstance(value, dict):
         return {key: _remap(item, root) for key, item in value.items()}
     if isinstance(value, list):
@@ -29,6 +31,8 @@ def _remap(value: Any, root: Path) -> Any:
         return str(root / "s3" / value.removeprefix("s3://"))
     if isinstance(value, str) and value.startswith("/"):
         return str(root / value.lstrip("/"))
+    if isinstance(value, str) and value.startswith("examples/"):
+        return str(REPO / value)
     return value
 
 
