@@ -136,19 +136,19 @@ def _patch_step(trainer: type, faults: TestFaults, put: Setter) -> None:
             slow.step_computed(pending.record["compute_cpu_s" if on_cpu else "compute_s"], on_cpu)
         return pending
 
-    def _loss(self: Any, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _loss(self: Any, tokens: torch.Tensor, distilled: bool = False) -> tuple[torch.Tensor, torch.Tensor, Any]:
         m = micro_batch.get(id(self))
         if m is None:  # an evaluation
-            return compute_loss(self, tokens)
+            return compute_loss(self, tokens, distilled)
         micro_batch[id(self)] = m + 1
         if m > 0 and faults.accum_bug:
             self.optimizer.zero_grad(set_to_none=True)
-        loss, aux = compute_loss(self, tokens)
+        loss, aux, kl = compute_loss(self, tokens, distilled)
         if faults.nan_at_step == self.step + 1:
             loss = loss * float("nan")
         if m == 0 and slow:
             slow.maybe_slow_down()
-        return loss, aux
+        return loss, aux, kl
 
     def _pipeline_step(self: Any, micro_batches: list[np.ndarray]) -> Any:
         if slow:
