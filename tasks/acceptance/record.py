@@ -10,18 +10,17 @@ import json
 import logging
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from tasks.errors import UserError
+from tasks.export.readme import AcceptanceFigures
 from training.run_output import DistillationRecord
 from validation.acceptance import DimensionResult
 from validation.goodput import GoodputField
 from validation.plan_accuracy import PlanAccuracy
 
-if TYPE_CHECKING:
-    from tasks.export.readme import AcceptanceFigures
 
 log = logging.getLogger(__name__)
 
@@ -169,8 +168,7 @@ def _first_error(err: ValidationError) -> str:
 def latest_card(workspaces: Path) -> AcceptanceFigures | None:
     """The model card's view of the last acceptance report under `workspaces` (tasks.paths
     DeploymentPaths.acceptance_workspaces; None before the first; an unreadable one is logged and left out)."""
-    from tasks.acceptance.workspace import latest_run
-    from tasks.export.readme import AcceptanceFigures
+    from tasks.acceptance.workspace import latest_run  # noqa: PLC0415 - loads the launchers; a report reader does not
 
     root = latest_run(workspaces)
     if root is None:
