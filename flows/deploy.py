@@ -18,7 +18,7 @@ from tasks.acceptance.record import latest_card
 from tasks.acceptance.step import AcceptanceResult, AcceptanceStepInputs, DrillsInputs
 from tasks.acceptance.task import run_acceptance, run_drills
 from tasks.cache import cached_step_options
-from tasks.capacity.step import CapacityInputs, CapacityResult
+from tasks.capacity.step import CapacityInputs, CapacityResult, serving_pod_memory
 from tasks.capacity.task import estimate_capacity
 from tasks.image.step import ImageInputs, ImageStepResult
 from tasks.image.task import build_image
@@ -148,13 +148,14 @@ def _serving(run: Deployment) -> StepResult:
     spec, train = run.spec, run.trained()
     if spec.serve is None:
         return SkippedResult(reason="serve: null")
-    quantized = run.results.get("quantize")
+    quantized, pod_memory = run.results.get("quantize"), serving_pod_memory(spec)
     if isinstance(quantized, QuantizeResult):  # the gated quantized folder is what gets served
         served = serving_check(ServingInputs.of(spec, train, step=quantized.step, model_dir=quantized.model_dir,
-                                                  quantization_json=quantized.files.get("json")))
+                                                  quantization_json=quantized.files.get("json"),
+                                                  pod_memory_bytes=pod_memory))  # fmt: skip
     else:
         card = latest_card(DeploymentPaths.of(spec).acceptance_workspaces)  # the model card's training figures
-        served = serving_check(ServingInputs.of(spec, train, acceptance=card))
+        served = serving_check(ServingInputs.of(spec, train, acceptance=card, pod_memory_bytes=pod_memory))
     accepted = run.results.get("acceptance")
     entry = getattr(accepted, "report", {}).get("ledger_entry")
     if isinstance(served, ServingResult) and entry:  # the accepted entry's golden serving figures

@@ -28,7 +28,7 @@ from tasks.spec import DeploymentSpec
 console = Console(soft_wrap=True)
 err_console = Console(stderr=True, soft_wrap=True)
 
-FIGURES_CHARS = 90  # longer key figures are cut in the table; summary.json keeps them whole
+FIGURES_CHARS = 90  # longer key figures are cut in the table; summary.json keeps them all
 UI_PORT = 4200  # where `prefect server start` serves the UI by default
 
 
@@ -142,14 +142,14 @@ _VERDICT_STYLE = {"passed": "green", "skipped": "yellow", "FAILED": "bold red", 
 
 
 def summary_table(summary: Any) -> Table:
-    """One row per step: verdict and key figures (cut to FIGURES_CHARS; summary.json keeps them whole)."""
+    """One row per step: verdict and key figures (cut to FIGURES_CHARS; summary.json keeps them all)."""
     verdict = "failed" if summary.failed_step else "succeeded"
     table = Table(title=f"deploy-training {summary.name}: {verdict}", title_justify="left")
     for column in ("step", "verdict", "key figures", "details"):
         table.add_column(column, overflow="fold")
     for row in summary.steps:
         table.add_row(
-            row.title, f"[{_VERDICT_STYLE.get(row.verdict, '')}]{row.verdict}[/]", _short(row.figures), row.details
+            row.title, f"[{_VERDICT_STYLE.get(row.verdict, '')}]{row.verdict}[/]", _short(row.text()), row.details
         )
     return table
 
@@ -189,7 +189,7 @@ def print_summary(
     out.print(summary_table(summary))
     if summary.failed_step:
         row = next(r for r in summary.steps if r.step == summary.failed_step)
-        out.print(f"{row.title} failed: {row.figures}", markup=False, highlight=False)
+        out.print(f"{row.title} failed: {row.text()}", markup=False, highlight=False)
         if summary.findings:
             out.print("Diagnosis:", style="bold")
             for n, finding in enumerate(summary.findings, 1):

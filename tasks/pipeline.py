@@ -12,10 +12,11 @@ from typing import Any, ParamSpec, TypeVar
 from prefect import Flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 
+from tasks import tables
 from tasks.diagnose import diagnose, diagnose_run, node_report_if_written, plan_if_written
 from tasks.errors import retry_on_transient
 from tasks.preflight import preflight
-from tasks.results import StepResult
+from tasks.results import Figure, StepResult
 from tasks.spec import DeploymentSpec, SpecError, credential_problems, load_spec, parse_spec
 from tasks.steps import DEPLOY, DIAGNOSIS_ARTIFACT, Step
 from training.checkpoint import KEY_ENV as CHECKPOINT_KEY_ENV
@@ -148,17 +149,34 @@ def _failure(error: str | None) -> str:
 
 VERDICTS = ("passed", "skipped", "FAILED", "not run")
 SUMMARY_JSON, SUMMARY_MD = "summary.json", "summary.md"  # in the reports folder
+FIGURES_SHOWN = 12
+"""Key figures a summary row shows (summary.json has them all)."""
 
 
 @dataclass
 class StepRow:
-    """One step of the summary: its verdict, its key figures (full text) and where its details are."""
+    """One step of the summary: its verdict, its key figures (numbers, each name with its unit), a note (why it
+    failed or was skipped, in full) and where its details are."""
 
     step: str
     title: str
     verdict: str
-    figures: str
+    figures: dict[str, Figure]
     details: str
+    note: str = ""
+
+    def text(self) -> str:
+        """The figures as people read them (`name=value unit`, tasks/tables.py), after the note."""
+        shown = tables.text(self.figures, limit=FIGURES_SHOWN) if self.figures else ""
+        return "; ".join(part for part in (self.note, shown) if part)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> StepRow:
+        """A row as summary.json holds it; a summary from before the figures were numbers has them as one display
+        string, read as the note (its figures: none)."""
+        if isinstance(data.get("figures"), str):
+            data = {**data, "figures": {}, "note": data["figures"]}
+        return cls(**data)
 
 
 @dataclass
@@ -183,7 +201,7 @@ class RunSummary:
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> RunSummary:
         """Inverse of to_json."""
-        return cls(**{**data, "steps": [StepRow(**row) for row in data["steps"]]})
+        return cls(**{**data, "steps": [StepRow.from_json(row) for row in data["steps"]]})
 
     def markdown(self) -> str:
         """The summary page: one row per step with its verdict, key figures and the detailed artifact's key."""
@@ -196,7 +214,7 @@ class RunSummary:
         ]
         for row in self.steps:
             status = "**FAILED**" if row.verdict == "FAILED" else row.verdict
-            lines.append(f"| {row.title} | {status} | {row.figures.replace('|', chr(92) + '|')} | {row.details} |")
+            lines.append(f"| {row.title} | {status} | {row.text().replace('|', chr(92) + '|')} | {row.details} |")
         if self.findings:
             lines += ["", "## Diagnosis", ""]
             lines += [f"- **{f['cause']}**: {f['fix']}" for f in self.findings]
@@ -237,16 +255,18 @@ def summarize(
     step of the flow's list (tasks/steps.py)."""
     rows = []
     for step in steps:
+        figures, note = {}, ""
         if step.name in results:
-            verdict, figures = results[step.name].verdict, results[step.name].summary()
+            result = results[step.name]
+            verdict, figures, note = result.verdict, result.figures(), result.note()
         elif step.name == failed_step:
-            verdict, figures = "FAILED", _failure(error)
+            verdict, note = "FAILED", _failure(error)
         elif step.name == "spec":
-            verdict, figures = "passed", ""
+            verdict = "passed"
         else:
-            verdict, figures = "not run", ""
+            verdict = "not run"
         details = f"artifact `{step.artifact}`" if step.name != "spec" or step.name == failed_step else "-"
-        rows.append(StepRow(step.name, step.title, verdict, figures, details))
+        rows.append(StepRow(step.name, step.title, verdict, figures, details, note))
     return RunSummary(name, failed_step, rows, error, diagnosis)
 
 

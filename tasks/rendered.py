@@ -90,11 +90,15 @@ def _serving(spec: DeploymentSpec) -> list[RenderedFile]:
     """The serving step's Kubernetes manifests and Slurm script for the exported model."""
     if spec.serve is None:
         return []
+    from tasks.capacity.step import serving_pod_memory
     from tasks.paths import DeploymentPaths
-    from tasks.serve.manifests import K8S_FILE, SLURM_FILE, render_kubernetes, render_slurm, validate_kubernetes
+    from tasks.serve.manifests import (
+        K8S_FILE, SLURM_FILE, PodResources, render_kubernetes, render_slurm, validate_kubernetes,
+    )  # fmt: skip
 
     serve, name, accelerator = spec.serve, spec.name, spec.cluster.accelerator
-    objects = render_kubernetes(serve, name, f"pvc://{name}-model", serve.image, accelerator=accelerator)
+    resources = PodResources.of(serve, serving_pod_memory(spec))  # as the serving step writes them
+    objects = render_kubernetes(serve, name, f"pvc://{name}-model", accelerator=accelerator, resources=resources)
     validate_kubernetes(objects)
     model_dir = str(Path(DeploymentPaths.of(spec).export_dir).resolve())
     return [

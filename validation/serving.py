@@ -45,7 +45,7 @@ class ServingThresholds(StrictModel):
         "for the first serve.check.parity_tokens tokens.",
     )
     rouge_l_min: float = Field(
-        default=0.0, ge=0, le=1, description="Smallest ROUGE-L F1 of greedy continuations of held-out text."
+        default=0.0, ge=0, le=1, description="Smallest ROUGE-L F1 (0-1) of greedy continuations of held-out text."
     )
     bleu4_min: float = Field(
         default=0.0, ge=0, le=100, description="Smallest corpus BLEU-4 (sacrebleu, 0-100) of the same continuations."

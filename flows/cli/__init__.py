@@ -1,6 +1,6 @@
 """`tdeploy`: the command line of transformer-deploy, one module per concern over the steps' plain functions.
 
-`data` (validate-spec, prepare-data, convert-dataset), `job` (plan, check-nodes, build-image, train, submit,
+`data` (validate-spec, prepare-data, convert-dataset), `files` (render, schema), `job` (plan, check-nodes, build-image, train, submit,
 status, cancel, run), `accept` (accept, drill, diagnose), `ledger` (history, baseline, rollback, rollout), `serve`
 (export, serve, check-serving), `quantize` (quantize), `alerts` (the `tdeploy alerts` group) and `nodes` (the
 `tdeploy nodes` group: the node quarantine); `common` holds what they share. This module joins them into one app, and is the one place
@@ -19,7 +19,7 @@ import click
 import typer
 from typer.core import TyperGroup
 
-from flows.cli import accept, alerts, data, job, ledger, nodes, quantize, serve, soak
+from flows.cli import accept, alerts, data, files, job, ledger, nodes, quantize, serve, soak
 from flows.cli.common import EXIT_TRANSIENT, EXIT_USER_ERROR, console, err_console, example
 
 # Failures that a command reports as one line (exit 2: fix the input; exit 1: it may pass, run again), never as
@@ -98,7 +98,7 @@ app = typer.Typer(
     epilog=example("tdeploy validate-spec examples/local.yaml", "tdeploy run examples/local.yaml"),
 )
 # their commands at the top level, listed in this order
-for _concern in (data, job, accept, soak, ledger, serve, quantize):
+for _concern in (data, files, job, accept, soak, ledger, serve, quantize):
     app.add_typer(_concern.app)
 app.add_typer(alerts.app, name="alerts")
 app.add_typer(nodes.app, name="nodes")

@@ -51,10 +51,11 @@ def _progress_lines() -> Iterator[None]:
 def _print_acceptance(report, files: dict[str, str | None]) -> None:  # noqa: ANN001 - AcceptanceReport
     from tasks.acceptance.report import table_rows
 
-    table = Table("check", "verdict", "measured", "look first", show_lines=True)
+    table = Table("check", "verdict", "measured", "threshold", "look first", show_lines=True)
     for row in table_rows(report):
         style = {"pass": "green", "n/a": "yellow", "not measured": "yellow"}.get(row["verdict"], "red")
-        cells = (Text(row["check"]), Text(row["verdict"], style=style), Text(row["measured"]), Text(row["look first"]))
+        cells = (Text(row["check"]), Text(row["verdict"], style=style), Text(row["measured"]), Text(row["threshold"]),
+                 Text(row["look first"]))  # fmt: skip
         table.add_row(*cells)
     console.print(table)
     if report.plan_accuracy is not None:

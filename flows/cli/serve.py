@@ -180,8 +180,10 @@ def check_serving(
     if parsed.serve is None:
         err_console.print("the spec has no serve section: serving is off; add `serve: {}` to check it", markup=False)
         raise typer.Exit(EXIT_USER_ERROR)
+    from tasks.capacity.step import serving_pod_memory
+
     inputs = ServingInputs.of(parsed, training_config_prepared(parsed), str(out) if out else None, step,
-                              acceptance=model_card_figures(parsed))
+                              acceptance=model_card_figures(parsed), pod_memory_bytes=serving_pod_memory(parsed))
     try:
         run(inputs, _print_serving)
     except ServingCheckFailed:  # the table said which figure missed
@@ -202,8 +204,8 @@ def _print_serving(report) -> None:  # noqa: ANN001 - tasks.serve.check.ServingR
         f"step {report.step} served from {report.model_dir}: {load.requests} requests at concurrency "
         f"{load.max_concurrency}, {load.output_tokens_per_s:.0f} output tokens/s, P50/P95/P99 end-to-end "
         f"{load.e2e_ms.p50:.1f}/{load.e2e_ms.p95:.1f}/{load.e2e_ms.p99:.1f} ms; greedy parity "
-        f"{report.parity.matched}/{report.parity.prompts}; ROUGE-L {report.quality.rouge_l:.3f}, BLEU-4 "
-        f"{report.quality.bleu4:.2f}\nreport {report.files['json']}",
+        f"{report.parity.matched}/{report.parity.prompts}; ROUGE-L F1 {report.quality.rouge_l:.3f} (0-1), BLEU-4 "
+        f"{report.quality.bleu4:.2f} (0-100)\nreport {report.files['json']}",
         markup=False,
         highlight=False,
     )

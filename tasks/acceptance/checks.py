@@ -3,7 +3,7 @@
 The suite judges the finished runs by the table's `runs` rows (`judge_runs`); the start, recovery and regression
 rows are judged by the suite's own phases (the distributed job's state, the rank_kill drill, the ledger's
 baseline) and placed by the table (`in_report_order`). Which dimensions a mode judges, the list a failed start
-reports as not measured, and the README's dimension table (`markdown_table`) come from the same rows, so a new
+reports as not measured, and the docs site's dimension table (`markdown_table`) come from the same rows, so a new
 dimension is one row here and its check function.
 """
 
@@ -72,11 +72,11 @@ class Check:
 
     name: str
     judges: str
-    """What it judges, in a few words (the README table's column)."""
+    """What it judges, in a few words (the docs table's column)."""
     severity: Severity
     stage: Stage
     docs: str
-    """Where its rules are described (a file, or the README section)."""
+    """Where its rules are described (a file, or a docs page)."""
     modes: frozenset[Mode] = ALL_MODES
     judge: Callable[[Judged], DimensionResult] | None = None
     """The function over the finished runs (`runs` rows); None where the suite's own phase judges it."""
@@ -215,7 +215,7 @@ def in_report_order(dimensions: list[DimensionResult]) -> list[DimensionResult]:
 
 
 def markdown_table() -> str:
-    """The README's dimension table."""
+    """The dimension table of the docs page concepts/acceptance.md."""
     lines = ["| dimension | judges | a failure | judged from | modes | rules |", "|---|---|---|---|---|---|"]
     for c in CHECKS:
         modes = "all" if c.modes == ALL_MODES else ", ".join(m.value for m in Mode if m in c.modes)

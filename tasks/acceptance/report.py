@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 from xml.etree import ElementTree as ET
 
+from tasks import tables
 from tasks.acceptance.record import AcceptanceReport
 from training.run_output import RunOutput
 
@@ -94,13 +95,14 @@ def plot_losses(report: AcceptanceReport, path: Path) -> Path:
 
 
 def table_rows(report: AcceptanceReport) -> list[dict[str, Any]]:
-    """Rows for a Prefect table artifact or a terminal table."""
+    """Rows for a Prefect table artifact or a terminal table: each check's measured figures and its threshold as
+    `name=value unit` text (tasks/tables.py), the verdict and what to look at first."""
     rows = [
         {
             "check": d.name,
             "verdict": VERDICTS[d.passed],
-            "measured": json.dumps(d.measured, default=str)[:160],
-            "threshold": json.dumps(d.threshold, default=str)[:100],
+            "measured": tables.text(d.measured),
+            "threshold": tables.text(d.threshold),
             "look first": d.look_first or d.message,
         }
         for d in report.dimensions
@@ -109,9 +111,9 @@ def table_rows(report: AcceptanceReport) -> list[dict[str, Any]]:
         {
             "check": f"drill: {d.name}",
             "verdict": DRILL_VERDICTS[d.passed],
-            "measured": (f"recovery {d.recovery_s:.1f}s, " if d.recovery_s is not None else "")
-            + (f"steps lost {d.steps_lost}, " if d.steps_lost is not None else "")
-            + f"state matched {d.state_matched}",
+            "measured": tables.text(
+                {"recovery_s": d.recovery_s, "steps_lost": d.steps_lost, "state_matched": d.state_matched}
+            ),
             "threshold": "resume from last complete checkpoint",
             "look first": d.message,
         }

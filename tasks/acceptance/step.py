@@ -22,7 +22,7 @@ from tasks.launch.cluster import ClusterConfig
 from tasks.launch.environment import JobEnvironment
 from tasks.ledger.registry import Provenance
 from tasks.paths import DeploymentPaths
-from tasks.results import StepResult
+from tasks.results import Figure, StepResult
 from training.config import TrainConfig
 from training.run_output import DistillationRecord
 from validation.goodput import Goodput
@@ -38,6 +38,12 @@ DRILLS_TITLE = "checkpoint-restore drills"
 DRILLS_ARTIFACT = "drills"
 
 
+STATUS = {True: "passed", False: "failed", None: "not measured"}
+DRILL_STATUS = {True: "passed", False: "failed", None: "n/a"}
+PERFORMANCE_FIGURES = ("tokens_per_s", "scaling_efficiency", "comm_share")
+"""The performance dimension's figures the run's summary carries."""
+
+
 class AcceptanceResult(StepResult):
     """An acceptance (or drills) run: its verdict, its report and where its files are."""
 
@@ -46,6 +52,28 @@ class AcceptanceResult(StepResult):
     report: dict[str, Any]
     root: str
     latest: str | None = None
+
+    def figures(self) -> dict[str, Figure]:
+        """Each dimension's and drill's status (a drill's recovery in seconds), the performance figures
+        (tokens/s, scaling efficiency, communication share) and the goodput share, from the report."""
+        figures: dict[str, Figure] = {d["name"]: STATUS[d.get("passed")] for d in self.report.get("dimensions", [])}
+        for d in self.report.get("drills", []):
+            figures[f"drill_{d['name']}"] = DRILL_STATUS[d.get("passed")]
+            if d.get("recovery_s") is not None:
+                figures[f"drill_{d['name']}_recovery_s"] = d["recovery_s"]
+        performance = next((d for d in self.report.get("dimensions", []) if d["name"] == "performance"), None)
+        measured = (performance or {}).get("measured") or {}
+        figures |= {k: measured[k] for k in PERFORMANCE_FIGURES if isinstance(measured.get(k), int | float)}
+        if self.report.get("goodput"):
+            figures["goodput_share"] = Goodput.from_json(self.report["goodput"]).goodput
+        return figures
+
+    def note(self) -> str:
+        """The capacity plan beside the run, and a distilled student beside its teacher, in words."""
+        plan, distillation = self.report.get("plan_accuracy"), self.report.get("distillation")
+        lines = [plan["line"] if plan else "",
+                 DistillationRecord.from_json(distillation).summary() if distillation else ""]  # fmt: skip
+        return "; ".join(line for line in lines if line)
 
     def summary(self) -> str:
         """The verdict and each dimension's and drill's outcome."""

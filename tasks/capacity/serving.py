@@ -47,6 +47,10 @@ def vllm_batch_defaults(accelerator: Accelerator) -> tuple[int, int]:
     return 2048, 256
 
 
+POD_PROCESS_GIB = 2.0
+"""Host memory of one GPU server process beside the weights (Python, torch, the CUDA runtime), in GiB."""
+
+
 @dataclass(frozen=True)
 class ServingSettings:
     """The engine settings that decide serving memory, named after vLLM's flags and the spec's `serve` fields.
@@ -257,6 +261,16 @@ class ServingPlan:
     def problems(self) -> tuple[ServingProblem, ...]:
         """Every reason the plan does not fit, each with its fix."""
         return self.memory.problems
+
+    def pod_memory_bytes(self, accelerator: Accelerator) -> float:
+        """Host memory of one server pod on `accelerator` (its Kubernetes memory request, before headroom): on CPU
+        everything the engine holds (weights, activations, overhead, and the KV cache it allocates whole:
+        kv_cache_gib, VLLM_CPU_KVCACHE_SPACE); on GPUs the weights of all tensor_parallel ranks, which pass through
+        host memory as they load, plus POD_PROCESS_GIB per rank."""
+        if accelerator.kind == "cpu":
+            m, kv_space = self.memory, (self.settings.kv_cache_gib or 0) * GIB
+            return m.weights + m.activations.peak + m.overhead + max(m.kv_cache, kv_space)
+        return self.settings.tensor_parallel * (self.memory.weights + POD_PROCESS_GIB * GIB)
 
     @property
     def fits(self) -> bool:

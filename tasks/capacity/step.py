@@ -10,11 +10,13 @@ from pydantic import BaseModel, ConfigDict
 from tasks.capacity.calibration import Calibration
 from tasks.capacity.config import CapacityConfig
 from tasks.capacity.memory import GIB
-from tasks.capacity.plan import CapacityPlan, make_plan, plan_capacity, write_plan
+from tasks.capacity.catalogue import resolve_accelerator
+from tasks.capacity.params import Architecture
+from tasks.capacity.plan import CapacityPlan, make_plan, plan_capacity, serving_plan, write_plan
 from tasks.capacity.record import UnreadablePlan, read_plan
 from tasks.launch.cluster import ClusterConfig
 from tasks.paths import DeploymentPaths
-from tasks.results import StepResult
+from tasks.results import Figure, StepResult
 from tasks.serve.config import ServeConfig
 from training.config import CheckpointConfig, DistillConfig, ModelConfig, ParallelConfig, PrecisionConfig, RunConfig
 from training.storage import StorageConfig
@@ -123,6 +125,12 @@ class CapacityResult(StepResult):
             return f"{self.plan_url} is missing" if err.problem == "no such file" else err.message
         return None
 
+    def figures(self) -> dict[str, Figure]:
+        """Fit, layout, peak and usable memory per device, the planned step time, the calibration and the plan."""
+        return {"fits": self.fits, "layout": self.layout, "peak_bytes": self.peak_bytes,
+                "usable_bytes": self.usable_bytes, "step_s": self.step_seconds, "calibration": self.calibration,
+                "plan_url": self.plan_url}  # fmt: skip
+
     def summary(self) -> str:
         """Fit, peak memory per device, step time and where the plan is."""
         return (
@@ -141,3 +149,13 @@ def run(inputs: CapacityInputs, publish: Callable[[CapacityPlan, str], None] | N
     if not plan.fits and inputs.capacity.enforce:
         raise plan.error()
     return CapacityResult.of(plan, url)
+
+
+def serving_pod_memory(spec: DeploymentSpec) -> float | None:
+    """One vLLM server pod's memory by the serving plan of spec.serve (plan.json's `serving`), without planning
+    the training layouts: the serving manifests' memory request and limit (None: serve is off)."""
+    if spec.serve is None:
+        return None
+    accelerator = resolve_accelerator(spec.cluster.accelerator, spec.capacity.accelerator_overrides())
+    arch = Architecture.from_model_config(spec.model, name=spec.name)
+    return serving_plan(arch, accelerator, spec.serve, spec.precision).pod_memory_bytes(accelerator)

@@ -8,13 +8,14 @@ the training figures of the run's acceptance report when one is given.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import yaml
 from pydantic import BaseModel, ConfigDict
+
+from tasks import tables
 
 if TYPE_CHECKING:
     from tasks.acceptance.record import AcceptanceReport
@@ -67,11 +68,11 @@ def front_matter(card: ModelCard, facts: ReadmeFacts) -> dict[str, Any]:
 
 
 def _figures(measured: Any) -> str:
-    """A dimension's scalar figures, a few, as `name=value`."""
+    """A dimension's scalar figures, a few, as `name=value unit` (tasks/tables.py)."""
     if not isinstance(measured, dict):
-        return "" if measured is None else json.dumps(measured, default=str)[:80]
+        return "" if measured is None else tables.value("", measured)
     shown = [
-        f"{key}={value:.4g}" if isinstance(value, float) else f"{key}={value}"
+        tables.pair(key, value)
         for key, value in measured.items()
         if isinstance(value, int | float | str) and not isinstance(value, bool)
     ]

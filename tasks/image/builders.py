@@ -8,7 +8,6 @@ changes from build to build.
 
 from __future__ import annotations
 
-import base64
 import json
 import logging
 import os
@@ -34,7 +33,7 @@ from tasks.image.errors import (
     RegistryRejected,
     RegistryUnavailable,
 )
-from tasks.image.registry import credentials
+from tasks.image.registry import credentials, environment_authfile
 
 logger = logging.getLogger(__name__)
 
@@ -238,18 +237,15 @@ class CliBuilder(Builder):
             args = ["push", "--quiet", "--digestfile", str(digestfile)]
             if insecure:
                 args.append("--tls-verify=false")
-            creds = credentials()
-            if creds is not None:
-                # An auth file (mode 0600) keeps the password off the process list.
-                authfile = Path(tmp) / "auth.json"
-                token = f"{creds[0]}:{creds[1]}".encode()
-                authfile.write_text(json.dumps({"auths": {registry: {"auth": base64.b64encode(token).decode()}}}))
-                authfile.chmod(0o600)
-                args += ["--authfile", str(authfile)]
-            try:
-                proc = self._run(*args, reference, f"docker://{reference}", timeout_s=timeout_s)
-            except subprocess.TimeoutExpired as err:
-                raise RegistryUnavailable(registry, f"push took over {timeout_s:.0f} s") from err
+            # Without TDEPLOY_REGISTRY_* the builder uses the user's own login (auth.json, ~/.docker/config.json);
+            # with them, an auth file (mode 0600) keeps the password off the process list.
+            with environment_authfile(registry) as authfile:
+                if authfile is not None:
+                    args += ["--authfile", str(authfile)]
+                try:
+                    proc = self._run(*args, reference, f"docker://{reference}", timeout_s=timeout_s)
+                except subprocess.TimeoutExpired as err:
+                    raise RegistryUnavailable(registry, f"push took over {timeout_s:.0f} s") from err
             if proc.returncode != 0:
                 _raise_push_error(registry, proc.stderr.strip() or f"exit code {proc.returncode}")
             return digestfile.read_text().strip()

@@ -1,8 +1,10 @@
-"""A small client of the OCI distribution API: does a tag exist, and what is its manifest digest.
+"""Registry look-ups through skopeo: does a tag exist, and what is its manifest digest.
 
-Credentials, when the registry needs them, come from the environment
-(`TDEPLOY_REGISTRY_USERNAME`, `TDEPLOY_REGISTRY_PASSWORD`), never from the spec.
-Anonymous, Basic and Bearer-token (`WWW-Authenticate: Bearer realm=...`) registries are handled.
+skopeo reads the logins users already have, in the order of containers-auth.json(5):
+`${REGISTRY_AUTH_FILE}`, `${XDG_RUNTIME_DIR}/containers/auth.json`, `~/.config/containers/auth.json`
+(what `buildah login`/`podman login` write), then `~/.docker/config.json` (and Docker credential helpers).
+`TDEPLOY_REGISTRY_USERNAME`/`TDEPLOY_REGISTRY_PASSWORD`, when set, take precedence (written to a private
+auth file for the call). Anonymous, Basic and Bearer-token registries are skopeo's business.
 """
 
 from __future__ import annotations
@@ -12,14 +14,16 @@ import hashlib
 import json
 import os
 import re
-import socket
-import ssl
-import urllib.error
-import urllib.parse
-import urllib.request
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import NoReturn
 
+from tasks.errors import UserError
 from tasks.image.errors import RegistryRejected, RegistryUnavailable
 
 USERNAME_ENV, PASSWORD_ENV = "TDEPLOY_REGISTRY_USERNAME", "TDEPLOY_REGISTRY_PASSWORD"
@@ -29,7 +33,19 @@ MANIFEST_TYPES = (
     "application/vnd.oci.image.index.v1+json",
     "application/vnd.docker.distribution.manifest.list.v2+json",
 )
-_CREDENTIALS_FIX = f"set {USERNAME_ENV} and {PASSWORD_ENV} for a registry that needs a login"
+_CREDENTIALS_FIX = (
+    "log in with `buildah login HOST` (or `podman login`, `docker login`; REGISTRY_AUTH_FILE names another auth "
+    f"file), or set {USERNAME_ENV} and {PASSWORD_ENV}"
+)
+_MISSING_TAG = re.compile(r"manifest unknown|name unknown|\b404\b", re.IGNORECASE)
+_TLS = re.compile(r"server gave HTTP response to HTTPS client|x509:|tls:|certificate", re.IGNORECASE)
+_AUTH = re.compile(r"unauthorized|denied|authentication required|\b40[13]\b", re.IGNORECASE)
+# Failures that may pass on their own (server errors, timeouts, resets, a registry not up yet).
+_TRANSIENT = re.compile(
+    r"timeout|timed out|deadline exceeded|connection reset|connection refused|broken pipe|EOF|too many requests|"
+    r"\b50[0-4]\b|service unavailable|bad gateway|temporarily",
+    re.IGNORECASE,
+)
 
 
 @dataclass(frozen=True)
@@ -43,20 +59,34 @@ class RemoteManifest:
 
 
 def credentials() -> tuple[str, str] | None:
-    """(username, password) from the environment, or None for anonymous access."""
+    """(username, password) from the environment, or None to use the user's registry logins."""
     user, password = os.environ.get(USERNAME_ENV), os.environ.get(PASSWORD_ENV)
     return (user, password) if user and password is not None else None
 
 
+@contextmanager
+def environment_authfile(registry: str) -> Iterator[Path | None]:
+    """A private (0600) auth.json holding the TDEPLOY_REGISTRY_* login for `registry`, or None when unset."""
+    creds = credentials()
+    if creds is None:
+        yield None
+        return
+    with tempfile.TemporaryDirectory(prefix="tdeploy-auth-") as tmp:
+        authfile = Path(tmp) / "auth.json"
+        token = base64.b64encode(f"{creds[0]}:{creds[1]}".encode()).decode()
+        authfile.touch(mode=0o600)
+        authfile.write_text(json.dumps({"auths": {registry: {"auth": token}}}))
+        yield authfile
+
+
 class RegistryClient:
-    """Read-only access to one registry (`host[:port][/namespace]`)."""
+    """Read-only access to one registry (`host[:port][/namespace]`) through `skopeo inspect`."""
 
     def __init__(self, registry_url: str, insecure: bool = False, timeout_s: float = 30.0) -> None:
         self.registry_url = registry_url
         self.host, _, self.namespace = registry_url.partition("/")
-        self.base = f"{'http' if insecure else 'https'}://{self.host}/v2"
+        self.insecure = insecure
         self.timeout_s = timeout_s
-        self._authorization: str | None = None
 
     def repository_path(self, repository: str) -> str:
         """The repository's path on the registry (namespace included)."""
@@ -68,88 +98,72 @@ class RegistryClient:
 
     def manifest(self, repository: str, tag: str) -> RemoteManifest | None:
         """The manifest of `repository:tag`, or None when the tag does not exist."""
-        url = f"{self.base}/{self.repository_path(repository)}/manifests/{tag}"
-        status, headers, body = self._get(url, {"Accept": ", ".join(MANIFEST_TYPES)})
-        if status == 404:
+        body = self._raw_manifest(self.reference(repository, tag))
+        if body is None:
             return None
         document = json.loads(body)
-        digest = headers.get("Docker-Content-Digest") or "sha256:" + hashlib.sha256(body).hexdigest()
         config = document.get("config") or {}
         parts = [config] + list(document.get("layers") or document.get("manifests") or [])
         return RemoteManifest(
-            digest=digest,
-            media_type=document.get("mediaType") or headers.get("Content-Type", ""),
+            # `--raw` gives the manifest's exact bytes: their sha256 is the digest the registry serves it under.
+            digest="sha256:" + hashlib.sha256(body).hexdigest(),
+            media_type=document.get("mediaType") or _media_type(document),
             config_digest=config.get("digest"),
             size_bytes=sum(int(p.get("size", 0)) for p in parts),
         )
 
-    def _get(self, url: str, headers: dict[str, str]) -> tuple[int, dict[str, str], bytes]:
-        """GET with the registry's auth handshake; 404 is returned, other failures raise typed errors."""
-        for attempt in range(2):
-            request = urllib.request.Request(url, headers=dict(headers))
-            if self._authorization:
-                request.add_header("Authorization", self._authorization)
+    def _raw_manifest(self, reference: str) -> bytes | None:
+        """`skopeo inspect --raw`'s output, None for a missing tag; other failures raise typed errors."""
+        skopeo = shutil.which("skopeo")
+        if skopeo is None:
+            raise UserError(
+                f"image.registry_url={self.registry_url}: skopeo is not installed (it reads the registry)",
+                "install it: `apt-get install skopeo` (Debian/Ubuntu) or `dnf install skopeo`",
+            )
+        cmd = [skopeo, "--command-timeout", f"{self.timeout_s:.0f}s", "inspect", "--raw", "--retry-times", "0"]
+        if self.insecure:
+            cmd.append("--tls-verify=false")
+        with environment_authfile(self.host) as authfile:
+            if authfile is not None:
+                cmd += ["--authfile", str(authfile)]
             try:
-                with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
-                    return response.status, dict(response.headers), response.read()
-            except urllib.error.HTTPError as err:
-                if err.code == 404:
-                    return 404, dict(err.headers), b""
-                if err.code == 401 and attempt == 0:
-                    self._authorization = self._authorize(err.headers.get("WWW-Authenticate", ""))
-                    continue
-                self._raise_http(err)
-            except (urllib.error.URLError, OSError) as err:
-                self._raise_network(err)
-        raise RegistryRejected(self.registry_url, f"{url}: still unauthorized after logging in", _CREDENTIALS_FIX)
+                proc = subprocess.run(
+                    [*cmd, f"docker://{reference}"], capture_output=True, timeout=self.timeout_s + 10
+                )
+            except subprocess.TimeoutExpired as err:
+                raise RegistryUnavailable(self.registry_url, f"no answer within {self.timeout_s:.0f} s") from err
+        if proc.returncode == 0:
+            return proc.stdout
+        detail = _message(proc.stderr.decode(errors="replace")) or f"skopeo exit code {proc.returncode}"
+        if _MISSING_TAG.search(detail):
+            return None
+        self._raise(detail)
 
-    def _authorize(self, challenge: str) -> str:
-        """The Authorization header answering a 401 challenge (Basic, or a Bearer token from the realm)."""
-        creds = credentials()
-        scheme, _, params_text = challenge.partition(" ")
-        if scheme.lower() == "basic":
-            if creds is None:
-                raise RegistryRejected(self.registry_url, "it asks for a login", _CREDENTIALS_FIX)
-            return "Basic " + base64.b64encode(f"{creds[0]}:{creds[1]}".encode()).decode()
-        if scheme.lower() != "bearer":
-            raise RegistryRejected(self.registry_url, f"unsupported auth challenge {challenge!r}", _CREDENTIALS_FIX)
-        params = dict(re.findall(r'(\w+)="([^"]*)"', params_text))
-        realm = params.pop("realm", "")
-        if not realm:
-            raise RegistryRejected(self.registry_url, f"bearer challenge without realm: {challenge!r}", "")
-        request = urllib.request.Request(f"{realm}?{urllib.parse.urlencode(params)}")
-        if creds is not None:
-            request.add_header("Authorization", "Basic " + base64.b64encode(f"{creds[0]}:{creds[1]}".encode()).decode())
-        try:
-            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
-                answer = json.loads(response.read())
-        except urllib.error.HTTPError as err:
-            self._raise_http(err)
-        except (urllib.error.URLError, OSError) as err:
-            self._raise_network(err)
-        token = answer.get("token") or answer.get("access_token")
-        if not token:
-            raise RegistryRejected(self.registry_url, f"token service {realm} returned no token", _CREDENTIALS_FIX)
-        return f"Bearer {token}"
-
-    def _raise_http(self, err: urllib.error.HTTPError) -> NoReturn:
-        detail = f"HTTP {err.code} for {err.url}"
-        if err.code >= 500 or err.code == 429:
-            raise RegistryUnavailable(self.registry_url, detail) from err
-        if err.code in (401, 403):
-            raise RegistryRejected(self.registry_url, detail, _CREDENTIALS_FIX) from err
-        raise RegistryRejected(self.registry_url, detail, "check image.registry_url and image.repository") from err
-
-    def _raise_network(self, err: OSError) -> NoReturn:
-        reason = getattr(err, "reason", err)
-        if isinstance(reason, ssl.SSLError):
+    def _raise(self, detail: str) -> NoReturn:
+        if _TLS.search(detail):
             raise RegistryRejected(
                 self.registry_url,
-                f"TLS failed: {reason}",
+                f"TLS failed: {detail}",
                 "for a plain-HTTP test registry set image.registry_insecure: true; otherwise fix its certificate",
-            ) from err
-        if isinstance(reason, socket.gaierror):
+            )
+        if "no such host" in detail:
             raise RegistryRejected(
-                self.registry_url, f"host {self.host} does not resolve: {reason}", "check image.registry_url"
-            ) from err
-        raise RegistryUnavailable(self.registry_url, str(reason)) from err
+                self.registry_url, f"host {self.host} does not resolve: {detail}", "check image.registry_url"
+            )
+        if _AUTH.search(detail):
+            raise RegistryRejected(self.registry_url, detail, _CREDENTIALS_FIX)
+        if _TRANSIENT.search(detail):
+            raise RegistryUnavailable(self.registry_url, detail)
+        raise RegistryRejected(self.registry_url, detail, "check image.registry_url and image.repository")
+
+
+def _message(stderr: str) -> str:
+    """skopeo's error without its log prefix (`time=... level=fatal msg="..."`)."""
+    found = re.findall(r'msg="((?:[^"\\]|\\.)*)"', stderr)
+    text = found[-1].replace('\\"', '"') if found else stderr.strip()
+    return text.removeprefix("Error parsing image name ")
+
+
+def _media_type(document: dict[str, object]) -> str:
+    """The media type of a manifest that does not name its own (OCI allows leaving it out)."""
+    return MANIFEST_TYPES[2] if "manifests" in document else MANIFEST_TYPES[0]

@@ -14,7 +14,7 @@ from tasks.image.config import ImageConfig
 from tasks.image.registry import RegistryClient
 from tasks.launch.registry import capabilities
 from tasks.paths import DeploymentPaths
-from tasks.results import StepResult
+from tasks.results import Figure, StepResult
 
 if TYPE_CHECKING:
     from tasks.spec import DeploymentSpec
@@ -105,6 +105,15 @@ class ImageStepResult(StepResult):
             if client.manifest(image.repository, self.record["tag"]) is None:
                 return f"{self.record['reference']} is no longer in the registry"
         return None
+
+    def figures(self) -> dict[str, Figure]:
+        """Status and the image's reference (by digest where pushed)."""
+        record = self.record or {}
+        return {"status": self.status, "reference": record.get("reference_by_digest") or record.get("reference")}
+
+    def note(self) -> str:
+        """Why it was built, reused or skipped."""
+        return self.reason
 
     def summary(self) -> str:
         """Status, the image's reference and why."""

@@ -123,6 +123,18 @@ class JobHandle:
 
 
 @dataclass(frozen=True)
+class RenderedFile:
+    """One file a step generates (`tdeploy render`): its path under the output folder, its text, what it is and what
+    checked it; `shell` marks a script (shellcheck runs on it where installed)."""
+
+    name: str
+    text: str
+    what: str
+    checked: str
+    shell: bool = False
+
+
+@dataclass(frozen=True)
 class Capabilities:
     """What a scheduler's launcher can do: what callers ask instead of which scheduler it is."""
 
@@ -265,6 +277,14 @@ class Launcher(Protocol):
         (tasks/launch/health_gate.py); None: the scheduler places the job, and its gate runs inside the allocation
         (a step of the batch script, an init container)."""
         return None
+
+    @classmethod
+    def rendered_files(
+        cls, cluster: ClusterConfig, train: TrainConfig, name: str, image: str | None
+    ) -> list[RenderedFile]:
+        """The files submitting this job would write for the scheduler (a batch script, manifests), rendered and
+        checked as `submit` checks them; none where the job is started directly (local, SSH)."""
+        return []
 
     def wait(
         self,

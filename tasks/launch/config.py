@@ -203,8 +203,56 @@ class SlurmConfig(StrictModel):
         return value
 
 
+_LABEL_KEY = re.compile(r"([a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?")
+_LABEL_VALUE = re.compile(r"([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?")
+
+
+class Toleration(StrictModel):
+    """One pod toleration (Kubernetes `tolerations[]`): lets the pods onto nodes with a matching taint."""
+
+    taint: Annotated[str, matching(_LABEL_KEY, "a taint key such as nvidia.com/gpu")] | None = Field(
+        default=None, description="Key of the taint to tolerate (Kubernetes' `key`); None with operator Exists "
+        "tolerates every taint.",
+    )
+    operator: Literal["Equal", "Exists"] = Field(default="Equal", description="Equal: key and value match; Exists: "
+                                                 "the key alone.")  # fmt: skip
+    value: Annotated[str, matching(_LABEL_VALUE, "a taint value of up to 63 letters, digits, - _ and .")] | None = (
+        Field(default=None, description="Taint value (operator Equal).")
+    )
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(
+        default=None, description="Taint effect to tolerate; None = every effect."
+    )
+
+
 class KubernetesConfig(StrictModel):
-    """Kubeflow PyTorchJob settings."""
+    """Kubernetes settings: Kubeflow Trainer v2 (TrainJob on JobSet, the default) or the v1 PyTorchJob."""
+
+    api: Literal["trainjob", "pytorchjob"] = Field(
+        default="trainjob",
+        description="trainjob: a Kubeflow Trainer v2 TrainJob (trainer.kubeflow.org/v1alpha1, run by JobSet) that "
+        "refers to the ClusterTrainingRuntime `runtime`; pytorchjob: a Kubeflow Training Operator v1 PyTorchJob "
+        "(kubeflow.org/v1), for clusters that still run the v1 operator.",
+    )
+    runtime: Annotated[
+        str, matching(_DNS_SUBDOMAIN, "a ClusterTrainingRuntime name; use lowercase letters, digits, - and .")
+    ] = Field(
+        default="torch-distributed",
+        description="api=trainjob: the ClusterTrainingRuntime the TrainJob refers to (runtimeRef); its replicated "
+        "job `node` runs the trainer. Kubeflow Trainer installs `torch-distributed`.",
+    )
+    render_runtime: bool = Field(
+        default=False,
+        description="api=trainjob: also render the ClusterTrainingRuntime `runtime` (torch, one replicated job "
+        "`node`, JobSet restarts = cluster.max_restarts), for clusters that have none; it is cluster-scoped, so "
+        "applying it replaces one of that name.",
+    )
+    node_selector: dict[
+        Annotated[str, matching(_LABEL_KEY, "a node label key such as nvidia.com/gpu.product")],
+        Annotated[str, matching(_LABEL_VALUE, "a node label value of up to 63 letters, digits, - _ and .")],
+    ] = Field(default_factory=dict, description="Node labels the pods require (pod nodeSelector).")
+    tolerations: list[Toleration] = Field(
+        default_factory=list, max_length=64, description="Taints the pods tolerate (pod tolerations)."
+    )
 
     namespace: Annotated[
         str, matching(_DNS_LABEL, "a Kubernetes namespace; use up to 63 lowercase letters, digits and - (e.g. train)")
@@ -215,7 +263,11 @@ class KubernetesConfig(StrictModel):
     memory_per_node_gb: float | None = Field(
         default=None, gt=0, le=1_000_000, allow_inf_nan=False, description="Memory request and limit per pod, in GB."
     )
-    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(default="IfNotPresent")
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
+        default="IfNotPresent",
+        description="The pods' imagePullPolicy: IfNotPresent (the default; content-addressed tags never change), "
+        "Always, or Never (the image is preloaded on the nodes).",
+    )
     service_account: (
         Annotated[
             str,

@@ -1,18 +1,19 @@
-"""Kubernetes: a Kubeflow PyTorchJob (plus a ConfigMap with run.json), rendered and checked here.
+"""Kubernetes: a Kubeflow Trainer v2 TrainJob or a v1 PyTorchJob (plus a ConfigMap with run.json), rendered,
+checked and run here.
 
-Rendering and validation run everywhere. Validation deserialises the manifest
-into the models that Kubeflow's training SDK generates from the PyTorchJob
-OpenAPI schema (nested Kubernetes types included), which rejects missing
-required fields and wrong types, and then requires the round trip to give the
-manifest back unchanged, which rejects unknown or misplaced fields.
+cluster.kubernetes.api picks the job API: `trainjob` (the default) renders a TrainJob on a ClusterTrainingRuntime
+(tasks/launch/trainjob.py), `pytorchjob` the Training Operator's v1 PyTorchJob; both run the same pod (image,
+command, environment, volumes, grace period, health gate). `validate_manifests` checks every object: a TrainJob or
+runtime against the vendored Trainer v2 CRD schema, a PyTorchJob by deserialising it into the models that
+Kubeflow's training SDK generates from its OpenAPI schema and requiring the round trip to give it back unchanged
+(unknown or misplaced fields), core objects against the Kubernetes API schemas (kubernetes-validate).
 
-With fault_tolerance.mode=replica_groups the manifests are a torchft lighthouse
-(Deployment and Service) and one single-pod PyTorchJob per replica group
-(`replica_groups_manifests`); they are rendered and validated, not submitted.
+With fault_tolerance.mode=replica_groups (api=pytorchjob) the manifests are a torchft lighthouse (Deployment and
+Service) and one single-pod PyTorchJob per replica group (`replica_groups_manifests`); they are rendered and
+validated, not submitted.
 
-The live path (`KubernetesLauncher`) needs a cluster with the training
-operator and a kubeconfig; no such cluster runs on the CI machine, so it is
-kept small and separate, and not exercised by the tests.
+The live path (`KubernetesLauncher`) creates, reads, deletes and execs through the `kubernetes` client; the tests
+run it against a fake API server (tests/integration/launch/test_kubernetes_launcher.py), no real cluster.
 """
 
 from __future__ import annotations
@@ -20,10 +21,14 @@ from __future__ import annotations
 import copy
 import json
 import logging
-from collections.abc import Mapping, Sequence
+import os
+import shlex
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
+import yaml
 from pydantic import ValidationError
 
 from tasks.errors import TransientError, UserError
@@ -33,11 +38,24 @@ from tasks.launch.base import (
     JobState,
     JobStatus,
     Launcher,
+    RenderedFile,
     excluded_host_names,
 )
 from tasks.launch.environment import JobEnvironment
 from tasks.launch.lighthouse import LIGHTHOUSE_BIN, group_config, lighthouse_command
 from tasks.launch.torchrun import job_env, preemption_args, rdzv_conf_args
+from tasks.launch.trainjob import GROUP as TRAINER_GROUP
+from tasks.launch.trainjob import VERSION as TRAINER_VERSION
+from tasks.launch.trainjob import (
+    COMPLETION_INDEX_LABEL,
+    CRD_RELEASE,
+    JOBSET_NAME_LABEL,
+    NODE_JOB,
+    RUNTIME_PLURAL,
+    TRAINJOB_PLURAL,
+    render_trainjob,
+    validate_custom_object,
+)
 from training.checkpoint import KEY_ENV as CHECKPOINT_KEY_ENV
 from training.checkpoint.memory import DEFAULT_MEMORY_DIR
 from training.config import TrainConfig, first_problem
@@ -86,9 +104,10 @@ def render_manifests(
     image: str,
     environment: JobEnvironment | None = None,
 ) -> list[dict[str, Any]]:
-    """[ConfigMap with run.json, PyTorchJob] for `cluster.nodes` pods of `procs_per_node` ranks each; with
-    fault_tolerance.mode=replica_groups, [ConfigMap, lighthouse Deployment and Service, one PyTorchJob per group]
-    (replica_groups_manifests).
+    """The objects of the job, for cluster.kubernetes.api: trainjob, [ConfigMap with run.json, the
+    ClusterTrainingRuntime where render_runtime, TrainJob] (tasks/launch/trainjob.py); pytorchjob, [ConfigMap,
+    PyTorchJob] for `cluster.nodes` pods of `procs_per_node` ranks each, and with fault_tolerance.mode=replica_groups
+    [ConfigMap, lighthouse Deployment and Service, one PyTorchJob per group] (replica_groups_manifests).
 
     The pods get cluster.env and cluster.network's variables, and `environment`'s (a drill's points, a test
     plugin) where given.
@@ -128,14 +147,17 @@ def render_manifests(
                 "valueFrom": {"secretKeyRef": {"name": CHECKPOINT_KEY_SECRET, "key": "key", "optional": True}},
             },
         ],
-        "volumeMounts": [{"name": "tdeploy-config", "mountPath": CONFIG_DIR, "readOnly": True}],
-    }
+        # The container runtime's /dev/shm is 64 MiB: too small for NCCL's shared-memory transport and data workers.
+        "volumeMounts": [{"name": "tdeploy-config", "mountPath": CONFIG_DIR, "readOnly": True},
+                         {"name": "dshm", "mountPath": "/dev/shm"}],
+    }  # fmt: skip
     if resources:
         container["resources"] = {"limits": dict(resources), "requests": dict(resources)}
     pod_spec: dict[str, Any] = {
         "containers": [container],
-        "volumes": [{"name": "tdeploy-config", "configMap": {"name": f"{name}-config"}}],
-    }
+        "volumes": [{"name": "tdeploy-config", "configMap": {"name": f"{name}-config"}},
+                    {"name": "dshm", "emptyDir": {"medium": "Memory"}}],
+    }  # fmt: skip
     if train.checkpoint.memory_tier_on:
         # The in-memory checkpoint tier's copies live in RAM (tmpfs) for the pod's life: a restarted container
         # finds them, a pod lost with its node loses them (its peers on other nodes keep a copy).
@@ -155,6 +177,31 @@ def render_manifests(
         }  # fmt: skip
     if cluster.preemption.enabled:  # between the kubelet's SIGTERM and its SIGKILL: the step and a checkpoint
         pod_spec["terminationGracePeriodSeconds"] = cluster.preemption.grace_period_s
+    if k8s.node_selector:
+        pod_spec["nodeSelector"] = dict(k8s.node_selector)
+    if k8s.tolerations:
+        pod_spec["tolerations"] = [
+            {("key" if field == "taint" else field): value for field, value in t.model_dump(exclude_none=True).items()}
+            for t in k8s.tolerations
+        ]
+    template: dict[str, Any] = {"spec": pod_spec}
+    if train.run.metrics_port is not None:  # Prometheus' pod discovery; rank 0's port (one port per local rank)
+        template["metadata"] = {"annotations": {"prometheus.io/scrape": "true",
+                                                "prometheus.io/port": str(train.run.metrics_port)}}  # fmt: skip
+    config_map = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": f"{name}-config", "namespace": k8s.namespace},
+        "data": {"run.json": train.model_dump_json(indent=2)},
+    }
+    if k8s.api == "trainjob":
+        if train.fault_tolerance.mode == "replica_groups":
+            raise UserError(
+                "fault_tolerance.mode=replica_groups with cluster.kubernetes.api=trainjob: replica groups are "
+                "rendered as one PyTorchJob per group (and a lighthouse), not as TrainJobs",
+                "set cluster.kubernetes.api: pytorchjob (the Kubeflow Training Operator v1) for replica groups",
+            )
+        return [config_map, *render_trainjob(cluster, image, name, template)]
     replicas = {"Master": 1, "Worker": cluster.nodes - 1}
     elastic: dict[str, Any] = {}
     if cluster.spares:
@@ -176,17 +223,11 @@ def render_manifests(
             **elastic,
             "runPolicy": {"cleanPodPolicy": "None", "backoffLimit": cluster.max_restarts},
             "pytorchReplicaSpecs": {
-                role: {"replicas": count, "restartPolicy": "OnFailure", "template": {"spec": pod_spec}}
+                role: {"replicas": count, "restartPolicy": "OnFailure", "template": template}
                 for role, count in replicas.items()
                 if count > 0
             },
         },
-    }
-    config_map = {
-        "apiVersion": "v1",
-        "kind": "ConfigMap",
-        "metadata": {"name": f"{name}-config", "namespace": k8s.namespace},
-        "data": {"run.json": train.model_dump_json(indent=2)},
     }
     if train.fault_tolerance.mode == "replica_groups":
         return [config_map, *replica_groups_manifests(cluster, train, job, config_map)]
@@ -272,12 +313,13 @@ def job_image(job: dict[str, Any]) -> str:
     return next(iter(job["spec"]["pytorchReplicaSpecs"].values()))["template"]["spec"]["containers"][0]["image"]
 
 
-def pod_exit_codes(pods: list[dict[str, Any]]) -> dict[str, int]:
-    """The exit code of each pod's `pytorch` container that terminated (its last run, if it restarted since)."""
+def pod_exit_codes(pods: list[dict[str, Any]], trainer: str = "pytorch") -> dict[str, int]:
+    """The exit code of each pod's trainer container (`pytorch` in a PyTorchJob, `node` in a TrainJob) that
+    terminated (its last run, if it restarted since)."""
     codes = {}
     for pod in pods:
         for container in pod.get("status", {}).get("containerStatuses") or []:
-            if container.get("name") != "pytorch":
+            if container.get("name") != trainer:
                 continue
             for key in ("state", "lastState"):
                 terminated = (container.get(key) or {}).get("terminated")
@@ -298,6 +340,21 @@ def kubernetes_queue_seconds(job: dict[str, Any], pods: list[dict[str, Any]]) ->
     return max(0.0, (begun - datetime.fromisoformat(str(created).replace("Z", "+00:00"))).total_seconds())
 
 
+def trainjob_status(job: dict[str, Any], pods: list[dict[str, Any]]) -> JobStatus:
+    """A TrainJob's state: its true Complete, Failed or Suspended condition, else RUNNING while a child Job has
+    active pods (status.jobsStatus), else PENDING; a failed job whose trainer exited with PREEMPTED_EXIT_CODE is
+    PREEMPTED (as `job_status`)."""
+    status = job.get("status") or {}
+    true = [c for c in status.get("conditions") or [] if c.get("status") == "True"]
+    for kind, state in (("Failed", JobState.FAILED), ("Complete", JobState.SUCCEEDED), ("Suspended", JobState.PENDING)):
+        condition = next((c for c in true if c.get("type") == kind), None)
+        if condition is not None:
+            reason = condition.get("message") or condition.get("reason", "")
+            return _preempted(state, kind, reason, pod_exit_codes(pods, NODE_JOB))
+    active = any((j.get("active") or 0) + (j.get("ready") or 0) > 0 for j in status.get("jobsStatus") or [])
+    return JobStatus(JobState.RUNNING, "Running", "") if active else JobStatus(JobState.PENDING, "Created", "")
+
+
 def job_status(job: dict[str, Any], pods: list[dict[str, Any]]) -> JobStatus:
     """A PyTorchJob's state from its last condition; a failed job whose pods' trainer exited with
     PREEMPTED_EXIT_CODE (evicted or drained, checkpointed within terminationGracePeriodSeconds) is PREEMPTED."""
@@ -310,7 +367,11 @@ def job_status(job: dict[str, Any], pods: list[dict[str, Any]]) -> JobStatus:
         "Succeeded": JobState.SUCCEEDED,
         "Failed": JobState.FAILED,
     }.get(last["type"], JobState.PENDING)
-    codes = pod_exit_codes(pods)
+    return _preempted(state, last["type"], last.get("reason", ""), pod_exit_codes(pods))
+
+
+def _preempted(state: JobState, condition: str, reason: str, codes: dict[str, int]) -> JobStatus:
+    """The status; PREEMPTED instead of FAILED when a pod's trainer exited PREEMPTED_EXIT_CODE."""
     preempted = sorted(pod for pod, code in codes.items() if code == PREEMPTED_EXIT_CODE)
     if state is JobState.FAILED and preempted:
         others = [f"{pod}: exit {code}" for pod, code in sorted(codes.items()) if code != PREEMPTED_EXIT_CODE]
@@ -319,9 +380,38 @@ def job_status(job: dict[str, Any], pods: list[dict[str, Any]]) -> JobStatus:
             "from its checkpoint (preemptions.jsonl in the run's output names the step)"
         )
         return JobStatus(
-            JobState.PREEMPTED, last["type"], reason + "".join(f"; {o}" for o in others), PREEMPTED_EXIT_CODE
+            JobState.PREEMPTED, condition, reason + "".join(f"; {o}" for o in others), PREEMPTED_EXIT_CODE
         )
-    return JobStatus(state, last["type"], last.get("reason", ""))
+    return JobStatus(state, condition, reason)
+
+
+KUBERNETES_SCHEMA_VERSION = "1.30.0"
+"""The Kubernetes API version whose schemas (kubernetes-validate's) the core objects are checked against."""
+
+
+def validate_manifests(objects: list[dict[str, Any]]) -> None:
+    """Raise UserError naming the first object that is invalid and its first problem: a TrainJob or
+    ClusterTrainingRuntime against the vendored Trainer v2 CRD schema, a PyTorchJob against the v1 SDK models,
+    core objects (ConfigMap, Deployment, Service, ...) against the Kubernetes API schemas (kubernetes-validate)."""
+    import kubernetes_validate
+
+    for obj in objects:
+        api = str(obj.get("apiVersion", ""))
+        if api.startswith(f"{TRAINER_GROUP}/"):
+            validate_custom_object(obj)
+        elif api == "kubeflow.org/v1" and obj.get("kind") == "PyTorchJob":
+            validate_pytorchjob(obj)
+        else:
+            what = f"{obj.get('kind')} {obj.get('metadata', {}).get('name', '?')!r}"
+            try:
+                kubernetes_validate.validate(obj, KUBERNETES_SCHEMA_VERSION, strict=True)
+            except kubernetes_validate.ValidationError as err:
+                where = ".".join(str(p) for p in err.path) or "(top)"
+                raise UserError(f"{what} is not a valid Kubernetes object at {where}: {err.message}",
+                                "this is a rendering bug; report it") from err  # fmt: skip
+            except kubernetes_validate.SchemaNotFoundError as err:
+                raise UserError(f"{what}: apiVersion {api!r} has no Kubernetes schema ({err})",
+                                "render a core Kubernetes kind") from err  # fmt: skip
 
 
 class _Payload:
@@ -405,12 +495,30 @@ class KubernetesLauncher(Launcher):
             ) from err
         return cluster.model_copy(update={"kubernetes": checked})
 
+    @classmethod
+    def rendered_files(
+        cls, cluster: ClusterConfig, train: TrainConfig, name: str, image: str | None
+    ) -> list[RenderedFile]:
+        """kubernetes/job.yaml: the objects `submit` creates (`render_manifests`), checked by `validate_manifests`;
+        the image is UNBUILT-IMAGE where none is given (`tdeploy build-image` names it)."""
+        objects = render_manifests(cluster, train, name, image or "UNBUILT-IMAGE")
+        validate_manifests(objects)
+        kinds = ", ".join(dict.fromkeys(obj["kind"] for obj in objects))
+        checked = {
+            "trainjob": f"the Trainer {CRD_RELEASE} CRD schemas and kubernetes-validate",
+            "pytorchjob": "the v1 PyTorchJob models and kubernetes-validate",
+        }[cluster.kubernetes.api]
+        return [RenderedFile("kubernetes/job.yaml", yaml.safe_dump_all(objects, sort_keys=False),
+                             f"the training job's Kubernetes objects ({kinds})", checked)]  # fmt: skip
+
     def __init__(self, env: Mapping[str, str] | None = None) -> None:
-        """`env` is ignored: a pod starts from its manifest's environment, not this process's."""
+        """`env` is ignored: a pod starts from its manifest's environment, not this process's. The cluster is
+        KUBECONFIG's (read now: the client reads it once, at its import), else ~/.kube/config, else in-cluster."""
         from kubernetes import client, config
 
+        kubeconfig = os.environ.get("KUBECONFIG")
         try:
-            config.load_config()
+            config.load_config(**({"config_file": kubeconfig} if kubeconfig else {}))
         except Exception as err:  # noqa: BLE001 - the client raises several unrelated types here
             raise UserError(
                 f"cluster.scheduler=kubernetes: no cluster configured ({err})",
@@ -428,10 +536,14 @@ class KubernetesLauncher(Launcher):
         environment: JobEnvironment | None = None,
         supervised: bool = True,
     ) -> JobHandle:
-        """Render and check the manifests, create the ConfigMap and the PyTorchJob.
+        """Render and validate the manifests (`render_manifests`), create them: the ConfigMap, the
+        ClusterTrainingRuntime where cluster.kubernetes.render_runtime (an existing one of that name is kept), the
+        TrainJob or PyTorchJob.
 
         The job always runs on its own: `supervised` does not apply.
         """
+        from kubernetes.client.exceptions import ApiException
+
         if not image:
             raise UserError(
                 "cluster.scheduler=kubernetes needs an image", "build one first (tdeploy build-image) or pass --image"
@@ -442,61 +554,151 @@ class KubernetesLauncher(Launcher):
                 "(replica_groups_manifests) but does not submit or watch them yet",
                 "run on the local, SSH or Slurm launcher, or set fault_tolerance.mode=none",
             )
-        config_map, job = render_manifests(cluster, train, name, image, environment)
-        validate_pytorchjob(job)
-        namespace = job["metadata"]["namespace"]
-        self.core.create_namespaced_config_map(namespace, config_map)
-        self.custom.create_namespaced_custom_object("kubeflow.org", "v1", namespace, "pytorchjobs", job)
+        objects = render_manifests(cluster, train, name, image, environment)
+        validate_manifests(objects)
+        api = JOB_APIS[cluster.kubernetes.api]
+        namespace = cluster.kubernetes.namespace
+        for obj in objects:
+            if obj["kind"] == "ConfigMap":
+                self.core.create_namespaced_config_map(namespace, obj)
+            elif obj["kind"] == "ClusterTrainingRuntime":
+                try:
+                    self.custom.create_cluster_custom_object(api.group, api.version, RUNTIME_PLURAL, obj)
+                except ApiException as err:
+                    if err.status != 409:
+                        raise
+                    log.warning("ClusterTrainingRuntime %s exists; the TrainJob uses it as it is",
+                                obj["metadata"]["name"])  # fmt: skip
+            else:
+                self.custom.create_namespaced_custom_object(api.group, api.version, namespace, api.plural, obj)
+        # With hot spares every PyTorchJob pod is a worker (an elastic job): worker 0 hosts the rendezvous store.
+        log_pod = f"{name}-{'worker' if cluster.spares else 'master'}-0"
         return JobHandle(
             self.scheduler,
             f"{namespace}/{name}",
             name,
             train.run.output_url,
             "",
-            # With hot spares every pod is a worker (an elastic job): worker 0 hosts the rendezvous store.
-            details={"namespace": namespace, "log_pod": f"{name}-{'worker' if cluster.spares else 'master'}-0"},
+            details={"namespace": namespace, "api": cluster.kubernetes.api, "log_pod": log_pod},
             env=dict(cluster.env),
             extra_env=(environment or JobEnvironment()).variables(),
         )
 
-    def status(self, handle: JobHandle) -> JobStatus:
-        """The last condition of the PyTorchJob."""
+    def _job(self, handle: JobHandle) -> tuple[JobApi, str, str]:
+        """(the api of the handle's job, its namespace, its name); a handle from before api=trainjob is a
+        PyTorchJob."""
         namespace, name = handle.job_id.split("/", 1)
+        return JOB_APIS[handle.details.get("api", "pytorchjob")], namespace, name
+
+    def _pods(self, handle: JobHandle, selector: str = "") -> list[dict[str, Any]]:
+        """The job's pods (as the API's JSON), narrowed by the label `selector` where given."""
+        api, namespace, name = self._job(handle)
+        labels = ",".join(filter(None, [f"{api.pod_label}={name}", selector]))
+        listed = self.core.list_namespaced_pod(namespace, label_selector=labels)
+        return [self.core.api_client.sanitize_for_serialization(pod) for pod in listed.items]
+
+    def _read_job(self, handle: JobHandle) -> dict[str, Any]:
+        api, namespace, name = self._job(handle)
+        return self.custom.get_namespaced_custom_object(api.group, api.version, namespace, api.plural, name)
+
+    def status(self, handle: JobHandle) -> JobStatus:
+        """The TrainJob's conditions and child Jobs (`trainjob_status`) or the PyTorchJob's last condition
+        (`job_status`); the pods' exit codes tell a preempted job from a failed one."""
+        api = self._job(handle)[0]
         try:
-            job = self.custom.get_namespaced_custom_object("kubeflow.org", "v1", namespace, "pytorchjobs", name)
+            job = self._read_job(handle)
         except Exception as err:  # noqa: BLE001
-            raise TransientError(f"cannot read PyTorchJob {handle.job_id}: {err}", "retried") from err
+            raise TransientError(f"cannot read {api.kind} {handle.job_id}: {err}", "retried") from err
         pods: list[dict[str, Any]] = []
-        if (job.get("status", {}).get("conditions") or [{}])[-1].get("type") == "Failed":
+        if api.failed(job):
             try:
-                listed = self.core.list_namespaced_pod(
-                    namespace, label_selector=f"training.kubeflow.org/job-name={name}"
-                )
-                pods = [self.core.api_client.sanitize_for_serialization(pod) for pod in listed.items]
+                pods = self._pods(handle)
             except Exception as err:  # noqa: BLE001
-                raise TransientError(f"cannot list the pods of PyTorchJob {handle.job_id}: {err}", "retried") from err
-        return job_status(job, pods)
+                raise TransientError(f"cannot list the pods of {api.kind} {handle.job_id}: {err}", "retried") from err
+        return api.status(job, pods)
 
     def queue_seconds(self, handle: JobHandle) -> float | None:
-        """From the PyTorchJob's creation to its last pod's start (`kubernetes_queue_seconds`)."""
-        namespace, name = handle.job_id.split("/", 1)
+        """From the job's creation to its last pod's start (`kubernetes_queue_seconds`)."""
         try:
-            job = self.custom.get_namespaced_custom_object("kubeflow.org", "v1", namespace, "pytorchjobs", name)
-            listed = self.core.list_namespaced_pod(namespace, label_selector=f"training.kubeflow.org/job-name={name}")
+            job, pods = self._read_job(handle), self._pods(handle)
         except Exception as err:  # noqa: BLE001 - the API's errors are many; a queue time not known is None
             log.warning("queue time of %s not known: %s", handle.job_id, err)
             return None
-        pods = [self.core.api_client.sanitize_for_serialization(pod) for pod in listed.items]
         return kubernetes_queue_seconds(job, pods)
 
     def logs(self, handle: JobHandle, offset: int = 0) -> tuple[list[str], int]:
-        """Log lines of the master pod (offset counts lines here)."""
-        namespace, name = handle.job_id.split("/", 1)
-        text = self.core.read_namespaced_pod_log(handle.details.get("log_pod", f"{name}-master-0"), namespace)
+        """Log lines of node 0's trainer (offset counts lines here): the PyTorchJob's master (worker 0 with spares)
+        or the TrainJob's pod of completion index 0 (the newest, when the Job replaced it); none before it exists."""
+        api, namespace, name = self._job(handle)
+        if api.kind == "PyTorchJob":
+            pod = handle.details.get("log_pod", f"{name}-master-0")
+        else:
+            pods = self._pods(handle, f"{COMPLETION_INDEX_LABEL}=0")
+            if not pods:
+                return [], offset
+            pod = max(pods, key=lambda p: str(p["metadata"].get("creationTimestamp", "")))["metadata"]["name"]
+        text = self.core.read_namespaced_pod_log(pod, namespace, container=api.trainer)
         lines = text.splitlines()
         return lines[offset:], len(lines)
 
     def cancel(self, handle: JobHandle) -> None:
-        """Delete the PyTorchJob (its pods go with it)."""
-        namespace, name = handle.job_id.split("/", 1)
-        self.custom.delete_namespaced_custom_object("kubeflow.org", "v1", namespace, "pytorchjobs", name)
+        """Delete the TrainJob or PyTorchJob (its JobSet or pods go with it: owner references)."""
+        api, namespace, name = self._job(handle)
+        self.custom.delete_namespaced_custom_object(api.group, api.version, namespace, api.plural, name)
+
+    def kill_rank(self, handle: JobHandle, rank: Mapping[str, Any], sig: int) -> None:
+        """`sig` to the rank's process through `kill` in its pod's trainer container (the pods/exec API); the pod is
+        the one of the job whose hostname (as ranks.json records it) or name is rank['host']."""
+        from kubernetes.stream import stream
+
+        api, namespace, _ = self._job(handle)
+        pods = self._pods(handle)
+        pod = next((p for p in pods if rank["host"] in {p["metadata"]["name"], p.get("spec", {}).get("hostname")}),
+                   None)  # fmt: skip
+        if pod is None:
+            raise UserError(
+                f"job {handle.ref}: no pod of {api.kind} {handle.job_id} is host {rank['host']!r} of rank "
+                f"{rank['rank']}", "kill a rank of a running job (ranks.json names the pods' hostnames)",
+            )  # fmt: skip
+        argv = ["kill", f"-{int(sig)}", str(int(rank["pid"]))]
+        session = stream(self.core.connect_get_namespaced_pod_exec, pod["metadata"]["name"], namespace,
+                         container=api.trainer, command=argv, stdout=True, stderr=True, stdin=False, tty=False,
+                         _preload_content=False)  # fmt: skip
+        session.run_forever(timeout=60)
+        code, said = session.returncode, session.read_stderr()
+        session.close()
+        if code != 0:
+            raise UserError(
+                f"job {handle.ref}: {shlex.join(argv)} in pod {pod['metadata']['name']} exited {code}: {said.strip()}",
+                "the rank's process may have ended already; read ranks.json again",
+            )
+
+
+@dataclass(frozen=True)
+class JobApi:
+    """Where one Kubernetes job API keeps its jobs and pods, and how it reports them."""
+
+    kind: str
+    group: str
+    version: str
+    plural: str
+    pod_label: str
+    """The label whose value is the job's name on each of its pods."""
+    trainer: str
+    """The trainer's container."""
+    status: Callable[[dict[str, Any], list[dict[str, Any]]], JobStatus]
+
+    def failed(self, job: dict[str, Any]) -> bool:
+        """Whether the job reports failure (then its pods' exit codes tell whether it was preempted)."""
+        conditions = job.get("status", {}).get("conditions") or [{}]
+        if self.kind == "PyTorchJob":
+            return conditions[-1].get("type") == "Failed"
+        return any(c.get("type") == "Failed" and c.get("status") == "True" for c in conditions)
+
+
+JOB_APIS = {
+    "trainjob": JobApi("TrainJob", TRAINER_GROUP, TRAINER_VERSION, TRAINJOB_PLURAL, JOBSET_NAME_LABEL, NODE_JOB,
+                       trainjob_status),
+    "pytorchjob": JobApi("PyTorchJob", "kubeflow.org", "v1", "pytorchjobs", "training.kubeflow.org/job-name",
+                         "pytorch", job_status),
+}  # fmt: skip

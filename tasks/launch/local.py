@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import psutil
+
 from tasks.errors import UserError
 from tasks.hosts import NodeHost
 from tasks.launch.agent import AGENT_RECORD_ENV
@@ -564,10 +566,10 @@ class LocalLauncher(Launcher):
         for rank in [rank for ranks in recorded if ranks is not None for rank in ranks.ranks]:
             pid = rank["pid"]
             try:
-                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-            except OSError:
+                cmdline = psutil.Process(pid).cmdline()
+            except psutil.Error:  # gone, or not ours to read
                 continue
-            if b"training.train" in cmdline and str(out).encode() in cmdline:
+            if any("training.train" in arg for arg in cmdline) and any(str(out) in arg for arg in cmdline):
                 found.append((pid, start_time(pid)))
         return found
 
@@ -575,10 +577,9 @@ class LocalLauncher(Launcher):
 def parent_pid(pid: int) -> int | None:
     """A process's parent on this machine (None when it is gone)."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
+        return psutil.Process(pid).ppid()
+    except psutil.Error:
         return None
-    return int(stat[stat.rindex(")") + 2 :].split()[1])
 
 
 @dataclass

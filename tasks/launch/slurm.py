@@ -1,9 +1,10 @@
 """Slurm launcher: an sbatch script with one srun task per node, each running a torchrun agent.
 
 The rendezvous is c10d on the first node of the allocation (`scontrol show
-hostnames`). Status comes from `squeue` while the job is queued or running,
-then `sacct`, falling back to `scontrol show job` and the job-completion log
-(`sacct -c`) on clusters without accounting storage.
+hostnames`). Status comes from the controller's record (`squeue --json`) while
+it holds the job, then `sacct`, falling back to the job-completion log (`sacct
+-c`) on clusters without accounting storage. Where squeue has no `--json`, the
+text of `squeue -o` and `scontrol show job` takes the controller's part.
 
 Preemption (cluster.preemption, on by default): the script asks for `--signal=B:USR1@grace_period_s` and
 `--requeue`. The batch shell forwards the time-limit warning to the job's steps; Slurm's preemption SIGTERM goes
@@ -28,6 +29,7 @@ failure.json, or the preemption, which requeues the job as above).
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -36,6 +38,7 @@ import socket
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -47,6 +50,7 @@ from tasks.launch.base import (
     JobState,
     JobStatus,
     Launcher,
+    RenderedFile,
     excluded_host_names,
     parse_root_cause,
     read_log,
@@ -89,6 +93,9 @@ HOPELESS_REASONS = {
     "QOSMaxNodePerJobLimit", "QOSMaxWallDurationPerJobLimit", "InvalidAccount", "InvalidQOS", "JobHeldAdmin",
 }  # fmt: skip
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+# File-wide (after the shebang, before any command; sbatch reads #SBATCH lines after comments): the single-quoted
+# scripts that `sh -c` runs in each task expand their variables there, on the node, which is what SC2016 flags.
+SHELLCHECK_DIRECTIVE = "# shellcheck disable=SC2016"
 # Run by `sh -c` in every task: $1 is the logs folder; the rest is the torchrun command.
 PER_NODE_LOG_DIR = 'PET_LOG_DIR="$1/$SLURMD_NODENAME"; export PET_LOG_DIR; shift; exec "$@"'
 # Run by `sh -c` in every task of a replica-groups job: $1 is the logs folder, $2 the groups' folder, the rest is
@@ -137,6 +144,57 @@ def slurm_queue_seconds(submit: str, start: str) -> float | None:
     return max(0.0, (started - submitted).total_seconds())
 
 
+@dataclass(frozen=True)
+class ControllerJob:
+    """A job as the Slurm controller holds it (`squeue --json`), until MinJobAge after it ended."""
+
+    state: str
+    reason: str
+    exit_code: int | None
+    restarts: int | None
+    submit_unix_s: int | None
+    start_unix_s: int | None
+
+    def queue_seconds(self) -> float | None:
+        """Start less submit time; None while pending (a pending job's start is an estimate, or 0)."""
+        if slurm_state(self.state) is JobState.PENDING or not self.start_unix_s or self.submit_unix_s is None:
+            return None
+        return max(0.0, float(self.start_unix_s - self.submit_unix_s))
+
+
+def _number(value: Any) -> int | None:
+    """An integer field of Slurm's JSON: a plain number (openapi v0.0.38, Slurm 22.05) or, from data_parser
+    v0.0.39 on (Slurm 23.02+), `{"set": bool, "infinite": bool, "number": N}`."""
+    if isinstance(value, dict):
+        return int(value["number"]) if value.get("set", True) and "number" in value else None
+    return int(value) if isinstance(value, (int, float)) else None
+
+
+def controller_job(squeue_json: str, job_id: str) -> ControllerJob | None:
+    """Job `job_id` in `squeue --json`'s output (Slurm 22.05 lists every job the controller holds whatever the
+    filters); None when it is not there."""
+    for job in json.loads(squeue_json).get("jobs", []):
+        if str(job.get("job_id")) != job_id:
+            continue
+        state = job.get("job_state", "")
+        state = " ".join(state) if isinstance(state, list) else str(state)  # a list of flags from 23.02 on
+        code = job.get("exit_code")
+        if isinstance(code, dict):  # 23.02+: {"status": [...], "return_code": N or {"number": N}, "signal": ...}
+            exit_code = _number(code.get("return_code"))
+        else:  # 22.05: the wait status, exit code in the high byte (`scontrol show job`'s ExitCode=3:0 is 768)
+            raw = _number(code)
+            exit_code = None if raw is None else (raw >> 8) & 0xFF
+        return ControllerJob(
+            state=state,
+            reason=str(job.get("state_reason") or ""),
+            exit_code=exit_code,
+            restarts=_number(job.get("restart_cnt")),
+            submit_unix_s=_number(job.get("submit_time")),
+            start_unix_s=_number(job.get("start_time")),
+        )
+    return None
+
+
 class SlurmLauncher(Launcher):
     """Submits, watches and cancels jobs through the Slurm command-line tools."""
 
@@ -171,6 +229,7 @@ class SlurmLauncher(Launcher):
     def __init__(self, env: Mapping[str, str] | None = None) -> None:
         """`env`: added to this process's environment for the Slurm tools (SLURM_CONF, PATH, ...)."""
         self.env = dict(os.environ, **(env or {}))
+        self._json: bool | None = None  # whether this Slurm's squeue has --json (known after the first call)
 
     # ---- commands -----------------------------------------------------------------------
 
@@ -213,6 +272,16 @@ class SlurmLauncher(Launcher):
         )
 
     # ---- script -------------------------------------------------------------------------
+
+    @classmethod
+    def rendered_files(
+        cls, cluster: ClusterConfig, train: TrainConfig, name: str, image: str | None
+    ) -> list[RenderedFile]:
+        """job.sbatch as `submit` writes it into run.output_url (which it reads run.json from)."""
+        out = Path(local_path(train.run.output_url)).resolve()
+        script = cls().render(cluster, str(out / "run.json"), name, str(out), image, train=train)
+        return [RenderedFile("slurm/job.sbatch", script, "the Slurm batch script of the training job",
+                             "every spec value quoted for sbatch or the shell", shell=True)]  # fmt: skip
 
     def render(
         self,
@@ -289,7 +358,8 @@ class SlurmLauncher(Launcher):
             f'"--rdzv-endpoint=$head_node:{slurm.rdzv_port:d}" "--rdzv-id=$SLURM_JOB_ID"',
             _shell([*LOG_ARGS, *payload_args(config_path)]),
         ]
-        lines = ["#!/bin/bash", *(f"#SBATCH {_sbatch_quote(d)}" for d in directives), "set -euo pipefail"]
+        lines = ["#!/bin/bash", SHELLCHECK_DIRECTIVE, *(f"#SBATCH {_sbatch_quote(d)}" for d in directives),
+                 "set -euo pipefail"]  # fmt: skip
         lines += [f"export {key}={shlex.quote(value)}" for key, value in sorted(env.items())]
         lines += [
             'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
@@ -360,13 +430,20 @@ class SlurmLauncher(Launcher):
         return handle
 
     def status(self, handle: JobHandle) -> JobStatus:
-        """squeue while queued or running; afterwards sacct, scontrol show job, or the completion log."""
-        queued = self._run("squeue", "-h", "-j", handle.job_id, "-o", "%T|%r", check=False)
-        line = queued.stdout.strip()
-        if queued.returncode == 0 and line:
-            raw, reason = (line.split("|", 1) + [""])[:2]
-            return self._status(raw, reason, None, handle)
-        for probe in (self._from_sacct, self._from_scontrol, self._from_jobcomp):
+        """The controller's record (`squeue --json`) while it holds the job; afterwards sacct or the completion
+        log. Where squeue has no --json, the text of `squeue -o` and `scontrol show job` instead."""
+        known, job = self._controller_job(handle)
+        if job is not None:
+            return self._status(job.state, job.reason, job.exit_code, handle)
+        if not known:
+            queued = self._run("squeue", "-h", "-j", handle.job_id, "-o", "%T|%r", check=False)
+            line = queued.stdout.strip()
+            if queued.returncode == 0 and line:
+                raw, reason = (line.split("|", 1) + [""])[:2]
+                return self._status(raw, reason, None, handle)
+        # `scontrol show job` reads the same controller record that squeue --json just did not have.
+        probes = [self._from_sacct, *([] if known else [self._from_scontrol]), self._from_jobcomp]
+        for probe in probes:
             found = probe(handle)
             if found:
                 return found
@@ -382,6 +459,26 @@ class SlurmLauncher(Launcher):
                 else None
             )
         return JobStatus(state, raw.strip(), reason.strip(), exit_code, failure)
+
+    def _controller_job(self, handle: JobHandle) -> tuple[bool, ControllerJob | None]:
+        """(whether `squeue --json` answered, the job in it). The JSON comes from Slurm's own serializer, so no
+        field is read from text meant for people; the text probes remain for a squeue without --json (before
+        21.08, or without the serializer/json plugin) and for a controller that cannot be reached."""
+        if self._json is False:
+            return False, None
+        # -t all -j ID: a filter where squeue applies it with --json (22.05 ignores both and lists every job).
+        proc = self._run("squeue", "--json", "-t", "all", "-j", handle.job_id, check=False)
+        if proc.returncode != 0:
+            if "unrecognized option" in proc.stderr or "serializer" in proc.stderr:
+                self._json = False
+            return False, None
+        try:
+            job = controller_job(proc.stdout, handle.job_id)
+        except ValueError:
+            self._json = False
+            return False, None
+        self._json = True
+        return True, job
 
     def _from_sacct(self, handle: JobHandle) -> JobStatus | None:
         proc = self._run("sacct", "-n", "-P", "-X", "-j", handle.job_id, "-o", "State,ExitCode,Reason", check=False)
@@ -416,6 +513,9 @@ class SlurmLauncher(Launcher):
         rows = proc.stdout.strip().splitlines() if proc.returncode == 0 else []
         if rows:
             return slurm_queue_seconds(*(rows[-1].split("|") + [""])[:2])
+        known, job = self._controller_job(handle)
+        if known:
+            return job.queue_seconds() if job is not None else None
         proc = self._run("scontrol", "show", "job", handle.job_id, check=False)
         submit, start = (re.search(rf"\b{key}=(\S+)", proc.stdout) for key in ("SubmitTime", "StartTime"))
         if proc.returncode != 0 or submit is None or start is None:
@@ -423,7 +523,10 @@ class SlurmLauncher(Launcher):
         return slurm_queue_seconds(submit.group(1), start.group(1))
 
     def restarts(self, handle: JobHandle) -> int | None:
-        """How often Slurm requeued the job (`scontrol show job`'s Restarts=; None once the controller forgot it)."""
+        """How often Slurm requeued the job (the controller's restart count; None once it forgot the job)."""
+        known, job = self._controller_job(handle)
+        if known:
+            return job.restarts if job is not None else None
         proc = self._run("scontrol", "show", "job", handle.job_id, check=False)
         found = re.search(r"\bRestarts=(\d+)", proc.stdout)
         return int(found.group(1)) if proc.returncode == 0 and found else None

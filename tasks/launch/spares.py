@@ -15,12 +15,13 @@ says which did.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import threading
 import time
 from pathlib import Path
+
+import psutil
 
 from training.run_output import RunOutput
 
@@ -50,11 +51,7 @@ def _exits_all_written(exit_files: list[str]) -> bool:
 def _has_children() -> bool:
     """This process has started processes that still run (a standby agent has none; a spare at work has its
     workers)."""
-    for task in Path("/proc/self/task").iterdir():
-        with contextlib.suppress(OSError):
-            if (task / "children").read_text().strip():
-                return True
-    return False
+    return bool(psutil.Process().children())
 
 
 def stand_down_when_unneeded(value: str, poll_s: float = 0.5) -> None:

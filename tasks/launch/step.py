@@ -23,7 +23,7 @@ from tasks.recovery.config import RecoveryConfig
 from tasks.recovery.policy import Decision
 from tasks.recovery.exposure import JobExposure, failure_rate, read_exposures, record_exposure
 from tasks.recovery.quarantine import NodeMemory
-from tasks.results import StepResult
+from tasks.results import Figure, StepResult
 from training.config import TrainConfig
 from training.preemption import read_records as preemption_records
 from training.recovery_record import recovery_events
@@ -121,6 +121,18 @@ class JobResult(StepResult):
     """The checkpoint interval re-checked from the run's measured stall (validation/checkpoint_interval.py)."""
     goodput: GoodputField | None = None
     """The job's allocation split into productive time and badput (None: its records do not give it)."""
+
+    def figures(self) -> dict[str, Figure]:
+        """The job's reference, state and output folder, and its goodput (share, allocation and productive
+        seconds) where its records give it."""
+        goodput = self.goodput
+        timing = {} if goodput is None else {"goodput_share": goodput.goodput, "allocation_s": goodput.allocation_s,
+                                             "productive_s": goodput.productive_s}  # fmt: skip
+        return {"job": self.job, "state": self.state, "output_dir": self.output_dir, **timing}
+
+    def note(self) -> str:
+        """The checkpoint interval's re-check, in words."""
+        return self.interval or ""
 
     def summary(self) -> str:
         """The job's reference, state and output folder, its goodput and the checkpoint interval's re-check."""

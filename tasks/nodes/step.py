@@ -13,7 +13,7 @@ from tasks.nodes.check import raise_for_blocking, run_node_checks
 from tasks.nodes.config import NodesConfig
 from tasks.nodes.report import NodeReport
 from tasks.paths import DeploymentPaths
-from tasks.results import StepResult
+from tasks.results import Figure, StepResult
 
 if TYPE_CHECKING:
     from tasks.spec import DeploymentSpec
@@ -55,6 +55,11 @@ class NodesResult(StepResult):
             report_path=report_path,
             elapsed_s=round(report.elapsed_s, 3),
         )
+
+    def figures(self) -> dict[str, Figure]:
+        """Hosts checked, warnings, seconds and where the report is."""
+        return {"hosts": len(self.hosts), "warnings": self.warnings, "elapsed_s": self.elapsed_s,
+                "report_path": self.report_path}  # fmt: skip
 
     def summary(self) -> str:
         """Hosts, warnings and where the report is."""

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, GetJsonSchemaHandler, model_validator
+from pydantic.json_schema import JsonSchemaValue
+from pydantic_core import CoreSchema
 
 from training.config import DataConfig, Problem, StrictModel, raise_problems
 from training.storage import StorageUrl
@@ -12,6 +14,11 @@ from validation.data import DataExpectations
 
 BUILTIN_CORPORA = ("python-docs",)
 MAX_DOC_CHARS = 100_000_000
+
+
+def _url_or(schema: JsonSchemaValue) -> JsonSchemaValue:
+    """A model's JSON Schema that also takes a plain URL string in its place."""
+    return {"anyOf": [{"type": "string", "description": "The URL alone."}, schema]}
 
 
 class SourceConfig(StrictModel):
@@ -46,6 +53,11 @@ class SourceConfig(StrictModel):
                 "`- data/*.txt` or `- {url: data/*.jsonl, format: jsonl, text_field: text}`"
             )
         return data
+
+    @classmethod
+    def __get_pydantic_json_schema__(cls, core_schema: CoreSchema, handler: GetJsonSchemaHandler) -> JsonSchemaValue:
+        """The editors' schema says what _plain_url takes: the mapping, or its URL alone."""
+        return _url_or(handler(core_schema))
 
 
 NEAR_DUP_MAX_NUM_PERM = 1024
@@ -259,6 +271,11 @@ class DatasetSource(StrictModel):
     def _plain_url(cls, data: Any) -> Any:
         return {"url": data} if isinstance(data, str) else data
 
+    @classmethod
+    def __get_pydantic_json_schema__(cls, core_schema: CoreSchema, handler: GetJsonSchemaHandler) -> JsonSchemaValue:
+        """The editors' schema says what _plain_url takes: the mapping, or its URL alone."""
+        return _url_or(handler(core_schema))
+
 
 def _blend_weight(value: Any) -> float | None:
     """A Megatron blend weight: a number, or a string that reads as one (megatron-core's get_blend_from_list takes
@@ -315,6 +332,8 @@ class DataSpec(StrictModel):
         "indexed dataset's path prefix, or a Hugging Face dataset on disk with a token-ids column (adopted "
         "without tokenizing). A list (Megatron's `[0.3, A, 0.7, B]`, weights as numbers or strings, or URLs/mappings) "
         "is a blend, and so is Megatron's `--data-path` pasted as one string (`0.3 A 0.7 B`).",
+        # the editors' schema: _list_is_a_blend takes a list here too
+        json_schema_extra={"anyOf": [{"type": "string"}, {"type": "array", "minItems": 1}, {"type": "null"}]},
     )
     blend: list[DatasetSource] | None = Field(
         default=None,

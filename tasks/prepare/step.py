@@ -13,7 +13,7 @@ from tasks.init_from import with_init_check
 from tasks.prepare.config import DataSpec, PrepareConfig
 from tasks.prepare.existing import CheckedDataset, check_dataset_url
 from tasks.prepare.pipeline import PrepareResult, Progress, prepare_dataset
-from tasks.results import StepResult
+from tasks.results import Figure, StepResult
 from training.dataset import DatasetError, read_manifest, verify_dataset
 from training.storage import StorageConfig
 
@@ -90,6 +90,14 @@ class DataResult(StepResult):
         except DatasetError as err:
             return str(err)
         return f"{self.dataset_url}: {'; '.join(problems)}" if problems else None
+
+    def figures(self) -> dict[str, Figure]:
+        """Where the dataset is, its origin, each split's tokens and documents, and its validation."""
+        splits = {f"{k}_{n}": v[n] for k, v in self.splits.items() for n in ("tokens", "docs") if n in v}
+        origin = "given" if self.given else ("reused" if self.reused else "prepared")
+        passed = bool(self.validation.get("success"))
+        return {"dataset_url": self.dataset_url, "origin": origin, **splits, "validation_passed": passed,
+                "cached_verdict": self.cached_verdict}  # fmt: skip
 
     def summary(self) -> str:
         """Where the dataset is, whether it was reused or given, its splits' sizes and its validation."""

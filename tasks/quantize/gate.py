@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from tasks import tables
 from tasks.errors import UserError
 from tasks.progress import report as report_progress
 from tasks.quantize.config import QuantizeConfig, quantize_problems
@@ -132,9 +133,14 @@ class QuantizationReport:
 
 
 def table_rows(report: QuantizationReport) -> list[dict[str, str]]:
-    """One row per judged figure: name, verdict (passed, failed, or figure: reported, not gated), message."""
+    """One row per judged figure: name, verdict (passed, failed, or figure: reported, not gated), the value and its
+    bound in the figure's unit (tasks/tables.py), message."""
     verdict = {True: "passed", False: "failed", None: "figure"}
-    return [{"check": c.name, "verdict": verdict[c.passed], "message": c.message} for c in report.checks]
+    return [
+        {"check": c.name, "verdict": verdict[c.passed], "measured": tables.value(c.name, c.value),
+         "threshold": tables.value(c.name, c.bound), "message": c.message}  # fmt: skip
+        for c in report.checks
+    ]
 
 
 def gate(

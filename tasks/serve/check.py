@@ -355,13 +355,15 @@ def run_serving_check(
     model_dir: str | None = None,
     quantization_json: str | None = None,
     acceptance: AcceptanceFigures | None = None,
+    pod_memory_bytes: float | None = None,
 ) -> ServingReport:
     """Export the newest sound (or the given) checkpoint under `export_root` (as `tdeploy export` does), serve it,
     measure it, write the reports into `out_dir`, stop the server; the report says whether it passed.
 
     `model_dir`: serve this finished folder of checkpoint `step` instead (the quantize step's quantized folder);
     greedy parity still compares with our own model of that step, and `quantization_json` (the quantize step's
-    gate report) is the quantized hop of the parity chain; `acceptance`: the figures the model card shows."""
+    gate report) is the quantized hop of the parity chain; `acceptance`: the figures the model card shows;
+    `pod_memory_bytes`: the serving plan's pod memory, the manifests' memory request and limit."""
     from tasks.export.step import export_checkpoint
     from tasks.serve.config import unservable
     from tasks.serve.report import write_reports
@@ -427,7 +429,7 @@ def run_serving_check(
         per_request_e2e_ms=measured.per_request_e2e_ms,
         files={},
     )
-    return write_reports(report, serve, name, out_dir)
+    return write_reports(report, serve, name, out_dir, pod_memory_bytes)
 
 
 @dataclass(frozen=True)

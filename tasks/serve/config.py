@@ -2,13 +2,25 @@
 
 from __future__ import annotations
 
-from typing import Literal
+import re
+from typing import Annotated, Literal
 
-from pydantic import Field, field_validator
+from pydantic import AfterValidator, Field, field_validator
 
 from tasks.image.config import image_reference
 from tasks.serve.check import ServingCheckConfig
 from training.config import ModelConfig, StrictModel
+
+CPU_IMAGE = "public.ecr.aws/q9t5s3a7/vllm-cpu-release-repo:v0.32.0"
+"""vLLM's x86 CPU release image (vLLM's docs: Installation, CPU, pre-built images), the version of `image`'s default."""
+_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
+
+
+def _dns_label(value: str) -> str:
+    if not _DNS_LABEL.fullmatch(value):
+        raise ValueError(f"{value!r} is not a Kubernetes namespace; use up to 63 lowercase letters, digits and -")
+    return value
+
 
 # vLLM's CPU attention kernels take these head sizes only ("Unsupported CPU attention configuration: head_dim=16").
 CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 192, 256)
@@ -51,18 +63,52 @@ class ServeConfig(StrictModel):
         "decides the server's flags and metric names. Pin it by digest (name@sha256:...) for deploys that stay "
         "identical when the tag moves.",
     )
+    cpu_image: str = Field(
+        default=CPU_IMAGE,
+        min_length=1,
+        description="Image of vLLM's OpenAI-compatible server built for CPUs (vLLM's x86 CPU release image) that "
+        "the Kubernetes manifest runs when cluster.accelerator is cpu; keep its version equal to `image`'s.",
+    )
     replicas: int = Field(
         default=1, ge=1, le=1000, description="Servers the Kubernetes Deployment runs behind its one Service."
+    )
+    namespace: Annotated[str, AfterValidator(_dns_label)] = Field(
+        default="default",
+        description="Kubernetes namespace of the serving Deployment and Service (its own: serving often lives apart "
+        "from training's cluster.kubernetes.namespace).",
+    )
+    cpu_per_replica: float = Field(
+        default=4.0,
+        gt=0,
+        le=1024,
+        allow_inf_nan=False,
+        description="CPU cores each server pod requests and is limited to (requests = limits: Guaranteed QoS); on "
+        "CPU serving vLLM's threads run on them.",
+    )
+    memory_per_replica_gb: float | None = Field(
+        default=None,
+        gt=0,
+        le=100_000,
+        allow_inf_nan=False,
+        description="Memory each server pod requests and is limited to, in GB (GiB, as cluster.kubernetes."
+        "memory_per_node_gb); None = the serving plan's estimate "
+        "(tasks/capacity: weights, activations, overhead and KV cache on CPU; the weights' host copy plus the "
+        "process on GPUs), with 20% headroom.",
     )
     check: ServingCheckConfig = Field(
         default_factory=ServingCheckConfig,
         description="The pipeline's serving check: load test, greedy parity, quality probes and thresholds.",
     )
 
-    @field_validator("image")
+    @field_validator("image", "cpu_image")
     @classmethod
     def _image_reference(cls, value: str) -> str:
         return image_reference(value, "docker.io/vllm/vllm-openai:v0.32.0")
+
+
+def serving_image(serve: ServeConfig, accelerator: str) -> str:
+    """The server's image on `accelerator`: serve.cpu_image on CPUs, serve.image (CUDA) on GPUs."""
+    return serve.cpu_image if accelerator == "cpu" else serve.image
 
 
 def unservable(model: ModelConfig, serve: ServeConfig, accelerator: str) -> list[str]:

@@ -17,15 +17,16 @@ from __future__ import annotations
 import math
 import re
 import shlex
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from tasks.errors import UserError
-from tasks.launch.kubernetes import check_round_trip
+from tasks.launch.kubernetes import check_round_trip, validate_manifests
 from tasks.names import NAME_PATTERN
-from tasks.serve.config import ServeConfig
+from tasks.serve.config import ServeConfig, serving_image
 from tasks.serve.server import (  # noqa: F401 - REQUEST_LATENCY_BUCKETS_S: the monitoring tests read it here
     ALL_INTERFACES,
     REQUEST_LATENCY_BUCKETS_S,
@@ -39,6 +40,9 @@ GPU_RESOURCE = "nvidia.com/gpu"
 K8S_FILE = "serving-k8s.yaml"
 SLURM_FILE = "serving.sbatch"
 PROBE_PERIOD_S = 10
+MEMORY_HEADROOM = 1.2
+"""The serving plan's memory estimate times this is a pod's memory request and limit (the estimate's error and the
+server's allocator, a limit being a kill)."""
 # A Service name is a DNS-1035 label: it starts with a letter and ends with a letter or digit.
 _SERVICE_NAME = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
 # A claim name is a DNS-1123 subdomain; a path in it is plain relative components (no "..", no shell or $()).
@@ -47,15 +51,47 @@ _PATH_PART = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
-def render_kubernetes(
-    serve: ServeConfig, name: str, model_uri: str, image: str, *, accelerator: str
-) -> list[dict[str, Any]]:
-    """[Deployment, Service] of vLLM's server for the model at `model_uri` (pvc://<claim>/<path>).
+@dataclass(frozen=True)
+class PodResources:
+    """What one server pod requests and is limited to (requests = limits: the Guaranteed QoS class)."""
 
-    serve.replicas pods, each with serve.tensor_parallel GPUs on a GPU accelerator, the claim mounted read-only
-    at /model, a memory-backed /dev/shm (tensor parallelism exchanges through it), and /health probes: a
-    startup probe that allows serve.startup_timeout_s for loading the model, then readiness and liveness.
-    The Service is a ClusterIP on serve.port. Apply with `kubectl apply -n NAMESPACE -f serving-k8s.yaml`.
+    cpu: float
+    """CPU cores."""
+    memory_bytes: float
+
+    @classmethod
+    def of(cls, serve: ServeConfig, estimate_bytes: float | None = None) -> PodResources | None:
+        """serve.cpu_per_replica and serve.memory_per_replica_gb, else `estimate_bytes` (the serving plan's) with
+        MEMORY_HEADROOM; None when neither gives the memory."""
+        if serve.memory_per_replica_gb is not None:
+            return cls(serve.cpu_per_replica, serve.memory_per_replica_gb * 2**30)  # GiB, as cluster.kubernetes's
+        if estimate_bytes is None:
+            return None
+        return cls(serve.cpu_per_replica, estimate_bytes * MEMORY_HEADROOM)
+
+    def quantities(self) -> dict[str, str]:
+        """As Kubernetes quantities: cpu in millicores, memory in whole MiB (rounded up)."""
+        return {"cpu": f"{math.ceil(self.cpu * 1000):d}m", "memory": f"{math.ceil(self.memory_bytes / 2**20):d}Mi"}
+
+
+def render_kubernetes(
+    serve: ServeConfig,
+    name: str,
+    model_uri: str,
+    image: str | None = None,
+    *,
+    accelerator: str,
+    resources: PodResources | None = None,
+) -> list[dict[str, Any]]:
+    """[Deployment, Service] of vLLM's server for the model at `model_uri` (pvc://<claim>/<path>), in
+    serve.namespace.
+
+    serve.replicas pods of `image` (None: `serving_image`, vLLM's CPU image on a CPU accelerator), each with
+    serve.tensor_parallel GPUs on a GPU accelerator, `resources` (else PodResources.of(serve): cpu, and memory
+    where serve.memory_per_replica_gb gives it) as requests and limits, the claim mounted read-only at /model, a
+    memory-backed /dev/shm (tensor parallelism exchanges through it), and /health probes: a startup probe that
+    allows serve.startup_timeout_s for loading the model, then readiness and liveness. The Service is a ClusterIP
+    on serve.port. Apply with `kubectl apply -f serving-k8s.yaml`.
     """
     _check_name(name)
     if not _SERVICE_NAME.fullmatch(name):
@@ -70,7 +106,7 @@ def render_kubernetes(
         mount["subPath"] = sub_path
     container: dict[str, Any] = {
         "name": "vllm",
-        "image": image,
+        "image": image or serving_image(serve, accelerator),
         "command": ["python3", "-m", SERVER_MODULE],
         "args": server_args(serve, name, MODEL_MOUNT, accelerator),
         "env": [{"name": key, "value": value} for key, value in sorted(server_env_vars(serve, accelerator).items())],
@@ -80,13 +116,16 @@ def render_kubernetes(
         "livenessProbe": _health_probe(3),
         "volumeMounts": [mount, {"name": "dshm", "mountPath": "/dev/shm"}],
     }
+    pod = resources or PodResources.of(serve)
+    amounts = pod.quantities() if pod else {"cpu": f"{math.ceil(serve.cpu_per_replica * 1000):d}m"}
     if accelerator != "cpu":
-        gpus = {GPU_RESOURCE: str(serve.tensor_parallel)}
-        container["resources"] = {"limits": dict(gpus), "requests": dict(gpus)}
+        amounts[GPU_RESOURCE] = str(serve.tensor_parallel)
+    container["resources"] = {"limits": dict(amounts), "requests": dict(amounts)}
     deployment = {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": {"name": name, "labels": {**labels, "app.kubernetes.io/managed-by": "tdeploy"}},
+        "metadata": {"name": name, "namespace": serve.namespace,
+                     "labels": {**labels, "app.kubernetes.io/managed-by": "tdeploy"}},
         "spec": {
             "replicas": serve.replicas,
             "selector": {"matchLabels": dict(labels)},
@@ -115,7 +154,8 @@ def render_kubernetes(
     service = {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": {"name": name, "labels": {**labels, "app.kubernetes.io/managed-by": "tdeploy"}},
+        "metadata": {"name": name, "namespace": serve.namespace,
+                     "labels": {**labels, "app.kubernetes.io/managed-by": "tdeploy"}},
         "spec": {
             "type": "ClusterIP",
             "selector": dict(labels),
@@ -157,7 +197,13 @@ def render_slurm(serve: ServeConfig, name: str, model_dir: str, python: str, *, 
 
 
 def write_manifests(
-    serve: ServeConfig, name: str, model_uri: str, out_dir: Path, image: str, accelerator: str
+    serve: ServeConfig,
+    name: str,
+    model_uri: str,
+    out_dir: Path,
+    image: str | None,
+    accelerator: str,
+    resources: PodResources | None = None,
 ) -> list[Path]:
     """Write serving-k8s.yaml and serving.sbatch into `out_dir`; their paths.
 
@@ -171,7 +217,7 @@ def write_manifests(
         k8s_uri, slurm_dir = model_uri, None
     else:
         k8s_uri, slurm_dir = f"pvc://{name}-model", str(Path(model_uri).resolve())
-    objects = render_kubernetes(serve, name, k8s_uri, image, accelerator=accelerator)
+    objects = render_kubernetes(serve, name, k8s_uri, image, accelerator=accelerator, resources=resources)
     validate_kubernetes(objects)
     script = render_slurm(serve, name, slurm_dir, "python3", accelerator=accelerator) if slurm_dir else None
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -189,7 +235,8 @@ def validate_kubernetes(objects: list[dict[str, Any]]) -> None:
     """Raise UserError unless each object is a valid apps/v1 Deployment or v1 Service of the Kubernetes API.
 
     Deserialising into the client's models rejects missing required fields and wrong types; the round trip must
-    give the object back unchanged, which rejects unknown or misplaced fields.
+    give the object back unchanged, which rejects unknown or misplaced fields; then the objects are checked against
+    the API's JSON schemas (kubernetes-validate, `validate_manifests`), which also check values' formats.
     """
     from kubernetes.client import ApiClient
 
@@ -199,6 +246,7 @@ def validate_kubernetes(objects: list[dict[str, Any]]) -> None:
         if kind is None:
             raise UserError(f"{obj.get('kind')!r} is not a kind this module renders", "this is a rendering bug")
         check_round_trip(client, obj, kind, obj["kind"], "this is a rendering bug; report it")
+    validate_manifests(objects)
 
 
 def _health_probe(failure_threshold: int) -> dict[str, Any]:

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from xml.etree import ElementTree as ET
 
+from tasks import tables
 from tasks.serve.config import ServeConfig
 
 if TYPE_CHECKING:
@@ -67,29 +68,33 @@ def plot_latency(report: ServingReport, path: Path) -> Path:
 
 
 def table_rows(report: ServingReport) -> list[dict[str, Any]]:
-    """The artifact's table: one row per judged figure."""
+    """The artifact's table: one row per judged figure, its value and threshold in its unit or scale
+    (tasks/tables.py: latencies in ms, shares in percent, ROUGE-L F1 0-1, BLEU-4 0-100)."""
     return [
         {
-            "check": c.name,
+            "check": tables.label(c.name),
             "verdict": VERDICTS[c.passed],
-            "measured": "-" if c.measured is None else f"{c.measured:.4g}",
-            "threshold": "-" if c.threshold is None else f"{c.threshold:.4g}",
+            "measured": tables.value(c.name, c.measured),
+            "threshold": tables.value(c.name, c.threshold),
             "message": c.message,
         }
         for c in report.checks
     ]
 
 
-def write_reports(report: ServingReport, serve: ServeConfig, name: str, out_dir: Path) -> ServingReport:
+def write_reports(
+    report: ServingReport, serve: ServeConfig, name: str, out_dir: Path, pod_memory_bytes: float | None = None
+) -> ServingReport:
     """Write serving.json (last, so that its presence means the rest is there), junit.xml, the histogram and
     the Kubernetes and Slurm serving manifests; the report with their paths."""
     from tasks.serve.check import HISTOGRAM, JUNIT, SERVING_JSON
-    from tasks.serve.manifests import write_manifests
+    from tasks.serve.manifests import PodResources, write_manifests
 
     files = {"junit": str(write_junit(report, out_dir / JUNIT))}
     if report.per_request_e2e_ms:
         files["histogram"] = str(plot_latency(report, out_dir / HISTOGRAM))
-    for path in write_manifests(serve, name, report.model_dir, out_dir, serve.image, report.accelerator):
+    resources = PodResources.of(serve, pod_memory_bytes)  # the serving plan's pod memory: requests and limits
+    for path in write_manifests(serve, name, report.model_dir, out_dir, None, report.accelerator, resources):
         files[path.name] = str(path)
     files["json"] = str(out_dir / SERVING_JSON)
     report = dataclasses.replace(report, files=files)

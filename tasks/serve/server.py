@@ -25,6 +25,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+import psutil
+
 from tasks.errors import TransientError, UserError
 from tasks.serve.config import ServeConfig
 from training.process import start_time
@@ -235,19 +237,18 @@ def first_error(path: Path) -> str | None:
     return None
 
 
+_GONE = (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
+
+
 def _group_members(pgid: int) -> list[int]:
     """PIDs of the live (not zombie) processes in the process group `pgid`."""
     members = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
+    for process in psutil.process_iter():
         try:
-            stat = (entry / "stat").read_text()
-        except OSError:
+            if os.getpgid(process.pid) == pgid and process.status() not in _GONE:
+                members.append(process.pid)
+        except (ProcessLookupError, psutil.Error):  # ended meanwhile, or not ours to read
             continue
-        fields = stat[stat.rindex(")") + 2 :].split()
-        if fields[0] not in ("Z", "X") and int(fields[2]) == pgid:
-            members.append(int(entry.name))
     return members
 
 
@@ -323,13 +324,10 @@ class Server:
         total, read = 0, False
         for pid in self._group_left():
             try:
-                status = Path(f"/proc/{pid}/status").read_text()
-            except OSError:
+                total += psutil.Process(pid).memory_info().rss
+            except psutil.Error:  # ended meanwhile, or not ours to read
                 continue
-            for line in status.splitlines():
-                if line.startswith("VmRSS:"):
-                    total += int(line.split()[1]) * 1024
-                    read = True
+            read = True
         return total if read else None
 
     def __enter__(self) -> Server:

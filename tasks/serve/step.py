@@ -49,6 +49,9 @@ class ServingInputs(BaseModel):
     """The quantize step's gate report of `model_dir`: the parity chain's quantized hop."""
     acceptance: AcceptanceFigures | None = None
     """The acceptance figures the exported folder's model card shows (the deployment's latest)."""
+    pod_memory_bytes: float | None = None
+    """One server pod's memory by the capacity step's serving plan: the serving manifests' memory request and
+    limit (with headroom) unless serve.memory_per_replica_gb sets it (None: only that)."""
 
     @classmethod
     def of(
@@ -60,6 +63,7 @@ class ServingInputs(BaseModel):
         model_dir: str | None = None,
         quantization_json: str | None = None,
         acceptance: AcceptanceFigures | None = None,
+        pod_memory_bytes: float | None = None,
     ) -> ServingInputs:
         """The serving check of `spec` (`train`: data_and_training's), its reports in `folder` (default
         <reports>/serving); `model_dir` (with its `step`): serve that folder, the quantize step's, instead of
@@ -69,7 +73,7 @@ class ServingInputs(BaseModel):
         return cls(
             serve=spec.serve, train=train, accelerator=spec.cluster.accelerator, name=spec.name,
             out_dir=paths.serving_dir(folder), export_root=paths.export_dir, step=step, model_dir=model_dir,
-            quantization_json=quantization_json, acceptance=acceptance,
+            quantization_json=quantization_json, acceptance=acceptance, pod_memory_bytes=pod_memory_bytes,
         )  # fmt: skip
 
 
@@ -114,8 +118,8 @@ class ServingResult(StepResult):
         return (
             f"{self.verdict_text}: step {self.step}; P99 e2e {self.p99_e2e_ms:.1f} ms, TTFT {self.p99_ttft_ms:.1f} ms; "
             f"{self.output_tokens_per_s:.0f} output tokens/s; errors {self.error_rate:.1%}; greedy parity "
-            f"{self.greedy_matched}/{self.greedy_prompts}; ROUGE-L {self.rouge_l:.3f}, BLEU-4 {self.bleu4:.2f}; "
-            f"`{self.files.get('json', '-')}`"
+            f"{self.greedy_matched}/{self.greedy_prompts}; ROUGE-L F1 {self.rouge_l:.3f} (0-1), "
+            f"BLEU-4 {self.bleu4:.2f} (0-100); `{self.files.get('json', '-')}`"
         )
 
 
@@ -124,7 +128,7 @@ def run(inputs: ServingInputs, publish: Callable[[ServingReport], None] | None =
     `publish`; ServingCheckFailed naming the failed figures when one misses its threshold."""
     report = run_serving_check(inputs.serve, inputs.train, inputs.accelerator, inputs.name, Path(inputs.out_dir),
                                inputs.export_root, inputs.step, inputs.model_dir, inputs.quantization_json,
-                               inputs.acceptance)  # fmt: skip
+                               inputs.acceptance, inputs.pod_memory_bytes)  # fmt: skip
     if publish is not None:
         publish(report)
     if not report.passed:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections import Counter
 from pydantic import BaseModel, ConfigDict
 
-from tasks.results import StepResult
+from tasks.results import Figure, StepResult
 from tasks.soak.config import FailureKind
 from tasks.soak.memory import ProcessMemory
 from validation.goodput import GoodputField
@@ -102,6 +102,16 @@ class SoakResult(StepResult):
     def leaks(self) -> list[ProcessMemory]:
         """The processes whose memory grew beyond their noise."""
         return [p for p in self.processes if p.verdict == "leak"]
+
+    def figures(self) -> dict[str, Figure]:
+        """The soak's length, failures injected and recovered, steps lost, goodput and leaking processes."""
+        judged = [p for p in self.processes if p.verdict != "short"]
+        return {"duration_s": self.duration_s, "failures": len(self.failures),
+                "failures_recovered": sum(f.recovered for f in self.failures), "steps_lost": self.steps_lost,
+                "steps_trained": self.steps_trained,
+                "goodput_share": None if self.goodput is None else self.goodput.goodput,
+                "processes_judged": len(judged), "processes_leaked": len(self.leaks),
+                "output_dir": self.output_dir}  # fmt: skip
 
     def summary(self) -> str:
         """The verdict and the key figures in one line."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 from prefect import get_run_logger, task
 from prefect.artifacts import create_table_artifact
 
+from tasks import tables
 from tasks.soak import step
 from tasks.soak.result import SoakResult
 from tasks.soak.step import ARTIFACT, SoakInputs
@@ -12,9 +13,10 @@ from tasks.soak.step import ARTIFACT, SoakInputs
 
 def publish(result: SoakResult) -> None:
     """Publish one row per injected failure; log the summary."""
-    rows = [{"failure": f.kind, "at_s": f"{f.injected_at_s:.0f}", "target": f.target, "rung": f.rung or "-",
-             "steps_lost": str(f.steps_lost), "recovery_s": "-" if f.recovery_s is None else f"{f.recovery_s:.1f}",
-             "problem": f.problem} for f in result.failures]  # fmt: skip
+    rows = [{"failure": f.kind, "injected at": tables.value("at_s", round(f.injected_at_s)), "target": f.target,
+             "rung": f.rung or "-", "steps lost": tables.value("steps", f.steps_lost),
+             "recovery": tables.value("recovery_s", f.recovery_s), "problem": f.problem}
+            for f in result.failures]  # fmt: skip
     create_table_artifact(key=ARTIFACT, table=rows, description=result.summary())
     get_run_logger().info("soak: %s", result.summary())
 

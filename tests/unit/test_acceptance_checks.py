@@ -1,5 +1,5 @@
 """The check table drives the acceptance report: which dimensions a mode judges, in which order, what a failed
-start leaves not measured, and the README's dimension table; a row added to it needs no other edit."""
+start leaves not measured, and the docs site's dimension table; a row added to it needs no other edit."""
 
 from __future__ import annotations
 
@@ -81,6 +81,6 @@ def test_a_report_holds_the_tables_rows_and_a_canary_no_recovery() -> None:
     assert all((c.judge is not None) == (c.stage is Stage.RUNS) for c in checks.CHECKS)
 
 
-def test_the_readmes_dimension_table_is_the_check_tables() -> None:
-    readme = (REPO / "README.md").read_text()
-    assert checks.markdown_table() in readme, "paste checks.markdown_table() into README.md's acceptance section"
+def test_the_docs_dimension_table_is_the_check_tables() -> None:
+    page = REPO / "docs" / "pages" / "concepts" / "acceptance.md"
+    assert checks.markdown_table() in page.read_text(), f"paste checks.markdown_table() into {page}"

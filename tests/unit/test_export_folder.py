@@ -118,7 +118,7 @@ def test_the_model_card_names_library_task_base_model_dataset_and_the_acceptance
     assert meta["base_model"] == "/models/base-llama" and meta["datasets"] == ["/d"]
     assert "## Training figures (acceptance: failed)" in text
     assert "| quality | passed | val_loss=2.346, start_val_loss=3.1 |" in text
-    assert "| correctness | failed | max_rel_deviation=0.5 |" in text
+    assert "| correctness | failed | max_rel_deviation=50% |" in text  # a relative figure, in percent
     assert f"(tolerance {result.parity.tolerance:.2g}) on {result.parity.prompts} prompts" in text
     assert README in result.files
 

@@ -185,7 +185,7 @@ def test_the_sbatch_script_exports_the_network_variables_quoted_and_passes_the_r
 
 
 def test_the_pytorchjob_carries_the_network_variables_and_the_static_rendezvous_timeout() -> None:
-    spec = spec_with({"scheduler": "kubernetes", "nodes": 2, "network": NETWORK})
+    spec = spec_with({"scheduler": "kubernetes", "kubernetes": {"api": "pytorchjob"}, "nodes": 2, "network": NETWORK})
     _, job = render_manifests(spec.cluster, spec.training_config(), "tiny", "img:1")
     validate_pytorchjob(job)
     container = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]

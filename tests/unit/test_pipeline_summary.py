@@ -18,11 +18,11 @@ def test_the_summary_shows_the_capacity_plans_peak_memory_per_device() -> None:
     spec = parse_spec(BASE)
     plan = plan_capacity(spec.name, spec.capacity, spec.cluster, spec.model, spec.parallel, spec.precision, spec.run)
     result = CapacityResult.of(plan, "runs/tiny/plan.json")  # estimate_capacity
-    peak, usable = plan.requested.memory.total / 2**30, plan.requested.usable_bytes / 2**30
+    peak, usable = plan.requested.memory.total / 2**20, plan.requested.usable_bytes / 2**30
     page = summary_markdown(spec.name, {"capacity": result}, None, None, None)
     row = next(line for line in page.splitlines() if line.startswith("| capacity estimation |"))
-    assert f"peak {peak:.2f} GiB of {usable:.2f} GiB usable per device" in row and "?" not in row
-    assert "plan `runs/tiny/plan.json`" in row and "| passed |" in row
+    assert f"peak_bytes={peak:.3g} MiB; usable_bytes={usable:.3g} GiB" in row and "?" not in row
+    assert "plan_url=runs/tiny/plan.json" in row and "| passed |" in row
     assert "| spec validation | passed |" in page and "| node environment checks | not run |" in page
 
 

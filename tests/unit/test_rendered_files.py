@@ -14,7 +14,9 @@ from typer.testing import CliRunner
 from flows.cli import app
 from tasks.errors import UserError
 from tasks.launch.base import RenderedFile
+from tasks.launch.kubernetes import validate_manifests
 from tasks.rendered import INDEX_FILE, Rendering, _shellchecked, render_all, write_rendering
+from tasks.serve.manifests import validate_kubernetes
 from tasks.spec import load_spec
 from tests.conftest import REPO
 from training.config import TrainConfig
@@ -42,8 +44,19 @@ def test_every_example_renders_and_every_file_passes_its_validator(example: Path
         assert "slurm/job.sbatch" in names
     if spec.image is not None:
         assert "image/Containerfile" in names
+    if spec.cluster.scheduler == "kubernetes":
+        manifests = list(yaml.safe_load_all(next(f.text for f in rendering.files if f.name == "kubernetes/job.yaml")))
+        assert {m["kind"] for m in manifests} >= {"ConfigMap", "TrainJob"}
+        validate_manifests(manifests)
     if spec.serve is not None:
         assert {"serving/serving-k8s.yaml", "serving/serving.sbatch"} <= set(names)
+        serving = list(yaml.safe_load_all(next(f.text for f in rendering.files if f.name.endswith("k8s.yaml"))))
+        validate_kubernetes(serving)
+        (container,) = serving[0]["spec"]["template"]["spec"]["containers"]
+        assert container["resources"]["requests"] == container["resources"]["limits"]  # Guaranteed, from the plan
+        assert "memory" in container["resources"]["requests"]
+        if spec.cluster.accelerator == "cpu":
+            assert "vllm-cpu" in container["image"]
     for file in rendering.files:
         if file.shell:
             assert file.checked.endswith("shellcheck clean"), file

@@ -32,7 +32,7 @@ def test_a_skipped_image_step_shows_skipped_and_its_long_reason_is_cut_in_the_ta
     row = _row(text, "image build")
     assert "skipped" in row and "passed" not in row
     assert "…" in row and LONG_REASON.strip() not in text
-    assert len(summary.steps[3].figures) > FIGURES_CHARS  # summary.json keeps the whole reason
+    assert len(summary.steps[3].note) > FIGURES_CHARS  # summary.json keeps the whole reason
     assert "passed" in _row(text, "node environment checks")
 
 

@@ -96,12 +96,12 @@ def test_probes_ask_health_on_the_configured_port_and_startup_allows_the_startup
 def test_each_pod_asks_for_tensor_parallel_gpus_on_gpus_and_none_on_cpu(tensor_parallel: int) -> None:
     serve = _serve(tensor_parallel=tensor_parallel)
     container = _container(render_kubernetes(serve, "llm", "pvc://models", IMAGE, accelerator=GPU))
-    gpus = {"nvidia.com/gpu": str(tensor_parallel)}
+    gpus = {"cpu": "4000m", "nvidia.com/gpu": str(tensor_parallel)}
     assert container["resources"] == {"limits": gpus, "requests": gpus}
     args = container["args"]
     assert args[args.index("--tensor-parallel-size") + 1] == str(tensor_parallel)
     cpu = _container(render_kubernetes(_serve(), "llm", "pvc://models", IMAGE, accelerator="cpu"))
-    assert "resources" not in cpu
+    assert "nvidia.com/gpu" not in cpu["resources"]["limits"]
     assert {"name": "VLLM_CPU_KVCACHE_SPACE", "value": "1"} in cpu["env"]
     assert "--gpu-memory-utilization" not in cpu["args"]
 

@@ -214,13 +214,15 @@ def test_tdeploy_submit_hands_the_job_step_the_flows_inputs_detached_from_the_co
 def test_the_serving_steps_inputs_round_trip_and_the_flow_and_tdeploy_check_serving_check_the_same(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    from tasks.capacity.step import serving_pod_memory
     from tasks.serve import step, task
     from tasks.serve.step import ServingInputs
 
     spec, path = _spec(tmp_path, monkeypatch, serve={}, model={"n_heads": 1, "n_kv_heads": 1})
     _given_data(spec, monkeypatch)
     train = spec.training_config()
-    expected = ServingInputs.of(spec, train)
+    expected = ServingInputs.of(spec, train, pod_memory_bytes=serving_pod_memory(spec))
+    assert expected.pod_memory_bytes and expected.pod_memory_bytes > 0  # the manifests' memory from the plan
     _round_trips(expected)
     deployment = tmp_path / "deploy"
     assert (expected.out_dir, expected.export_root) == (f"{deployment}/serving", f"{deployment}/export")

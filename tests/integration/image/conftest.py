@@ -13,7 +13,9 @@ import shutil
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -177,19 +179,40 @@ def built(image_store: Path, payload: Path, tmp_path_factory: pytest.TempPathFac
     return ensure_image(image_config(image_store), record, spec_digest="spec-digest", source=payload)
 
 
+REGISTRY_USER, REGISTRY_PASSWORD = "tdeploy", "registry-test-password"
+
+
 @pytest.fixture(scope="session")
 def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A real registry (Debian's docker-registry) on 127.0.0.1, plain HTTP; yields `127.0.0.1:PORT`."""
+    yield from serve_registry(tmp_path_factory.mktemp("registry"))
+
+
+@pytest.fixture(scope="session")
+def auth_registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real registry that needs a login (htpasswd: REGISTRY_USER, REGISTRY_PASSWORD), plain HTTP."""
+    folder = tmp_path_factory.mktemp("auth-registry")
+    with warnings.catch_warnings():  # crypt is deprecated, but the only bcrypt here (no htpasswd, no bcrypt module)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        import crypt
+
+        hashed = crypt.crypt(REGISTRY_PASSWORD, crypt.mksalt(crypt.METHOD_BLOWFISH))
+    (folder / "htpasswd").write_text(f"{REGISTRY_USER}:{hashed}\n")
+    auth = f"auth:\n  htpasswd:\n    realm: tdeploy-test\n    path: {folder / 'htpasswd'}\n"
+    yield from serve_registry(folder, auth, expect_status=401)
+
+
+def serve_registry(folder: Path, extra_config: str = "", expect_status: int = 200) -> Iterator[str]:
+    """Run docker-registry from `folder` (config `extra_config` added) until the generator is closed."""
     exe = shutil.which("docker-registry")
     if exe is None:
         pytest.fail("docker-registry is not installed; run `bash .ci/setup --test` (installs .ci/apt/test/image.txt)")
-    folder = tmp_path_factory.mktemp("registry")
     port = listen_port()
     config = folder / "config.yml"
     config.write_text(
         "version: 0.1\nlog:\n  level: warn\n"
         f"storage:\n  filesystem:\n    rootdirectory: {folder / 'data'}\n"
-        f"http:\n  addr: 127.0.0.1:{port}\n"
+        f"http:\n  addr: 127.0.0.1:{port}\n" + extra_config
     )
     log = (folder / "registry.log").open("w")
     proc = start_group([exe, "serve", str(config)], stdout=log, stderr=subprocess.STDOUT)
@@ -199,10 +222,13 @@ def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
             assert proc.poll() is None, (folder / "registry.log").read_text()
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/", timeout=2) as response:
-                    if response.headers.get("Docker-Distribution-Api-Version") == "registry/2.0":
-                        break
+                    status, headers = response.status, response.headers
+            except urllib.error.HTTPError as err:
+                status, headers = err.code, err.headers
             except OSError:
-                pass
+                status, headers = 0, None
+            if status == expect_status and headers and headers.get("Docker-Distribution-Api-Version") == "registry/2.0":
+                break
             assert time.monotonic() < deadline, "the registry did not answer on /v2/ within 30 s"
             time.sleep(0.2)
         assert proc.poll() is None, "another server answered on the registry's port"

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import shutil
+import subprocess
 import urllib.request
 from pathlib import Path
 
@@ -12,7 +14,15 @@ import pytest
 from tasks.image.build import ImageResult, ensure_image
 from tasks.image.errors import BaseImageMissing, BuilderNotFound, BuildFailed, RegistryRejected
 from tasks.image.registry import MANIFEST_TYPES
-from tests.integration.image.conftest import ENV, buildah, image_config, make_busybox_base, make_python_base
+from tests.integration.image.conftest import (
+    ENV,
+    REGISTRY_PASSWORD,
+    REGISTRY_USER,
+    buildah,
+    image_config,
+    make_busybox_base,
+    make_python_base,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -130,6 +140,43 @@ def test_push_records_the_digest_the_registry_reports_and_a_rerun_skips(
     again = ensure_image(cfg, tmp_path / "again", source=payload)
     assert again.status == "cached" and f"already in registry {registry}" in again.reason, again
     assert (again.digest, again.image_id) == (pushed.digest, pushed.image_id), (again, pushed)
+
+
+def test_a_registry_that_needs_a_login_uses_the_users_buildah_login(
+    built: ImageResult,
+    image_store: Path,
+    payload: Path,
+    auth_registry: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for name in ("TDEPLOY_REGISTRY_USERNAME", "TDEPLOY_REGISTRY_PASSWORD", "XDG_RUNTIME_DIR"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # no ~/.docker/config.json nor containers auth.json
+    cfg = image_config(image_store, registry_url=auth_registry, registry_insecure=True)
+    authfile = tmp_path / "auth.json"
+    monkeypatch.setenv("REGISTRY_AUTH_FILE", str(authfile))
+    login = subprocess.run(
+        ["buildah", "login", "--tls-verify=false", "-u", REGISTRY_USER, "--password-stdin", auth_registry],
+        input=REGISTRY_PASSWORD, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert login.returncode == 0, login.stderr
+    assert auth_registry in json.loads(authfile.read_text())["auths"], "buildah login wrote no auth.json entry"
+
+    pushed = ensure_image(cfg, tmp_path / "push", source=payload)
+    assert pushed.pushed and pushed.tag == built.tag and pushed.digest, pushed
+    again = ensure_image(cfg, tmp_path / "again", source=payload)
+    assert again.status == "cached" and f"already in registry {auth_registry}" in again.reason, again
+    assert again.digest == pushed.digest, (again, pushed)
+
+    wrong = base64.b64encode(f"{REGISTRY_USER}:not-the-password".encode()).decode()
+    authfile.write_text(json.dumps({"auths": {auth_registry: {"auth": wrong}}}))
+    with pytest.raises(RegistryRejected, match="authentication required.*buildah login"):
+        ensure_image(cfg, tmp_path / "wrong", source=payload)
+    # TDEPLOY_REGISTRY_* take precedence over the user's login
+    monkeypatch.setenv("TDEPLOY_REGISTRY_USERNAME", REGISTRY_USER)
+    monkeypatch.setenv("TDEPLOY_REGISTRY_PASSWORD", REGISTRY_PASSWORD)
+    assert ensure_image(cfg, tmp_path / "from-env", source=payload).digest == pushed.digest
 
 
 def test_plain_http_registry_without_registry_insecure_is_refused_with_the_fix(

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import time
 from pathlib import Path
 
@@ -85,6 +87,29 @@ def test_scancel_cancels_a_running_job(slurm_cluster, make_spec) -> None:
     while any(process_running(pid) for pid in workers):
         assert time.monotonic() < deadline, "workers outlived scancel"
         time.sleep(0.2)
+
+
+def test_a_squeue_without_json_falls_back_to_the_text_of_squeue_and_scontrol(
+    slurm_cluster, make_spec, tmp_path: Path
+) -> None:
+    """Slurm before 21.08 (or without the serializer/json plugin) refuses `squeue --json` as this shim does."""
+    shim = tmp_path / "bin" / "squeue"
+    shim.parent.mkdir()
+    real = shutil.which("squeue")
+    assert real is not None
+    shim.write_text(
+        "#!/bin/sh\n"
+        'for a in "$@"; do [ "$a" = --json ] && { echo "squeue: unrecognized option --json" >&2; exit 1; }; done\n'
+        f'exec {real} "$@"\n'
+    )
+    shim.chmod(0o755)
+    spec = make_spec({"cluster": {"scheduler": "slurm"}, "run": {"steps": 2}})
+    launcher = SlurmLauncher({**slurm_cluster, "PATH": f"{shim.parent}:{os.environ['PATH']}"})
+    handle = launcher.submit(spec.cluster, spec.training_config(), "tdeploy-text")
+    status = wait_for(launcher, handle, timeout_s=300)
+    assert status.state is JobState.SUCCEEDED, "\n".join(launcher.logs(handle)[0][-40:])
+    assert launcher._json is False, "the launcher noticed that this squeue has no --json"
+    assert launcher.restarts(handle) == 0 and launcher.queue_seconds(handle) is not None
 
 
 def test_an_impossible_request_is_rejected_with_slurms_reason(slurm_cluster, make_spec) -> None:

@@ -35,7 +35,8 @@ def test_slurm_requeue_excludes_the_hosts_in_the_sbatch_script_beside_the_specs_
 
 
 def test_kubernetes_requeue_renders_a_node_affinity_away_from_the_hosts_that_the_schema_accepts() -> None:
-    cluster = _cluster({"scheduler": "kubernetes", "nodes": 2, "procs_per_node": 1})
+    cluster = _cluster({"scheduler": "kubernetes", "kubernetes": {"api": "pytorchjob"}, "nodes": 2,
+                        "procs_per_node": 1})
     requeued = KubernetesLauncher.excluding(cluster, ["gpu-node-7", "gpu-node-3"])
     train = parse_spec(deep_merge(TINY_SPEC, PATHS), "tiny").training_config()
     _, job = render_manifests(requeued, train, "llm", "registry/img@sha256:ab")

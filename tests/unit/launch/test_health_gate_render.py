@@ -117,7 +117,8 @@ def test_every_kubernetes_pod_runs_the_gate_as_an_init_container_that_the_schema
     make_spec, memory_tier: bool
 ) -> None:
     checkpoint = {"memory_every_steps": 2} if memory_tier else {}
-    cluster = {"scheduler": "kubernetes", "nodes": 2, "health_gate": {"storage_paths": ["/scratch"]}}
+    cluster = {"scheduler": "kubernetes", "kubernetes": {"api": "pytorchjob"}, "nodes": 2,
+               "health_gate": {"storage_paths": ["/scratch"]}}
     spec = make_spec({"cluster": cluster, "checkpoint": checkpoint})
     _, job = render_manifests(spec.cluster, spec.training_config(), "tiny", "img:1")
     validate_pytorchjob(job)
@@ -131,7 +132,8 @@ def test_every_kubernetes_pod_runs_the_gate_as_an_init_container_that_the_schema
         storage = [init["command"][i + 1] for i, word in enumerate(init["command"]) if word == "--storage"]
         assert storage == (["/dev/shm/tdeploy-memory"] if memory_tier else []) + ["/scratch"]
         assert init["env"] == [{"name": GATE_NODE_ENV, "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}]
-    off = make_spec({"cluster": {"scheduler": "kubernetes", "health_gate": {"level": "off"}}}, name="off")
+    off = make_spec({"cluster": {"scheduler": "kubernetes", "kubernetes": {"api": "pytorchjob"},
+                                 "health_gate": {"level": "off"}}}, name="off")
     _, job = render_manifests(off.cluster, off.training_config(), "tiny", "img:1")
     assert all("initContainers" not in r["template"]["spec"] for r in job["spec"]["pytorchReplicaSpecs"].values())
 

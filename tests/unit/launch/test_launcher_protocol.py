@@ -105,7 +105,7 @@ def _pod_env(job: dict) -> dict[str, str]:
 
 
 def test_the_pytorchjob_carries_cluster_env_and_the_faults_only_when_given(make_spec) -> None:
-    spec = make_spec({"cluster": {"scheduler": "kubernetes", "env": SPEC_ENV}})
+    spec = make_spec({"cluster": {"scheduler": "kubernetes", "kubernetes": {"api": "pytorchjob"}, "env": SPEC_ENV}})
     _, plain = render_manifests(spec.cluster, spec.training_config(), "tiny", "img:1")
     validate_pytorchjob(plain)
     literal = {key: value.replace("$", "$$") for key, value in SPEC_ENV.items()}

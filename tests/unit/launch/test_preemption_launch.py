@@ -53,7 +53,8 @@ def test_bad_preemption_settings_are_refused_by_the_spec(make_spec, preemption: 
 
 
 def test_the_pods_get_the_grace_period_and_an_agent_that_exits_75(make_spec) -> None:
-    spec = make_spec({"cluster": {"scheduler": "kubernetes", "nodes": 2, "preemption": {"grace_period_s": 240}}})
+    spec = make_spec({"cluster": {"scheduler": "kubernetes", "kubernetes": {"api": "pytorchjob"}, "nodes": 2,
+                                  "preemption": {"grace_period_s": 240}}})
     _, job = render_manifests(spec.cluster, spec.training_config(), "tiny", "img:1")
     validate_pytorchjob(job)
     for role in ("Master", "Worker"):
@@ -62,7 +63,8 @@ def test_the_pods_get_the_grace_period_and_an_agent_that_exits_75(make_spec) -> 
         command = pod["containers"][0]["command"]
         assert command[:3] == ["python", "-m", "training.preemption"]
         assert "--shutdown-timeout=240" in command and any("SIGUSR1" in word for word in command)
-    off = make_spec({"cluster": {"scheduler": "kubernetes", "preemption": {"enabled": False}}})
+    off = make_spec({"cluster": {"scheduler": "kubernetes", "kubernetes": {"api": "pytorchjob"},
+                                 "preemption": {"enabled": False}}})
     _, job = render_manifests(off.cluster, off.training_config(), "tiny", "img:1")
     assert "terminationGracePeriodSeconds" not in job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]
 

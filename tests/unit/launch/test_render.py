@@ -29,7 +29,7 @@ GPU_CLUSTER = {
         "mem_per_node_mb": 512000,
         "container": "pyxis",
     },
-    "kubernetes": {"namespace": "train", "cpu_per_node": 96, "memory_per_node_gb": 500},
+    "kubernetes": {"api": "pytorchjob", "namespace": "train", "cpu_per_node": 96, "memory_per_node_gb": 500},
 }
 
 
@@ -104,7 +104,7 @@ def test_pods_take_the_checkpoint_key_from_a_kubernetes_secret_and_the_config_ma
     make_spec, monkeypatch
 ) -> None:
     monkeypatch.setenv("TDEPLOY_CHECKPOINT_KEY", "operator-key-0123456789")
-    spec = make_spec({"cluster": {"scheduler": "kubernetes"}})
+    spec = make_spec({"cluster": {"scheduler": "kubernetes", "kubernetes": {"api": "pytorchjob"}}})
     config_map, job = render_manifests(spec.cluster, spec.training_config(), "tiny", "img:1")
     validate_pytorchjob(job)
     container = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]
@@ -117,7 +117,7 @@ def test_pods_take_the_checkpoint_key_from_a_kubernetes_secret_and_the_config_ma
 
 
 def test_pytorchjob_validation_catches_unknown_fields_and_missing_required_ones(make_spec) -> None:
-    spec = make_spec({"cluster": {"scheduler": "kubernetes"}})
+    spec = make_spec({"cluster": {"scheduler": "kubernetes", "kubernetes": {"api": "pytorchjob"}}})
     _, job = render_manifests(spec.cluster, spec.training_config(), "tiny", "img:1")
     typo = copy.deepcopy(job)
     typo["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]["imagee"] = "x"
@@ -186,7 +186,8 @@ def test_pytorchjob_env_values_are_literal_and_the_command_is_a_list_of_words(
     make_spec, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv(ALLOWED_ENV_VAR, "NOTE")  # no library's variable: the operator allows it
-    spec = make_spec({"cluster": {"scheduler": "kubernetes", "env": {"NOTE": "$(HOME) and $$ and `id`"}}})
+    spec = make_spec({"cluster": {"scheduler": "kubernetes", "kubernetes": {"api": "pytorchjob"},
+                                  "env": {"NOTE": "$(HOME) and $$ and `id`"}}})
     _, job = render_manifests(spec.cluster, spec.training_config(), "tiny", "img:1")
     validate_pytorchjob(job)
     container = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]

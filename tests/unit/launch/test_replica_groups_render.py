@@ -103,7 +103,7 @@ def _kubernetes(make_spec, nodes: int = 2):
     """A Kubernetes spec and its training config with replica groups (the spec refuses the mode on Kubernetes
     until its launcher submits them: the rendering is checked on its own)."""
     spec = make_spec({"cluster": {"scheduler": "kubernetes", "nodes": nodes, "procs_per_node": 2, "max_restarts": 2,
-                                  "kubernetes": {"namespace": "train"}}})  # fmt: skip
+                                  "kubernetes": {"namespace": "train", "api": "pytorchjob"}}})  # fmt: skip
     train = spec.training_config()
     return spec.cluster, train.model_copy(update={"fault_tolerance": FaultToleranceConfig(**REPLICAS)})
 

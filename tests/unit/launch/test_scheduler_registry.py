@@ -247,10 +247,3 @@ def test_slurm_kills_a_rank_on_this_host_without_srun(tmp_path: Path) -> None:
     assert proc.wait(timeout=60) == -signal.SIGKILL
     with pytest.raises(UserError, match="`srun` is not on PATH"):
         launcher.kill_rank(handle, {"rank": 1, "host": "elsewhere", "pid": 1}, signal.SIGKILL)
-
-
-def test_kubernetes_refuses_a_rank_kill_rather_than_running_srun() -> None:
-    handle = JobHandle("kubernetes", "j", "t", "/nonexistent", "/nonexistent/log")
-    launcher = KubernetesLauncher.__new__(KubernetesLauncher)  # no cluster here: the refusal needs none
-    with pytest.raises(UserError, match="cannot signal rank 0 on pod-0"):
-        launcher.kill_rank(handle, {"rank": 0, "host": "pod-0", "pid": 7}, signal.SIGKILL)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shlex
 import subprocess
+import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -20,7 +21,7 @@ from tasks.launch.spares import SPARE_WAIT_ENV, spare_wait_value, wait_until_nee
 from tasks.launch.ssh import SshLauncher
 from tasks.launch.torchrun import torchrun_args
 from tasks.spec import SpecError, parse_spec
-from tests.conftest import TINY_SPEC, deep_merge
+from tests.conftest import REPO, TINY_SPEC, deep_merge
 from training.run_output import RESULT, Ranks, RunOutputWriter
 from training.storage import StorageConfig
 
@@ -134,7 +135,7 @@ def test_with_spares_a_failed_slurm_step_ends_the_job_only_when_the_trainer_wrot
 
 def test_kubernetes_renders_spare_worker_pods_in_an_elastic_job_of_exactly_the_nodes(make_spec) -> None:
     spec = make_spec({"cluster": {"scheduler": "kubernetes", "nodes": 2, "procs_per_node": 1, "max_restarts": 2,
-                                  "spares": 1}})  # fmt: skip
+                                  "spares": 1, "kubernetes": {"api": "pytorchjob"}}})  # fmt: skip
     _, job = render_manifests(spec.cluster, spec.training_config(), "llm", "registry/img@sha256:ab")
     validate_pytorchjob(job)
     assert job["spec"]["elasticPolicy"] == {"rdzvBackend": "c10d", "minReplicas": 2, "maxReplicas": 2,
@@ -186,3 +187,18 @@ def test_a_local_job_whose_spare_took_a_lost_nodes_place_succeeded_once_it_wrote
     plain = _ended_job(tmp_path / "plain", [0, 137], spare_nodes=[])
     (tmp_path / "plain" / RESULT).write_text("{}")
     assert LocalLauncher().status(plain).state is JobState.FAILED  # without spares a lost node fails the job
+
+
+def test_a_standby_agent_sees_its_children_start_and_end() -> None:
+    probe = (
+        "import subprocess, sys\n"
+        "from tasks.launch.spares import _has_children\n"
+        "seen = [_has_children()]\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+        "seen.append(_has_children())\n"
+        "child.kill(); child.wait()\n"
+        "seen.append(_has_children())\n"
+        "print(seen)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert out.stdout.strip() == "[False, True, False]", out.stderr

@@ -233,7 +233,8 @@ def test_recovery_events_read_back_as_written_and_a_bad_line_is_named(tmp_path: 
 def test_kubernetes_pods_keep_the_memory_copies_on_a_memory_backed_volume_when_the_tier_is_on(
     make_spec, memory: dict[str, Any], mounted: str | None
 ) -> None:
-    spec = make_spec({"cluster": {"scheduler": "kubernetes", "nodes": 2}, "checkpoint": memory})
+    spec = make_spec({"cluster": {"scheduler": "kubernetes", "kubernetes": {"api": "pytorchjob"}, "nodes": 2},
+                      "checkpoint": memory})
     _, job = render_manifests(spec.cluster, spec.training_config(), "tiny", "img:1")
     pod = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
     mounts = {m["name"]: m["mountPath"] for m in pod["containers"][0]["volumeMounts"]}
