@@ -16,9 +16,15 @@ from pathlib import Path
 
 import yaml
 
+from tasks.capacity.step import serving_pod_memory
 from tasks.errors import UserError
+from tasks.image.build import prepare_inputs
+from tasks.image.registry import RegistryClient
 from tasks.launch.base import RenderedFile
-from tasks.launch.registry import launcher_class
+from tasks.launch.registry import capabilities, launcher_class
+from tasks.nodes.inventory import plan_checks
+from tasks.paths import DeploymentPaths
+from tasks.serve.manifests import K8S_FILE, SLURM_FILE, PodResources, serving_manifests
 from tasks.spec import DeploymentSpec
 from training.config import TrainConfig
 from training.secrets import redact
@@ -51,8 +57,6 @@ def _image(spec: DeploymentSpec) -> tuple[list[RenderedFile], str | None, list[s
     """The Containerfile and requirements.txt of the image step, and the reference the job would run."""
     if spec.image is None:
         return [], None, ["image: null: the job runs in the nodes' own environment (no Containerfile)"]
-    from tasks.image.build import prepare_inputs
-
     inputs = prepare_inputs(spec.image, with_s3=spec.uses_s3())
     files = [
         RenderedFile("image/Containerfile", inputs.containerfile, "the training image's Containerfile",
@@ -62,8 +66,6 @@ def _image(spec: DeploymentSpec) -> tuple[list[RenderedFile], str | None, list[s
     ]  # fmt: skip
     if spec.image.registry_url is None:
         return files, f"{spec.image.repository}:{inputs.tag}", []
-    from tasks.image.registry import RegistryClient
-
     return files, RegistryClient(spec.image.registry_url, spec.image.registry_insecure).reference(
         spec.image.repository, inputs.tag
     ), []
@@ -72,8 +74,6 @@ def _image(spec: DeploymentSpec) -> tuple[list[RenderedFile], str | None, list[s
 def _nodes(spec: DeploymentSpec) -> tuple[list[RenderedFile], list[str]]:
     """The node checks' Ansible inventory and extravars, as the playbook run gets them (redacted); where the node
     checks could not be planned on this machine (no hosts listed, a key file that lives elsewhere), a note why."""
-    from tasks.nodes.inventory import plan_checks
-
     try:
         plan = plan_checks(spec.nodes, spec.cluster)
     except UserError as err:
@@ -87,24 +87,16 @@ def _nodes(spec: DeploymentSpec) -> tuple[list[RenderedFile], list[str]]:
 
 
 def _serving(spec: DeploymentSpec) -> list[RenderedFile]:
-    """The serving step's Kubernetes manifests and Slurm script for the exported model."""
+    """The serving step's Kubernetes manifests and Slurm script for the exported model, as it writes them."""
     if spec.serve is None:
         return []
-    from tasks.capacity.step import serving_pod_memory
-    from tasks.paths import DeploymentPaths
-    from tasks.serve.manifests import (
-        K8S_FILE, SLURM_FILE, PodResources, render_kubernetes, render_slurm, validate_kubernetes,
-    )  # fmt: skip
-
-    serve, name, accelerator = spec.serve, spec.name, spec.cluster.accelerator
-    resources = PodResources.of(serve, serving_pod_memory(spec))  # as the serving step writes them
-    objects = render_kubernetes(serve, name, f"pvc://{name}-model", accelerator=accelerator, resources=resources)
-    validate_kubernetes(objects)
-    model_dir = str(Path(DeploymentPaths.of(spec).export_dir).resolve())
+    resources = PodResources.of(spec.serve, serving_pod_memory(spec))
+    files = serving_manifests(spec.serve, spec.name, DeploymentPaths.of(spec).export_dir, None,
+                              spec.cluster.accelerator, resources)  # fmt: skip
     return [
-        RenderedFile(f"serving/{K8S_FILE}", yaml.safe_dump_all(objects, sort_keys=False),
+        RenderedFile(f"serving/{K8S_FILE}", files[K8S_FILE],
                      "vLLM's server as a Kubernetes Deployment and Service", "the Kubernetes API's models"),
-        RenderedFile(f"serving/{SLURM_FILE}", render_slurm(serve, name, model_dir, "python3", accelerator=accelerator),
+        RenderedFile(f"serving/{SLURM_FILE}", files[SLURM_FILE],
                      "vLLM's server as a Slurm job", "every value quoted for the shell", shell=True),
     ]  # fmt: skip
 
@@ -121,7 +113,7 @@ def render_all(spec: DeploymentSpec) -> Rendering:
     node_files, node_notes = _nodes(spec)
     files += image_files + node_files + _serving(spec)
     notes += image_notes + node_notes
-    if image is not None and spec.cluster.scheduler in ("slurm", "kubernetes"):
+    if image is not None and capabilities(spec.cluster.scheduler).runs_image:
         notes.append(f"the job runs {image}: the tag is the hash of the Containerfile, the payload and the "
                      "requirements, as the image step computes it")  # fmt: skip
     checked = [_shellchecked(f) if f.shell else f for f in files]

@@ -43,6 +43,9 @@ def matching(pattern: re.Pattern[str], what: str, max_length: int | None = None)
     return AfterValidator(check)
 
 
+KubernetesNamespace = Annotated[
+    str, matching(_DNS_LABEL, "a Kubernetes namespace; use up to 63 lowercase letters, digits and - (e.g. train)")
+]
 SlurmName = Annotated[str, matching(_SLURM_NAME, "a Slurm name; use letters, digits and _ . + - (e.g. gpu)")]
 SlurmNames = Annotated[
     str, matching(_SLURM_NAMES, "a Slurm name or comma-separated names; use letters, digits and _ . + - (gpu,cpu)")
@@ -254,9 +257,7 @@ class KubernetesConfig(StrictModel):
         default_factory=list, max_length=64, description="Taints the pods tolerate (pod tolerations)."
     )
 
-    namespace: Annotated[
-        str, matching(_DNS_LABEL, "a Kubernetes namespace; use up to 63 lowercase letters, digits and - (e.g. train)")
-    ] = Field(default="default", description="Namespace of the job.")
+    namespace: KubernetesNamespace = Field(default="default", description="Namespace of the job.")
     cpu_per_node: float | None = Field(
         default=None, gt=0, le=65_536, allow_inf_nan=False, description="CPU request and limit per pod."
     )

@@ -2,24 +2,17 @@
 
 from __future__ import annotations
 
-import re
-from typing import Annotated, Literal
+from typing import Literal
 
-from pydantic import AfterValidator, Field, field_validator
+from pydantic import Field, field_validator
 
 from tasks.image.config import image_reference
+from tasks.launch.config import KubernetesNamespace
 from tasks.serve.check import ServingCheckConfig
 from training.config import ModelConfig, StrictModel
 
 CPU_IMAGE = "public.ecr.aws/q9t5s3a7/vllm-cpu-release-repo:v0.32.0"
 """vLLM's x86 CPU release image (vLLM's docs: Installation, CPU, pre-built images), the version of `image`'s default."""
-_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
-
-
-def _dns_label(value: str) -> str:
-    if not _DNS_LABEL.fullmatch(value):
-        raise ValueError(f"{value!r} is not a Kubernetes namespace; use up to 63 lowercase letters, digits and -")
-    return value
 
 
 # vLLM's CPU attention kernels take these head sizes only ("Unsupported CPU attention configuration: head_dim=16").
@@ -72,7 +65,7 @@ class ServeConfig(StrictModel):
     replicas: int = Field(
         default=1, ge=1, le=1000, description="Servers the Kubernetes Deployment runs behind its one Service."
     )
-    namespace: Annotated[str, AfterValidator(_dns_label)] = Field(
+    namespace: KubernetesNamespace = Field(
         default="default",
         description="Kubernetes namespace of the serving Deployment and Service (its own: serving often lives apart "
         "from training's cluster.kubernetes.namespace).",

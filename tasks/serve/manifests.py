@@ -196,6 +196,34 @@ def render_slurm(serve: ServeConfig, name: str, model_dir: str, python: str, *, 
     return "\n".join(lines) + "\n"
 
 
+def serving_manifests(
+    serve: ServeConfig,
+    name: str,
+    model_uri: str,
+    image: str | None,
+    accelerator: str,
+    resources: PodResources | None = None,
+) -> dict[str, str]:
+    """{serving-k8s.yaml: the Deployment and Service, serving.sbatch: the Slurm script}, rendered and checked.
+
+    `model_uri` is the exported model folder: a path on the shared filesystem, which the Slurm script serves in
+    place and the Kubernetes manifest expects at the root of the claim `<name>-model` (copy the folder onto it),
+    or pvc://<claim>/<path>, which only Kubernetes can read (then no Slurm script). The Kubernetes objects are
+    checked against the API's models; the script runs python3 from the compute nodes' PATH (activate an
+    environment with vLLM, or edit that one word).
+    """
+    if model_uri.startswith("pvc://"):
+        k8s_uri, slurm_dir = model_uri, None
+    else:
+        k8s_uri, slurm_dir = f"pvc://{name}-model", str(Path(model_uri).resolve())
+    objects = render_kubernetes(serve, name, k8s_uri, image, accelerator=accelerator, resources=resources)
+    validate_kubernetes(objects)
+    files = {K8S_FILE: yaml.safe_dump_all(objects, sort_keys=False)}
+    if slurm_dir is not None:
+        files[SLURM_FILE] = render_slurm(serve, name, slurm_dir, "python3", accelerator=accelerator)
+    return files
+
+
 def write_manifests(
     serve: ServeConfig,
     name: str,
@@ -205,29 +233,13 @@ def write_manifests(
     accelerator: str,
     resources: PodResources | None = None,
 ) -> list[Path]:
-    """Write serving-k8s.yaml and serving.sbatch into `out_dir`; their paths.
-
-    `model_uri` is the exported model folder: a path on the shared filesystem, which the Slurm script serves in
-    place and the Kubernetes manifest expects at the root of the claim `<name>-model` (copy the folder onto it),
-    or pvc://<claim>/<path>, which only Kubernetes can read (then no Slurm script is written). The Kubernetes
-    objects are checked against the API's models before anything is written; the script runs python3 from the
-    compute nodes' PATH (activate an environment with vLLM, or edit that one word).
-    """
-    if model_uri.startswith("pvc://"):
-        k8s_uri, slurm_dir = model_uri, None
-    else:
-        k8s_uri, slurm_dir = f"pvc://{name}-model", str(Path(model_uri).resolve())
-    objects = render_kubernetes(serve, name, k8s_uri, image, accelerator=accelerator, resources=resources)
-    validate_kubernetes(objects)
-    script = render_slurm(serve, name, slurm_dir, "python3", accelerator=accelerator) if slurm_dir else None
+    """Write `serving_manifests` (checked before anything is written) into `out_dir`; their paths."""
+    files = serving_manifests(serve, name, model_uri, image, accelerator, resources)
     out_dir.mkdir(parents=True, exist_ok=True)
-    k8s_path = out_dir / K8S_FILE
-    k8s_path.write_text(yaml.safe_dump_all(objects, sort_keys=False))
-    written = [k8s_path]
-    if script is not None:
-        slurm_path = out_dir / SLURM_FILE
-        slurm_path.write_text(script)
-        written.append(slurm_path)
+    written = []
+    for file_name, text in files.items():
+        (out_dir / file_name).write_text(text)
+        written.append(out_dir / file_name)
     return written
 
 
