@@ -78,6 +78,8 @@ def spec_paths(spec: DeploymentSpec) -> list[PathCheck]:
     candidates.append(("data.adopted_url", spec.data.adopted_url, "write", False))
     for number, source in enumerate(prepare.sources if prepare else []):
         candidates.append((f"data.prepare.sources[{number}].url", source.url, "read", False))
+    if prepare is not None and prepare.images is not None:
+        candidates.append(("data.prepare.images.path", prepare.images.path, "read", False))
     return [PathCheck(field, value, mode, local) for field, value, mode, local in candidates if value]
 
 

@@ -15,17 +15,19 @@ from typing import Any
 SCALES: dict[str, tuple[str, str]] = {
     "rouge_l": ("ROUGE-L F1", "(0-1)"),
     "bleu4": ("BLEU-4", "(0-100)"),
+    "macro_f1": ("macro F1", "(0-1)"),
 }
 """Quality scores by figure name: their label and their scale, shown wherever the score is (they differ: BLEU is
 0-100, ROUGE-L F1 0-1)."""
 
 SHARES = ("share", "efficiency", "utilization", "utilisation", "agreement", "error_rate", "greedy_match", "fraction",
-          "rel_deviation", "rel_error", "increase", "busy", "sm_active", "mfu")  # fmt: skip
+          "rel_deviation", "rel_error", "increase", "busy", "sm_active", "mfu", "accuracy", "top1_match")  # fmt: skip
 """Name parts of figures that are fractions of one, shown as percent."""
 
 UNITS: tuple[tuple[str, str, float], ...] = (
     ("tokens_per_cpu_s", "tokens/CPU-s", 1.0),
     ("tokens_per_s", "tokens/s", 1.0),
+    ("images_per_s", "images/s", 1.0),
     ("_per_s", "/s", 1.0),
     ("_gbps", "GB/s", 1.0),
     ("_ms", "ms", 1.0),

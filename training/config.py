@@ -26,6 +26,7 @@ MAX_WIDTH = 1 << 18  # d_model, ffn_hidden
 MAX_HEADS = 1024
 MAX_VOCAB = 1 << 22
 MAX_SEQ_LEN = 1 << 20
+MAX_IMAGE_PX = 1 << 14  # side of a square input image
 MAX_EXPERTS = 1024
 MAX_RANKS = 1 << 20  # processes of one job
 MAX_BATCH = 1 << 16  # micro-batch, accumulation steps, evaluation batches
@@ -157,19 +158,130 @@ class MoEConfig(StrictModel):
         return self
 
 
-class ModelConfig(StrictModel):
-    """Decoder-only Transformer architecture."""
+class VisionConfig(StrictModel):
+    """The vision encoder (training/vision.py): a ViT of patch embedding, pre-norm LayerNorm blocks with biased
+    projections and exact GELU, a final LayerNorm; Hugging Face ViT-shaped with a class token (pooling cls) or
+    SigLIP-shaped without one (pooling mean)."""
 
-    n_layers: int = Field(ge=1, le=MAX_LAYERS, description="Number of Transformer blocks.")
-    d_model: int = Field(ge=1, le=MAX_WIDTH, description="Hidden size.")
-    n_heads: int = Field(ge=1, le=MAX_HEADS, description="Attention (query) heads.")
+    image_size: int = Field(ge=1, le=MAX_IMAGE_PX, description="Side of the square input images in pixels.")
+    patch_size: int = Field(
+        ge=1, le=MAX_IMAGE_PX, description="Side of a square patch in pixels (one image token); divides image_size."
+    )
+    channels: int = Field(default=3, ge=1, le=4, description="Colour channels of the input images (3: RGB).")
+    n_layers: int = Field(ge=1, le=MAX_LAYERS, description="Number of encoder blocks.")
+    d_model: int = Field(ge=1, le=MAX_WIDTH, description="Hidden size of the encoder.")
+    n_heads: int = Field(ge=1, le=MAX_HEADS, description="Attention heads of the encoder; divides d_model.")
+    ffn_hidden: int = Field(ge=1, le=MAX_WIDTH, description="Hidden size of the encoder's MLP.")
+    norm_eps: float = Field(default=1e-6, gt=0, le=1, description="LayerNorm epsilon of the encoder.")
+    pooling: Literal["cls", "mean"] = Field(
+        default="cls",
+        description="cls: a learned class token in front of the patches, the classifier reads its final state "
+        "(Hugging Face ViT); mean: no class token, the classifier reads the mean of the patch tokens (SigLIP-shaped, "
+        "what model.kind=vlm uses).",
+    )
+    num_classes: int | None = Field(
+        default=None,
+        ge=2,
+        le=MAX_VOCAB,
+        description="Classes of the classifier head (model.kind=vit: required, must equal the image dataset's "
+        "num_classes); None for vlm (no head).",
+    )
+    projector_hidden: int | None = Field(
+        default=None,
+        ge=1,
+        le=MAX_WIDTH,
+        description="model.kind=vlm: hidden size of the projector from the encoder to the language model "
+        "(linear, GELU, linear, as LLaVA's); None = the language model's d_model. Not used by vit.",
+    )
+
+    @property
+    def num_patches(self) -> int:
+        """Image tokens of the patch grid: (image_size / patch_size)^2."""
+        return (self.image_size // self.patch_size) ** 2
+
+    @property
+    def n_tokens(self) -> int:
+        """Tokens the encoder runs on: the patches, plus the class token under pooling cls."""
+        return self.num_patches + (1 if self.pooling == "cls" else 0)
+
+    @property
+    def head_dim(self) -> int:
+        """Per-head width."""
+        return self.d_model // self.n_heads
+
+    @model_validator(mode="after")
+    def _shapes_agree(self) -> VisionConfig:
+        problems: list[Problem] = []
+        if self.image_size % self.patch_size:
+            ok = [d for d in divisors(self.image_size) if d < self.image_size]
+            problems.append(
+                (("patch_size",), self.patch_size, f"must divide image_size={self.image_size}; use one of {ok[-6:]}")
+            )
+        if self.d_model % self.n_heads:
+            valid = [h for h in divisors(self.d_model) if h <= 128]
+            problems.append(
+                (("n_heads",), self.n_heads, f"must divide d_model={self.d_model}; use one of {valid[-6:]}")
+            )
+        raise_problems("VisionConfig", problems)
+        return self
+
+
+# The top-level text fields a vit spec may leave out: filled in from model.vision (see ModelConfig's description).
+_VIT_MIRRORED = ("n_layers", "d_model", "n_heads", "ffn_hidden", "vocab_size", "seq_len")
+
+
+def _vit_value(vision: VisionConfig, name: str) -> int:
+    """What a vit's top-level `name` is: the encoder's own figure, its classes (vocab_size), its tokens (seq_len)."""
+    if name == "vocab_size":
+        return vision.num_classes or 2
+    if name == "seq_len":
+        return vision.n_tokens
+    return int(getattr(vision, name))
+
+
+class ModelConfig(StrictModel):
+    """The model: a decoder-only Transformer (kind lm), a Vision Transformer classifier (kind vit, the encoder in
+    `vision`), or a vision-language model (kind vlm: the encoder in `vision`, a projector, and this Transformer).
+
+    For kind vit the text fields n_layers, d_model, n_heads, ffn_hidden, vocab_size and seq_len are not read by
+    the model: a spec may leave them out and they are filled in from `vision` (vocab_size = vision.num_classes,
+    seq_len = vision's tokens per image), so that everything that counts layers, widths and tokens per sample (the
+    planner, throughput records) sees the encoder; stated, they must agree with it. mlp, norm_eps and rope_theta are
+    not read for vit (the encoder's are vision.norm_eps and the exact GELU; positions are learned); dropout and
+    init_std apply to the encoder as to the language model.
+    """
+
+    kind: Literal["lm", "vit", "vlm"] = Field(
+        default="lm",
+        description="lm: decoder-only language model on token datasets; vit: image classifier on a labelled image "
+        "dataset (model.vision, training/vision.py); vlm: image captioning, vision encoder + projector + this "
+        "language model on an image-caption dataset (training/vlm.py).",
+    )
+    vision: VisionConfig | None = Field(
+        default=None, description="The vision encoder: required for kind vit and vlm, refused for lm."
+    )
+    n_layers: int = Field(ge=1, le=MAX_LAYERS, description="Number of Transformer blocks (vit: vision.n_layers).")
+    d_model: int = Field(ge=1, le=MAX_WIDTH, description="Hidden size (vit: vision.d_model).")
+    n_heads: int = Field(ge=1, le=MAX_HEADS, description="Attention (query) heads (vit: vision.n_heads).")
     n_kv_heads: int | None = Field(
         default=None, ge=1, le=MAX_HEADS, description="Key/value heads for grouped-query attention; None = n_heads."
     )
-    ffn_hidden: int = Field(ge=1, le=MAX_WIDTH, description="Hidden size of the MLP (per expert under MoE).")
+    ffn_hidden: int = Field(
+        ge=1, le=MAX_WIDTH, description="Hidden size of the MLP (per expert under MoE; vit: vision.ffn_hidden)."
+    )
     mlp: Literal["swiglu", "gelu"] = Field(default="swiglu", description="MLP kind.")
-    vocab_size: int = Field(ge=2, le=MAX_VOCAB, description="Vocabulary size of the embedding and output layer.")
-    seq_len: int = Field(ge=1, le=MAX_SEQ_LEN, description="Training sequence length in tokens.")
+    vocab_size: int = Field(
+        ge=2,
+        le=MAX_VOCAB,
+        description="Vocabulary size of the embedding and output layer (vit: vision.num_classes, the classifier's "
+        "outputs).",
+    )
+    seq_len: int = Field(
+        ge=1,
+        le=MAX_SEQ_LEN,
+        description="Training sequence length in tokens (vit: the encoder's tokens per image, patches plus the class "
+        "token; vlm: the language model's whole sequence, the image's patch tokens and then the caption's).",
+    )
     tie_embeddings: bool = Field(default=False, description="Share input embedding and output weights.")
     norm_eps: float = Field(default=1e-5, gt=0, le=1, description="RMSNorm epsilon.")
     rope_theta: float = Field(default=10000.0, gt=0, le=1e12, description="Rotary embedding base.")
@@ -199,9 +311,29 @@ class ModelConfig(StrictModel):
         """Per-head width."""
         return self.d_model // self.n_heads
 
+    @model_validator(mode="before")
+    @classmethod
+    def _vit_text_fields(cls, data: Any) -> Any:
+        """kind vit: the text fields left out are filled in from `vision` (placeholders when `vision` is missing or
+        invalid: its own error is the one reported)."""
+        if not isinstance(data, dict) or data.get("kind") != "vit":
+            return data
+        try:
+            vision = VisionConfig.model_validate(data.get("vision"))
+        except ValidationError:
+            vision = None
+        placeholder = {"n_layers": 1, "d_model": 1, "n_heads": 1, "ffn_hidden": 1, "vocab_size": 2, "seq_len": 1}
+        filled = dict(data)
+        for name in _VIT_MIRRORED:
+            filled.setdefault(name, placeholder[name] if vision is None else _vit_value(vision, name))
+        return filled
+
     @model_validator(mode="after")
     def _shapes_agree(self) -> ModelConfig:
-        problems: list[Problem] = []
+        if self.kind == "vit":
+            raise_problems("ModelConfig", self._vit_problems())
+            return self
+        problems: list[Problem] = self._vision_problems()
         if self.d_model % self.n_heads:
             valid = [h for h in divisors(self.d_model) if h <= 128]
             problems.append(
@@ -218,6 +350,65 @@ class ModelConfig(StrictModel):
             )
         raise_problems("ModelConfig", problems)
         return self
+
+    def _vit_problems(self) -> list[Problem]:
+        vision = self.vision
+        if vision is None:
+            return [(("vision",), None, "is required for kind vit: state the encoder (image_size, patch_size, "
+                     "n_layers, d_model, n_heads, ffn_hidden, num_classes)")]  # fmt: skip
+        problems: list[Problem] = []
+        if vision.num_classes is None:
+            problems.append((("vision", "num_classes"), None, "is required for kind vit: the image dataset's "
+                             "number of classes"))  # fmt: skip
+        if vision.projector_hidden is not None:
+            problems.append((("vision", "projector_hidden"), vision.projector_hidden, "only applies to kind vlm; "
+                             "remove it"))  # fmt: skip
+        for name in _VIT_MIRRORED:
+            want = _vit_value(vision, name)
+            if getattr(self, name) != want and (name != "vocab_size" or vision.num_classes is not None):
+                source = {"vocab_size": "vision.num_classes", "seq_len": "vision's tokens per image"}.get(
+                    name, f"vision.{name}"
+                )
+                problems.append(((name,), getattr(self, name), f"for kind vit it is {source}={want}; remove it "
+                                 "(it is filled in) or state the same value"))  # fmt: skip
+        unused = {
+            "n_kv_heads": (self.n_kv_heads is not None, "the encoder has as many key/value heads as heads"),
+            "tie_embeddings": (self.tie_embeddings, "a classifier has no input embedding to share"),
+            "moe": (self.moe is not None, "the encoder's MLP is dense"),
+            "init_from": (self.init_from is not None, "starting a vit from a Hugging Face checkpoint is not "
+                          "supported yet; train from random weights"),
+        }  # fmt: skip
+        for name, (bad, why) in unused.items():
+            if bad:
+                value = "{...}" if name == "moe" else getattr(self, name)
+                problems.append(((name,), value, f"does not apply to kind vit ({why}); remove it"))
+        return problems
+
+    def _vision_problems(self) -> list[Problem]:
+        """kind lm: no vision section; kind vlm: a SigLIP-shaped encoder without a head, room for the image."""
+        vision = self.vision
+        if self.kind == "lm":
+            return [] if vision is None else [(("vision",), "{...}", "only applies to kind vit or vlm; remove it "
+                                                "or set model.kind")]  # fmt: skip
+        if vision is None:
+            return [(("vision",), None, "is required for kind vlm: state the encoder (image_size, patch_size, "
+                     "n_layers, d_model, n_heads, ffn_hidden)")]  # fmt: skip
+        problems: list[Problem] = []
+        if vision.num_classes is not None:
+            problems.append((("vision", "num_classes"), vision.num_classes, "only applies to kind vit (a vlm's "
+                             "encoder has no classifier head); remove it"))  # fmt: skip
+        if vision.pooling != "mean":
+            problems.append((("vision", "pooling"), vision.pooling, "a vlm's encoder is SigLIP-shaped (every patch "
+                             "token goes to the projector, no class token); set vision.pooling: mean"))  # fmt: skip
+        if self.seq_len <= vision.num_patches:
+            problems.append((("seq_len",), self.seq_len, f"must exceed the image's {vision.num_patches} patch tokens "
+                             "(the language model's sequence is the image's tokens, then the caption's); set it to "
+                             f"{vision.num_patches} + the caption length"))  # fmt: skip
+        for name, bad, why in (("moe", self.moe is not None, "use a dense language model"),
+                               ("init_from", self.init_from is not None, "train from random weights")):  # fmt: skip
+            if bad:
+                problems.append(((name,), getattr(self, name), f"is not supported with kind vlm yet; {why}"))
+        return problems
 
 
 class ParallelConfig(StrictModel):
@@ -837,6 +1028,7 @@ def training_problems(cfg: TrainConfig | Any) -> list[Problem]:
         problems.append(
             (("parallel", "hsdp_shard_size"), par.hsdp_shard_size, "only applies to sharding=hsdp; remove it")
         )
+    problems.extend(vision_layout_problems(cfg))
     from training.layout import layout_problems  # noqa: PLC0415 - layout imports this module
 
     problems.extend(layout_problems(cfg.model, par, cfg.precision.dtype))
@@ -854,4 +1046,34 @@ def training_problems(cfg: TrainConfig | Any) -> list[Problem]:
             )
     if cfg.optim.warmup_steps > cfg.run.steps:
         problems.append((("optim", "warmup_steps"), cfg.optim.warmup_steps, f"must be <= run.steps={cfg.run.steps}"))
+    return problems
+
+
+def vision_layout_problems(cfg: TrainConfig | Any) -> list[Problem]:
+    """What kind vit and vlm do not run: pipeline and expert parallelism, sequence parallelism (vit),
+    distillation; and tensor parallelism must split the encoder's heads and MLP evenly."""
+    model, par = cfg.model, cfg.parallel
+    if model.kind == "lm" or model.vision is None:
+        return []
+    problems: list[Problem] = []
+    kind = f"model.kind={model.kind}"
+    for name, fix in (("pipeline_parallel", "use tensor_parallel or fsdp to fit the model"),
+                      ("expert_parallel", "the model has no experts")):  # fmt: skip
+        if getattr(par, name) > 1:
+            problems.append((("parallel", name), getattr(par, name), f"is not supported with {kind} (data "
+                             f"parallelism, fsdp and tensor_parallel are); set it to 1: {fix}"))  # fmt: skip
+    if par.sequence_parallel and model.kind == "vit":
+        problems.append((("parallel", "sequence_parallel"), True, f"is not supported with {kind}; remove it "
+                         "(tensor_parallel alone splits the encoder's heads and MLP)"))  # fmt: skip
+    tp, vision = par.tensor_parallel, model.vision
+    if tp > 1 and model.kind == "vlm":  # a vit's are model.n_heads and model.ffn_hidden, which layout.py checks
+        for name in ("n_heads", "ffn_hidden"):
+            value = getattr(vision, name)
+            if value % tp:
+                ok = [d for d in divisors(value) if d <= 64]
+                problems.append((("parallel", "tensor_parallel"), tp, f"must divide model.vision.{name}={value} "
+                                 f"(the encoder is split by heads and MLP columns); use one of {ok[-6:]}"))  # fmt: skip
+    if getattr(cfg, "distill", None) is not None:
+        problems.append((("distill",), "{...}", f"distillation is not supported with {kind} (its teacher is a "
+                         "language model); remove the distill section"))  # fmt: skip
     return problems

@@ -101,10 +101,11 @@ _FIXES: dict[WorkloadCause, str] = {
 }
 
 
-def _dataset_error() -> type[BaseException]:
+def _dataset_error() -> tuple[type[BaseException], ...]:
     from training.dataset import DatasetError  # noqa: PLC0415 - numpy and torch, for the trainer only
+    from training.image_dataset import ImageDatasetError  # noqa: PLC0415 - the same
 
-    return DatasetError
+    return DatasetError, ImageDatasetError
 
 
 def _model_errors() -> tuple[type[BaseException], ...]:

@@ -219,10 +219,13 @@ class Transformer(nn.Module):
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
 
-    def forward(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, idx: torch.Tensor, prefix: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits and aux loss. A pipeline chunk without tok_emb takes hidden states, one without lm_head
-        returns them (training/pipeline.py)."""
+        returns them (training/pipeline.py). `prefix` (B, P, d_model): input embeddings put in front of the
+        tokens' (a vision-language model's projected image tokens, training/vlm.py); the logits cover both."""
         x = self.tok_emb(idx) if self.tok_emb is not None else idx
+        if prefix is not None:
+            x = torch.cat([prefix.to(x.dtype), x], dim=1)
         aux_total = x.new_zeros((), dtype=torch.float32)
         for block in self.blocks.values():
             if self.recompute_blocks and torch.is_grad_enabled():

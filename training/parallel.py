@@ -20,7 +20,7 @@ from training.config import ParallelConfig
 from training.layout import Layout
 from training.mesh import Meshes
 from training.metrics import CommTimer
-from training.model import MoE, Transformer
+from training.model import MoE
 from training.tensor_parallel import apply_tensor_parallel
 
 log = logging.getLogger(__name__)
@@ -43,7 +43,7 @@ def data_parallel_mesh(cfg: ParallelConfig, world: int, local_world: int, device
     return init_device_mesh(device_type, (world // shard, shard), mesh_dim_names=("replicate", "shard"))
 
 
-def apply_fsdp(model: Transformer, mesh: DeviceMesh, timer: CommTimer | None = None) -> Transformer:
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh, timer: CommTimer | None = None) -> nn.Module:
     """FSDP2: shard every block, then the root (embeddings, final norm, output layer); `timer` times the
     all-gathers and reduce-scatters."""
     for block in model.blocks.values():
@@ -66,9 +66,10 @@ def _time_collectives(model: nn.Module, timer: CommTimer | None) -> None:
             module.set_custom_reduce_scatter(timer.reduce_scatter())
 
 
-def apply_model_parallel(model: Transformer, cfg: ParallelConfig, meshes: Meshes, timer: CommTimer | None) -> nn.Module:
+def apply_model_parallel(model: nn.Module, cfg: ParallelConfig, meshes: Meshes, timer: CommTimer | None) -> nn.Module:
     """Tensor parallel over meshes.tp, expert parallel over meshes.ep, then FSDP2 over meshes.dp, in place, on
-    a whole model or a pipeline chunk (a Transformer with some blocks and tok_emb/norm/lm_head possibly None).
+    a whole model or a pipeline chunk (a Transformer with some blocks and tok_emb/norm/lm_head possibly None), or
+    a VisionTransformer.
 
     Each block is one FSDP2 unit and the root another; a MoE block's experts are a unit of their own over the
     ranks that hold the same experts (meshes.expert_dp), so experts are never averaged across EP ranks that
@@ -132,7 +133,7 @@ def apply_ddp(model: nn.Module, cfg: ParallelConfig, device: torch.device, timer
 
 
 def parallelize(
-    model: Transformer, cfg: ParallelConfig, device: torch.device, local_world: int, timer: CommTimer
+    model: nn.Module, cfg: ParallelConfig, device: torch.device, local_world: int, timer: CommTimer
 ) -> nn.Module:
     """Wrap the model for the configured data parallelism (nothing to wrap with one process)."""
     world = dist.get_world_size()

@@ -5,13 +5,15 @@ share, so it shares none of the trainer's step code (training/train.py): not its
 gradient accumulation, gradient synchronisation, optimizer construction, LR scheduler or sampler. What it
 does share is what defines the problem, and only where each is a definition rather than a computation:
 
-- the model (training/model.py) and its initial weights: torch seeded with `run.seed` right before the
-  model is built, as the trainer does on every rank; with model.init_from, the Hugging Face checkpoint's
-  weights read whole by training/hf_load.py's `load_hf_state` (the trainer reads each rank's slices instead);
-- the data: the dataset reader, and the sampler's documented order (training/sampler.py) written out again
-  here: epoch e is `np.random.default_rng([seed, e]).permutation(n)`, step after step takes the next global
-  batch of it, and the rest of an epoch (less than one global batch) is dropped, or with data.drop_last
-  false the last batch is filled up from the start of the same order;
+- the model (training/model.py, or training/vision.py's VisionTransformer for model.kind vit) and its initial
+  weights: torch seeded with `run.seed` right before the model is built, as the trainer does on every rank; with
+  model.init_from, the Hugging Face checkpoint's weights read whole by training/hf_load.py's `load_hf_state` (the
+  trainer reads each rank's slices instead);
+- the data: the dataset reader of the model's kind, opened and checked as the trainer opens it (training/
+  workload.py's `open_datasets` and `blend`, not its loss), and the sampler's documented order
+  (training/sampler.py) written out again here: epoch e is `np.random.default_rng([seed, e]).permutation(n)`,
+  step after step takes the next global batch of it, and the rest of an epoch (less than one global batch) is
+  dropped, or with data.drop_last false the last batch is filled up from the start of the same order;
 - the optimizer's definition: `torch.optim.AdamW` over the same two parameter groups (weight decay on the
   matrices only) and the spec's hyperparameters; the LR schedule written out below from OptimConfig's
   description (linear warmup, then cosine, linear or constant towards lr_min over run.steps);
@@ -55,14 +57,15 @@ import torch
 import torch.nn.functional as F
 
 from training.config import OptimConfig, TrainConfig
-from training.dataset import TokenDataset
 from training.distill import load_teacher
 from training.hf_load import load_hf_state
 from training.holdings import param_pieces, param_record
+from training.image_dataset import ImageBatch
 from training.metrics import peak_memory_bytes
 from training.model import Transformer
 from training.run_output import Ranks, RunOutputWriter, RunResult, StepRecord
-from training.sampler import blend_of
+from training.vision import VisionTransformer
+from training.workload import Dataset, workload_of
 
 log = logging.getLogger(__name__)
 
@@ -129,11 +132,41 @@ class _Distill:
     temperature: float
 
 
+Batch = torch.Tensor | ImageBatch
+"""Token rows (lm) or images with their class ids (vit), as the dataset reader returns them."""
+
+
+def _on(batch: Batch, device: torch.device) -> Batch:
+    if isinstance(batch, ImageBatch):
+        return ImageBatch(batch.images.to(device), batch.targets.to(device))
+    return batch.to(device)
+
+
+def _split(batch: Batch, size: int) -> list[Batch]:
+    if isinstance(batch, ImageBatch):
+        return [ImageBatch(*parts) for parts in zip(batch.images.split(size), batch.targets.split(size), strict=True)]
+    return list(batch.split(size))
+
+
+def _new_model(cfg: TrainConfig) -> torch.nn.Module:
+    """The model of the spec with its initial weights (torch seeded by the caller), without dropout."""
+    model_cfg = cfg.model
+    if model_cfg.kind == "vit":
+        assert model_cfg.vision is not None
+        return VisionTransformer(model_cfg.vision, model_cfg.vision.num_classes, init_std=model_cfg.init_std)
+    return Transformer(model_cfg.model_copy(update={"dropout": 0.0}))
+
+
 def _mean_loss(
-    model: Transformer, tokens: torch.Tensor, group: int | None, distill: _Distill | None = None
+    model: torch.nn.Module, tokens: Batch, group: int | None, distill: _Distill | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Mean next-token objective over `tokens` (the cross-entropy, or under `distill` the distillation objective),
-    the MoE load-balancing loss and the KL to the teacher (0 without one), each a mean over groups."""
+    the MoE load-balancing loss and the KL to the teacher (0 without one), each a mean over groups. Images: the
+    mean cross-entropy of the class logits (no aux loss, no teacher)."""
+    if isinstance(tokens, ImageBatch):
+        ce = F.cross_entropy(model(tokens.images).float(), tokens.targets)
+        zero = torch.zeros((), device=ce.device)
+        return ce, zero, zero
     groups = tokens.split(group) if group else (tokens,)
     losses, auxes, kls = [], [], []
     for part in groups:
@@ -163,12 +196,9 @@ def run_reference(cfg: TrainConfig) -> RunResult:
     device = device or torch.device("cpu")
     torch.set_num_threads(run.threads_per_rank or os.cpu_count() or 1)
     global_batch = cfg.parallel.micro_batch * cfg.parallel.grad_accum_steps * cfg.reference.world_size
-    train, val = (
-        TokenDataset(cfg.data.dataset_url, split, model_cfg.seq_len, cfg.storage, vocab_size=model_cfg.vocab_size,
-                     trusted=cfg.data.sources)
-        for split in (cfg.data.train_split, cfg.data.val_split)
-    )  # fmt: skip
-    blend = blend_of(train, run.seed)  # a blend's draws resolve to samples as the trainer resolves them
+    workload = workload_of(cfg)  # the dataset reader of the model's kind, and its checks against the spec
+    train, val = workload.open_datasets()
+    blend = workload.blend(train, run.seed)  # a blend's draws resolve to samples as the trainer resolves them
     n_draws = blend.epoch_size if blend else len(train)
     if global_batch > n_draws:
         raise ReferenceSetupError(f"global batch {global_batch} exceeds the {n_draws} training samples")
@@ -182,9 +212,9 @@ def run_reference(cfg: TrainConfig) -> RunResult:
         teacher = load_teacher(cfg.distill, model_cfg, cfg.storage, device).model
         distill = _Distill(teacher, cfg.distill.alpha, cfg.distill.temperature)
 
-    def build(perturbed: bool = False) -> tuple[Transformer, torch.optim.AdamW]:
+    def build(perturbed: bool = False) -> tuple[torch.nn.Module, torch.optim.AdamW]:
         torch.manual_seed(run.seed)  # the trainer's initial weights: torch seeded with run.seed, then the model built
-        model = Transformer(model_cfg).to(device)
+        model = _new_model(cfg).to(device)
         if model_cfg.init_from is not None:  # the trainer's starting weights, read whole (the trainer reads slices)
             state = load_hf_state(model_cfg.init_from, model_cfg, storage=cfg.storage)
             with torch.no_grad():
@@ -207,11 +237,11 @@ def run_reference(cfg: TrainConfig) -> RunResult:
         model.train()
         return model, optimizer
 
-    def train_step(model: Transformer, optimizer: torch.optim.AdamW, step: int, parts: int) -> _Step:
+    def train_step(model: torch.nn.Module, optimizer: torch.optim.AdamW, step: int, parts: int) -> _Step:
         """0-based `step`; its backward in `parts` equal parts of the global batch (1: one backward)."""
         started = time.perf_counter()
         epoch, indices = batch_indices(n_draws, global_batch, run.seed, step, cfg.data.drop_last)
-        tokens = train.batch(blend.samples(epoch, indices) if blend else indices).to(device)
+        tokens = _on(train.batch(blend.samples(epoch, indices) if blend else indices), device)
         data_s = time.perf_counter() - started
         lr = learning_rate(optim, run.steps, step)
         for param_group in optimizer.param_groups:
@@ -221,7 +251,7 @@ def run_reference(cfg: TrainConfig) -> RunResult:
             (loss + coef * aux).backward()
         else:
             losses, auxes, kls = [], [], []
-            for part in tokens.split(global_batch // parts):
+            for part in _split(tokens, global_batch // parts):
                 part_loss, part_aux, part_kl = _mean_loss(model, part, group, distill)
                 ((part_loss + coef * part_aux) / parts).backward()
                 losses.append(part_loss.detach())
@@ -320,7 +350,7 @@ def run_reference(cfg: TrainConfig) -> RunResult:
         val_ppl=math.exp(min(val_loss, 700.0)),
         skipped_steps=0,
         tokens_seen=last_step * global_batch * model_cfg.seq_len,
-        n_params=model.num_params(),
+        n_params=sum(p.numel() for p in model.parameters()),
         teacher_val_loss=None if distill is None else _validation_loss(distill.teacher, val, cfg, device),
     )
     out.write_params(replace(param_record(model, 0, last_step, model_cfg), twin=twin_pieces))
@@ -331,7 +361,7 @@ def run_reference(cfg: TrainConfig) -> RunResult:
 
 
 @torch.no_grad()
-def _validation_loss(model: Transformer, val: TokenDataset, cfg: TrainConfig, device: torch.device) -> float:
+def _validation_loss(model: torch.nn.Module, val: Dataset, cfg: TrainConfig, device: torch.device) -> float:
     """Mean token loss over the validation samples the distributed job evaluates (the first eval_batches x
     micro_batch x world_size of the split, wrapping around)."""
     assert cfg.reference is not None
@@ -340,7 +370,7 @@ def _validation_loss(model: Transformer, val: TokenDataset, cfg: TrainConfig, de
     count = cfg.run.eval_batches * b * cfg.reference.world_size
     losses = []
     for first in range(0, count, b):
-        tokens = val.batch([k % len(val) for k in range(first, first + b)]).to(device)
+        tokens = _on(val.batch([k % len(val) for k in range(first, first + b)]), device)
         loss, _, _ = _mean_loss(model, tokens, None)
         losses.append(loss.item())
     return float(np.mean(losses))

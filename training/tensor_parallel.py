@@ -41,6 +41,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from training.model import MoE, Transformer
+from training.vision import VisionTransformer
 
 
 @contextlib.contextmanager
@@ -109,13 +110,50 @@ def _block_plan(block: nn.Module, sequence_parallel: bool) -> dict[str, Parallel
     return plan
 
 
-def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
-    """Shard `model` (a whole Transformer or a pipeline chunk of it) over `tp_mesh` in place.
+def apply_vit_tensor_parallel(model: VisionTransformer, tp_mesh: DeviceMesh) -> None:
+    """Shard a VisionTransformer over `tp_mesh` in place: in each block Q/K/V and the MLP's w1 by output columns
+    (whole heads per rank, their biases with them), the attention output and w2 by input rows (bias replicated).
+
+    The rest (patch embedding, class token, position embedding, LayerNorms, the classifier head) is replicated:
+    the model's forward runs on replicated DTensors between the sharded projections, its input (pixels) and
+    output (logits) plain tensors. The head is small, so the logits are whole on every rank and the loss is the
+    plain cross-entropy (no loss_parallel).
+    """
+    plan: dict[str, ParallelStyle] = {
+        "attn.wq": ColwiseParallel(),
+        "attn.wk": ColwiseParallel(),
+        "attn.wv": ColwiseParallel(),
+        "attn.wo": RowwiseParallel(use_local_output=False),
+        "mlp.w1": ColwiseParallel(),
+        "mlp.w2": RowwiseParallel(use_local_output=False),
+    }
+    for block in model.blocks.values():
+        parallelize_module(block, tp_mesh, plan)
+
+    def to_dtensor(_mod: nn.Module, inputs: tuple[Any, ...], mesh: DeviceMesh) -> tuple[Any, ...]:
+        return tuple(
+            DTensor.from_local(t, mesh, (Replicate(),), run_check=False) if isinstance(t, torch.Tensor) else t
+            for t in inputs
+        )
+
+    def to_local(_mod: nn.Module, output: torch.Tensor, _mesh: DeviceMesh) -> torch.Tensor:
+        return output.to_local() if isinstance(output, DTensor) else output
+
+    # Every parameter not sharded above becomes a replicated DTensor (distribute_module leaves DTensors alone).
+    distribute_module(model, tp_mesh, input_fn=to_dtensor, output_fn=to_local)
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
+    """Shard `model` (a whole Transformer or a pipeline chunk of it, or a VisionTransformer) over `tp_mesh` in place.
 
     Under sequence parallelism the hidden states between blocks (and between pipeline chunks) are this rank's
     slice of the sequence, (B, T / TP, D), as plain tensors; without it they are whole, (B, T, D). The logits
     are a DTensor sharded on the vocabulary: compute the loss with `lm_loss` inside `loss_context(True)`.
     """
+    if isinstance(model, VisionTransformer):  # training/config.py refuses sequence parallelism for vit
+        apply_vit_tensor_parallel(model, tp_mesh)
+        return
+    assert isinstance(model, Transformer)
     residual = Shard(1) if sequence_parallel else Replicate()
     for block in model.blocks.values():
         parallelize_module(block, tp_mesh, _block_plan(block, sequence_parallel))

@@ -31,18 +31,16 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from training import drill_points, failure, hf_load, preemption, process, replica, spares
-from training.checkpoint import CheckpointManager, CheckpointSaveError, ModelCard, SavedCheckpoint
+from training.checkpoint import CheckpointManager, CheckpointSaveError, SavedCheckpoint
 from training.checkpoint.memory import MemoryTier
 from training.checkpoint.memory_auto import record_decision
 from training.checkpoint.save_auto import SaveSchedule
 from training.comm_probe import probe_record
 from training.config import OptimConfig, TrainConfig
-from training.dataset import DatasetError, TokenDataset
 from training.distill import load_teacher
 from training.distill_report import distillation_record, gathered_student
 from training.grad_clip import clip_grad_norm
@@ -50,7 +48,6 @@ from training.holdings import held_layers, param_record
 from training.lease import Lease
 from training.mesh import Meshes, ParallelDims
 from training.metrics import CommTimer, peak_memory_bytes
-from training.model import Transformer
 from training.network import collective_timeout, network_record
 from training.parallel import comm_timed, gradient_sync, parallelize
 from training.recovery_record import RecoveryEvent, Refusal, append_event
@@ -64,10 +61,11 @@ from training.run_output import (
     RunResult,
     StepRecord,
 )
-from training.sampler import GlobalBatchSampler, SamplerState, blend_of
+from training.sampler import GlobalBatchSampler, SamplerState
 from training.telemetry import Telemetry
 from training.watchdog import Watchdog, enable_flight_recorder
-from training.tensor_parallel import lm_loss, loss_context
+from training.tensor_parallel import loss_context
+from training.workload import LossInputs, workload_of
 
 log = logging.getLogger("training.train")  # not __main__ under `python -m`
 
@@ -244,25 +242,9 @@ class Trainer:
         torch.set_num_threads(cfg.run.threads_per_rank or max(1, (os.cpu_count() or 1) // self.env.local_world_size))
 
         par, model_cfg = cfg.parallel, cfg.model
-        self.train_data, self.val_data = (
-            TokenDataset(cfg.data.dataset_url, split, model_cfg.seq_len, cfg.storage, vocab_size=model_cfg.vocab_size,
-                         trusted=cfg.data.sources)
-            for split in (cfg.data.train_split, cfg.data.val_split)
-        )  # fmt: skip
-        data_vocab, data_tokenizer = self.train_data.manifest.vocab_size, self.train_data.manifest.tokenizer
-        if cfg.data.tokenizer_sha256 and data_tokenizer.sha256 != cfg.data.tokenizer_sha256:
-            raise DatasetError(
-                cfg.data.dataset_url,
-                f"made with tokenizer {data_tokenizer.kind} sha256={data_tokenizer.sha256}, "
-                f"the spec expects sha256={cfg.data.tokenizer_sha256}",
-                "prepare the dataset with the spec's tokenizer or point the spec at the right dataset",
-            )
-        if data_vocab > model_cfg.vocab_size:
-            raise DatasetError(
-                cfg.data.dataset_url,
-                f"dataset vocab_size={data_vocab} exceeds model.vocab_size={model_cfg.vocab_size}",
-                f"set model.vocab_size >= {data_vocab} or use a dataset of this vocabulary",
-            )
+        # What is trained (model.kind): the model, its datasets, its loss and metrics (training/workload.py).
+        self.workload = workload_of(cfg)
+        self.train_data, self.val_data = self.workload.open_datasets()
         # Model-parallel layouts run on a named device mesh (training/mesh.py); samples go per data-parallel
         # rank, so the tensor and pipeline peers of one data-parallel rank are fed the same ones.
         self.meshes: Meshes | None = None
@@ -276,7 +258,7 @@ class Trainer:
         if self.replica_index is not None:  # replica groups train disjoint shards of the global batch
             self.dp_rank, self.dp_size = self.replica_index * self.world + self.rank, ft.replica_groups * self.world
         seed = cfg.run.seed
-        self.blend = blend_of(self.train_data, seed)  # None unless the dataset mixes weighted sources
+        self.blend = self.workload.blend(self.train_data, seed)  # None unless the dataset mixes weighted sources
         self.sampler = GlobalBatchSampler(
             self.blend.epoch_size if self.blend else len(self.train_data),
             par.micro_batch, par.grad_accum_steps, self.dp_size,
@@ -287,7 +269,7 @@ class Trainer:
         # is recorded so that acceptance can compare the training's own share with the capacity plan.
         self.runtime_mem_bytes = peak_memory_bytes(self.device) if self.device.type == "cpu" else None
         seed_everything(seed)  # identical initial weights on every rank
-        model = Transformer(model_cfg, recompute=par.activation_recompute).to(self.device)
+        model = self.workload.build_model(par.activation_recompute).to(self.device)
         self.n_params = model.num_params()
         if cfg.run.compile:  # per block and in place, as torchtitan does: FSDP2 then wraps the compiled blocks
             for block in model.blocks.values():
@@ -316,7 +298,7 @@ class Trainer:
             growth_interval=cfg.precision.fp16_growth_interval_steps,
             enabled=cfg.precision.dtype == "fp16",
         )
-        card = ModelCard.of_run(cfg, self.train_data.manifest)
+        card = self.workload.card(self.train_data)
         self.checkpoints = CheckpointManager(
             cfg.checkpoint, cfg.storage, layout=self._layout(), card=card.model_dump(mode="json")
         )
@@ -387,7 +369,7 @@ class Trainer:
         d = self.meshes.dims
         return f"pp{d.pp} dp{d.dp_replicate}x{d.dp_shard} cp{d.cp} tp{d.tp} ep{d.ep}"
 
-    def _model_parallel(self, model: Transformer) -> nn.Module:
+    def _model_parallel(self, model: nn.Module) -> nn.Module:
         """Tensor/expert parallel and FSDP2 on the mesh; with pipeline stages, this rank's chunks of the model."""
         assert self.meshes is not None
         par = self.cfg.parallel
@@ -569,21 +551,15 @@ class Trainer:
 
     # ---- loop -------------------------------------------------------------------------------
 
-    def _loss(
-        self, tokens: torch.Tensor, distilled: bool = False
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """The loss, the MoE aux loss and, `distilled` (training steps of a distill run), the KL to the teacher:
-        the loss is then the distillation objective; evaluation keeps the plain cross-entropy."""
-        inputs, targets = tokens[:, :-1].to(self.device), tokens[:, 1:].to(self.device)
-        with torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
-            logits, aux = self.model(inputs)
-            if distilled and self.teacher is not None:
-                parts = self.teacher.loss(logits, inputs, targets)
-                return parts.total, aux, parts.kl
-        if self.meshes is not None:  # vocabulary-sharded logits under tensor parallelism (loss_context)
-            return lm_loss(logits, targets), aux, None
-        loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))
-        return loss, aux, None
+    def _loss(self, batch: Any, distilled: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The loss of a batch (the workload's), the MoE aux loss and, `distilled` (training steps of a distill
+        run), the KL to the teacher: the loss is then the distillation objective; evaluation keeps the plain
+        cross-entropy."""
+        return self.workload.loss(self.model, batch, self._loss_inputs, distilled)
+
+    @functools.cached_property
+    def _loss_inputs(self) -> LossInputs:
+        return LossInputs(self.device, self.autocast_dtype, self.meshes is not None, self.teacher)
 
     @property
     def _tensor_parallel(self) -> bool:
@@ -709,7 +685,7 @@ class Trainer:
         loss_sync_s, loss_sync_cpu_s = time.perf_counter() - synced, time.process_time() - synced_cpu
         self.preempt_signal = self.preempt_signal or preemption.agreed_signal(flags.tolist())
         self.step += 1
-        tokens_step = self.sampler.global_batch * cfg.model.seq_len
+        tokens_step = self.sampler.global_batch * self.workload.units_per_sample
         self.tokens_seen += tokens_step
         elapsed, cpu_s = time.perf_counter() - started, time.process_time() - cpu_started
         comm_s = self.comm_timer.take() if self.comm_measured else None
@@ -819,6 +795,7 @@ class Trainer:
         `of_teacher`: the distillation teacher's on the same batches (not recorded as an evaluation)."""
         self.model.eval()
         totals = torch.zeros(2, dtype=torch.float64, device=self.device)
+        counts: torch.Tensor | None = None  # the workload's tallies (a vit's confusion matrix), summed over ranks
         for j in range(self.cfg.run.eval_batches):
             tokens = self._val_batch(j)
             if of_teacher and self.teacher is not None:
@@ -829,18 +806,24 @@ class Trainer:
                 loss = self._from_last_stage(self.pipeline.eval_loss(tokens))
             else:
                 with loss_context(self._tensor_parallel):
-                    loss = _to_tensor(self._loss(tokens)[0])
-            count = tokens[:, 1:].numel()
+                    part = self.workload.eval_batch(self.model, tokens, self._loss_inputs)
+                loss = part.loss
+                if part.counts is not None:
+                    counts = part.counts if counts is None else counts + part.counts
+            count = self.workload.eval_units(tokens)
             totals += torch.tensor([loss.item() * count, count], dtype=torch.float64, device=self.device)
         # Tensor and pipeline peers of a data-parallel rank hold the same figures: the ratio is unchanged.
         dist.all_reduce(totals)
         val_loss = (totals[0] / totals[1]).item()
         result = {"step": self.step, "val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 700.0))}
+        if counts is not None:  # summed over every rank: a data-parallel rank's tensor and pipeline peers repeat its
+            dist.all_reduce(counts)  # counts, so the sum is divided by how many hold each
+            result |= self.workload.eval_metrics(counts / max(1, self.world // self.dp_size))
         if self.rank == 0 and not of_teacher:
             self.out.append_eval(result)
         return result
 
-    def _val_batch(self, j: int) -> torch.Tensor:
+    def _val_batch(self, j: int) -> Any:
         """This rank's `j`-th validation micro-batch of every evaluation."""
         b, n = self.cfg.parallel.micro_batch, len(self.val_data)
         first = (j * self.dp_size + self.dp_rank) * b
@@ -938,7 +921,7 @@ class Trainer:
             log.info(
                 "training %.2fM params, world %d (%s, %s), global batch %d x %d tokens, steps %d -> %d",
                 self.n_params / 1e6, self.world, cfg.parallel.sharding, self.backend,
-                self.sampler.global_batch, cfg.model.seq_len, self.step, cfg.run.steps,
+                self.sampler.global_batch, self.workload.units_per_sample, self.step, cfg.run.steps,
             )  # fmt: skip
         first_loss = last = None
         last_eval: dict[str, Any] | None = None

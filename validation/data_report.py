@@ -101,12 +101,18 @@ def _header(runs: Sequence[SuiteRun], context: ReportContext) -> str:
     )
 
 
+_SPLIT_HEADINGS = {"docs": "documents"}
+
+
 def _splits_table(context: ReportContext) -> str:
+    """One row per split, one column per count the splits have (documents and tokens; images for image data)."""
+    columns = list(dict.fromkeys(key for s in context.splits.values() for key in s)) or ["docs", "tokens"]
+    head = "".join(f"<th>{_e(_SPLIT_HEADINGS.get(c, c))}</th>" for c in columns)
     rows = "".join(
-        f"<tr><td>{_e(name)}</td><td>{_e(s.get('docs'))}</td><td>{_e(s.get('tokens'))}</td></tr>"
+        f"<tr><td>{_e(name)}</td>" + "".join(f"<td>{_e(s.get(c))}</td>" for c in columns) + "</tr>"
         for name, s in context.splits.items()
     )
-    return f"<h2>Dataset splits</h2>\n<table><tr><th>split</th><th>documents</th><th>tokens</th></tr>{rows}</table>\n"
+    return f"<h2>Dataset splits</h2>\n<table><tr><th>split</th>{head}</tr>{rows}</table>\n"
 
 
 def _rows(run: SuiteRun) -> str:

@@ -212,7 +212,8 @@ def score_quality(predictions: list[str], references: list[str]) -> QualityFigur
     )
 
 
-def _gate(name: str, value: float | None, limit: float | None, upper: bool, fix: str) -> ServingCheck:
+def gate(name: str, value: float | None, limit: float | None, upper: bool, fix: str) -> ServingCheck:
+    """One figure against its bound (None: not gated); an unmeasured (None or NaN) figure fails."""
     if limit is None:
         return ServingCheck(name, value, None, None, "not gated")
     if value is None or math.isnan(value):
@@ -288,4 +289,4 @@ def judge(
         ),
         ("bleu4", quality.bleu4, thresholds.bleu4_min, False, "as for rouge_l"),
     ]
-    return [_gate(*row) for row in table]
+    return [gate(*row) for row in table]

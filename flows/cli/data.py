@@ -62,7 +62,7 @@ def data_step(inputs: DataInputs) -> DataResult:
     removed = ", ".join(f"{rule} {n}" for rule, n in result.cleaning["removed"].items() if n)
     console.print(
         f"{verb} dataset {result.dataset_url}: "
-        + ", ".join(f"{name} {c['tokens']:,} tokens / {c['docs']:,} docs" for name, c in result.splits.items())
+        + result.split_sizes()
         + f"; vocab {result.vocab_size}; read {result.cleaning['read']}, kept {result.cleaning['kept']}"
         + (f" (removed: {removed})" if removed else "")
         + f"; validation {'passed' if result.validation.get('success') else 'skipped'}"

@@ -9,7 +9,9 @@ Appendix A eq. 8. Their text names one extra forward of QK^T and attention over 
 eq. 8 adds the attention term of eq. 7 again, s/(6h) of 72BsLh^2, that is 12sh per block per token (forward and
 backward of the attention core), and their Table 5 HFU and section 5's "2.7% and 1.6% FLOPs overhead" for GPT-3
 and MT-NLG follow eq. 8; the planner uses eq. 8 so that its HFU is the one published. The output layer is never
-recomputed. MoE tokens pass through top_k experts.
+recomputed. MoE tokens pass through top_k experts. A ViT's tokens are image tokens (patches and the class token):
+the patch embedding is a matmul on each patch, the classifier one on each image (tasks/capacity/params.py). A
+vision-language model's encoder and projector run once per sequence, over its image's patches.
 """
 
 from __future__ import annotations
@@ -36,6 +38,22 @@ class TokenFlops:
         return self.hardware - self.model
 
 
+def encoder_forward_flops(arch: Architecture) -> float:
+    """Forward FLOPs of a vision-language model's encoder and projector for one sequence (its image): 2 per weight
+    (and bias) on each image token, 4sh per block for attention, the patch embedding on each patch; 0 without one."""
+    enc = arch.encoder
+    if enc is None:
+        return 0.0
+    assert enc.patch_inputs is not None
+    pc = count_params(enc)
+    attention = 4 * enc.seq_len * enc.n_heads * enc.head_dim
+    blocks = enc.seq_len * enc.n_layers * (2 * (pc.per_layer - pc.per_layer_norms) + attention)
+    patch = 2 * enc.patch_inputs * enc.d_model * enc.patches
+    p = arch.projector_hidden
+    projector = 2 * (enc.d_model * p + p + p * arch.d_model + arch.d_model) * enc.patches
+    return blocks + patch + projector
+
+
 def flops_per_token(arch: Architecture, recompute: Recompute = "none") -> TokenFlops:
     """Forward, model (fwd + bwd) and hardware (model + recompute) FLOPs per token."""
     pc = count_params(arch)
@@ -44,7 +62,14 @@ def flops_per_token(arch: Architecture, recompute: Recompute = "none") -> TokenF
     # QK^T and attention over V, 2 FLOPs per multiply-add each: 4sh per block in the forward pass.
     attention_fwd = 4 * arch.seq_len * arch.n_heads * arch.head_dim * arch.n_layers
     blocks_fwd = 2 * block_matmul + attention_fwd
+    # A vision-language model: the encoder and projector run once per sequence (its image), spread over its tokens.
+    blocks_fwd += encoder_forward_flops(arch) / arch.seq_len
     head_fwd = 2 * head
+    if arch.patch_inputs is not None:
+        # A ViT: the classifier runs on one token per image and the patch embedding (the Conv2d, a matmul of
+        # channels x patch^2 inputs) on every patch token; per image token, averaged over the image's tokens.
+        head_fwd = 2 * head * arch.output_rows_per_sequence / arch.seq_len
+        head_fwd += 2 * arch.patch_inputs * arch.d_model * arch.patches / arch.seq_len
     forward = blocks_fwd + head_fwd
     model = 3 * forward
     # Selective: Korthikanti eq. 8 counts the attention core's forward and backward again (see the module doc).

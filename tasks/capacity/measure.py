@@ -33,6 +33,7 @@ from training.distill import distill_loss
 from training.layout import Layout
 from training.model import Transformer
 from training.train import build_optimizer
+from training.vision import VisionTransformer
 
 log = logging.getLogger(__name__)
 
@@ -161,16 +162,21 @@ def _fake_process_group(world: int) -> Iterator[None]:
 def _step(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
-    tokens: torch.Tensor,
+    tokens: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
     case: MeasureCase,
     after_micro_batch: Callable[[], None] = lambda: None,
     teacher: torch.nn.Module | None = None,
 ) -> None:
     """One optimizer step as training/train.py runs it (loss in a function so the logits die before backward)."""
     dtype = _AUTOCAST[case.dtype]
-    device_type = tokens.device.type
+    images = tokens if isinstance(tokens, tuple) else None
+    device_type = (images[0] if images is not None else tokens).device.type
 
-    def loss_of(batch: torch.Tensor) -> torch.Tensor:
+    def loss_of(batch: Any) -> torch.Tensor:
+        if images is not None:  # a ViT classifier, as training/workload.py's vit loss
+            with torch.autocast(device_type, dtype=dtype, enabled=dtype is not None):
+                logits = model(images[0])
+            return F.cross_entropy(logits.float(), images[1])
         with torch.autocast(device_type, dtype=dtype, enabled=dtype is not None):
             logits, aux = model(batch[:, :-1])
             if teacher is not None:  # as training/distill.py: the teacher's forward, no autograd
@@ -191,6 +197,27 @@ def _step(
     optimizer.zero_grad(set_to_none=True)
 
 
+def _model(case: MeasureCase) -> torch.nn.Module:
+    """The payload's model of `case`: the Transformer, or the ViT classifier for kind vit."""
+    cfg = case.model
+    if cfg.kind == "vit":
+        assert cfg.vision is not None
+        return VisionTransformer(cfg.vision, cfg.vision.num_classes, case.recompute, cfg.dropout, cfg.init_std)
+    return Transformer(cfg, recompute=case.recompute)
+
+
+def _batch(case: MeasureCase, device: torch.device | str = "cpu") -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """One micro-batch: token ids (B, seq_len + 1), or uint8 images and class labels for kind vit."""
+    cfg = case.model
+    if cfg.kind == "vit":
+        vision = cfg.vision
+        assert vision is not None and vision.num_classes is not None
+        shape = (case.micro_batch, vision.channels, vision.image_size, vision.image_size)
+        images = torch.randint(0, 256, shape, dtype=torch.uint8, device=device)
+        return images, torch.randint(0, vision.num_classes, (case.micro_batch,), device=device)
+    return torch.randint(0, cfg.vocab_size, (case.micro_batch, cfg.seq_len + 1), device=device)
+
+
 def _measure_fake(case: MeasureCase) -> dict[str, float]:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
@@ -208,21 +235,22 @@ def _measure_fake(case: MeasureCase) -> dict[str, float]:
         if real:
             torch.manual_seed(0)
         with contextlib.nullcontext() if real else FakeTensorMode():
-            model: Any = Transformer(case.model, recompute=case.recompute)
+            model: Any = _model(case)
             if mesh is not None:
                 from training.parallel import apply_fsdp
 
                 model = apply_fsdp(model, mesh)
             optimizer = build_optimizer(model, OptimConfig(lr_peak=1e-3))
-            tokens = torch.randint(0, case.model.vocab_size, (case.micro_batch, case.model.seq_len + 1))
+            tokens = _batch(case)
             # The teacher keeps requires_grad (the tracker hooks every parameter it meets); no_grad keeps it frozen.
             teacher = None if case.teacher is None else Transformer(case.teacher).eval()
             if sharded:
                 tracker: Any = FSDPMemTracker(model, optimizer)
-                tracker.track_inputs((tokens,))
+                tracker.track_inputs(tokens if isinstance(tokens, tuple) else (tokens,))
             else:
                 tracker = MemTracker()
-                tracker.track_external(model, optimizer, tokens, *([teacher] if teacher is not None else []))
+                inputs = tokens if isinstance(tokens, tuple) else (tokens,)
+                tracker.track_external(model, optimizer, *inputs, *([teacher] if teacher is not None else []))
             with tracker:
                 for _ in range(2):  # the first step creates the optimizer states
                     _step(model, optimizer, tokens, case, tracker.reset_mod_stats, teacher)
@@ -239,9 +267,9 @@ def _measure_fake(case: MeasureCase) -> dict[str, float]:
 
 def _measure_cuda(case: MeasureCase) -> dict[str, float]:
     device = torch.device("cuda")
-    model = Transformer(case.model, recompute=case.recompute).to(device)
+    model = _model(case).to(device)
     optimizer = build_optimizer(model, OptimConfig(lr_peak=1e-3))
-    tokens = torch.randint(0, case.model.vocab_size, (case.micro_batch, case.model.seq_len + 1), device=device)
+    tokens = _batch(case, device)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats(device)
     for _ in range(2):
@@ -280,9 +308,9 @@ def time_step(case: MeasureCase, steps: int = 5) -> float:
     if case.sharding != "ddp" or case.world != 1:
         raise ValueError("the step time is measured in one process; use sharding=ddp with world=1")
     torch.manual_seed(0)
-    model = Transformer(case.model, recompute=case.recompute)
+    model = _model(case)
     optimizer = build_optimizer(model, OptimConfig(lr_peak=1e-3))
-    tokens = torch.randint(0, case.model.vocab_size, (case.micro_batch, case.model.seq_len + 1))
+    tokens = _batch(case)
     _step(model, optimizer, tokens, case)
     times = []
     for _ in range(steps):

@@ -120,6 +120,8 @@ def param_shapes(arch: Architecture) -> list[tuple[tuple[int, ...], int]]:
     else:
         block += mlp
     tensors: list[tuple[tuple[int, ...], int]] = [((arch.vocab_size, h), 1)]
+    if arch.patch_inputs is not None:  # a ViT: the patch embedding's weight and bias, the class token
+        tensors = [((h, arch.patch_inputs), 1), ((h,), 1), *([((1, h), 1)] if arch.class_token else [])]
     if arch.positions == "learned":
         tensors.append(((arch.seq_len, h), 1))
     tensors += [(shape, n * layers) for shape, n in block]
@@ -128,6 +130,11 @@ def param_shapes(arch: Architecture) -> list[tuple[tuple[int, ...], int]]:
         tensors.append(((arch.vocab_size, h), 1))
         if arch.bias:
             tensors.append(((arch.vocab_size,), 1))
+    if arch.encoder is not None:  # a vlm: the encoder (no final norm) and the projector
+        d, p = arch.encoder.d_model, arch.projector_hidden
+        encoder = [(shape, n) for shape, n in param_shapes(arch.encoder) if math.prod(shape) > 0]
+        encoder.remove(((d,), 2))  # the final LayerNorm training/vlm.py drops
+        tensors += [*encoder, ((p, d), 1), ((p,), 1), ((h, p), 1), ((h,), 1)]
     return tensors
 
 
@@ -225,7 +232,7 @@ def stage_params(
     layer_split = pc.per_layer - pc.per_layer_experts - pc.per_layer_norms  # divided by TP
     dense_layer = layer_split / lo.tp + pc.per_layer_norms
     expert_layer = pc.per_layer_experts / (lo.tp * lo.ep)
-    embed = (pc.embedding + pc.positions) / lo.tp if first else 0.0
+    embed = (pc.embedding + pc.positions + pc.encoder) / lo.tp if first else 0.0  # a vlm's encoder runs first
     head = ((pc.head or (0 if first else pc.embedding)) / lo.tp + pc.final_norm) if last else 0.0
     layers = arch.n_layers / lo.pp if layers is None else layers
     return StageParams(
@@ -327,6 +334,12 @@ def _norm_saved(arch: Architecture, p: Precision, consumers: int) -> tuple[float
     """(bytes per element of h, extra bytes per token) that a pre-norm and the `consumers` linears after it keep."""
     if arch.norm_impl == "fused":
         return p.residual_bytes + p.act_bytes, 0.0  # the norm's input and its output (the next linears' input)
+    if arch.norm_impl == "native":
+        # nn.LayerNorm keeps its input and an fp32 mean and rstd per token; its output is the linears' input (under
+        # autocast in fp32 and kept only as each linear's own 16-bit cast).
+        if p.recipe == "autocast":
+            return 4 + 2 * consumers, 8.0
+        return p.residual_bytes + p.act_bytes, 8.0
     # Eager RMSNorm: x.float() and the normalised fp32 output are kept by the multiplications, plus the rsqrt (one
     # fp32 per token). Under autocast every linear casts the fp32 norm output to 16 bits itself and keeps its copy.
     if p.recipe == "fp32":
@@ -350,7 +363,7 @@ def layer_activations(arch: Architecture, p: Precision, rt: Runtime, recompute: 
         # Only the block's input survives; the rest is recomputed in backward.
         return LayerActivations(replicated=p.residual_bytes * h, split=0.0)
     e = p.act_bytes
-    attn_h, attn_tok = _norm_saved(arch, p, consumers=3 if arch.norm_impl == "eager" else 1)
+    attn_h, attn_tok = _norm_saved(arch, p, consumers=1 if arch.norm_impl == "fused" else 3)
     mlp_h, mlp_tok = _norm_saved(arch, p, consumers=_mlp_consumers(arch, p))
     replicated = attn_h * h + attn_tok + mlp_h * h + mlp_tok
     if arch.dropout:
@@ -360,12 +373,16 @@ def layer_activations(arch: Architecture, p: Precision, rt: Runtime, recompute: 
     if rt.attention == "flash":
         split += (h + 2 * kv) * e  # q, k, v as SDPA keeps them
         out = h * e + heads * 4  # output and fp32 log-sum-exp
+        # The CPU kernel writes its output in the query's layout: after rotary embeddings q is (B, H, T, D) and the
+        # output is copied to (B, T, H*D) for the projection; without them (a ViT) q is a transposed view and the
+        # projection's input is a view of the output, as on a GPU.
+        cpu_copy = rt.device == "cpu" and arch.positions == "rope"
         if recompute == "selective":
-            # The output is recomputed; on a GPU the projection's input is a view of it and keeps it alive.
-            out = 0.0 if rt.device == "cpu" else h * e
+            # The output is recomputed; where the projection's input is a view of it, that keeps it alive.
+            out = 0.0 if cpu_copy else h * e
         split += out
-        if rt.device == "cpu":
-            split += h * e  # the CPU kernel's (B, H, T, D) output is copied to (B, T, H*D) for the projection
+        if cpu_copy:
+            split += h * e
     else:
         split += (h + kv) * e + kv * e + h * e  # q, k for the scores; v; the context into the projection
         if recompute != "selective":
@@ -705,7 +722,17 @@ class MemoryModel:
         per_layer = self._act_bytes(lo.recompute, b, tp, sp, lo.cp)
         copies_per_layer = (params.layer - self.params.per_layer_norms) * p.weight_copy_bytes
         resting = per_layer + (0.0 if full else copies_per_layer)
-        head_saved = tokens * (self._head_replicated / (tp if sp else 1) + 4 * arch.vocab_size / tp) if last else 0.0
+        if arch.is_vision:
+            # A classifier: the final norm runs on every token (its input, mean and rstd kept), the head on one
+            # token per image (its input and the fp32 logits); the patch embedding keeps its pixels (first stage).
+            rows = tokens * arch.output_rows_per_sequence / arch.seq_len
+            head_saved = (tokens * (p.residual_bytes * arch.d_model + 8) + rows * (arch.d_model * p.act_bytes
+                          + 4 * arch.vocab_size / tp)) if last else 0.0  # fmt: skip
+            if index == 0:
+                assert arch.patch_inputs is not None
+                head_saved += tokens * arch.patches / arch.seq_len * arch.patch_inputs * p.act_bytes
+        else:
+            head_saved = tokens * (self._head_replicated / (tp if sp else 1) + 4 * arch.vocab_size / tp) if last else 0.0
         head_copies = (self.params.head or self.params.embedding) / tp * p.weight_copy_bytes if last else 0.0
         # The block whose backward runs: recomputed in full (its input is already counted), minus what is freed.
         working = -tokens * self._mlp_freed / tp
@@ -786,7 +813,8 @@ class MemoryModel:
              copies_live + acts.copies_per_layer * full),
         ]  # fmt: skip
         if last:
-            loss_transient = acts.tokens * 8 * self.arch.vocab_size / lo.tp  # fp32 gradients of log-probs and logits
+            rows = acts.tokens * self.arch.output_rows_per_sequence / self.arch.seq_len  # one per image for a ViT
+            loss_transient = rows * 8 * self.arch.vocab_size / lo.tp  # fp32 gradients of log-probs and logits
             if self.teacher is not None:  # distill: the KL term's saved log-softmaxes and gradients besides
                 loss_transient += self.teacher.kl_loss_bytes(acts.tokens)
             candidates.append(

@@ -1,4 +1,10 @@
-"""Parameter counts from the architecture: dense and MoE blocks, GQA, SwiGLU or GeLU MLP, embeddings, norms, biases."""
+"""Parameter counts from the architecture: dense and MoE blocks, GQA, SwiGLU or GeLU MLP, embeddings, norms, biases.
+
+A Vision Transformer (model.kind vit, training/vision.py) is the same stack over image tokens: its sequence is the
+patches plus the class token, its "embedding" the patch embedding (a biased linear map of channels x patch^2 pixel
+values, the Conv2d) and the class token, its positions learned, its blocks LayerNorm + biased projections + GeLU,
+and its output layer the classifier, which reads one token per image.
+"""
 
 from __future__ import annotations
 
@@ -13,7 +19,9 @@ class Architecture:
     """A decoder-only Transformer, a superset of the payload's `ModelConfig` (biases, LayerNorm, learned positions).
 
     `norm_impl` and `dropout` only matter for activation memory: `eager` is the payload's Python RMSNorm (saves
-    its fp32 input and normalised output), `fused` a fused kernel that saves its input only (Megatron, Apex, TE).
+    its fp32 input and normalised output), `fused` a fused kernel that saves its input only (Megatron, Apex, TE),
+    `native` torch's nn.LayerNorm (the ViT's: its input and an fp32 mean and rstd per token; autocast runs it in
+    fp32, so each linear after it keeps its own 16-bit copy of the output).
     """
 
     n_layers: int
@@ -25,13 +33,22 @@ class Architecture:
     n_kv_heads: int | None = None
     mlp: Literal["swiglu", "gelu"] = "swiglu"
     norm: Literal["rmsnorm", "layernorm"] = "rmsnorm"
-    norm_impl: Literal["eager", "fused"] = "eager"
+    norm_impl: Literal["eager", "fused", "native"] = "eager"
     bias: bool = False
     positions: Literal["rope", "learned"] = "rope"
     tie_embeddings: bool = False
     dropout: bool = False
     n_experts: int | None = None
     top_k: int = 1
+    patch_inputs: int | None = None
+    """A vision encoder: pixel values one patch token embeds (channels x patch_size^2); None: a token embedding."""
+    class_token: bool = False
+    """A vision encoder with a learned class token (pooling cls) in front of the patches."""
+    encoder: Architecture | None = None
+    """A vision-language model (kind vlm): its vision encoder, a ViT over the image's patches without a head or a
+    final norm, whose patch tokens the projector maps into this language model's first `encoder.seq_len` positions."""
+    projector_hidden: int = 0
+    """A vision-language model: the projector's hidden width (linear, GELU, linear, with biases, as LLaVA's)."""
     name: str = field(default="model", compare=False)
 
     @property
@@ -50,14 +67,65 @@ class Architecture:
         return self.kv_heads * self.head_dim
 
     @property
+    def is_vision(self) -> bool:
+        """Whether the inputs are image patches (a ViT classifier: one output row per image, not per token)."""
+        return self.patch_inputs is not None
+
+    @property
+    def patches(self) -> int:
+        """Patch tokens of a sequence (an image): all but the class token; every token for a language model."""
+        return self.seq_len - (1 if self.class_token else 0)
+
+    @property
+    def output_rows_per_sequence(self) -> int:
+        """Rows of logits a sequence gives the loss: every token's for a language model, one per image for a
+        classifier (the class token's or the patches' mean)."""
+        return 1 if self.is_vision else self.seq_len
+
+    @property
     def is_moe(self) -> bool:
         """Whether the MLPs are routed experts."""
         return self.n_experts is not None
 
     @classmethod
     def from_model_config(cls, cfg: ModelConfig, name: str = "model") -> Architecture:
-        """The payload's model (training/model.py) as an Architecture."""
+        """The payload's model (training/model.py; a ViT classifier of training/vision.py for kind vit) as an
+        Architecture. A vlm is its language model over image and caption tokens with the encoder and projector
+        of training/vlm.py (`encoder`, `projector_hidden`)."""
+        if cfg.kind == "vit":
+            vision = cfg.vision
+            assert vision is not None and vision.num_classes is not None, "ModelConfig validates kind vit"
+            return cls(
+                n_layers=vision.n_layers,
+                d_model=vision.d_model,
+                n_heads=vision.n_heads,
+                ffn_hidden=vision.ffn_hidden,
+                vocab_size=vision.num_classes,
+                seq_len=vision.n_tokens,
+                mlp="gelu",
+                norm="layernorm",
+                norm_impl="native",  # torch's nn.LayerNorm: keeps its input and the per-token mean and rstd
+                bias=True,
+                positions="learned",
+                dropout=cfg.dropout > 0,
+                patch_inputs=vision.channels * vision.patch_size**2,
+                class_token=vision.pooling == "cls",
+                name=name,
+            )
+        encoder, projector_hidden = None, 0
+        if cfg.kind == "vlm":
+            vision = cfg.vision
+            assert vision is not None, "ModelConfig validates kind vlm"
+            encoder = cls(
+                n_layers=vision.n_layers, d_model=vision.d_model, n_heads=vision.n_heads, ffn_hidden=vision.ffn_hidden,
+                vocab_size=0, seq_len=vision.n_tokens, mlp="gelu", norm="layernorm", norm_impl="native", bias=True,
+                positions="learned", dropout=cfg.dropout > 0, patch_inputs=vision.channels * vision.patch_size**2,
+                class_token=vision.pooling == "cls", name=f"{name} encoder",
+            )  # fmt: skip
+            projector_hidden = vision.projector_hidden or cfg.d_model
         return cls(
+            encoder=encoder,
+            projector_hidden=projector_hidden,
             n_layers=cfg.n_layers,
             d_model=cfg.d_model,
             n_heads=cfg.n_heads,
@@ -88,6 +156,8 @@ class ParamCount:
     head: int
     n_layers: int
     active_expert_fraction: float
+    encoder: int = 0
+    """A vision-language model: the vision encoder's and the projector's parameters."""
 
     @property
     def per_layer(self) -> int:
@@ -103,7 +173,10 @@ class ParamCount:
     @property
     def total(self) -> int:
         """Every parameter, tied weights once."""
-        return self.embedding + self.positions + self.n_layers * self.per_layer + self.final_norm + self.head
+        return (
+            self.embedding + self.positions + self.n_layers * self.per_layer + self.final_norm + self.head
+            + self.encoder
+        )  # fmt: skip
 
     @property
     def experts(self) -> int:
@@ -114,7 +187,9 @@ class ParamCount:
     def active_per_token(self) -> int:
         """Parameters a token passes through (MoE: top_k of n_experts), for FLOPs."""
         per_layer = self.per_layer - self.per_layer_experts + self.per_layer_experts * self.active_expert_fraction
-        return int(self.embedding + self.positions + self.n_layers * per_layer + self.final_norm + self.head)
+        return int(
+            self.embedding + self.positions + self.n_layers * per_layer + self.final_norm + self.head + self.encoder
+        )
 
     @property
     def matmul_per_token(self) -> int:
@@ -137,8 +212,18 @@ def count_params(arch: Architecture) -> ParamCount:
     if arch.is_moe:
         assert arch.n_experts is not None
         experts, router, mlp = arch.n_experts * mlp, h * arch.n_experts, 0
+    if arch.patch_inputs is not None:
+        embedding = arch.patch_inputs * h + h + (h if arch.class_token else 0)  # Conv2d weight and bias, class token
+    else:
+        embedding = arch.vocab_size * h
+    encoder = 0
+    if arch.encoder is not None:
+        vision = count_params(arch.encoder)
+        d, p = arch.encoder.d_model, arch.projector_hidden
+        # training/vlm.py drops the encoder's final norm (LLaVA reads the last block's output); the projector
+        encoder = vision.total - vision.final_norm + d * p + p + p * h + h
     return ParamCount(
-        embedding=arch.vocab_size * h,
+        embedding=embedding,
         positions=arch.seq_len * h if arch.positions == "learned" else 0,
         per_layer_attention=attention,
         per_layer_mlp_dense=mlp,
@@ -149,6 +234,7 @@ def count_params(arch: Architecture) -> ParamCount:
         head=0 if arch.tie_embeddings else arch.vocab_size * h + (arch.vocab_size if b else 0),
         n_layers=arch.n_layers,
         active_expert_fraction=arch.top_k / arch.n_experts if arch.n_experts else 1.0,
+        encoder=encoder,
     )
 
 

@@ -205,6 +205,7 @@ class CapacityPlan:
                 "params_per_block": pc.per_layer,
                 "params_output_layer": pc.head,
                 "params_experts": pc.experts,
+                "params_vision_encoder": pc.encoder,  # a vlm's encoder and projector
                 "params_active_per_token": pc.active_per_token,
             },
             "cluster": {

@@ -22,7 +22,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
@@ -84,6 +84,9 @@ class ExportParity(BaseModel):
     """Where the prompts came from: the dataset's held-out split, or fixed token ids (and why)."""
     max_abs_logit_diff: float
     tolerance: float
+    inputs: Literal["prompts", "images"] = "prompts"
+    """What `prompts` counts: token prompts (a language model) or images (a classifier, `prompt_tokens` its image
+    tokens)."""
     config_mismatches: list[str] = []
     """Function-changing config fields whose value transformers read differs from the trained one."""
     worst_tensor: TensorDeviation | None = None
@@ -183,12 +186,19 @@ def _folder_tensors(folder: Path) -> dict[str, tuple[Path, str]]:
     return found
 
 
-def tensor_deviations(folder: Path, ours: dict[str, torch.Tensor], tied: bool) -> list[TensorDeviation]:
+def tensor_deviations(
+    folder: Path,
+    ours: dict[str, torch.Tensor],
+    tied: bool,
+    our_name: Callable[[str], str | None] | None = None,
+) -> list[TensorDeviation]:
     """Each tensor written into `folder` against our checkpoint's tensor of the same meaning (largest first),
-    plus any of ours the folder lacks."""
+    plus any of ours the folder lacks. `our_name` maps a written name back to ours (ValueError for one it does
+    not know); None: the language model's table (training/hf_names.py)."""
     from safetensors import safe_open
 
-    from training.hf_names import our_name
+    if our_name is None:
+        from training.hf_names import our_name
 
     deviations, seen = [], set()
     for theirs, (path, key) in _folder_tensors(folder).items():
@@ -265,14 +275,18 @@ def check_export(folder: Path, ours: torch.nn.Module, prompts: list[list[int]], 
     )
 
 
-def require_parity(parity: ExportParity, source: str) -> None:
-    """ExportParityError naming the config fields and the largest-deviating tensor unless `parity` passed."""
+_LM_WRITERS = "the name table training/hf_names.py or the config writer tasks/export/hf.py"
+
+
+def require_parity(parity: ExportParity, source: str, writers: str = _LM_WRITERS) -> None:
+    """ExportParityError naming the config fields and the largest-deviating tensor unless `parity` passed;
+    `writers` names the code that wrote the folder (where the fix is)."""
     if parity.passed:
         return
     parts = [
         f"the exported folder loaded by transformers gives logits up to {parity.max_abs_logit_diff:.4g} from "
-        f"{source}'s (tolerance {parity.tolerance:.2g}, {parity.prompts} prompts of {parity.prompt_tokens} tokens "
-        f"from {parity.prompts_from})"
+        f"{source}'s (tolerance {parity.tolerance:.2g}, {parity.prompts} {parity.inputs} of {parity.prompt_tokens} "
+        f"tokens from {parity.prompts_from})"
     ]
     if parity.config_mismatches:
         parts.append("config.json differs: " + "; ".join(parity.config_mismatches))
@@ -284,7 +298,7 @@ def require_parity(parity: ExportParity, source: str) -> None:
         parts.append("every written tensor equals the checkpoint's, so the difference is in how the folder is read")
     raise ExportParityError(
         "export parity failed: " + "; ".join(parts),
-        "the export wrote something other than the checkpoint (the name table training/hf_names.py or the config "
-        "writer tasks/export/hf.py is at fault); nothing was published: fix the writer and export again",
+        f"the export wrote something other than the checkpoint ({writers} is at fault); nothing was published: fix "
+        "the writer and export again",
         parity,
     )

