@@ -92,12 +92,14 @@ def _serving(spec: DeploymentSpec) -> list[RenderedFile]:
         return []
     resources = PodResources.of(spec.serve, serving_pod_memory(spec))
     files = serving_manifests(spec.serve, spec.name, DeploymentPaths.of(spec).export_dir, None,
-                              spec.cluster.accelerator, resources)  # fmt: skip
+                              spec.cluster.accelerator, resources, spec.model.kind)  # fmt: skip
+    server, objects = ("the classifier server", "ConfigMap (its program), Deployment and Service") \
+        if spec.model.kind == "vit" else ("vLLM's server", "Deployment and Service")  # fmt: skip
     return [
         RenderedFile(f"serving/{K8S_FILE}", files[K8S_FILE],
-                     "vLLM's server as a Kubernetes Deployment and Service", "the Kubernetes API's models"),
+                     f"{server} as a Kubernetes {objects}", "the Kubernetes API's models"),
         RenderedFile(f"serving/{SLURM_FILE}", files[SLURM_FILE],
-                     "vLLM's server as a Slurm job", "every value quoted for the shell", shell=True),
+                     f"{server} as a Slurm job", "every value quoted for the shell", shell=True),
     ]  # fmt: skip
 
 

@@ -1,10 +1,12 @@
 """The deployment spec's JSON Schema, for editors (yaml-language-server) and for checking specs as written.
 
 pydantic gives the schema of the validated model; a spec as written may leave out what the spec fills in before
-validating, so three things are relaxed here, each from its owner rather than a list kept by hand:
+validating, so what it fills in is relaxed here, each from its owner rather than a list kept by hand:
 - the paths `tasks.paths.derived_paths` derives from the deployment's folder (run.output_url, checkpoint.url, ...)
   are optional;
 - with model.init_from, the architecture fields are optional (`tasks.init_from.fill_model` reads config.json);
+- with model.kind vit, the text fields the model fills in from model.vision are optional (training/config.py
+  ModelConfig: found by validating a vit that gives none of them);
 - `additionalProperties: false` everywhere, as the models' `extra="forbid"` (a typo is an error).
 The schema is stricter nowhere than the spec: every example validates against both (tests/unit/test_spec_schema.py).
 """
@@ -14,8 +16,11 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from pydantic import ValidationError
+
 from tasks.paths import derived_paths
 from tasks.spec import DeploymentSpec
+from training.config import ModelConfig
 
 SCHEMA_FILE = "spec.schema.json"
 """Its name beside the examples (examples/spec.schema.json), which name it in their yaml-language-server comment."""
@@ -76,15 +81,41 @@ def _relax(schema: dict[str, Any], path: str, optional: set[str]) -> None:
         node.pop("required", None)
 
 
+_TINY_VISION = {"image_size": 8, "patch_size": 4, "n_layers": 1, "d_model": 8, "n_heads": 1, "ffn_hidden": 8,
+                "num_classes": 2}  # fmt: skip
+
+
+def _filled_for_vit(required: list[str]) -> set[str]:
+    """The required model fields a vit may leave out: those a vit that gives only its encoder is not refused for
+    missing (the model fills them in from model.vision)."""
+    given = {"kind": "vit", "vision": _TINY_VISION}
+    try:
+        ModelConfig.model_validate(given)
+        missing: set[str] = set()
+    except ValidationError as err:
+        if any(e["type"] != "missing" for e in err.errors()):  # the probe itself is wrong: say so, guess nothing
+            raise
+        missing = {str(e["loc"][0]) for e in err.errors() if e["loc"]}
+    return set(required) - missing - set(given)
+
+
 def _architecture_from_init(schema: dict[str, Any]) -> None:
-    """model.init_from fills the architecture: its required fields only without init_from."""
+    """model.init_from fills the architecture: its required fields only without init_from; a vit's text fields
+    (filled in from model.vision) only for the other kinds."""
     name = _ref_name(schema["properties"]["model"])
     assert name is not None
     model = schema["$defs"][name]
     required = model.pop("required", [])
-    if required:
-        model["if"] = {"properties": {"init_from": {"type": "null"}}}
-        model["then"] = {"required": required}
+    if not required:
+        return
+    vit = _filled_for_vit(required)
+    always = [field for field in required if field not in vit]
+    then: dict[str, Any] = {"required": always} if always else {}
+    if vit:
+        then["if"] = {"properties": {"kind": {"const": "vit"}}, "required": ["kind"]}
+        then["else"] = {"required": [field for field in required if field in vit]}
+    model["if"] = {"properties": {"init_from": {"type": "null"}}}
+    model["then"] = then
 
 
 def spec_schema() -> dict[str, Any]:

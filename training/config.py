@@ -1050,7 +1050,7 @@ def training_problems(cfg: TrainConfig | Any) -> list[Problem]:
 
 
 def vision_layout_problems(cfg: TrainConfig | Any) -> list[Problem]:
-    """What kind vit and vlm do not run: pipeline and expert parallelism, sequence parallelism (vit),
+    """What kind vit and vlm do not run: pipeline and expert parallelism, sequence parallelism,
     distillation; and tensor parallelism must split the encoder's heads and MLP evenly."""
     model, par = cfg.model, cfg.parallel
     if model.kind == "lm" or model.vision is None:
@@ -1062,7 +1062,7 @@ def vision_layout_problems(cfg: TrainConfig | Any) -> list[Problem]:
         if getattr(par, name) > 1:
             problems.append((("parallel", name), getattr(par, name), f"is not supported with {kind} (data "
                              f"parallelism, fsdp and tensor_parallel are); set it to 1: {fix}"))  # fmt: skip
-    if par.sequence_parallel and model.kind == "vit":
+    if par.sequence_parallel:  # vlm: the image tokens go in front of the captions', which would be a sequence shard
         problems.append((("parallel", "sequence_parallel"), True, f"is not supported with {kind}; remove it "
                          "(tensor_parallel alone splits the encoder's heads and MLP)"))  # fmt: skip
     tp, vision = par.tensor_parallel, model.vision

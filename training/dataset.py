@@ -180,6 +180,32 @@ class DatasetManifest(BaseModel):
         """Sources of the blend (1 when it is not one)."""
         return len(self.blend) if self.blend else 1
 
+    def curve_identity(self, train_split: str, val_split: str) -> dict[str, Any]:
+        """What of this dataset determines a run's loss curve: the vocabulary, ids, tokenizer and both splits'
+        shards (the quality baseline's key, tasks/acceptance/baselines.py)."""
+        return {
+            "vocab_size": self.vocab_size,
+            "dtype": self.dtype,
+            "eos_id": self.eos_id,
+            "tokenizer": {"kind": self.tokenizer.kind, "sha256": self.tokenizer.sha256},
+            "train": self._split_identity(train_split),
+            "val": self._split_identity(val_split),
+        }
+
+    def _split_identity(self, split: str) -> dict[str, Any] | None:
+        info = self.splits.get(split)
+        if info is None:
+            return None
+        shards = [[s.n_tokens, s.n_docs, s.tokens_sha256, s.index_sha256] for s in info.shards]
+        return {"n_tokens": info.n_tokens, "n_docs": info.n_docs, "shards": shards}
+
+    def checksums(self) -> dict[str, Any]:
+        """The dataset's content by its checksums: every split's shards and the tokenizer (the ledger's dataset
+        key)."""
+        splits = {name: [[s.tokens_sha256, s.index_sha256] for s in info.shards]
+                  for name, info in sorted(self.splits.items())}  # fmt: skip
+        return {"tokenizer": self.tokenizer.sha256, "splits": splits}
+
 
 def token_dtype(vocab_size: int) -> Literal["uint16", "int32"]:
     """The dtype Megatron picks for a vocabulary: uint16 when every id fits, else int32."""

@@ -150,6 +150,29 @@ class ImageManifest(BaseModel):
                     raise ValueError(f"{name}={getattr(self, name)} is outside the vocabulary [0, {self.vocab_size})")
         return self
 
+    def curve_identity(self, train_split: str, val_split: str) -> dict[str, Any]:
+        """What of this dataset determines a run's loss curve: the kind, image and target shapes, the tokenizer
+        (captions) and both splits' shards (the quality baseline's key, tasks/acceptance/baselines.py)."""
+        fields = ("kind", "image_size", "channels", "num_classes", "caption_len", "vocab_size", "eos_id", "pad_id")
+        tokenizer = {"kind": self.tokenizer.kind, "sha256": self.tokenizer.sha256} if self.tokenizer else None
+        return {name: getattr(self, name) for name in fields} | {
+            "tokenizer": tokenizer, "train": self._split_identity(train_split), "val": self._split_identity(val_split)
+        }  # fmt: skip
+
+    def _split_identity(self, split: str) -> dict[str, Any] | None:
+        info = self.splits.get(split)
+        if info is None:
+            return None
+        return {"count": info.count,
+                "shards": [[s.count, s.images_sha256, s.targets_sha256] for s in info.shards]}  # fmt: skip
+
+    def checksums(self) -> dict[str, Any]:
+        """The dataset's content by its checksums: every split's shards and the tokenizer (the ledger's dataset
+        key)."""
+        splits = {name: [[s.images_sha256, s.targets_sha256] for s in info.shards]
+                  for name, info in sorted(self.splits.items())}  # fmt: skip
+        return {"tokenizer": self.tokenizer.sha256 if self.tokenizer else None, "splits": splits}
+
     @property
     def target_width(self) -> int:
         """int32 values per image in a targets file (1 for labels, caption_len for captions)."""

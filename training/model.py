@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -240,3 +240,18 @@ class Transformer(nn.Module):
     def num_params(self) -> int:
         """Parameters, counting tied weights once."""
         return sum(p.numel() for p in self.parameters())
+
+
+def blocks_of(model: nn.Module) -> Iterator[nn.Module]:
+    """The blocks of any of our models in forward order, each once: those of every `blocks` ModuleDict among its
+    modules (a Transformer's or pipeline chunk's, a VisionTransformer's, a vision-language model's vision tower's
+    then its language model's). The parallel layouts and run.compile wrap them one by one."""
+    seen: set[int] = set()
+    for module in model.modules():
+        blocks = getattr(module, "blocks", None)
+        if not isinstance(blocks, nn.ModuleDict):
+            continue
+        for block in blocks.values():
+            if id(block) not in seen:
+                seen.add(id(block))
+                yield block

@@ -20,7 +20,7 @@ from training.config import ParallelConfig
 from training.layout import Layout
 from training.mesh import Meshes
 from training.metrics import CommTimer
-from training.model import MoE
+from training.model import MoE, blocks_of
 from training.tensor_parallel import apply_tensor_parallel
 
 log = logging.getLogger(__name__)
@@ -44,16 +44,13 @@ def data_parallel_mesh(cfg: ParallelConfig, world: int, local_world: int, device
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, timer: CommTimer | None = None) -> nn.Module:
-    """FSDP2: shard every block, then the root (embeddings, final norm, output layer); `timer` times the
-    all-gathers and reduce-scatters."""
-    for block in model.blocks.values():
+    """FSDP2: shard every block (`blocks_of`: a vision-language model's encoder blocks and language model blocks
+    alike), then the root (embeddings, final norm, output layer; a projector); `timer` times the all-gathers and
+    reduce-scatters."""
+    for block in blocks_of(model):
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    if timer is not None:
-        for module in model.modules():
-            if isinstance(module, FSDPModule):
-                module.set_custom_all_gather(timer.all_gather())
-                module.set_custom_reduce_scatter(timer.reduce_scatter())
+    _time_collectives(model, timer)
     return model
 
 
@@ -68,8 +65,8 @@ def _time_collectives(model: nn.Module, timer: CommTimer | None) -> None:
 
 def apply_model_parallel(model: nn.Module, cfg: ParallelConfig, meshes: Meshes, timer: CommTimer | None) -> nn.Module:
     """Tensor parallel over meshes.tp, expert parallel over meshes.ep, then FSDP2 over meshes.dp, in place, on
-    a whole model or a pipeline chunk (a Transformer with some blocks and tok_emb/norm/lm_head possibly None), or
-    a VisionTransformer.
+    a whole model or a pipeline chunk (a Transformer with some blocks and tok_emb/norm/lm_head possibly None), a
+    VisionTransformer, or a vision-language model.
 
     Each block is one FSDP2 unit and the root another; a MoE block's experts are a unit of their own over the
     ranks that hold the same experts (meshes.expert_dp), so experts are never averaged across EP ranks that
@@ -88,7 +85,7 @@ def apply_model_parallel(model: nn.Module, cfg: ParallelConfig, meshes: Meshes, 
     # Under pipeline parallelism a stage runs forward once per microbatch: keep the gathered parameters instead
     # of gathering them again each time (torchtitan's default for PP).
     reshard = dims.pp == 1
-    for block in model.blocks.values():
+    for block in blocks_of(model):
         if dims.ep > 1 and isinstance(block.mlp, MoE):
             assert meshes.expert_dp is not None
             experts = block.mlp.experts

@@ -5,7 +5,8 @@ share, so it shares none of the trainer's step code (training/train.py): not its
 gradient accumulation, gradient synchronisation, optimizer construction, LR scheduler or sampler. What it
 does share is what defines the problem, and only where each is a definition rather than a computation:
 
-- the model (training/model.py, or training/vision.py's VisionTransformer for model.kind vit) and its initial
+- the model (training/model.py, training/vision.py's VisionTransformer for model.kind vit, training/vlm.py's
+  VisionLanguageModel for vlm) and its initial
   weights: torch seeded with `run.seed` right before the model is built, as the trainer does on every rank; with
   model.init_from, the Hugging Face checkpoint's weights read whole by training/hf_load.py's `load_hf_state` (the
   trainer reads each rank's slices instead);
@@ -27,7 +28,10 @@ What it does differently on purpose: one process, fp32, no sharding, no loss sca
 The whole global batch (micro_batch x grad_accum_steps x the distributed job's world size) goes through one
 forward and one backward; its mean token loss equals the trainer's average over micro-batches and ranks
 because each holds the same number of tokens. (Under MoE the load-balancing loss is defined per micro-batch
-of a rank, so there the forward runs per group of micro_batch sequences, still with one backward.)
+of a rank, and a vision-language model's caption loss is a mean over the caption tokens of a micro-batch, whose
+number varies with the captions' lengths, so there the loss is the mean over groups of micro_batch samples,
+still with one backward.) The caption loss (model.kind vlm) is written out again below from its definition
+(`_caption_loss`), not taken from training/vlm.py.
 Dropout is off: the trainer draws its masks from per-rank RNG streams that no single process reproduces,
 so acceptance compares this run with a distributed run that has dropout off as well.
 
@@ -65,6 +69,7 @@ from training.metrics import peak_memory_bytes
 from training.model import Transformer
 from training.run_output import Ranks, RunOutputWriter, RunResult, StepRecord
 from training.vision import VisionTransformer
+from training.vlm import VisionLanguageModel
 from training.workload import Dataset, workload_of
 
 log = logging.getLogger(__name__)
@@ -133,7 +138,44 @@ class _Distill:
 
 
 Batch = torch.Tensor | ImageBatch
-"""Token rows (lm) or images with their class ids (vit), as the dataset reader returns them."""
+"""Token rows (lm) or images with their class ids (vit) or captions (vlm), as the dataset reader returns them."""
+
+
+@dataclass(frozen=True)
+class _Captions:
+    """What defines model.kind vlm's caption loss besides the batch: the dataset's EOS and padding ids and how many
+    image tokens precede the caption in the language model's sequence."""
+
+    eos_id: int | None
+    pad_id: int | None
+    image_tokens: int
+
+
+def _trained(captions: torch.Tensor, spec: _Captions) -> torch.Tensor:
+    """Which caption tokens are trained on (bool, (B, L)): each one up to and including the caption's first EOS
+    (all of them when it has none), and none that is the padding id (where that is not EOS)."""
+    positions = torch.arange(captions.shape[1], device=captions.device)
+    if spec.eos_id is None:
+        trained = torch.ones_like(captions, dtype=torch.bool)
+    else:
+        is_eos = captions == spec.eos_id
+        first_eos = torch.where(is_eos.any(dim=1), is_eos.int().argmax(dim=1), captions.shape[1] - 1)
+        trained = positions[None, :] <= first_eos[:, None]
+    if spec.pad_id is not None and spec.pad_id != spec.eos_id:
+        trained &= captions != spec.pad_id
+    return trained
+
+
+def _caption_loss(model: torch.nn.Module, batch: ImageBatch, spec: _Captions) -> torch.Tensor:
+    """Mean next-token cross-entropy over the trained caption tokens of `batch`: the model reads the image tokens
+    and all but the last caption token; the logits at the last image token and at each caption token predict the
+    next caption token."""
+    captions = batch.targets
+    logits, _ = model(batch.images, captions[:, :-1])
+    predicting = logits[:, spec.image_tokens - 1 :].float()  # (B, L, V): position P - 1 + j predicts captions[:, j]
+    per_token = F.cross_entropy(predicting.transpose(1, 2), captions, reduction="none")
+    trained = _trained(captions, spec)
+    return (per_token * trained).sum() / trained.sum()
 
 
 def _on(batch: Batch, device: torch.device) -> Batch:
@@ -154,15 +196,26 @@ def _new_model(cfg: TrainConfig) -> torch.nn.Module:
     if model_cfg.kind == "vit":
         assert model_cfg.vision is not None
         return VisionTransformer(model_cfg.vision, model_cfg.vision.num_classes, init_std=model_cfg.init_std)
+    if model_cfg.kind == "vlm":
+        return VisionLanguageModel(model_cfg.model_copy(update={"dropout": 0.0}))
     return Transformer(model_cfg.model_copy(update={"dropout": 0.0}))
 
 
 def _mean_loss(
-    model: torch.nn.Module, tokens: Batch, group: int | None, distill: _Distill | None = None
+    model: torch.nn.Module,
+    tokens: Batch,
+    group: int | None,
+    distill: _Distill | None = None,
+    captions: _Captions | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Mean next-token objective over `tokens` (the cross-entropy, or under `distill` the distillation objective),
     the MoE load-balancing loss and the KL to the teacher (0 without one), each a mean over groups. Images: the
-    mean cross-entropy of the class logits (no aux loss, no teacher)."""
+    mean cross-entropy of the class logits (no aux loss, no teacher); with `captions`, the caption loss of each
+    group, averaged over the groups."""
+    if isinstance(tokens, ImageBatch) and captions is not None:
+        losses = [_caption_loss(model, part, captions) for part in (_split(tokens, group) if group else [tokens])]
+        zero = torch.zeros((), device=losses[0].device)
+        return torch.stack(losses).mean(), zero, zero
     if isinstance(tokens, ImageBatch):
         ce = F.cross_entropy(model(tokens.images).float(), tokens.targets)
         zero = torch.zeros((), device=ce.device)
@@ -205,7 +258,12 @@ def run_reference(cfg: TrainConfig) -> RunResult:
 
     coef = model_cfg.moe.aux_loss_coef if model_cfg.moe else 0.0
     # Group k of micro_batch sequences is micro-batch k // world of rank k % world (the sampler's layout).
-    group = cfg.parallel.micro_batch if model_cfg.moe else None
+    group = cfg.parallel.micro_batch if model_cfg.moe or model_cfg.kind == "vlm" else None
+    captions = None
+    if model_cfg.kind == "vlm":  # the caption's ids as the dataset defines them (its manifest)
+        assert model_cfg.vision is not None
+        manifest = train.manifest  # type: ignore[attr-defined]
+        captions = _Captions(manifest.eos_id, manifest.pad_id, model_cfg.vision.num_patches)
     clip = optim.grad_clip_norm if optim.grad_clip_norm is not None else math.inf
     distill = None
     if cfg.distill is not None:
@@ -247,12 +305,12 @@ def run_reference(cfg: TrainConfig) -> RunResult:
         for param_group in optimizer.param_groups:
             param_group["lr"] = lr
         if parts == 1:
-            loss, aux, kl = _mean_loss(model, tokens, group, distill)
+            loss, aux, kl = _mean_loss(model, tokens, group, distill, captions)
             (loss + coef * aux).backward()
         else:
             losses, auxes, kls = [], [], []
             for part in _split(tokens, global_batch // parts):
-                part_loss, part_aux, part_kl = _mean_loss(model, part, group, distill)
+                part_loss, part_aux, part_kl = _mean_loss(model, part, group, distill, captions)
                 ((part_loss + coef * part_aux) / parts).backward()
                 losses.append(part_loss.detach())
                 auxes.append(part_aux.detach())
@@ -286,7 +344,7 @@ def run_reference(cfg: TrainConfig) -> RunResult:
     log.info(
         "independent reference: global batch %d x %d tokens, steps 0 -> %d of %d (fp32, one process)",
         global_batch,
-        model_cfg.seq_len,
+        workload.units_per_sample,
         last_step,
         run.steps,
     )
@@ -307,7 +365,7 @@ def run_reference(cfg: TrainConfig) -> RunResult:
         )  # fmt: skip
         loss_value = done.loss
         first_loss = loss_value if first_loss is None else first_loss
-        tokens_step = global_batch * model_cfg.seq_len
+        tokens_step = global_batch * workload.units_per_sample
         out.append_metrics(
             StepRecord(
                 rank=0,
@@ -339,7 +397,7 @@ def run_reference(cfg: TrainConfig) -> RunResult:
             )
             out.sync()
 
-    val_loss = _validation_loss(model, val, cfg, device)
+    val_loss = _validation_loss(model, val, cfg, device, captions)
     result = RunResult(
         steps=last_step,
         resumed_from_step=None,
@@ -349,7 +407,7 @@ def run_reference(cfg: TrainConfig) -> RunResult:
         val_loss=val_loss,
         val_ppl=math.exp(min(val_loss, 700.0)),
         skipped_steps=0,
-        tokens_seen=last_step * global_batch * model_cfg.seq_len,
+        tokens_seen=last_step * global_batch * workload.units_per_sample,
         n_params=sum(p.numel() for p in model.parameters()),
         teacher_val_loss=None if distill is None else _validation_loss(distill.teacher, val, cfg, device),
     )
@@ -361,16 +419,20 @@ def run_reference(cfg: TrainConfig) -> RunResult:
 
 
 @torch.no_grad()
-def _validation_loss(model: torch.nn.Module, val: Dataset, cfg: TrainConfig, device: torch.device) -> float:
+def _validation_loss(
+    model: torch.nn.Module, val: Dataset, cfg: TrainConfig, device: torch.device, captions: _Captions | None = None
+) -> float:
     """Mean token loss over the validation samples the distributed job evaluates (the first eval_batches x
-    micro_batch x world_size of the split, wrapping around)."""
+    micro_batch x world_size of the split, wrapping around); with `captions`, each micro-batch's mean weighted by
+    its trained caption tokens, so that the whole is the mean over every caption token evaluated."""
     assert cfg.reference is not None
     model.eval()
     b = cfg.parallel.micro_batch
     count = cfg.run.eval_batches * b * cfg.reference.world_size
-    losses = []
+    losses, weights = [], []
     for first in range(0, count, b):
         tokens = _on(val.batch([k % len(val) for k in range(first, first + b)]), device)
-        loss, _, _ = _mean_loss(model, tokens, None)
+        loss, _, _ = _mean_loss(model, tokens, None, captions=captions)
         losses.append(loss.item())
-    return float(np.mean(losses))
+        weights.append(1 if captions is None else int(_trained(tokens.targets, captions).sum()))  # type: ignore[union-attr]
+    return float(np.average(losses, weights=weights))

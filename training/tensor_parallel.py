@@ -62,21 +62,26 @@ def local_value(loss: torch.Tensor) -> torch.Tensor:
     return loss.full_tensor() if isinstance(loss, DTensor) else loss
 
 
+def _replicated(_mod: nn.Module, inputs: tuple[Any, ...], mesh: DeviceMesh) -> tuple[Any, ...]:
+    """Plain tensors among `inputs` as DTensors replicated on `mesh` (every rank holds the whole value)."""
+    return tuple(
+        DTensor.from_local(t, mesh, (Replicate(),), run_check=False)
+        if isinstance(t, torch.Tensor) and not isinstance(t, DTensor)
+        else t
+        for t in inputs
+    )
+
+
+def _local(_mod: nn.Module, output: torch.Tensor, _mesh: DeviceMesh) -> torch.Tensor:
+    return output.to_local() if isinstance(output, DTensor) else output
+
+
 class ReplicateParallel(ParallelStyle):
     """The module's parameters replicated on the mesh, its input and output plain replicated tensors: the
     norms between tensor-parallel regions without sequence parallelism (every rank computes them whole)."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        def to_dtensor(_mod: nn.Module, inputs: tuple[Any, ...], mesh: DeviceMesh) -> tuple[Any, ...]:
-            return tuple(
-                DTensor.from_local(t, mesh, (Replicate(),), run_check=False) if isinstance(t, torch.Tensor) else t
-                for t in inputs
-            )
-
-        def to_local(_mod: nn.Module, output: torch.Tensor, _mesh: DeviceMesh) -> torch.Tensor:
-            return output.to_local() if isinstance(output, DTensor) else output
-
-        return distribute_module(module, device_mesh, input_fn=to_dtensor, output_fn=to_local)
+        return distribute_module(module, device_mesh, input_fn=_replicated, output_fn=_local)
 
 
 def _block_plan(block: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle]:
@@ -115,9 +120,9 @@ def apply_vit_tensor_parallel(model: VisionTransformer, tp_mesh: DeviceMesh) -> 
     (whole heads per rank, their biases with them), the attention output and w2 by input rows (bias replicated).
 
     The rest (patch embedding, class token, position embedding, LayerNorms, the classifier head) is replicated:
-    the model's forward runs on replicated DTensors between the sharded projections, its input (pixels) and
-    output (logits) plain tensors. The head is small, so the logits are whole on every rank and the loss is the
-    plain cross-entropy (no loss_parallel).
+    the encoder runs on replicated DTensors between the sharded projections from the patch embedding's input on
+    (so `features`, which a vision-language model calls, works too), and `forward` returns plain logits. The head
+    is small, so the logits are whole on every rank and the loss is the plain cross-entropy (no loss_parallel).
     """
     plan: dict[str, ParallelStyle] = {
         "attn.wq": ColwiseParallel(),
@@ -129,22 +134,29 @@ def apply_vit_tensor_parallel(model: VisionTransformer, tp_mesh: DeviceMesh) -> 
     }
     for block in model.blocks.values():
         parallelize_module(block, tp_mesh, plan)
-
-    def to_dtensor(_mod: nn.Module, inputs: tuple[Any, ...], mesh: DeviceMesh) -> tuple[Any, ...]:
-        return tuple(
-            DTensor.from_local(t, mesh, (Replicate(),), run_check=False) if isinstance(t, torch.Tensor) else t
-            for t in inputs
-        )
-
-    def to_local(_mod: nn.Module, output: torch.Tensor, _mesh: DeviceMesh) -> torch.Tensor:
-        return output.to_local() if isinstance(output, DTensor) else output
-
     # Every parameter not sharded above becomes a replicated DTensor (distribute_module leaves DTensors alone).
-    distribute_module(model, tp_mesh, input_fn=to_dtensor, output_fn=to_local)
+    distribute_module(model, tp_mesh, output_fn=_local)
+    model.patch_embed.register_forward_pre_hook(lambda mod, inputs: _replicated(mod, inputs, tp_mesh))
+
+
+def apply_vlm_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Shard a vision-language model (training/vlm.py: `vision`, `projector`, `lm`) over `tp_mesh` in place: the
+    vision tower as a ViT's (`apply_vit_tensor_parallel`), the language model as the Transformer's (its logits
+    sharded on the vocabulary: the caption loss runs inside `loss_context(True)`), the projector replicated.
+
+    The image tokens reach the language model as a plain (B, P, d_model) tensor whole on every rank, put in front
+    of the token embeddings' output, which is plain and whole too (training/config.py refuses sequence
+    parallelism for vlm: the language model's input would be a sequence shard of the captions only); rotary
+    positions count from the first image token as on one process."""
+    apply_vit_tensor_parallel(model.vision, tp_mesh)
+    # The projector takes the tower's replicated DTensor and gives the language model a plain tensor.
+    distribute_module(model.projector, tp_mesh, input_fn=_replicated, output_fn=_local)
+    apply_tensor_parallel(model.lm, tp_mesh, sequence_parallel=False)
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
-    """Shard `model` (a whole Transformer or a pipeline chunk of it, or a VisionTransformer) over `tp_mesh` in place.
+    """Shard `model` (a whole Transformer or a pipeline chunk of it, a VisionTransformer or a vision-language
+    model) over `tp_mesh` in place.
 
     Under sequence parallelism the hidden states between blocks (and between pipeline chunks) are this rank's
     slice of the sequence, (B, T / TP, D), as plain tensors; without it they are whole, (B, T, D). The logits
@@ -153,7 +165,9 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
     if isinstance(model, VisionTransformer):  # training/config.py refuses sequence parallelism for vit
         apply_vit_tensor_parallel(model, tp_mesh)
         return
-    assert isinstance(model, Transformer)
+    if not isinstance(model, Transformer):  # the vision-language model (training/vlm.py imports this module)
+        apply_vlm_tensor_parallel(model, tp_mesh)
+        return
     residual = Shard(1) if sequence_parallel else Replicate()
     for block in model.blocks.values():
         parallelize_module(block, tp_mesh, _block_plan(block, sequence_parallel))

@@ -48,6 +48,7 @@ from training.holdings import held_layers, param_record
 from training.lease import Lease
 from training.mesh import Meshes, ParallelDims
 from training.metrics import CommTimer, peak_memory_bytes
+from training.model import blocks_of
 from training.network import collective_timeout, network_record
 from training.parallel import comm_timed, gradient_sync, parallelize
 from training.recovery_record import RecoveryEvent, Refusal, append_event
@@ -272,7 +273,7 @@ class Trainer:
         model = self.workload.build_model(par.activation_recompute).to(self.device)
         self.n_params = model.num_params()
         if cfg.run.compile:  # per block and in place, as torchtitan does: FSDP2 then wraps the compiled blocks
-            for block in model.blocks.values():
+            for block in blocks_of(model):
                 block.compile()
         if model_cfg.moe is not None:
             from training.experts import set_capacity_factor  # noqa: PLC0415 - MoE models only

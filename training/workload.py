@@ -32,7 +32,7 @@ from torch import nn
 from training.checkpoint.card import CardTokenizer, ModelCard
 from training.classification import confusion, confusion_accuracy, confusion_macro_f1
 from training.config import TrainConfig
-from training.dataset import DatasetError, TokenDataset
+from training.dataset import DatasetError, DatasetManifest, TokenDataset, read_manifest
 from training.image_dataset import MANIFEST, ImageBatch, ImageDataset, ImageDatasetError
 from training.model import Transformer
 from training.sampler import Blend, blend_of
@@ -40,10 +40,23 @@ from training.tensor_parallel import lm_loss
 from training.vision import VisionTransformer
 
 
+class DataManifest(Protocol):
+    """A prepared dataset's manifest (training/dataset.py's or training/image_dataset.py's) as acceptance reads it."""
+
+    def curve_identity(self, train_split: str, val_split: str) -> dict[str, Any]:
+        """What of the dataset determines a run's loss curve."""
+        ...
+
+    def checksums(self) -> dict[str, Any]:
+        """The dataset's content by its checksums."""
+        ...
+
+
 class Dataset(Protocol):
     """A split the sampler draws indices of and the loop reads batches from."""
 
     url: str
+    manifest: Any
 
     def __len__(self) -> int: ...
 
@@ -88,6 +101,14 @@ class Workload(ABC):
     @abstractmethod
     def open_datasets(self) -> tuple[Dataset, Dataset]:
         """The train and validation splits, checked against the spec (DatasetError, ImageDatasetError)."""
+
+    def train_split(self) -> Dataset:
+        """The training split alone, as the sampler sees it (acceptance's data-consistency check opens it)."""
+        return self.open_datasets()[0]
+
+    def manifest(self) -> DataManifest:
+        """The prepared dataset's manifest (acceptance's quality baseline and ledger keys read it)."""
+        return self.train_split().manifest
 
     def blend(self, train: Dataset, seed: int) -> Blend | None:
         """The weighted blend of the training split's sources (None: none; the sampler draws samples directly)."""
@@ -154,6 +175,14 @@ class TextWorkload(Workload):
                 f"set model.vocab_size >= {data_vocab} or use a dataset of this vocabulary",
             )
         return train, val
+
+    def train_split(self) -> TokenDataset:
+        data, model_cfg = self.cfg.data, self.cfg.model
+        return TokenDataset(data.dataset_url, data.train_split, model_cfg.seq_len, self.cfg.storage,
+                            trusted=data.sources)  # fmt: skip
+
+    def manifest(self) -> DatasetManifest:
+        return read_manifest(self.cfg.data.dataset_url, self.cfg.storage, self.cfg.data.sources)
 
     def blend(self, train: Dataset, seed: int) -> Blend | None:
         return blend_of(train, seed)

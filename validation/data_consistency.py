@@ -27,10 +27,10 @@ from typing import Any
 import numpy as np
 
 from training.config import TrainConfig
-from training.dataset import TokenDataset
 from training.layout import data_parallel_degree
 from training.run_output import EPOCHS, SAMPLES_DIR, EpochEnd, RunOutput
-from training.sampler import Blend, GlobalBatchSampler, blend_of
+from training.sampler import Blend, GlobalBatchSampler
+from training.workload import workload_of
 from validation.acceptance import DimensionResult
 
 _SHOWN = 5  # sample indices or steps quoted in a message
@@ -66,13 +66,11 @@ class Sampling:
         data-parallel rank are fed the same samples, and only its data leader records them, under its
         data-parallel rank (training/mesh.py `is_data_leader`).
         """
-        data = TokenDataset(
-            train.data.dataset_url, train.data.train_split, train.model.seq_len, train.storage,
-            trusted=train.data.sources,
-        )  # fmt: skip
+        workload = workload_of(train)
+        data = workload.train_split()
         par = train.parallel
         dp = data_parallel_degree(par, world_size)
-        blend = blend_of(data, train.run.seed)
+        blend = workload.blend(data, train.run.seed)
         n = blend.epoch_size if blend else len(data)
         weights = tuple(source.weight for source in data.manifest.blend or ()) if blend else None
         counts = tuple(data.source_samples) if blend else None

@@ -1,5 +1,5 @@
-"""`tdeploy export`, `serve` and `check-serving`: a checkpoint as a Hugging Face model folder, served with vLLM,
-and the pipeline's serving check."""
+"""`tdeploy export`, `serve` and `check-serving`: a checkpoint as a Hugging Face model folder, served as its model
+kind is served (vLLM; the classifier server for a ViT), and the pipeline's serving check."""
 
 from __future__ import annotations
 
@@ -83,11 +83,14 @@ def serve(
         None, "--model-dir", help="Serve this Hugging Face model folder as it is, without exporting a checkpoint."
     ),
 ) -> None:
-    """Export a checkpoint and serve it with vLLM's OpenAI-compatible server until Ctrl-C or SIGTERM."""
+    """Export a checkpoint and serve it until Ctrl-C or SIGTERM with the server the serving check starts for its
+    model kind: vLLM's OpenAI-compatible server (a vision-language model with its image flags), or the classifier
+    server for a ViT (model.kind vit)."""
     import signal
 
     from tasks.paths import DeploymentPaths
-    from tasks.serve.server import SERVER_LOG, log_tail, start_server
+    from tasks.serve.server import SERVER_LOG, log_tail
+    from tasks.serve.step import SERVED_KINDS, start_model_server
     from training.storage import is_local, local_path
 
     parsed = load(spec)  # a model the serve section cannot serve is refused here, with the fix
@@ -105,7 +108,7 @@ def serve(
                                                  acceptance=model_card_figures(parsed)))
         console.print(f"exported {result.summary()}", markup=False, highlight=False)
         if not is_local(result.model_dir):
-            err_console.print(f"{result.model_dir}: vLLM serves a local folder; export to one", markup=False)
+            err_console.print(f"{result.model_dir}: the server serves a local folder; export to one", markup=False)
             raise typer.Exit(EXIT_USER_ERROR)
         model_dir = Path(local_path(result.model_dir))
 
@@ -119,9 +122,9 @@ def serve(
 
     # the serving check's folder and log name too
     log_path = Path(DeploymentPaths.of(parsed).serving_dir()) / SERVER_LOG
-    max_model_len = parsed.serve.max_model_len or parsed.model.seq_len
+    served = SERVED_KINDS[parsed.model.kind]
     console.print(
-        f"starting vLLM on {model_dir} (log {log_path}; ready within serve.startup_timeout_s="
+        f"starting {served.server} on {model_dir} (log {log_path}; ready within serve.startup_timeout_s="
         f"{parsed.serve.startup_timeout_s:g})",
         markup=False,
         highlight=False,
@@ -129,28 +132,28 @@ def serve(
     previous = {sig: signal.signal(sig, stop_on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     server = None
     try:
-        server = start_server(
-            model_dir, parsed.serve, parsed.name, max_model_len, log_path, parsed.cluster.accelerator,
-            on_wait=lambda waited: console.print(f"waiting for the vLLM server's /health ({waited:.0f} s)"),
+        server = start_model_server(
+            parsed.model, model_dir, parsed.serve, parsed.name, log_path, parsed.cluster.accelerator,
+            on_wait=lambda waited: console.print(f"waiting for {served.server}'s /health ({waited:.0f} s)"),
         )  # fmt: skip
         with server:
             console.print(
-                f"serving {parsed.name} at {server.url} (pid {server.pid}); Ctrl-C stops it\n"
-                f"  completions  {server.url}/v1/completions (model {parsed.name!r})\n"
-                f"  metrics      {server.url}/metrics",
+                f"serving {parsed.name} with {served.server} at {server.url} (pid {server.pid}); Ctrl-C stops it\n"
+                f"  {served.endpoint}  {server.url}{served.endpoint_path} (model {parsed.name!r})\n"
+                f"  metrics  {server.url}/metrics",
                 markup=False,
                 highlight=False,
             )
             code = server.wait()
         err_console.print(
-            f"the vLLM server (pid {server.pid}) exited with {code}; the last lines of {log_path}:\n"
+            f"{served.server} (pid {server.pid}) exited with {code}; the last lines of {log_path}:\n"
             f"{log_tail(log_path)}",
             markup=False,
             highlight=False,
         )
         raise typer.Exit(EXIT_FAILED_CHECK)
     except KeyboardInterrupt:
-        what = f"stopped the vLLM server (pid {server.pid})" if server else "stopped the vLLM server before it served"
+        what = f"stopped {served.server} (pid {server.pid})" if server else f"stopped {served.server} before it served"
         console.print(f"{what} on {stopped_by[0].name}", markup=False, highlight=False)
         raise typer.Exit(128 + stopped_by[0]) from None  # as `tdeploy run`: 130 for Ctrl-C, 143 for SIGTERM
     finally:
@@ -173,7 +176,8 @@ def check_serving(
         None, "--out", help="Folder for serving.json and the rest; default runs/<name>/serving."
     ),
 ) -> None:
-    """The pipeline's serving check: export, serve with vLLM, load-test, greedy parity, quality; exit 1 on a miss."""
+    """The pipeline's serving check of the model's kind: export, serve (vLLM, or the classifier server for a ViT),
+    load-test, parity and quality (or accuracy and macro F1); exit 1 on a miss."""
     from tasks.serve.step import ServingCheckFailed, ServingInputs, run
 
     parsed = load(spec)
@@ -190,22 +194,18 @@ def check_serving(
         raise typer.Exit(EXIT_FAILED_CHECK) from None
 
 
-def _print_serving(report) -> None:  # noqa: ANN001 - tasks.serve.check.ServingReport
+def _print_serving(report) -> None:  # noqa: ANN001 - tasks.serve.step.ServingCheckReport
+    """The check's table, a language model's parity chain, and the step's one-line result, for any model kind."""
     from tasks.serve.chain import chain_rows
+    from tasks.serve.check import ServingReport
     from tasks.serve.report import table_rows
+    from tasks.serve.step import result_of
 
     for row in table_rows(report):
         console.print(f"{row['check']}: {row['verdict']} ({row['message']})", markup=False, highlight=False)
-    for row in chain_rows(report.chain):
-        console.print(f"parity {row['hop']}, {row['measure']}: {row['measured']} {row['tolerance']} "
-                      f"{row['verdict']} ({row['compared']})", markup=False, highlight=False)  # fmt: skip
-    load = report.load
-    console.print(
-        f"step {report.step} served from {report.model_dir}: {load.requests} requests at concurrency "
-        f"{load.max_concurrency}, {load.output_tokens_per_s:.0f} output tokens/s, P50/P95/P99 end-to-end "
-        f"{load.e2e_ms.p50:.1f}/{load.e2e_ms.p95:.1f}/{load.e2e_ms.p99:.1f} ms; greedy parity "
-        f"{report.parity.matched}/{report.parity.prompts}; ROUGE-L F1 {report.quality.rouge_l:.3f} (0-1), BLEU-4 "
-        f"{report.quality.bleu4:.2f} (0-100)\nreport {report.files['json']}",
-        markup=False,
-        highlight=False,
-    )
+    if isinstance(report, ServingReport):  # the vision kinds compare with transformers' or our model directly
+        for row in chain_rows(report.chain):
+            console.print(f"parity {row['hop']}, {row['measure']}: {row['measured']} {row['tolerance']} "
+                          f"{row['verdict']} ({row['compared']})", markup=False, highlight=False)  # fmt: skip
+    console.print(f"step {report.step} served from {report.model_dir}: {result_of(report).summary()}\n"
+                  f"report {report.files['json']}", markup=False, highlight=False)  # fmt: skip

@@ -38,7 +38,7 @@ from tasks.acceptance.config import AcceptanceConfig
 from tasks.errors import UserError
 from tasks.paths import baselines_dir
 from training.config import TrainConfig, first_problem
-from training.dataset import DatasetManifest, read_manifest
+from training.workload import DataManifest, workload_of
 from validation.quality import LossCurve, QualityResult, check_quality, loss_curve, not_measured
 
 log = logging.getLogger(__name__)
@@ -84,15 +84,7 @@ class Baseline(BaseModel):
         return LossCurve(dict(self.curve), self.val_loss, self.first_loss)
 
 
-def _split_identity(manifest: DatasetManifest, split: str) -> dict[str, Any] | None:
-    info = manifest.splits.get(split)
-    if info is None:
-        return None
-    shards = [[s.n_tokens, s.n_docs, s.tokens_sha256, s.index_sha256] for s in info.shards]
-    return {"n_tokens": info.n_tokens, "n_docs": info.n_docs, "shards": shards}
-
-
-def curve_identity(train: TrainConfig, world_size: int, manifest: DatasetManifest) -> dict[str, Any]:
+def curve_identity(train: TrainConfig, world_size: int, manifest: DataManifest) -> dict[str, Any]:
     """Everything that determines the loss curve of `train` (the acceptance run's config) on `world_size`
     data-parallel ranks (the job's processes with the tensor and pipeline degrees divided out: the layout does not
     change the mathematics, the global batch does)."""
@@ -111,14 +103,7 @@ def curve_identity(train: TrainConfig, world_size: int, manifest: DatasetManifes
             "global_batch": par.micro_batch * par.grad_accum_steps * world_size,
             "ddp_grad_compression": par.ddp_grad_compression,  # lossy: changes the mathematics
         },
-        "data": {
-            "vocab_size": manifest.vocab_size,
-            "dtype": manifest.dtype,
-            "eos_id": manifest.eos_id,
-            "tokenizer": {"kind": manifest.tokenizer.kind, "sha256": manifest.tokenizer.sha256},
-            "train": _split_identity(manifest, train.data.train_split),
-            "val": _split_identity(manifest, train.data.val_split),
-        },
+        "data": manifest.curve_identity(train.data.train_split, train.data.val_split),
         "run": {
             "seed": train.run.seed,
             "steps": train.run.steps,
@@ -251,8 +236,7 @@ def judge_quality(
     curve = loss_curve(output_dir)
     if curve is None:
         return QualityGate(not_measured(f"the distributed run wrote no result ({output_dir})"), registry)
-    manifest = read_manifest(run_train.data.dataset_url, run_train.storage, run_train.data.sources)
-    identity = curve_identity(run_train, world_size, manifest)
+    identity = curve_identity(run_train, world_size, workload_of(run_train).manifest())
     key = baseline_key(identity)
     evidence: dict[str, Any] = {"baseline_file": str(registry.path(key)), "recorded": False}
     try:

@@ -60,7 +60,7 @@ from training.checkpoint import (
     sign_commit,
 )
 from training.config import TrainConfig, first_problem
-from training.dataset import DatasetManifest
+from training.workload import DataManifest
 from training.run_output import RunOutput
 from training.storage import (
     ControlFileError,
@@ -247,12 +247,9 @@ def cluster_key_of(cluster: ClusterConfig) -> str:
     return _sha256(cluster_identity(cluster))
 
 
-def dataset_key(manifest: DatasetManifest) -> str:
+def dataset_key(manifest: DataManifest) -> str:
     """sha256 over the manifest's checksums (every split's shards and the tokenizer)."""
-    splits = {
-        name: [[s.tokens_sha256, s.index_sha256] for s in info.shards] for name, info in sorted(manifest.splits.items())
-    }
-    return _sha256({"tokenizer": manifest.tokenizer.sha256, "splits": splits})
+    return _sha256(manifest.checksums())
 
 
 def code_version() -> str:

@@ -10,25 +10,27 @@ served prompt is the image alone, as in training. Measured:
   BLEU-4 and ROUGE-L (validation/serving.py `score_quality`);
 - a load test of image requests at serve.check.max_concurrency: P50/P95/P99 end-to-end latency, images/s and
   output tokens/s (a client here: vLLM's `bench serve` sends no images from a custom dataset).
-The figures are judged by the same thresholds as a language model's (validation/serving.py `judge`).
+The figures are judged by the same thresholds as a language model's (validation/serving.py `judge`), and the
+check writes the files a language model's writes, by the same writer (tasks/serve/report.py `write_reports`):
+serving.json, junit.xml, the latency histogram and the serving manifests (vLLM with the LLaVA flags).
 """
 
 from __future__ import annotations
 
 import base64
 import io
-import json
 import logging
 import math
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from tasks.errors import UserError
 from tasks.results import StepResult
-from tasks.serve.check import SERVING_JSON, post_json
+from tasks.serve.check import LatencyPlot, p99_threshold, post_json
+from tasks.serve.report import write_reports
 from validation.serving import (
     LatencyFigures,
     LoadFigures,
@@ -43,6 +45,7 @@ from validation.serving import (
 if TYPE_CHECKING:
     import torch
 
+    from tasks.export.readme import AcceptanceFigures
     from tasks.serve.check import ServingCheckConfig
     from tasks.serve.config import ServeConfig
     from tasks.serve.server import Server
@@ -135,9 +138,18 @@ def _percentiles(values_ms: list[float]) -> LatencyFigures:
     return LatencyFigures(p50=p50, p95=p95, p99=p99, mean=float(np.mean(values_ms)))
 
 
-def image_load_test(server: Server, images: torch.Tensor, check: ServingCheckConfig) -> tuple[LoadFigures, float]:
+@dataclass(frozen=True)
+class ImageLoad:
+    """The image load test's figures, images/s and each request's end-to-end latency."""
+
+    figures: LoadFigures
+    images_per_s: float
+    per_request_ms: list[float]
+
+
+def image_load_test(server: Server, images: torch.Tensor, check: ServingCheckConfig) -> ImageLoad:
     """check.num_prompts caption requests (the images in turn) at check.max_concurrency in flight; the figures
-    (no streaming: time to first token is not measured) and images/s."""
+    (no streaming: time to first token is not measured), images/s and the latencies."""
     bodies = [caption_request(server.served_name, images[i % len(images)], check.output_tokens, True)
               for i in range(check.num_prompts)]  # fmt: skip
 
@@ -163,12 +175,14 @@ def image_load_test(server: Server, images: torch.Tensor, check: ServingCheckCon
         itl_ms=not_measured, e2e_ms=_percentiles([ms for ms, _ in done]), max_concurrency=check.max_concurrency,
         request_rate_per_s=None,
     )  # fmt: skip
-    return load, len(done) / duration
+    return ImageLoad(load, len(done) / duration, [ms for ms, _ in done])
 
 
 @dataclass(frozen=True)
 class CaptioningReport:
     """Everything the captioning serving check measured and judged (serving.json)."""
+
+    MODEL_KIND: ClassVar[str] = "vlm"
 
     model_dir: str
     step: int
@@ -184,6 +198,7 @@ class CaptioningReport:
     predictions: list[str]
     references: list[str]
     files: dict[str, str]
+    per_request_ms: list[float] = field(default_factory=list)
 
     @property
     def passed(self) -> bool:
@@ -195,9 +210,19 @@ class CaptioningReport:
         """Names of the failed figures."""
         return [c.name for c in self.checks if c.passed is False]
 
+    def latency_plot(self) -> LatencyPlot:
+        """The image load test's end-to-end latency per caption request, for the histogram."""
+        return LatencyPlot(
+            self.per_request_ms, self.load.e2e_ms, p99_threshold(self.checks, "p99_e2e_latency_ms"),
+            "end-to-end latency per caption request (ms)",
+            f"{self.load.requests} image requests, concurrency {self.load.max_concurrency}, "
+            f"{self.images_per_s:.1f} images/s",
+        )  # fmt: skip
+
     def to_json(self) -> dict[str, Any]:
         """serving.json's content."""
         data = asdict(self)
+        data.pop("per_request_ms")
         data["verdict"] = "passed" if self.passed else "failed"
         data["load"]["error_rate"] = self.load.error_rate
         data["parity"]["share"] = self.parity.share
@@ -206,7 +231,7 @@ class CaptioningReport:
 
 def measure_captioning(
     server: Server, model_dir: Path, data: HeldOutImages, ours: list[list[int]], check: ServingCheckConfig
-) -> tuple[ParityFigures, QualityFigures, LoadFigures, float, list[str], list[str]]:
+) -> tuple[ParityFigures, QualityFigures, ImageLoad, list[str], list[str]]:
     """Greedy parity against `ours`, captioning quality against the references and the image load test."""
     from tasks.serve.check import decode
 
@@ -215,20 +240,22 @@ def measure_captioning(
     _, predictions = served_captions(server, data.images[: check.quality_prompts], check.output_tokens, False)
     references = decode(model_dir, data.captions[: check.quality_prompts])
     quality = score_quality(predictions, references)
-    load, images_per_s = image_load_test(server, data.images, check)
-    return parity, quality, load, images_per_s, predictions, references
+    load = image_load_test(server, data.images, check)
+    return parity, quality, load, predictions, references
 
 
 def run_captioning_check(
     serve: ServeConfig, train: TrainConfig, accelerator: str, name: str, out_dir: Path, export_root: str,
-    step: int | None = None,
+    step: int | None = None, pod_memory_bytes: float | None = None, acceptance: AcceptanceFigures | None = None,
 ) -> CaptioningReport:  # fmt: skip
     """Export the newest sound (or the given) checkpoint of a vision-language run as a LLaVA folder, serve it,
-    measure it with image requests, write serving.json into `out_dir`, stop the server."""
+    measure it with image requests, stop the server, write the serving check's files into `out_dir`
+    (tasks/serve/report.py: serving.json, junit.xml, the latency histogram, the serving manifests, whose pods get
+    `pod_memory_bytes`); `acceptance`: the figures the exported folder's model card shows."""
     import torch
 
     from tasks.export.step import export_checkpoint
-    from tasks.serve.server import SERVER_LOG, folder_architecture, model_impl, start_server
+    from tasks.serve.server import SERVER_LOG, folder_architecture, model_impl, start_server, with_folder_dtype
     from training.checkpoint import CheckpointManager
     from training.storage import is_local, local_path
     from training.vlm import VisionLanguageModel
@@ -244,7 +271,7 @@ def run_captioning_check(
             f"{limit} (serve.max_model_len or model.seq_len)", "lower them",
         )  # fmt: skip
     out_dir.mkdir(parents=True, exist_ok=True)
-    exported = export_checkpoint(train, step, export_root=export_root)
+    exported = export_checkpoint(train, step, export_root=export_root, acceptance=acceptance)
     if not is_local(exported.model_dir):
         raise UserError(f"the export went to {exported.model_dir}: vLLM serves a local folder",
                         "put the deployment folder (deployment_dir) on a local or shared filesystem")  # fmt: skip
@@ -257,20 +284,19 @@ def run_captioning_check(
     server = start_server(folder, serve, name, serve.max_model_len or train.model.seq_len, out_dir / SERVER_LOG,
                           accelerator)  # fmt: skip
     try:
-        parity, quality, load, images_per_s, predictions, references = measure_captioning(
+        parity, quality, load, predictions, references = measure_captioning(
             server, folder, data, ours, check
         )
     finally:
         server.stop()
     report = CaptioningReport(
         model_dir=str(folder), step=exported.step, url=server.url, server_pid=server.pid, accelerator=accelerator,
-        model_impl=model_impl(serve, folder_architecture(folder), accelerator), load=load,
-        images_per_s=images_per_s, parity=parity, quality=quality,
-        checks=judge(load, parity, quality, check.thresholds), predictions=predictions, references=references,
-        files={"json": str(out_dir / SERVING_JSON), "server_log": str(out_dir / SERVER_LOG)},
+        model_impl=model_impl(serve, folder_architecture(folder), accelerator), load=load.figures,
+        images_per_s=load.images_per_s, parity=parity, quality=quality,
+        checks=judge(load.figures, parity, quality, check.thresholds), predictions=predictions,
+        references=references, files={"server_log": str(out_dir / SERVER_LOG)}, per_request_ms=load.per_request_ms,
     )  # fmt: skip
-    (out_dir / SERVING_JSON).write_text(json.dumps(report.to_json(), indent=2, default=str))
-    return report
+    return write_reports(report, with_folder_dtype(serve, folder), name, out_dir, pod_memory_bytes)
 
 
 class CaptioningServingResult(StepResult):

@@ -11,7 +11,7 @@ import urllib.error
 import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from pydantic import Field
 
@@ -21,6 +21,7 @@ from tasks.serve.chain import ParityChain, parity_chain
 from training.config import ModelConfig, StrictModel, TrainConfig
 from training.storage import is_local, local_path
 from validation.serving import (
+    LatencyFigures,
     LoadFigures,
     LogprobFigures,
     ParityFigures,
@@ -302,8 +303,28 @@ class MetricsSampler:
 
 
 @dataclass(frozen=True)
+class LatencyPlot:
+    """What the latency histogram (tasks/serve/report.py) shows of a serving check of any model kind."""
+
+    per_request_ms: list[float]
+    figures: LatencyFigures
+    """P50, P95, P99 of `per_request_ms`."""
+    threshold_ms: float | None
+    """The P99 threshold the check judged, None when none."""
+    xlabel: str
+    title: str
+
+
+def p99_threshold(checks: list[ServingCheck], name: str) -> float | None:
+    """The threshold of the judged figure `name` (None when it was not judged)."""
+    return next((c.threshold for c in checks if c.name == name), None)
+
+
+@dataclass(frozen=True)
 class ServingReport:
     """Everything the serving check measured and judged."""
+
+    MODEL_KIND: ClassVar[str] = "lm"
 
     model_dir: str
     step: int
@@ -332,6 +353,15 @@ class ServingReport:
     def failed(self) -> list[str]:
         """Names of the failed figures."""
         return [c.name for c in self.checks if c.passed is False]
+
+    def latency_plot(self) -> LatencyPlot:
+        """The load test's end-to-end latency per request, for the histogram."""
+        return LatencyPlot(
+            self.per_request_e2e_ms, self.load.e2e_ms, p99_threshold(self.checks, "p99_e2e_latency_ms"),
+            "end-to-end latency per request (ms)",
+            f"{self.load.requests} requests, concurrency {self.load.max_concurrency}, "
+            f"{self.load.output_tokens_per_s:.0f} output tokens/s",
+        )  # fmt: skip
 
     def to_json(self) -> dict[str, Any]:
         """serving.json's content."""

@@ -22,16 +22,17 @@ import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FuturesTimeout
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
 from tasks.errors import TransientError, UserError
 from tasks.progress import report as report_progress
 from tasks.results import StepResult
-from tasks.serve.check import REQUEST_TIMEOUT_S, SERVING_JSON, MetricsSampler
+from tasks.serve.check import REQUEST_TIMEOUT_S, LatencyPlot, MetricsSampler, p99_threshold
+from tasks.serve.report import write_reports
 from tasks.serve.server import (
     REQUEST_LATENCY_BUCKETS_S, SERVER_ENV, SERVER_LOG, Server, ServerStartFailed, ServerStartTimeout, check_port_free,
     first_error, log_tail, serve_python, with_folder_dtype,
@@ -61,13 +62,13 @@ _POLL_S = 0.25
 _KEEP_ERRORS = 5
 
 
-def classifier_command(model_dir: Path, serve: ServeConfig, served_name: str) -> list[str]:
-    """The argv of the classifier server for `model_dir` on serve.host:serve.port (run without a shell)."""
+def classifier_args(serve: ServeConfig, served_name: str, model_dir: str, *, host: str | None = None) -> list[str]:
+    """Arguments of the classifier server for `model_dir`, served as `served_name` on host (default serve.host):
+    serve.port; the one place its flags are spelt (this machine's server, the Kubernetes and Slurm manifests)."""
     cfg = serve.classifier
     args = [
-        str(serve_python()), str(SERVER_PROGRAM),
-        "--model", str(model_dir), "--served-model-name", served_name,
-        "--host", serve.host, "--port", str(serve.port),
+        "--model", model_dir, "--served-model-name", served_name,
+        "--host", host or serve.host, "--port", str(serve.port),
         "--max-batch", str(cfg.max_batch), "--max-wait-ms", repr(cfg.max_wait_ms),
         "--max-request-bytes", str(cfg.max_request_bytes), "--max-image-pixels", str(cfg.max_image_pixels),
         "--latency-buckets-s", json.dumps(list(REQUEST_LATENCY_BUCKETS_S)),
@@ -77,6 +78,11 @@ def classifier_command(model_dir: Path, serve: ServeConfig, served_name: str) ->
     if cfg.threads is not None:
         args += ["--threads", str(cfg.threads)]
     return args
+
+
+def classifier_command(model_dir: Path, serve: ServeConfig, served_name: str) -> list[str]:
+    """The argv of the classifier server for `model_dir` on serve.host:serve.port (run without a shell)."""
+    return [str(serve_python()), str(SERVER_PROGRAM), *classifier_args(serve, served_name, str(model_dir))]
 
 
 def start_classifier(
@@ -312,6 +318,8 @@ def server_figures(sampler: MetricsSampler) -> ClassifierServerFigures:
 class ClassifierReport:
     """Everything the classifier's serving check measured and judged."""
 
+    MODEL_KIND: ClassVar[str] = "vit"
+
     model_dir: str
     step: int
     url: str
@@ -335,6 +343,15 @@ class ClassifierReport:
     def failed(self) -> list[str]:
         """Names of the failed figures."""
         return [c.name for c in self.checks if c.passed is False]
+
+    def latency_plot(self) -> LatencyPlot:
+        """The image load test's latency per classify request, for the histogram."""
+        return LatencyPlot(
+            self.per_request_ms, self.load.latency_ms, p99_threshold(self.checks, "p99_latency_ms"),
+            "latency per classify request (ms)",
+            f"{self.load.requests} requests of {self.load.images_per_request} image(s), concurrency "
+            f"{self.load.max_concurrency}, {self.load.images_per_s:.0f} images/s",
+        )  # fmt: skip
 
     def to_json(self) -> dict[str, Any]:
         """serving.json's content."""
@@ -395,10 +412,12 @@ def run_classifier_check(
     step: int | None = None,
     model_dir: str | None = None,
     acceptance: AcceptanceFigures | None = None,
+    pod_memory_bytes: float | None = None,
 ) -> ClassifierReport:
     """Export the newest sound (or the given) checkpoint as a ViT folder (or take `model_dir` of checkpoint
-    `step`), serve it, load-test it with held-out images, write serving.json and junit.xml into `out_dir`, stop
-    the server; the report says whether it passed."""
+    `step`), serve it, load-test it with held-out images, stop the server, write the serving check's files into
+    `out_dir` (tasks/serve/report.py: serving.json, junit.xml, the latency histogram, the classifier's serving
+    manifests, whose pods get `pod_memory_bytes`); the report says whether it passed."""
     from tasks.export.step import export_checkpoint
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -426,52 +445,9 @@ def run_classifier_check(
     report = ClassifierReport(
         model_dir=str(served), step=served_step, url=server.url, server_pid=server.pid, accelerator=accelerator,
         load=measured.load.figures, server=measured.server, classification=quality, parity=parity, checks=checks,
-        per_request_ms=measured.load.per_request_ms,
+        per_request_ms=measured.load.per_request_ms, files={"server_log": str(out_dir / SERVER_LOG)},
     )  # fmt: skip
-    return write_classifier_reports(report, out_dir)
-
-
-def plot_latency(report: ClassifierReport, path: Path) -> Path:
-    """A histogram of the load test's per-request latency with P50/P95/P99 and the threshold."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.hist(report.per_request_ms, bins=min(30, max(5, len(report.per_request_ms) // 2)), color="#4c72b0")
-    latency = report.load.latency_ms
-    for label, value, style in (("P50", latency.p50, ":"), ("P95", latency.p95, "--"), ("P99", latency.p99, "-")):
-        ax.axvline(value, color="black", linestyle=style, label=f"{label} {value:.1f} ms")
-    limit = next((c.threshold for c in report.checks if c.name == "p99_latency_ms"), None)
-    if limit is not None:
-        ax.axvline(limit, color="red", label=f"P99 threshold {limit:.0f} ms")
-    ax.set_xlabel("latency per classify request (ms)")
-    ax.set_ylabel("requests")
-    ax.set_title(f"{report.load.requests} requests of {report.load.images_per_request} image(s), concurrency "
-                 f"{report.load.max_concurrency}, {report.load.images_per_s:.0f} images/s")  # fmt: skip
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
-
-
-def write_classifier_reports(report: ClassifierReport, out_dir: Path) -> ClassifierReport:
-    """junit.xml (one case per judged figure), the latency histogram and serving.json (last: its presence means
-    the rest is there)."""
-    from tasks.serve.check import HISTOGRAM, JUNIT
-    from tasks.serve.report import write_junit
-
-    files = {"junit": str(write_junit(report, out_dir / JUNIT))}  # type: ignore[arg-type]
-    if report.per_request_ms:
-        files["histogram"] = str(plot_latency(report, out_dir / HISTOGRAM))
-    files["json"] = str(out_dir / SERVING_JSON)
-    report = replace(report, files=files)
-    tmp = out_dir / f".{SERVING_JSON}.partial"
-    tmp.write_text(json.dumps(report.to_json(), indent=2, default=str))
-    tmp.replace(out_dir / SERVING_JSON)
-    return report
+    return write_reports(report, serve, name, out_dir, pod_memory_bytes)
 
 
 class ClassifierServingResult(StepResult):

@@ -1,9 +1,19 @@
-"""Deployable serving manifests: a Kubernetes Deployment + Service and a Slurm batch script for vLLM's server.
+"""Deployable serving manifests: a Kubernetes Deployment + Service and a Slurm batch script for the model's server.
 
-Both start vLLM's OpenAI-compatible server (`python -m vllm.entrypoints.openai.api_server`) with the flags of
-the `serve` spec section, on all interfaces of serve.port, with /health for probes and /metrics for Prometheus
-(scrape job tdeploy-serving: deployments/monitoring/alerts.yml). They also pass finer request-latency histogram
-buckets than vLLM's defaults, whose first bound (0.3 s) lies above the guide's 150 ms P99 target.
+Both start the server the serving check starts, with the same flags (one function spells them): vLLM's
+OpenAI-compatible server (`python -m vllm.entrypoints.openai.api_server`) for a language model and, with the
+export's architecture, a vision-language one (`--model-impl`, `--limit-mm-per-prompt`); for an image classifier
+(model.kind vit) the classifier server tasks/serve/classifier_server.py, which vLLM's image runs (it has
+transformers, Pillow, starlette and uvicorn). Every server listens on all interfaces of serve.port, with /health
+for probes and /metrics for Prometheus (scrape job tdeploy-serving: deployments/monitoring/alerts.yml; the
+classifier keeps vLLM's metric names). They also pass finer request-latency histogram buckets than vLLM's
+defaults, whose first bound (0.3 s) lies above the guide's 150 ms P99 target.
+
+The classifier server is one standalone file that no image ships, so it travels inside what is deployed: in a
+ConfigMap mounted read-only into the pod (applied with the Deployment, its digest in the pod template's
+annotations so that a changed program rolls the pods), and in the Slurm script as a quoted here-document that
+python reads from its standard input. Nothing has to be built, pushed or copied beside the manifests; the
+classifier server runs on CPU, so its pods ask for no GPU.
 
 Kubernetes reads the model folder from a PersistentVolumeClaim (`pvc://<claim>/<path>`, as KServe spells a
 storage URI), mounted read-only: a model is a few to hundreds of GiB, and a volume that the platform already
@@ -14,22 +24,26 @@ quoted for the shell where it is used.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import re
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 
 from tasks.errors import UserError
 from tasks.launch.kubernetes import check_round_trip, validate_manifests
 from tasks.names import NAME_PATTERN
+from tasks.serve.classifier import SERVER_PROGRAM, classifier_args
 from tasks.serve.config import ServeConfig, serving_image
 from tasks.serve.server import (  # noqa: F401 - REQUEST_LATENCY_BUCKETS_S: the monitoring tests read it here
     ALL_INTERFACES,
+    KIND_ARCHITECTURES,
     REQUEST_LATENCY_BUCKETS_S,
+    SERVER_ENV,
     SERVER_MODULE,
     server_args,
     server_env_vars,
@@ -43,6 +57,11 @@ PROBE_PERIOD_S = 10
 MEMORY_HEADROOM = 1.2
 """The serving plan's memory estimate times this is a pod's memory request and limit (the estimate's error and the
 server's allocator, a limit being a kill)."""
+ModelKind = Literal["lm", "vit", "vlm"]
+PROGRAM_MOUNT = "/opt/tdeploy"
+"""Where the classifier server's ConfigMap is mounted in its pod."""
+PROGRAM_DIGEST_ANNOTATION = "tdeploy/classifier-server-sha256"
+_HEREDOC_END = "TDEPLOY_CLASSIFIER_SERVER"
 # A Service name is a DNS-1035 label: it starts with a letter and ends with a letter or digit.
 _SERVICE_NAME = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
 # A claim name is a DNS-1123 subdomain; a path in it is plain relative components (no "..", no shell or $()).
@@ -82,9 +101,11 @@ def render_kubernetes(
     *,
     accelerator: str,
     resources: PodResources | None = None,
+    kind: ModelKind = "lm",
 ) -> list[dict[str, Any]]:
     """[Deployment, Service] of vLLM's server for the model at `model_uri` (pvc://<claim>/<path>), in
-    serve.namespace.
+    serve.namespace; for model.kind vit [ConfigMap, Deployment, Service] of the classifier server (the ConfigMap
+    holds its program).
 
     serve.replicas pods of `image` (None: `serving_image`, vLLM's CPU image on a CPU accelerator), each with
     serve.tensor_parallel GPUs on a GPU accelerator, `resources` (else PodResources.of(serve): cpu, and memory
@@ -104,23 +125,39 @@ def render_kubernetes(
     mount: dict[str, Any] = {"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True}
     if sub_path:
         mount["subPath"] = sub_path
+    classifier = kind == "vit"
+    program = SERVER_PROGRAM.read_text() if classifier else None
     container: dict[str, Any] = {
-        "name": "vllm",
+        "name": "classifier" if classifier else "vllm",
         "image": image or serving_image(serve, accelerator),
-        "command": ["python3", "-m", SERVER_MODULE],
-        "args": server_args(serve, name, MODEL_MOUNT, accelerator),
-        "env": [{"name": key, "value": value} for key, value in sorted(server_env_vars(serve, accelerator).items())],
+        "command": ["python3", f"{PROGRAM_MOUNT}/{SERVER_PROGRAM.name}"] if classifier
+        else ["python3", "-m", SERVER_MODULE],
+        "args": program_args(serve, name, MODEL_MOUNT, accelerator, kind),
+        "env": [{"name": key, "value": value} for key, value in sorted(program_env(serve, accelerator, kind).items())],
         "ports": [{"name": "http", "containerPort": serve.port, "protocol": "TCP"}],
         "startupProbe": _health_probe(math.ceil(serve.startup_timeout_s / PROBE_PERIOD_S)),
         "readinessProbe": _health_probe(3),
         "livenessProbe": _health_probe(3),
-        "volumeMounts": [mount, {"name": "dshm", "mountPath": "/dev/shm"}],
-    }
+        "volumeMounts": [mount, {"name": "program", "mountPath": PROGRAM_MOUNT, "readOnly": True}] if classifier
+        else [mount, {"name": "dshm", "mountPath": "/dev/shm"}],
+    }  # fmt: skip
     pod = resources or PodResources.of(serve)
     amounts = pod.quantities() if pod else {"cpu": f"{math.ceil(serve.cpu_per_replica * 1000):d}m"}
-    if accelerator != "cpu":
+    if accelerator != "cpu" and not classifier:  # the classifier server runs on CPU
         amounts[GPU_RESOURCE] = str(serve.tensor_parallel)
     container["resources"] = {"limits": dict(amounts), "requests": dict(amounts)}
+    annotations = {
+        "prometheus.io/scrape": "true",
+        "prometheus.io/port": str(serve.port),
+        "prometheus.io/path": "/metrics",
+    }
+    volumes: list[dict[str, Any]] = [
+        {"name": "model", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}},
+        {"name": "dshm", "emptyDir": {"medium": "Memory"}},
+    ]
+    if program is not None:  # a changed program changes the pod template: the Deployment rolls its pods
+        annotations[PROGRAM_DIGEST_ANNOTATION] = hashlib.sha256(program.encode()).hexdigest()
+        volumes[1] = {"name": "program", "configMap": {"name": _program_map(name)}}
     deployment = {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -130,23 +167,13 @@ def render_kubernetes(
             "replicas": serve.replicas,
             "selector": {"matchLabels": dict(labels)},
             "template": {
-                "metadata": {
-                    "labels": dict(labels),
-                    "annotations": {
-                        "prometheus.io/scrape": "true",
-                        "prometheus.io/port": str(serve.port),
-                        "prometheus.io/path": "/metrics",
-                    },
-                },
+                "metadata": {"labels": dict(labels), "annotations": annotations},
                 "spec": {
                     # Service links would put <SERVICE>_PORT=tcp://... into the environment, and vLLM reads
                     # VLLM_PORT as its own setting (it refuses to start when a Service is called vllm).
                     "enableServiceLinks": False,
                     "containers": [container],
-                    "volumes": [
-                        {"name": "model", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}},
-                        {"name": "dshm", "emptyDir": {"medium": "Memory"}},
-                    ],
+                    "volumes": volumes,
                 },
             },
         },
@@ -162,11 +189,36 @@ def render_kubernetes(
             "ports": [{"name": "http", "port": serve.port, "targetPort": "http", "protocol": "TCP"}],
         },
     }
-    return [deployment, service]
+    if program is None:
+        return [deployment, service]
+    config_map = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": _program_map(name), "namespace": serve.namespace,
+                     "labels": {**labels, "app.kubernetes.io/managed-by": "tdeploy"}},
+        "data": {SERVER_PROGRAM.name: program},
+    }  # fmt: skip
+    return [config_map, deployment, service]
 
 
-def render_slurm(serve: ServeConfig, name: str, model_dir: str, python: str, *, accelerator: str) -> str:
-    """An sbatch script whose job is the server: one task on one node (serve.tensor_parallel GPUs on GPUs).
+def program_args(serve: ServeConfig, name: str, model_dir: str, accelerator: str, kind: ModelKind) -> list[str]:
+    """The deployed server's arguments, on all interfaces: the classifier server's for model.kind vit, else vLLM's
+    with the export's architecture (a vision-language model's --model-impl and --limit-mm-per-prompt)."""
+    if kind == "vit":
+        return classifier_args(serve, name, model_dir, host=ALL_INTERFACES)
+    return server_args(serve, name, model_dir, accelerator, architecture=KIND_ARCHITECTURES.get(kind))
+
+
+def program_env(serve: ServeConfig, accelerator: str, kind: ModelKind) -> dict[str, str]:
+    """The deployed server's environment: vLLM's settings, or only SERVER_ENV for the classifier (no KV cache)."""
+    return dict(SERVER_ENV) if kind == "vit" else server_env_vars(serve, accelerator)
+
+
+def render_slurm(
+    serve: ServeConfig, name: str, model_dir: str, python: str, *, accelerator: str, kind: ModelKind = "lm"
+) -> str:
+    """An sbatch script whose job is the server: one task on one node (serve.tensor_parallel GPUs on GPUs); for
+    model.kind vit the classifier server, its program in a quoted here-document that `python -` reads (no GPU).
 
     `model_dir` is the model folder's absolute path on the cluster's shared filesystem and `python` the
     interpreter (a path, or a command on PATH) of an environment with vLLM on the compute nodes. The script
@@ -181,18 +233,20 @@ def render_slurm(serve: ServeConfig, name: str, model_dir: str, python: str, *, 
         )
     if not python or _CONTROL.search(python):
         raise UserError(f"python={python!r}: not a command of one line", "give python3 or an interpreter's path")
+    classifier = kind == "vit"
     directives = [f"--job-name={name}", "--nodes=1", "--ntasks=1"]
-    if accelerator != "cpu":
+    if accelerator != "cpu" and not classifier:
         directives.append(f"--gres=gpu:{serve.tensor_parallel}")
-    command = [python, "-m", SERVER_MODULE, *server_args(serve, name, model_dir, accelerator)]
+    module = ["-"] if classifier else ["-m", SERVER_MODULE]
+    command = [python, *module, *program_args(serve, name, model_dir, accelerator, kind)]
     lines = ["#!/bin/bash", *(f"#SBATCH {d}" for d in directives), "set -euo pipefail"]
-    lines += [
-        f"export {key}={shlex.quote(value)}" for key, value in sorted(server_env_vars(serve, accelerator).items())
-    ]
-    lines += [
-        f'echo "tdeploy: serving {name} on $(hostname):{serve.port:d} (job $SLURM_JOB_ID)"',
-        f"exec {shlex.join(command)}",
-    ]
+    lines += [f"export {k}={shlex.quote(v)}" for k, v in sorted(program_env(serve, accelerator, kind).items())]
+    lines.append(f'echo "tdeploy: serving {name} on $(hostname):{serve.port:d} (job $SLURM_JOB_ID)"')
+    if not classifier:
+        return "\n".join([*lines, f"exec {shlex.join(command)}"]) + "\n"
+    program = SERVER_PROGRAM.read_text()
+    assert _HEREDOC_END not in program.splitlines(), "the here-document's end marker is a line of the program"
+    lines += [f"exec {shlex.join(command)} <<'{_HEREDOC_END}'", program.rstrip("\n"), _HEREDOC_END]
     return "\n".join(lines) + "\n"
 
 
@@ -203,8 +257,10 @@ def serving_manifests(
     image: str | None,
     accelerator: str,
     resources: PodResources | None = None,
+    kind: ModelKind = "lm",
 ) -> dict[str, str]:
-    """{serving-k8s.yaml: the Deployment and Service, serving.sbatch: the Slurm script}, rendered and checked.
+    """{serving-k8s.yaml: the Deployment and Service, serving.sbatch: the Slurm script}, rendered and checked, of
+    the server of model.kind `kind` (vit: the classifier server and its ConfigMap).
 
     `model_uri` is the exported model folder: a path on the shared filesystem, which the Slurm script serves in
     place and the Kubernetes manifest expects at the root of the claim `<name>-model` (copy the folder onto it),
@@ -216,11 +272,11 @@ def serving_manifests(
         k8s_uri, slurm_dir = model_uri, None
     else:
         k8s_uri, slurm_dir = f"pvc://{name}-model", str(Path(model_uri).resolve())
-    objects = render_kubernetes(serve, name, k8s_uri, image, accelerator=accelerator, resources=resources)
+    objects = render_kubernetes(serve, name, k8s_uri, image, accelerator=accelerator, resources=resources, kind=kind)
     validate_kubernetes(objects)
-    files = {K8S_FILE: yaml.safe_dump_all(objects, sort_keys=False)}
+    files = {K8S_FILE: yaml.dump_all(objects, Dumper=_Dumper, sort_keys=False)}
     if slurm_dir is not None:
-        files[SLURM_FILE] = render_slurm(serve, name, slurm_dir, "python3", accelerator=accelerator)
+        files[SLURM_FILE] = render_slurm(serve, name, slurm_dir, "python3", accelerator=accelerator, kind=kind)
     return files
 
 
@@ -232,9 +288,10 @@ def write_manifests(
     image: str | None,
     accelerator: str,
     resources: PodResources | None = None,
+    kind: ModelKind = "lm",
 ) -> list[Path]:
     """Write `serving_manifests` (checked before anything is written) into `out_dir`; their paths."""
-    files = serving_manifests(serve, name, model_uri, image, accelerator, resources)
+    files = serving_manifests(serve, name, model_uri, image, accelerator, resources, kind)
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
     for file_name, text in files.items():
@@ -244,7 +301,8 @@ def write_manifests(
 
 
 def validate_kubernetes(objects: list[dict[str, Any]]) -> None:
-    """Raise UserError unless each object is a valid apps/v1 Deployment or v1 Service of the Kubernetes API.
+    """Raise UserError unless each object is a valid apps/v1 Deployment, v1 Service or v1 ConfigMap of the
+    Kubernetes API.
 
     Deserialising into the client's models rejects missing required fields and wrong types; the round trip must
     give the object back unchanged, which rejects unknown or misplaced fields; then the objects are checked against
@@ -254,7 +312,9 @@ def validate_kubernetes(objects: list[dict[str, Any]]) -> None:
 
     client = ApiClient()
     for obj in objects:
-        kind = {"Deployment": "V1Deployment", "Service": "V1Service"}.get(obj.get("kind", ""))
+        kind = {"Deployment": "V1Deployment", "Service": "V1Service", "ConfigMap": "V1ConfigMap"}.get(
+            obj.get("kind", "")
+        )
         if kind is None:
             raise UserError(f"{obj.get('kind')!r} is not a kind this module renders", "this is a rendering bug")
         check_round_trip(client, obj, kind, obj["kind"], "this is a rendering bug; report it")
@@ -269,6 +329,24 @@ def _health_probe(failure_threshold: int) -> dict[str, Any]:
         "timeoutSeconds": 5,
         "failureThreshold": failure_threshold,
     }
+
+
+class _Dumper(yaml.SafeDumper):
+    """yaml.safe_dump's dumper with multi-line strings (the classifier server's program) as literal blocks, which a
+    reader can read; every other value as safe_dump writes it."""
+
+
+def _literal_block(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
+    style = "|" if "\n" in value else None
+    return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
+
+
+_Dumper.add_representer(str, _literal_block)
+
+
+def _program_map(name: str) -> str:
+    """The classifier server's ConfigMap of deployment `name`."""
+    return f"{name}-classifier-server"
 
 
 def _check_name(name: str) -> None:

@@ -1,23 +1,30 @@
-"""serving.json, a JUnit file, the latency histogram and the serving manifests of a serving check."""
+"""serving.json, a JUnit file, the latency histogram and the serving manifests of a serving check, of every model
+kind (a language model's, the classifier's, the vision-language model's report: each gives its checks, its
+latencies as a `LatencyPlot` and its MODEL_KIND)."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 from xml.etree import ElementTree as ET
 
 from tasks import tables
+from tasks.serve.check import HISTOGRAM, JUNIT, SERVING_JSON, LatencyPlot
 from tasks.serve.config import ServeConfig
 
 if TYPE_CHECKING:
+    from tasks.serve.captioning import CaptioningReport
     from tasks.serve.check import ServingReport
+    from tasks.serve.classifier import ClassifierReport
+
+Report = TypeVar("Report", "ServingReport", "ClassifierReport", "CaptioningReport")
 
 VERDICTS = {True: "pass", False: "FAIL", None: "not gated"}
 
 
-def write_junit(report: ServingReport, path: Path) -> Path:
+def write_junit(report: Report, path: Path) -> Path:
     """One test case per judged figure (an ungated one as skipped), so CI systems show each."""
     suite = ET.Element(
         "testsuite",
@@ -39,27 +46,23 @@ def write_junit(report: ServingReport, path: Path) -> Path:
     return path
 
 
-def plot_latency(report: ServingReport, path: Path) -> Path:
-    """A histogram of the load test's per-request end-to-end latency with P50/P95/P99 and the threshold."""
+def plot_latency(plot: LatencyPlot, path: Path) -> Path:
+    """A histogram of the load test's per-request latency with P50/P95/P99 and the threshold."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.hist(report.per_request_e2e_ms, bins=min(30, max(5, len(report.per_request_e2e_ms) // 2)), color="#4c72b0")
-    e2e = report.load.e2e_ms
-    for label, value, style in (("P50", e2e.p50, ":"), ("P95", e2e.p95, "--"), ("P99", e2e.p99, "-")):
+    ax.hist(plot.per_request_ms, bins=min(30, max(5, len(plot.per_request_ms) // 2)), color="#4c72b0")
+    latency = plot.figures
+    for label, value, style in (("P50", latency.p50, ":"), ("P95", latency.p95, "--"), ("P99", latency.p99, "-")):
         ax.axvline(value, color="black", linestyle=style, label=f"{label} {value:.1f} ms")
-    limit = next((c.threshold for c in report.checks if c.name == "p99_e2e_latency_ms"), None)
-    if limit is not None:
-        ax.axvline(limit, color="red", label=f"P99 threshold {limit:.0f} ms")
-    ax.set_xlabel("end-to-end latency per request (ms)")
+    if plot.threshold_ms is not None:
+        ax.axvline(plot.threshold_ms, color="red", label=f"P99 threshold {plot.threshold_ms:.0f} ms")
+    ax.set_xlabel(plot.xlabel)
     ax.set_ylabel("requests")
-    ax.set_title(
-        f"{report.load.requests} requests, concurrency {report.load.max_concurrency}, "
-        f"{report.load.output_tokens_per_s:.0f} output tokens/s"
-    )
+    ax.set_title(plot.title)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -67,7 +70,7 @@ def plot_latency(report: ServingReport, path: Path) -> Path:
     return path
 
 
-def table_rows(report: ServingReport) -> list[dict[str, Any]]:
+def table_rows(report: Report) -> list[dict[str, Any]]:
     """The artifact's table: one row per judged figure, its value and threshold in its unit or scale
     (tasks/tables.py: latencies in ms, shares in percent, ROUGE-L F1 0-1, BLEU-4 0-100)."""
     return [
@@ -83,18 +86,20 @@ def table_rows(report: ServingReport) -> list[dict[str, Any]]:
 
 
 def write_reports(
-    report: ServingReport, serve: ServeConfig, name: str, out_dir: Path, pod_memory_bytes: float | None = None
-) -> ServingReport:
-    """Write serving.json (last, so that its presence means the rest is there), junit.xml, the histogram and
-    the Kubernetes and Slurm serving manifests; the report with their paths."""
-    from tasks.serve.check import HISTOGRAM, JUNIT, SERVING_JSON
+    report: Report, serve: ServeConfig, name: str, out_dir: Path, pod_memory_bytes: float | None = None
+) -> Report:
+    """Write serving.json (last, so that its presence means the rest is there), junit.xml, the latency histogram
+    and the Kubernetes and Slurm serving manifests of the report's model kind (report.MODEL_KIND); the report
+    with their paths added to its files. The one writer of a serving check's files, whatever the kind."""
     from tasks.serve.manifests import PodResources, write_manifests
 
-    files = {"junit": str(write_junit(report, out_dir / JUNIT))}
-    if report.per_request_e2e_ms:
-        files["histogram"] = str(plot_latency(report, out_dir / HISTOGRAM))
+    files = {**report.files, "junit": str(write_junit(report, out_dir / JUNIT))}
+    plot = report.latency_plot()
+    if plot.per_request_ms:
+        files["histogram"] = str(plot_latency(plot, out_dir / HISTOGRAM))
     resources = PodResources.of(serve, pod_memory_bytes)  # the serving plan's pod memory: requests and limits
-    for path in write_manifests(serve, name, report.model_dir, out_dir, None, report.accelerator, resources):
+    for path in write_manifests(serve, name, report.model_dir, out_dir, None, report.accelerator, resources,
+                                report.MODEL_KIND):  # fmt: skip
         files[path.name] = str(path)
     files["json"] = str(out_dir / SERVING_JSON)
     report = dataclasses.replace(report, files=files)

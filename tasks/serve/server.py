@@ -162,6 +162,9 @@ def server_args(
 
 VISION_LANGUAGE_ARCHITECTURES = ("LlavaForConditionalGeneration",)
 """Exports that take images (tasks/export/vlm.py)."""
+KIND_ARCHITECTURES = {"vlm": "LlavaForConditionalGeneration"}
+"""The architecture the export writes for a model.kind whose serving flags depend on it (tasks/export/vlm.py
+ARCHITECTURE): what the manifests pass as `architecture` before any folder exists."""
 
 
 def model_impl(serve: ServeConfig, architecture: str | None, accelerator: str) -> str:

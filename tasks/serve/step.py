@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -14,9 +15,10 @@ from tasks.paths import DeploymentPaths
 from tasks.results import StepResult
 from tasks.serve.captioning import CaptioningReport, CaptioningServingResult, run_captioning_check
 from tasks.serve.check import ServingReport, run_serving_check
-from tasks.serve.classifier import ClassifierReport, ClassifierServingResult, run_classifier_check
+from tasks.serve.classifier import ClassifierReport, ClassifierServingResult, run_classifier_check, start_classifier
 from tasks.serve.config import ServeConfig
-from training.config import TrainConfig
+from tasks.serve.server import Server, start_server
+from training.config import ModelConfig, TrainConfig
 
 if TYPE_CHECKING:
     from tasks.spec import DeploymentSpec
@@ -125,37 +127,72 @@ class ServingResult(StepResult):
         )
 
 
-def run(
-    inputs: ServingInputs,
-    publish: Callable[[ServingReport | ClassifierReport | CaptioningReport], None] | None = None,
-) -> ServingResult | ClassifierServingResult | CaptioningServingResult:
-    """Export the checkpoint, serve it with vLLM (a ViT classifier with transformers: tasks/serve/classifier.py;
-    a vision-language model with image requests: tasks/serve/captioning.py), load-test it and check its outputs;
+@dataclass(frozen=True)
+class ServedKind:
+    """How a model.kind is served: by which server, and the endpoint its clients ask."""
+
+    server: str
+    endpoint: str
+    endpoint_path: str
+
+
+SERVED_KINDS = {
+    "lm": ServedKind("the vLLM server", "completions", "/v1/completions"),
+    "vlm": ServedKind("the vLLM server", "chat completions with an image_url", "/v1/chat/completions"),
+    "vit": ServedKind("the classifier server", "classify (base64 PNG or JPEG images)", "/v1/classify"),
+}
+
+
+def start_model_server(
+    model: ModelConfig, model_dir: Path, serve: ServeConfig, name: str, log_path: Path, accelerator: str,
+    on_wait: Callable[[float], None] | None = None,
+) -> Server:  # fmt: skip
+    """Start the server the serving check starts for `model`'s kind on `model_dir` (`tdeploy serve`): the
+    classifier server (tasks/serve/classifier.py) for vit, vLLM (tasks/serve/server.py, with a vision-language
+    folder's flags) otherwise; it answers /health when this returns."""
+    if model.kind == "vit":
+        return start_classifier(model_dir, serve, name, log_path, on_wait)
+    return start_server(model_dir, serve, name, serve.max_model_len or model.seq_len, log_path, accelerator, on_wait)
+
+
+ServingCheckReport = ServingReport | ClassifierReport | CaptioningReport
+"""The full report of the serving check of any model.kind."""
+StepServingResult = ServingResult | ClassifierServingResult | CaptioningServingResult
+
+
+def run_check(inputs: ServingInputs) -> ServingCheckReport:
+    """The serving check of the model's kind, its reports written into inputs.out_dir: vLLM for a language model
+    (tasks/serve/check.py), the classifier server for model.kind vit (tasks/serve/classifier.py), vLLM with image
+    requests for model.kind vlm (tasks/serve/captioning.py); the one place the step branches on the kind."""
+    kind, out_dir = inputs.train.model.kind, Path(inputs.out_dir)
+    if kind == "vit":
+        return run_classifier_check(inputs.serve, inputs.train, inputs.accelerator, inputs.name, out_dir,
+                                    inputs.export_root, inputs.step, inputs.model_dir, inputs.acceptance,
+                                    inputs.pod_memory_bytes)  # fmt: skip
+    if kind == "vlm":
+        return run_captioning_check(inputs.serve, inputs.train, inputs.accelerator, inputs.name, out_dir,
+                                    inputs.export_root, inputs.step, inputs.pod_memory_bytes,
+                                    inputs.acceptance)  # fmt: skip
+    return run_serving_check(inputs.serve, inputs.train, inputs.accelerator, inputs.name, out_dir,
+                             inputs.export_root, inputs.step, inputs.model_dir, inputs.quantization_json,
+                             inputs.acceptance, inputs.pod_memory_bytes)  # fmt: skip
+
+
+def result_of(report: ServingCheckReport) -> StepServingResult:
+    """The step's small result of a report of any kind."""
+    if isinstance(report, ClassifierReport):
+        return ClassifierServingResult.of(report)
+    if isinstance(report, CaptioningReport):
+        return CaptioningServingResult.of(report)
+    return ServingResult.of(report)
+
+
+def run(inputs: ServingInputs, publish: Callable[[ServingCheckReport], None] | None = None) -> StepServingResult:
+    """Export the checkpoint, serve it as its kind is served (`run_check`), load-test it and check its outputs;
     hand the report to `publish`; ServingCheckFailed naming the failed figures when one misses its threshold."""
-    if inputs.train.model.kind == "vlm":
-        captioned = run_captioning_check(inputs.serve, inputs.train, inputs.accelerator, inputs.name,
-                                         Path(inputs.out_dir), inputs.export_root, inputs.step)  # fmt: skip
-        if publish is not None:
-            publish(captioned)
-        if not captioned.passed:
-            raise ServingCheckFailed(f"serving check failed: {', '.join(captioned.failed)}",
-                                     f"see {captioned.files['json']}")  # fmt: skip
-        return CaptioningServingResult.of(captioned)
-    if inputs.train.model.kind == "vit":
-        classified = run_classifier_check(inputs.serve, inputs.train, inputs.accelerator, inputs.name,
-                                          Path(inputs.out_dir), inputs.export_root, inputs.step, inputs.model_dir,
-                                          inputs.acceptance)  # fmt: skip
-        if publish is not None:
-            publish(classified)
-        if not classified.passed:
-            raise ServingCheckFailed(f"serving check failed: {', '.join(classified.failed)}",
-                                     f"see {classified.files['json']}")  # fmt: skip
-        return ClassifierServingResult.of(classified)
-    report = run_serving_check(inputs.serve, inputs.train, inputs.accelerator, inputs.name, Path(inputs.out_dir),
-                               inputs.export_root, inputs.step, inputs.model_dir, inputs.quantization_json,
-                               inputs.acceptance, inputs.pod_memory_bytes)  # fmt: skip
+    report = run_check(inputs)
     if publish is not None:
         publish(report)
     if not report.passed:
         raise ServingCheckFailed(f"serving check failed: {', '.join(report.failed)}", f"see {report.files['json']}")
-    return ServingResult.of(report)
+    return result_of(report)

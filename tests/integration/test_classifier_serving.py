@@ -19,16 +19,18 @@ import numpy as np
 import psutil
 import pytest
 import torch
+import yaml
 from PIL import Image
 
 from tasks.launch.torchrun import free_port
 from tasks.serve.check import ServingCheckConfig
 from tasks.serve.classifier import (
     ClassifierReport, ClassifierServingResult, HeldOutImages, Measured, encode_png, held_out_images, judge_measured,
-    measure, start_classifier, write_classifier_reports,
+    measure, start_classifier,
 )  # fmt: skip
 from tasks.serve.classifier_config import ClassifierCheckConfig, ClassifierServeConfig
 from tasks.serve.config import ServeConfig
+from tasks.serve.report import write_reports
 from tasks.serve.server import Server
 from training.image_dataset import write_image_dataset
 
@@ -160,7 +162,11 @@ def test_accuracy_and_macro_f1_of_the_served_answers_against_known_labels(
     report = ClassifierReport(model_dir="m", step=3, url="u", server_pid=1, accelerator="cpu",
                               load=measured.load.figures, server=measured.server, classification=quality,
                               parity=parity, checks=checks, per_request_ms=measured.load.per_request_ms)  # fmt: skip
-    written = json.loads(Path(write_classifier_reports(report, tmp_path).files["json"]).read_text())
+    files = write_reports(report, serve, "tiny-vit", tmp_path).files  # the writer of every kind's serving files
+    written = json.loads(Path(files["json"]).read_text())
+    manifests = list(yaml.safe_load_all((tmp_path / "serving-k8s.yaml").read_text()))
+    assert [m["kind"] for m in manifests] == ["ConfigMap", "Deployment", "Service"]
+    assert "exec python3 - --model " in (tmp_path / "serving.sbatch").read_text()  # the program on its stdin
     assert written["classification"]["accuracy"] == quality.accuracy and written["parity"]["top1_match"] == 1.0
     assert written["verdict"] == ("passed" if all(v is not False for v in verdicts.values()) else "failed")
     assert (tmp_path / "junit.xml").is_file() and (tmp_path / "latency_histogram.png").stat().st_size > 0

@@ -49,6 +49,10 @@ def test_served_llava_captions_images_with_greedy_parity_and_measured_figures(tm
     assert report.passed, report.checks
     written = json.loads(Path(report.files["json"]).read_text())
     assert written["verdict"] == "passed" and written["images_per_s"] == report.images_per_s
+    # the files a language model's check writes, by the same writer: junit, histogram, manifests with LLaVA's flags
+    for name in ("junit", "histogram", "serving-k8s.yaml", "serving.sbatch"):
+        assert Path(report.files[name]).is_file(), name
+    assert "--limit-mm-per-prompt" in Path(report.files["serving.sbatch"]).read_text()
 
     # the served captions depend on the image (a server that dropped it would still match a model that ignores it)
     from tasks.serve.captioning import held_out_images, our_captions

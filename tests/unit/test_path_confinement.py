@@ -158,7 +158,13 @@ CONFINED_FIELDS = [
     "acceptance.work_url",
     "acceptance.ledger_url",
     "image.storage_dir",
+    "data.prepare.images.path",
 ]
+# What a field needs beside it to be read at all: an image source replaces the text corpus.
+FIELD_CONTEXT: dict[str, dict[str, Any]] = {
+    "data.prepare.images.path": {"data": {"prepare": {"builtin_corpus": None,
+                                                      "images": {"kind": "imagefolder", "image_size": 32}}}},
+}  # fmt: skip
 
 
 def _with(path: str, value: str) -> dict[str, Any]:
@@ -182,7 +188,8 @@ def test_train_refuses_a_hostile_path_in_every_confined_field_before_any_work(
     monkeypatch.setattr("tasks.launch.local.run_local", refuse)
     monkeypatch.setattr("flows.cli.data.data_step", refuse)
     spec = allowed / "spec.json"
-    spec.write_text(json.dumps(deep_merge(deep_merge(TINY_SPEC, PREPARED), _with(field, value))))
+    overrides = deep_merge(FIELD_CONTEXT.get(field, {}), _with(field, value))
+    spec.write_text(json.dumps(deep_merge(deep_merge(TINY_SPEC, PREPARED), overrides)))
     result = CliRunner().invoke(app, ["train", str(spec)], terminal_width=400)
     assert result.exit_code == 2, result.output
     assert f"  - {field}={value}: " in result.output and f"{allowed} ({ALLOWED_ROOTS_ENV})" in result.output

@@ -16,7 +16,7 @@ from tasks.errors import UserError
 from tasks.launch.base import RenderedFile
 from tasks.launch.kubernetes import validate_manifests
 from tasks.rendered import INDEX_FILE, Rendering, _shellchecked, render_all, write_rendering
-from tasks.serve.manifests import validate_kubernetes
+from tasks.serve.manifests import SERVER_MODULE, validate_kubernetes
 from tasks.spec import load_spec
 from tests.conftest import REPO
 from training.config import TrainConfig
@@ -52,7 +52,12 @@ def test_every_example_renders_and_every_file_passes_its_validator(example: Path
         assert {"serving/serving-k8s.yaml", "serving/serving.sbatch"} <= set(names)
         serving = list(yaml.safe_load_all(next(f.text for f in rendering.files if f.name.endswith("k8s.yaml"))))
         validate_kubernetes(serving)
-        (container,) = serving[0]["spec"]["template"]["spec"]["containers"]
+        deployment = next(o for o in serving if o["kind"] == "Deployment")
+        (container,) = deployment["spec"]["template"]["spec"]["containers"]
+        # the server the serving check starts for the model's kind, with a vision-language model's image limit
+        vit = spec.model.kind == "vit"
+        assert container["command"][-1] == ("/opt/tdeploy/classifier_server.py" if vit else SERVER_MODULE)
+        assert ("--limit-mm-per-prompt" in container["args"]) == (spec.model.kind == "vlm")
         assert container["resources"]["requests"] == container["resources"]["limits"]  # Guaranteed, from the plan
         assert "memory" in container["resources"]["requests"]
         if spec.cluster.accelerator == "cpu":

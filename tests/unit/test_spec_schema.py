@@ -72,6 +72,20 @@ def test_what_the_spec_fills_in_may_be_left_out(validator: jsonschema.Draft20201
     assert _errors(validator, data) == []
 
 
+def test_a_vit_may_leave_out_the_text_fields_its_encoder_fills_in(
+    validator: jsonschema.Draft202012Validator,
+) -> None:
+    data = yaml.safe_load((REPO / "examples" / "local.yaml").read_text())
+    vision = {"image_size": 32, "patch_size": 8, "n_layers": 2, "d_model": 64, "n_heads": 2, "ffn_hidden": 128,
+              "num_classes": 4}  # fmt: skip
+    data["model"] = {"kind": "vit", "vision": vision}
+    assert _errors(validator, data) == []
+    data["model"]["kind"] = "vlm"  # a vlm's language model is its own: its architecture is required
+    assert any("'n_layers' is a required property" in e for e in _errors(validator, data))
+    del data["model"]["kind"]  # lm, the default
+    assert any("'seq_len' is a required property" in e for e in _errors(validator, data))
+
+
 def test_tdeploy_schema_writes_the_schema(tmp_path: Path) -> None:
     out = tmp_path / "spec.schema.json"
     result = CliRunner().invoke(app, ["schema", "--out", str(out)])
