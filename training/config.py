@@ -193,6 +193,17 @@ class VisionConfig(StrictModel):
         description="model.kind=vlm: hidden size of the projector from the encoder to the language model "
         "(linear, GELU, linear, as LLaVA's); None = the language model's d_model. Not used by vit.",
     )
+    init_from: StorageUrl | None = Field(
+        default=None,
+        description="Start the encoder from this Hugging Face vision tower (a local folder or fsspec URL holding "
+        "config.json and *.safetensors; pickle weights are refused): a ViTModel or ViTForImageClassification for "
+        "kind vit (pooling cls; the classifier head is loaded only when the checkpoint's has num_classes rows, "
+        "else it starts random), a SiglipVisionModel for kind vlm (pooling mean; its post_layernorm and pooling "
+        "head are not used). Every architecture field above must agree with its config.json (image_size, "
+        "patch_size, channels, n_layers, d_model, n_heads, ffn_hidden, norm_eps, an exact-GELU hidden_act); a "
+        "disagreement refuses the start naming both values (training/hf_vision_load.py). Only a fresh start "
+        "loads it; a resumed run continues from its own checkpoint. None = random initialisation.",
+    )
 
     @property
     def num_patches(self) -> int:
@@ -363,6 +374,9 @@ class ModelConfig(StrictModel):
         if vision.projector_hidden is not None:
             problems.append((("vision", "projector_hidden"), vision.projector_hidden, "only applies to kind vlm; "
                              "remove it"))  # fmt: skip
+        if vision.init_from is not None and vision.pooling != "cls":
+            problems.append((("vision", "pooling"), vision.pooling, "a Hugging Face ViT (vision.init_from) reads a "
+                             "class token; set vision.pooling: cls"))  # fmt: skip
         for name in _VIT_MIRRORED:
             want = _vit_value(vision, name)
             if getattr(self, name) != want and (name != "vocab_size" or vision.num_classes is not None):
@@ -375,8 +389,8 @@ class ModelConfig(StrictModel):
             "n_kv_heads": (self.n_kv_heads is not None, "the encoder has as many key/value heads as heads"),
             "tie_embeddings": (self.tie_embeddings, "a classifier has no input embedding to share"),
             "moe": (self.moe is not None, "the encoder's MLP is dense"),
-            "init_from": (self.init_from is not None, "starting a vit from a Hugging Face checkpoint is not "
-                          "supported yet; train from random weights"),
+            "init_from": (self.init_from is not None, "model.init_from is a language model checkpoint; start "
+                          "the encoder from a Hugging Face ViT with model.vision.init_from"),
         }  # fmt: skip
         for name, (bad, why) in unused.items():
             if bad:
@@ -405,7 +419,8 @@ class ModelConfig(StrictModel):
                              "(the language model's sequence is the image's tokens, then the caption's); set it to "
                              f"{vision.num_patches} + the caption length"))  # fmt: skip
         for name, bad, why in (("moe", self.moe is not None, "use a dense language model"),
-                               ("init_from", self.init_from is not None, "train from random weights")):  # fmt: skip
+                               ("init_from", self.init_from is not None, "train from random weights (the encoder "
+                                "may start from a SigLIP tower: model.vision.init_from)")):  # fmt: skip
             if bad:
                 problems.append(((name,), getattr(self, name), f"is not supported with kind vlm yet; {why}"))
         return problems

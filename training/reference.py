@@ -278,6 +278,10 @@ def run_reference(cfg: TrainConfig) -> RunResult:
             with torch.no_grad():
                 for name, param in model.named_parameters():
                     param.copy_(state.pop(name).to(device))
+        if model_cfg.vision is not None and model_cfg.vision.init_from is not None:  # the encoder's, as the trainer's
+            from training.hf_vision_load import load_vision_into  # noqa: PLC0415 - only with model.vision.init_from
+
+            load_vision_into(model, model_cfg, cfg.storage)
         if perturbed:  # every initial value off by one rounding error of fp32, up or down at random
             signs = torch.Generator().manual_seed(run.seed)
             with torch.no_grad():

@@ -352,6 +352,16 @@ class Trainer:
                 self.model, self.pipeline, self.meshes, model_cfg, par.pipeline_chunks, cfg.init_check_url,
                 self.device, cfg.storage,
             )  # fmt: skip
+        # A fresh start of the encoder from a Hugging Face vision tower (training/hf_vision_load.py).
+        vision_url = cfg.model.vision.init_from if cfg.model.vision is not None else None
+        self.started_from_hf_vision = (
+            vision_url is not None and self.resumed_from is None and (self.replica is None or not replica.restarted())
+        )
+        if self.started_from_hf_vision:
+            from training.hf_vision_load import load_vision_into  # noqa: PLC0415 - only with model.vision.init_from
+
+            loaded = load_vision_into(self.model, model_cfg, cfg.storage)
+            log.info("model.vision.init_from=%s: %d encoder tensors loaded", vision_url, loaded)
         if self.replica is not None:
             self.replica.set_step(self.step)
         self.save_schedule.last_saved = self.step  # auto's first save counts from the resumed step

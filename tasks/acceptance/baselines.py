@@ -90,7 +90,11 @@ def curve_identity(train: TrainConfig, world_size: int, manifest: DataManifest) 
     change the mathematics, the global batch does)."""
     par = train.parallel
     # model.init_from only when set: the keys of runs from random weights stay those recorded before it existed.
-    model = train.model.model_dump(mode="json", exclude={"init_from"} if train.model.init_from is None else None)
+    # model.vision.init_from likewise (the keys of vision runs from random weights stay as before it existed).
+    exclude: dict[str, Any] = {"init_from": True} if train.model.init_from is None else {}
+    if train.model.vision is not None and train.model.vision.init_from is None:
+        exclude["vision"] = {"init_from": True}
+    model = train.model.model_dump(mode="json", exclude=exclude or None)
     return {
         "key_version": KEY_VERSION,
         "model": model,

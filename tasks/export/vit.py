@@ -22,7 +22,6 @@ and nothing is published (tasks/export/parity.py ExportParityError).
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -31,6 +30,7 @@ import torch
 
 from tasks.export.hf import CONFIG, WEIGHTS_INDEX, ExportError, WeightsWritten, shard_name
 from tasks.export.parity import ExportParity, require_parity, tensor_deviations
+from training import hf_vision_names
 from training.image_dataset import ImageDataset, ImageDatasetError, read_image_manifest
 from training.vision import VisionTransformer
 
@@ -56,28 +56,11 @@ PARITY_ATOL = 1e-6
 PARITY_RTOL = 1e-6
 WRITERS = "the ViT name table or config writer in tasks/export/vit.py"
 
-# (our name, the Hugging Face ViTForImageClassification name): `{i}` a block index, `{p}` weight or bias.
+# (our name, the Hugging Face ViTForImageClassification name): the shared table (training/hf_vision_names.py).
 _TABLE: tuple[tuple[str, str], ...] = (
-    ("patch_embed.{p}", "vit.embeddings.patch_embeddings.projection.{p}"),
-    ("cls_token", "vit.embeddings.cls_token"),
-    ("pos_emb", "vit.embeddings.position_embeddings"),
-    ("blocks.{i}.attn_norm.{p}", "vit.encoder.layer.{i}.layernorm_before.{p}"),
-    ("blocks.{i}.attn.wq.{p}", "vit.encoder.layer.{i}.attention.attention.query.{p}"),
-    ("blocks.{i}.attn.wk.{p}", "vit.encoder.layer.{i}.attention.attention.key.{p}"),
-    ("blocks.{i}.attn.wv.{p}", "vit.encoder.layer.{i}.attention.attention.value.{p}"),
-    ("blocks.{i}.attn.wo.{p}", "vit.encoder.layer.{i}.attention.output.dense.{p}"),
-    ("blocks.{i}.mlp_norm.{p}", "vit.encoder.layer.{i}.layernorm_after.{p}"),
-    ("blocks.{i}.mlp.w1.{p}", "vit.encoder.layer.{i}.intermediate.dense.{p}"),
-    ("blocks.{i}.mlp.w2.{p}", "vit.encoder.layer.{i}.output.dense.{p}"),
-    ("norm.{p}", "vit.layernorm.{p}"),
-    ("head.{p}", "classifier.{p}"),
+    hf_vision_names.prefixed(hf_vision_names.VIT, "", "vit.") + hf_vision_names.VIT_HEAD
 )
-_FIELDS = {"i": r"(?P<i>\d+)", "p": r"(?P<p>weight|bias)"}
-
-
-def _pattern(template: str) -> re.Pattern[str]:
-    parts = re.split(r"\{(\w)\}", template)  # literal, field, literal, ...
-    return re.compile("".join(re.escape(part) if k % 2 == 0 else _FIELDS[part] for k, part in enumerate(parts)))
+_pattern = hf_vision_names.pattern
 
 
 _NAMES = tuple((_pattern(ours), theirs) for ours, theirs in _TABLE)

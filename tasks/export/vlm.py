@@ -28,7 +28,6 @@ nothing is published (tasks/export/parity.py ExportParityError).
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -48,7 +47,7 @@ from tasks.export.hf import (
 )
 from tasks.export.hf import unexportable as lm_unexportable
 from tasks.export.parity import ExportParity, config_mismatches, require_parity, tensor_deviations
-from training import hf_names
+from training import hf_names, hf_vision_names
 from training.image_dataset import ImageDataset, ImageDatasetError, read_image_manifest
 from training.vlm import VisionLanguageModel
 
@@ -86,28 +85,14 @@ CHAT_TEMPLATE_TEXT = (
 _POST_NORM = "vision_tower.post_layernorm.{p}"
 _IDENTITY = "(identity) "  # our_name of post_layernorm: not a parameter of ours, written as the identity
 
-# (our name, the LlavaForConditionalGeneration name): `{i}` a block index, `{p}` weight or bias.
-_TABLE: tuple[tuple[str, str], ...] = (
-    ("vision.patch_embed.{p}", "vision_tower.embeddings.patch_embedding.{p}"),
-    ("vision.pos_emb", "vision_tower.embeddings.position_embedding.weight"),
-    ("vision.blocks.{i}.attn_norm.{p}", "vision_tower.encoder.layers.{i}.layer_norm1.{p}"),
-    ("vision.blocks.{i}.attn.wq.{p}", "vision_tower.encoder.layers.{i}.self_attn.q_proj.{p}"),
-    ("vision.blocks.{i}.attn.wk.{p}", "vision_tower.encoder.layers.{i}.self_attn.k_proj.{p}"),
-    ("vision.blocks.{i}.attn.wv.{p}", "vision_tower.encoder.layers.{i}.self_attn.v_proj.{p}"),
-    ("vision.blocks.{i}.attn.wo.{p}", "vision_tower.encoder.layers.{i}.self_attn.out_proj.{p}"),
-    ("vision.blocks.{i}.mlp_norm.{p}", "vision_tower.encoder.layers.{i}.layer_norm2.{p}"),
-    ("vision.blocks.{i}.mlp.w1.{p}", "vision_tower.encoder.layers.{i}.mlp.fc1.{p}"),
-    ("vision.blocks.{i}.mlp.w2.{p}", "vision_tower.encoder.layers.{i}.mlp.fc2.{p}"),
+# (our name, the LlavaForConditionalGeneration name): the tower's rows are the shared table's
+# (training/hf_vision_names.py).
+_TABLE: tuple[tuple[str, str], ...] = hf_vision_names.prefixed(hf_vision_names.SIGLIP, "vision.", "vision_tower.") + (
     ("projector.linear_1.{p}", "multi_modal_projector.linear_1.{p}"),
     ("projector.linear_2.{p}", "multi_modal_projector.linear_2.{p}"),
 )
-_FIELDS = {"i": r"(?P<i>\d+)", "p": r"(?P<p>weight|bias)"}
 _LM_PREFIX = "language_model."
-
-
-def _pattern(template: str) -> re.Pattern[str]:
-    parts = re.split(r"\{(\w)\}", template)  # literal, field, literal, ...
-    return re.compile("".join(re.escape(part) if k % 2 == 0 else _FIELDS[part] for k, part in enumerate(parts)))
+_pattern = hf_vision_names.pattern
 
 
 _NAMES = tuple((_pattern(ours), theirs) for ours, theirs in _TABLE)

@@ -3,7 +3,7 @@ images to a served model with acceptance passed, each in its own folder with its
 paths are relative to the repository root, and tdeploy only reads under the folder it runs in).
 
 The vit run: the image data step, training, acceptance (every dimension, rank_kill resuming bit-exactly with the
-data order checked), the ViT export and the classifier served with its accuracy and macro F1 on the held-out
+data order checked), the drills the example names (each recovered), the ViT export and the classifier served with its accuracy and macro F1 on the held-out
 images in serving.json. The vlm run: the same from captioned images, the LLaVA export served by vLLM with greedy
 parity on image prompts and BLEU/ROUGE of its captions in serving.json.
 """
@@ -50,7 +50,9 @@ def _tdeploy_run(tmp_path: Path, example: str, images: str) -> Path:
     summary = json.loads((runs / "summary.json").read_text())
     assert summary["failed_step"] is None, summary
     verdicts = {step["step"]: step["verdict"] for step in summary["steps"]}
-    assert verdicts["data"] == verdicts["acceptance"] == verdicts["serving"] == "passed", verdicts
+    assert verdicts["data"] == verdicts["acceptance"] == verdicts["drills"] == verdicts["serving"] == "passed"
+    drills = next(step["figures"] for step in summary["steps"] if step["step"] == "drills")
+    assert all(drills[f"drill_{name}"] == "passed" for name in data["drills"]["only"]), drills
     root = Path(json.loads((runs / "acceptance" / "latest.json").read_text())["root"])
     acceptance = json.loads((root / "acceptance.json").read_text())
     assert acceptance["verdict"] == "passed", acceptance

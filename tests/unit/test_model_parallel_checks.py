@@ -238,7 +238,7 @@ class _HundredSamples:
 
 
 def test_sampling_of_a_model_parallel_run_is_over_its_data_parallel_ranks(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
-    monkeypatch.setattr("validation.data_consistency.TokenDataset", _HundredSamples)
+    monkeypatch.setattr("training.workload.TokenDataset", _HundredSamples)  # the lm workload opens the split
     train = _train({"tensor_parallel": 2, "pipeline_parallel": 2}, tmp_path)
     sampling = Sampling.of(train, 8)
     assert sampling.world_size == 2 and sampling.global_batch == 2 * 2 * 2 and sampling.n_samples == 100
