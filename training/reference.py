@@ -28,10 +28,10 @@ What it does differently on purpose: one process, fp32, no sharding, no loss sca
 The whole global batch (micro_batch x grad_accum_steps x the distributed job's world size) goes through one
 forward and one backward; its mean token loss equals the trainer's average over micro-batches and ranks
 because each holds the same number of tokens. (Under MoE the load-balancing loss is defined per micro-batch
-of a rank, and a vision-language model's caption loss is a mean over the caption tokens of a micro-batch, whose
-number varies with the captions' lengths, so there the loss is the mean over groups of micro_batch samples,
-still with one backward.) The caption loss (model.kind vlm) is written out again below from its definition
-(`_caption_loss`), not taken from training/vlm.py.
+of a rank, so there the loss is the mean over groups of micro_batch samples, still with one backward. A
+vision-language model's caption loss is the summed cross-entropy of the trained caption tokens over the batch's
+caption positions, the same for the whole batch as for any split of it.) The caption loss (model.kind vlm) is
+written out again below from its definition (`_caption_sum`), not taken from training/vlm.py.
 Dropout is off: the trainer draws its masks from per-rank RNG streams that no single process reproduces,
 so acceptance compares this run with a distributed run that has dropout off as well.
 
@@ -166,16 +166,16 @@ def _trained(captions: torch.Tensor, spec: _Captions) -> torch.Tensor:
     return trained
 
 
-def _caption_loss(model: torch.nn.Module, batch: ImageBatch, spec: _Captions) -> torch.Tensor:
-    """Mean next-token cross-entropy over the trained caption tokens of `batch`: the model reads the image tokens
-    and all but the last caption token; the logits at the last image token and at each caption token predict the
-    next caption token."""
+def _caption_sum(model: torch.nn.Module, batch: ImageBatch, spec: _Captions) -> tuple[torch.Tensor, int]:
+    """Summed next-token cross-entropy over the trained caption tokens of `batch` and how many they are: the model
+    reads the image tokens and all but the last caption token; the logits at the last image token and at each
+    caption token predict the next caption token."""
     captions = batch.targets
     logits, _ = model(batch.images, captions[:, :-1])
     predicting = logits[:, spec.image_tokens - 1 :].float()  # (B, L, V): position P - 1 + j predicts captions[:, j]
     per_token = F.cross_entropy(predicting.transpose(1, 2), captions, reduction="none")
     trained = _trained(captions, spec)
-    return (per_token * trained).sum() / trained.sum()
+    return (per_token * trained).sum(), int(trained.sum())
 
 
 def _on(batch: Batch, device: torch.device) -> Batch:
@@ -210,12 +210,12 @@ def _mean_loss(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Mean next-token objective over `tokens` (the cross-entropy, or under `distill` the distillation objective),
     the MoE load-balancing loss and the KL to the teacher (0 without one), each a mean over groups. Images: the
-    mean cross-entropy of the class logits (no aux loss, no teacher); with `captions`, the caption loss of each
-    group, averaged over the groups."""
-    if isinstance(tokens, ImageBatch) and captions is not None:
-        losses = [_caption_loss(model, part, captions) for part in (_split(tokens, group) if group else [tokens])]
-        zero = torch.zeros((), device=losses[0].device)
-        return torch.stack(losses).mean(), zero, zero
+    mean cross-entropy of the class logits (no aux loss, no teacher); with `captions`, the summed caption-token
+    cross-entropy over the batch's caption positions (no groups: the figure is the same for any split)."""
+    if isinstance(tokens, ImageBatch) and captions is not None:  # over the caption positions, whatever the split
+        total, _ = _caption_sum(model, tokens, captions)
+        zero = torch.zeros((), device=total.device)
+        return total / tokens.targets.numel(), zero, zero
     if isinstance(tokens, ImageBatch):
         ce = F.cross_entropy(model(tokens.images).float(), tokens.targets)
         zero = torch.zeros((), device=ce.device)
@@ -258,7 +258,7 @@ def run_reference(cfg: TrainConfig) -> RunResult:
 
     coef = model_cfg.moe.aux_loss_coef if model_cfg.moe else 0.0
     # Group k of micro_batch sequences is micro-batch k // world of rank k % world (the sampler's layout).
-    group = cfg.parallel.micro_batch if model_cfg.moe or model_cfg.kind == "vlm" else None
+    group = cfg.parallel.micro_batch if model_cfg.moe else None
     captions = None
     if model_cfg.kind == "vlm":  # the caption's ids as the dataset defines them (its manifest)
         assert model_cfg.vision is not None
@@ -436,7 +436,12 @@ def _validation_loss(
     losses, weights = [], []
     for first in range(0, count, b):
         tokens = _on(val.batch([k % len(val) for k in range(first, first + b)]), device)
-        loss, _, _ = _mean_loss(model, tokens, None, captions=captions)
+        if captions is not None:  # the sum and the number of trained caption tokens of this micro-batch
+            total, trained = _caption_sum(model, tokens, captions)  # type: ignore[arg-type]
+            losses.append(total.item() / max(trained, 1))
+            weights.append(trained)
+            continue
+        loss, _, _ = _mean_loss(model, tokens, None)
         losses.append(loss.item())
-        weights.append(1 if captions is None else int(_trained(tokens.targets, captions).sum()))  # type: ignore[union-attr]
+        weights.append(1)
     return float(np.average(losses, weights=weights))

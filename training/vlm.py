@@ -33,7 +33,7 @@ from training.image_dataset import MANIFEST, ImageDataset, ImageDatasetError, re
 from training.model import Transformer
 from training.storage import join
 from training.vision import VisionTransformer
-from training.workload import Dataset, LossInputs, Workload, register
+from training.workload import Dataset, EvalPart, LossInputs, Workload, register
 
 
 class Projector(nn.Module):
@@ -85,11 +85,12 @@ class VisionLanguageModel(nn.Module):
     def caption_loss(
         self, pixels: torch.Tensor, captions: torch.Tensor, eos_id: int | None, pad_id: int | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Mean next-token cross-entropy over the caption tokens of a batch (plus the aux loss), and how many tokens
-        it averaged (see `caption_loss`; the trainer calls the forward, which a parallel wrapper sees)."""
+        """Mean next-token cross-entropy per caption token of a batch (plus the aux loss), and how many tokens it
+        averaged (`caption_token_mean`; the trainer calls the forward, which a parallel wrapper sees, and trains on
+        `caption_loss`)."""
         logits, aux = self(pixels, captions[:, :-1])
         targets = caption_targets(captions, eos_id, pad_id)
-        return caption_loss(logits, targets, self.num_image_tokens) + aux, (targets != IGNORE).sum()
+        return caption_token_mean(logits, targets, self.num_image_tokens) + aux, (targets != IGNORE).sum()
 
     def num_params(self) -> int:
         """Parameters, counting tied weights once."""
@@ -106,11 +107,28 @@ def caption_targets(captions: torch.Tensor, eos_id: int | None, pad_id: int | No
 
 
 def caption_loss(logits: torch.Tensor, targets: torch.Tensor, num_image_tokens: int) -> torch.Tensor:
-    """Mean cross-entropy of the caption positions of `logits` (B, P + L - 1, vocab) against `targets` (B, L,
-    IGNORE where not trained on): the last image token's position predicts the first caption token. A DTensor
-    sharded on the vocabulary under tensor parallelism's loss_parallel works as a plain tensor."""
+    """The training objective: the summed cross-entropy of the trained caption positions of `logits` (B, P + L - 1,
+    vocab) against `targets` (B, L, IGNORE where not trained on), divided by the batch's caption positions B x L.
+
+    Captions differ in length, so a per-token mean of each micro-batch would weigh a token by how many others share
+    its micro-batch, and the mean of those means (over accumulation steps and data-parallel ranks) would change with
+    the layout: a run resumed on another number of ranks would train other mathematics. A fixed denominator per
+    micro-batch makes the step's objective the global sum over B x L x micro-batches whatever the split. The last image
+    token's position predicts the first caption token. A DTensor sharded on the vocabulary under tensor parallelism's
+    loss_parallel works as a plain tensor. `caption_token_mean` is the per-token figure evaluation reports."""
+    return _caption_sum(logits, targets, num_image_tokens) / targets.numel()
+
+
+def caption_token_mean(logits: torch.Tensor, targets: torch.Tensor, num_image_tokens: int) -> torch.Tensor:
+    """Mean cross-entropy per trained caption token (what the validation loss and perplexity are)."""
+    return _caption_sum(logits, targets, num_image_tokens) / (targets != IGNORE).sum().clamp(min=1)
+
+
+def _caption_sum(logits: torch.Tensor, targets: torch.Tensor, num_image_tokens: int) -> torch.Tensor:
     predicting = logits[:, num_image_tokens - 1 :]
-    return F.cross_entropy(predicting.float().flatten(0, 1), targets.flatten(0, 1), ignore_index=IGNORE)
+    return F.cross_entropy(
+        predicting.float().flatten(0, 1), targets.flatten(0, 1), ignore_index=IGNORE, reduction="sum"
+    )
 
 
 def caption_mask(captions: torch.Tensor, eos_id: int | None, pad_id: int | None) -> torch.Tensor:
@@ -208,6 +226,14 @@ class VlmWorkload(Workload):
             logits, aux = model(batch.images.to(inputs.device), captions[:, :-1])  # the wrapper's forward
         targets = caption_targets(captions, eos_id, pad_id)
         return caption_loss(logits, targets, self.cfg.model.vision.num_patches), aux, None
+
+    def eval_batch(self, model: nn.Module, batch: Any, inputs: LossInputs) -> EvalPart:
+        eos_id, pad_id, _ = self._caption_ids()
+        captions = batch.targets.to(inputs.device)
+        with inputs.autocast():
+            logits, _ = model(batch.images.to(inputs.device), captions[:, :-1])
+        loss = caption_token_mean(logits, caption_targets(captions, eos_id, pad_id), self.cfg.model.vision.num_patches)
+        return EvalPart(loss.full_tensor() if hasattr(loss, "full_tensor") else loss, self.eval_units(batch))
 
     def eval_units(self, batch: Any) -> int:
         eos_id, pad_id, _ = self._caption_ids()

@@ -137,9 +137,12 @@ def test_vlm_workload_trains_on_captions_through_the_models_forward(tmp_path) ->
     batch = train.batch([0, 1])
     inputs = LossInputs(device=torch.device("cpu"), autocast_dtype=None, sharded_logits=False)
     loss, aux, kl = workload.loss(model, batch, inputs)
-    expected, count = model.caption_loss(batch.images, batch.targets, EOS, EOS)
-    assert torch.allclose(loss + aux, expected) and kl is None
+    per_token, count = model.caption_loss(batch.images, batch.targets, EOS, EOS)
+    # trained on the token sum over the batch's caption positions (2 x 8), evaluated per caption token
+    assert torch.allclose(loss + aux, per_token * count / batch.targets.numel()) and kl is None
     assert workload.eval_units(batch) == int(count) == 2 * 3
+    part = workload.eval_batch(model, batch, inputs)
+    assert torch.allclose(part.loss, per_token) and part.units == int(count)
 
 
 def test_vlm_workload_refuses_a_vocabulary_without_room_for_the_image_token(tmp_path) -> None:
