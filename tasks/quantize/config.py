@@ -83,8 +83,11 @@ class QuantizeConfig(StrictModel):
         default=0.9,
         ge=0,
         le=1,
-        description="Smallest share of the K greedy tokens, over all prompts, equal to the unquantized model's at "
-        "the same position (both continue their own output).",
+        description="Smallest share of the K positions of the unquantized model's greedy continuations, over all "
+        "prompts, where the quantized model's most likely next token (given the unquantized model's tokens before "
+        "it: teacher-forced) is the unquantized model's. Teacher-forced so that one near-tie flipped early costs "
+        "one position, not every later one; how many prompts the quantized model continues identically on its own "
+        "is reported beside it.",
     )
 
 

@@ -16,7 +16,7 @@ from tasks.errors import UserError
 from tasks.progress import report as report_progress
 from tasks.quantize.config import QuantizeConfig, quantize_problems
 from tasks.quantize.quantizer import QuantizedFolder, quantize_folder, weight_bytes
-from tasks.serve.check import decode, prompt_logprobs, served_greedy
+from tasks.serve.check import decode, forced_top1, prompt_logprobs, served_greedy
 from validation.quantization import (
     AgreementFigures,
     QuantizationCheck,
@@ -76,10 +76,11 @@ def gate_data(train: TrainConfig, cfg: QuantizeConfig, prompt_tokens: int) -> Ga
 
 def measure_served(
     model_dir: Path, serve: ServeConfig, name: str, data: GateData, cfg: QuantizeConfig, accelerator: str,
-    max_model_len: int, out_dir: Path,
+    max_model_len: int, out_dir: Path, along: list[list[int]] | None = None,
 ) -> ServedModelFigures:  # fmt: skip
     """Serve `model_dir` with vLLM and measure it: perplexity on the evaluation sequences, greedy tokens of the
-    prompts, the serving check's load test, the server's resident memory; the server is stopped at the end."""
+    prompts, its next tokens teacher-forced along `along` (the unquantized model's greedy continuations; its own
+    when None), the serving check's load test, the server's resident memory; the server is stopped at the end."""
     from tasks.serve.load import run_load_test
     from tasks.serve.server import SERVER_LOG, start_server
 
@@ -89,6 +90,7 @@ def measure_served(
         rss = server.rss_bytes()
         ppl, scored = perplexity([prompt_logprobs(server, seq) for seq in data.evaluation])
         greedy, _ = served_greedy(server, data.prompts, cfg.greedy_tokens)
+        forced = [forced_top1(server, p, c) for p, c in zip(data.prompts, along or greedy, strict=True)]
         # distinct held-out prompts where there are enough (a repeated one would hit vLLM's prefix cache)
         texts = decode(model_dir, [s[: serve.check.prompt_tokens] for s in data.evaluation + data.prompts])
         count = serve.check.num_prompts
@@ -98,6 +100,7 @@ def measure_served(
     return ServedModelFigures(
         model_dir=str(model_dir), perplexity=ppl, eval_tokens=scored, greedy=greedy, p99_e2e_ms=load.e2e_ms.p99,
         output_tokens_per_s=load.output_tokens_per_s, server_rss_bytes=rss, weight_bytes=weight_bytes(model_dir),
+        forced_top1=forced,
     )  # fmt: skip
 
 
@@ -155,8 +158,9 @@ def gate(
         base = measure_served(base_dir, serve, name, data, cfg, accelerator, max_model_len, out_dir / BASE_DIR)
     report_progress("quantize", f"serving the {quantized.scheme} model")
     measured = measure_served(Path(quantized.model_dir), serve, name, data, cfg, accelerator, max_model_len,
-                              out_dir / QUANTIZED_DIR)  # fmt: skip
-    agreement = greedy_agreement(base.greedy, measured.greedy, cfg.greedy_tokens)
+                              out_dir / QUANTIZED_DIR, along=base.greedy)  # fmt: skip
+    assert measured.forced_top1 is not None
+    agreement = greedy_agreement(base.greedy, measured.forced_top1, cfg.greedy_tokens, free=measured.greedy)
     checks = judge_quantization(base, measured, agreement, cfg.max_ppl_increase, cfg.min_greedy_agreement)
     report = QuantizationReport(quantized, step, data.split, base, measured, agreement, checks, {})
     path = out_dir / QUANTIZATION_JSON

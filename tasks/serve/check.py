@@ -199,6 +199,25 @@ def prompt_logprobs(server: Server, sequence: list[int]) -> list[float]:
     return [float(entry[str(token)]["logprob"]) for entry, token in zip(scored[1:], sequence[1:], strict=True)]
 
 
+def forced_top1(server: Server, prompt: list[int], continuation: list[int]) -> list[int]:
+    """The server's most likely next token at each position of `continuation` after `prompt`, given the tokens of
+    `continuation` before it (teacher-forced: from the prompt log-probabilities of prompt + continuation, top 1)."""
+    sequence = [*prompt, *continuation]
+    body = {"model": server.served_name, "prompt": sequence, "max_tokens": 1, "temperature": 0.0,
+            "prompt_logprobs": 1}  # fmt: skip
+    scored = post_json(f"{server.url}/v1/completions", body)["choices"][0].get("prompt_logprobs")
+    if not scored or len(scored) != len(sequence):
+        raise UserError(
+            f"the vLLM server at {server.url} returned no prompt log-probabilities for a {len(sequence)}-token "
+            "prompt", "serve with a vLLM that supports prompt_logprobs (vLLM >= 0.6)",
+        )  # fmt: skip
+    top = []
+    for entry in scored[len(prompt) :]:  # entry j: the distribution after sequence[:j]
+        ranked = [int(token) for token, info in entry.items() if int(info.get("rank") or 0) == 1]
+        top.append(ranked[0] if ranked else -1)
+    return top
+
+
 def served_greedy(server: Server, prompts: list[list[int]], tokens: int) -> tuple[list[list[int]], list[str]]:
     """The server's greedy completions (temperature 0, EOS ignored) of token-id prompts: their ids and texts."""
     ids, texts = [], []

@@ -72,6 +72,20 @@ def test_greedy_agreement_counts_equal_tokens_position_by_position() -> None:
     assert figures.share == 0.75
 
 
+def test_one_near_tie_flipped_early_costs_one_position_not_the_rest_of_the_continuation() -> None:
+    """Measured in CI: a W8A8 model of unchanged perplexity (-0.12%) flipped a near-tie at its second greedy token
+    and continued its own way; compared free-running, 15 of its 16 tokens differed and the gate failed. Teacher-
+    forced along the unquantized continuation, the flip is one position; prompts continued identically on their
+    own are still counted."""
+    reference = [[199, 199, 452, 341, 415, 77, 471, 2, 292, 261, 341, 415, 68, 278, 277, 70]]
+    free = [[199] * 16]  # the quantized model's own continuation after the flip at position 2
+    forced = [list(reference[0])]
+    forced[0][2] = 199  # given the reference's prefix it differs only where the near-tie flipped
+    figures = greedy_agreement(reference, forced, tokens=16, free=free)
+    assert (figures.matched, figures.tokens, figures.prompts_identical) == (15, 16, 0)
+    assert greedy_agreement(reference, free, tokens=16).matched == 2  # what the free-running count gave
+
+
 def _figures(ppl: float, greedy: list[list[int]], p99: float = 10.0, rss: int | None = 100) -> ServedModelFigures:
     return ServedModelFigures("m", ppl, 64, greedy, p99, 100.0, rss, 1000)
 
