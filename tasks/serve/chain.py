@@ -77,7 +77,7 @@ def _quantize_hops(served_dir: Path, quantization_json: Path) -> list[ParityHop]
                 f"{measured.get('perplexity', float('nan')):.4f})")  # fmt: skip
     hops = []
     for check, measure, upper in (("perplexity_increase", "perplexity increase", True),
-                                  ("greedy_agreement", "greedy tokens equal", False)):  # fmt: skip
+                                  ("greedy_agreement", "next tokens predicted alike (teacher-forced)", False)):  # fmt: skip
         if check in checks and checks[check].get("value") is not None:
             bound = checks[check].get("bound")
             hops.append(hop(name, compared, measure, float(checks[check]["value"]),

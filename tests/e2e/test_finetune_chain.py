@@ -86,7 +86,7 @@ def test_a_hugging_face_model_is_fine_tuned_accepted_quantized_and_served_with_e
     assert [(h["hop"], h["measure"]) for h in chain["hops"]] == [
         ("training -> export", "max |logit difference|"),
         ("export -> quantized (W8A8, gptq)", "perplexity increase"),
-        ("export -> quantized (W8A8, gptq)", "greedy tokens equal"),
+        ("export -> quantized (W8A8, gptq)", "next tokens predicted alike (teacher-forced)"),
         ("quantized -> served", "greedy prompts identical"),
         ("quantized -> served", "max |log-probability difference|"),
     ], chain

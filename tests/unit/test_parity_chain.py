@@ -58,7 +58,7 @@ def test_a_quantized_folder_has_every_hop_in_order_each_read_from_its_own_record
     assert [(h.hop, h.measure) for h in chain.hops] == [
         ("training -> export", "max |logit difference|"),
         ("export -> quantized (W8A8, gptq)", "perplexity increase"),
-        ("export -> quantized (W8A8, gptq)", "greedy tokens equal"),
+        ("export -> quantized (W8A8, gptq)", "next tokens predicted alike (teacher-forced)"),
         ("quantized -> served", "greedy prompts identical"),
         ("quantized -> served", "max |log-probability difference|"),
     ]
