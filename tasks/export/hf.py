@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -175,13 +176,28 @@ def plan_shards(
     """The checkpoint's tensors as (our name, Hugging Face name, info), cut into files of at most
     `max_shard_bytes` (a larger tensor gets a file of its own); ExportError when the checkpoint does not hold
     exactly the parameters of `model`."""
-    expected = expected_tensors(model)
+    return plan_named_shards(
+        tensors, expected_tensors(model), lambda name: hf_name(name, model.tie_embeddings),
+        f"its model ({model.n_layers} layers)", max_shard_bytes,
+    )  # fmt: skip
+
+
+def plan_named_shards(
+    tensors: dict[str, TensorInfo],
+    expected: dict[str, tuple[int, ...]],
+    their_name: Callable[[str], str | None],
+    holder: str,
+    max_shard_bytes: int,
+) -> list[list[tuple[str, str, TensorInfo]]]:
+    """(our name, their name, info) of the `expected` parameters (in the model's own order; `their_name` None:
+    not written, a tied weight) cut into files of at most `max_shard_bytes`; ExportError naming `holder` when the
+    checkpoint lacks one or holds one of another shape. Every exporter's planner (LM, ViT, LLaVA)."""
     missing = [name for name in expected if name not in tensors]
     if missing:
         raise ExportError(
             "checkpoint tensors",
             ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else ""),
-            f"missing: the checkpoint does not hold every parameter of its model ({model.n_layers} layers)",
+            f"missing: the checkpoint does not hold every parameter of {holder}",
             "export a checkpoint saved by this trainer for this model (its model.json names the architecture)",
         )
     for name, shape in expected.items():
@@ -195,7 +211,7 @@ def plan_shards(
     shards: list[list[tuple[str, str, TensorInfo]]] = [[]]
     size = 0
     for name in expected:  # the model's own order: embeddings, layer by layer, final norm, head
-        theirs = hf_name(name, model.tie_embeddings)
+        theirs = their_name(name)
         if theirs is None:
             continue
         info = tensors[name]

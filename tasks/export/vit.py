@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from tasks.export.hf import CONFIG, WEIGHTS_INDEX, ExportError, WeightsWritten, shard_name
+from tasks.export.hf import CONFIG, WEIGHTS_INDEX, ExportError, WeightsWritten, plan_named_shards, shard_name
 from tasks.export.parity import ExportParity, require_parity, tensor_deviations
 from training import hf_vision_names
 from training.image_dataset import ImageDataset, ImageDatasetError, read_image_manifest
@@ -206,33 +206,9 @@ def _plan(
 ) -> list[list[tuple[str, str, TensorInfo]]]:
     """(our name, theirs, info) cut into files of at most `max_shard_bytes`; ExportError when the checkpoint does
     not hold exactly the classifier's parameters."""
-    expected = expected_tensors(vision)
-    missing = [name for name in expected if name not in tensors]
-    if missing:
-        raise ExportError(
-            "checkpoint tensors",
-            ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else ""),
-            f"missing: the checkpoint does not hold every parameter of its ViT ({vision.n_layers} layers)",
-            "export a checkpoint saved by this trainer for this model (its model.json names the architecture)",
-        )
-    for name, shape in expected.items():
-        if tensors[name].shape != shape:
-            raise ExportError(
-                f"checkpoint tensor {name}",
-                list(tensors[name].shape),
-                f"the model needs shape {list(shape)}",
-                "export with the model config the checkpoint was trained with (its model.json)",
-            )
-    shards: list[list[tuple[str, str, TensorInfo]]] = [[]]
-    size = 0
-    for name in expected:
-        info = tensors[name]
-        if shards[-1] and size + info.nbytes > max_shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append((name, hf_name(name), info))
-        size += info.nbytes
-    return shards
+    return plan_named_shards(
+        tensors, expected_tensors(vision), hf_name, f"its ViT ({vision.n_layers} layers)", max_shard_bytes
+    )
 
 
 def export_vit_weights(

@@ -42,6 +42,7 @@ from tasks.export.hf import (
     ExportError,
     WeightsWritten,
     hf_config,
+    plan_named_shards,
     shard_name,
     write_tokenizer,
 )
@@ -304,34 +305,10 @@ def _plan(
 ) -> list[list[tuple[str, str, TensorInfo]]]:
     """(our name, theirs, info) cut into files of at most `max_shard_bytes`; ExportError when the checkpoint does
     not hold exactly the model's parameters."""
-    expected = expected_tensors(model)
-    missing = [name for name in expected if name not in tensors]
-    if missing:
-        raise ExportError(
-            "checkpoint tensors",
-            ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else ""),
-            "missing: the checkpoint does not hold every parameter of its vision-language model",
-            "export a checkpoint saved by this trainer for this model (its model.json names the architecture)",
-        )
-    for name, shape in expected.items():
-        if tensors[name].shape != shape:
-            raise ExportError(
-                f"checkpoint tensor {name}", list(tensors[name].shape), f"the model needs shape {list(shape)}",
-                "export with the model config the checkpoint was trained with (its model.json)",
-            )  # fmt: skip
-    shards: list[list[tuple[str, str, TensorInfo]]] = [[]]
-    size = 0
-    for name in expected:
-        theirs = hf_name(name, model.tie_embeddings)
-        if theirs is None:
-            continue
-        info = tensors[name]
-        if shards[-1] and size + info.nbytes > max_shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append((name, theirs, info))
-        size += info.nbytes
-    return shards
+    return plan_named_shards(
+        tensors, expected_tensors(model), lambda name: hf_name(name, model.tie_embeddings),
+        "its vision-language model", max_shard_bytes,
+    )  # fmt: skip
 
 
 def export_vlm_weights(
