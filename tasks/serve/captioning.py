@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from tasks.errors import UserError
 from tasks.results import StepResult
-from tasks.serve.check import LatencyPlot, p99_threshold, post_json
+from tasks.serve.check import Judged, LatencyPlot, p99_threshold, post_json
 from tasks.serve.report import write_reports
 from validation.serving import (
     LatencyFigures,
@@ -179,7 +179,7 @@ def image_load_test(server: Server, images: torch.Tensor, check: ServingCheckCon
 
 
 @dataclass(frozen=True)
-class CaptioningReport:
+class CaptioningReport(Judged):
     """Everything the captioning serving check measured and judged (serving.json)."""
 
     MODEL_KIND: ClassVar[str] = "vlm"
@@ -199,16 +199,6 @@ class CaptioningReport:
     references: list[str]
     files: dict[str, str]
     per_request_ms: list[float] = field(default_factory=list)
-
-    @property
-    def passed(self) -> bool:
-        """No gated figure failed."""
-        return all(c.passed is not False for c in self.checks)
-
-    @property
-    def failed(self) -> list[str]:
-        """Names of the failed figures."""
-        return [c.name for c in self.checks if c.passed is False]
 
     def latency_plot(self) -> LatencyPlot:
         """The image load test's end-to-end latency per caption request, for the histogram."""

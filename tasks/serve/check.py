@@ -339,8 +339,25 @@ def p99_threshold(checks: list[ServingCheck], name: str) -> float | None:
     return next((c.threshold for c in checks if c.name == name), None)
 
 
+class Judged:
+    """A serving check's report by its judged figures (`checks`): passed and the names that failed; shared by the
+    language model's, the classifier's and the captioning check's reports."""
+
+    checks: list[ServingCheck]
+
+    @property
+    def passed(self) -> bool:
+        """No gated figure failed."""
+        return all(c.passed is not False for c in self.checks)
+
+    @property
+    def failed(self) -> list[str]:
+        """Names of the failed figures."""
+        return [c.name for c in self.checks if c.passed is False]
+
+
 @dataclass(frozen=True)
-class ServingReport:
+class ServingReport(Judged):
     """Everything the serving check measured and judged."""
 
     MODEL_KIND: ClassVar[str] = "lm"
@@ -362,16 +379,6 @@ class ServingReport:
     """Training forward -> export -> quantized -> served: each hop's measured deviation and tolerance."""
     per_request_e2e_ms: list[float]
     files: dict[str, str]
-
-    @property
-    def passed(self) -> bool:
-        """No gated figure failed."""
-        return all(c.passed is not False for c in self.checks)
-
-    @property
-    def failed(self) -> list[str]:
-        """Names of the failed figures."""
-        return [c.name for c in self.checks if c.passed is False]
 
     def latency_plot(self) -> LatencyPlot:
         """The load test's end-to-end latency per request, for the histogram."""

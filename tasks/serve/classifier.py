@@ -31,7 +31,7 @@ import numpy as np
 from tasks.errors import TransientError, UserError
 from tasks.progress import report as report_progress
 from tasks.results import StepResult
-from tasks.serve.check import REQUEST_TIMEOUT_S, LatencyPlot, MetricsSampler, p99_threshold
+from tasks.serve.check import REQUEST_TIMEOUT_S, Judged, LatencyPlot, MetricsSampler, p99_threshold
 from tasks.serve.report import write_reports
 from tasks.serve.server import (
     REQUEST_LATENCY_BUCKETS_S, SERVER_ENV, SERVER_LOG, Server, ServerStartFailed, ServerStartTimeout, check_port_free,
@@ -315,7 +315,7 @@ def server_figures(sampler: MetricsSampler) -> ClassifierServerFigures:
 
 
 @dataclass(frozen=True)
-class ClassifierReport:
+class ClassifierReport(Judged):
     """Everything the classifier's serving check measured and judged."""
 
     MODEL_KIND: ClassVar[str] = "vit"
@@ -333,16 +333,6 @@ class ClassifierReport:
     checks: list[ServingCheck]
     per_request_ms: list[float] = field(default_factory=list)
     files: dict[str, str] = field(default_factory=dict)
-
-    @property
-    def passed(self) -> bool:
-        """No gated figure failed."""
-        return all(c.passed is not False for c in self.checks)
-
-    @property
-    def failed(self) -> list[str]:
-        """Names of the failed figures."""
-        return [c.name for c in self.checks if c.passed is False]
 
     def latency_plot(self) -> LatencyPlot:
         """The image load test's latency per classify request, for the histogram."""
