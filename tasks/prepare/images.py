@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 from fsspec.implementations.local import LocalFileSystem
 
-from tasks.errors import NoSpaceError, TransientError, UserError, is_connection_error
+from tasks.errors import NoSpaceError, UserError, is_connection_error
 from tasks.prepare.config import ImagePrepareConfig, PrepareConfig
 from tasks.prepare.encoding import encode_threads
 from tasks.prepare.pipeline import (
@@ -50,6 +50,7 @@ from tasks.prepare.pipeline import (
     DataValidationError,
     PrepareResult,
     Progress,
+    unreachable_storage_is_transient,
 )
 from tasks.prepare.tokenizer import TextTokenizer, load_tokenizer, train_bpe
 from training.image_dataset import (
@@ -399,17 +400,8 @@ def prepare_images(
     cfg: PrepareConfig, storage: StorageConfig, progress: Progress | None = None, validate: bool = True
 ) -> PrepareResult:
     """Prepare (or reuse) data.prepare.images's dataset; raises UserError / TransientError / DataValidationError."""
-    try:
+    with unreachable_storage_is_transient(_FIELD):
         return _prepare(cfg, storage, progress, validate)
-    except (UserError, TransientError):
-        raise
-    except Exception as err:
-        if is_connection_error(err):
-            raise TransientError(
-                f"{_FIELD}: storage unreachable: {err}",
-                "check the endpoint (storage.s3_endpoint_url) and network; the step retries",
-            ) from err
-        raise
 
 
 def _prepare(cfg: PrepareConfig, storage: StorageConfig, progress: Progress | None, validate: bool) -> PrepareResult:

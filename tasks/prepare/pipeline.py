@@ -360,14 +360,22 @@ def prepare_dataset(
     cfg: PrepareConfig, storage: StorageConfig, progress: Progress | None = None, validate: bool = True
 ) -> PrepareResult:
     """Prepare (or reuse) the dataset the config describes; raises UserError / TransientError / DataValidationError."""
-    try:
+    with unreachable_storage_is_transient(f"data.prepare.output_url={cfg.output_url}"):
         return _prepare(cfg, storage, progress, validate)
+
+
+@contextlib.contextmanager
+def unreachable_storage_is_transient(where: str) -> Iterator[None]:
+    """A connection error from the storage under `where` (a spec field and its value) as a TransientError the
+    step retries; user errors and everything else pass unchanged (the text and the image data steps)."""
+    try:
+        yield
     except (UserError, TransientError):
         raise
     except Exception as err:
         if is_connection_error(err):
             raise TransientError(
-                f"data.prepare.output_url={cfg.output_url}: storage unreachable: {err}",
+                f"{where}: storage unreachable: {err}",
                 "check the endpoint (storage.s3_endpoint_url) and network; the step retries",
             ) from err
         raise

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from tasks.errors import UserError
 from tasks.results import StepResult
-from tasks.serve.check import Judged, LatencyPlot, p99_threshold, post_json
+from tasks.serve.check import Judged, LatencyPlot, decode, p99_threshold, post_json
 from tasks.serve.report import write_reports
 from validation.serving import (
     LatencyFigures,
@@ -223,8 +223,6 @@ def measure_captioning(
     server: Server, model_dir: Path, data: HeldOutImages, ours: list[list[int]], check: ServingCheckConfig
 ) -> tuple[ParityFigures, QualityFigures, ImageLoad, list[str], list[str]]:
     """Greedy parity against `ours`, captioning quality against the references and the image load test."""
-    from tasks.serve.check import decode
-
     served, _ = served_captions(server, data.images[: check.parity_prompts], check.parity_tokens, ignore_eos=True)
     parity = compare_greedy(ours, served, check.parity_tokens)
     _, predictions = served_captions(server, data.images[: check.quality_prompts], check.output_tokens, False)
