@@ -67,7 +67,11 @@ def param_record(model: nn.Module, rank: int, step: int, model_cfg: ModelConfig)
 
 def held_layers(model: nn.Module) -> dict[str, object]:
     """The transformer layers this rank runs (global indices: a pipeline chunk keeps them as keys) and, per MoE
-    layer, the experts it holds."""
+    layer, the experts it holds. A vision-language model's `layers` are its language model's (those model.n_layers
+    counts), its vision tower's beside them as `vision_layers`."""
+    vision, language = getattr(model, "vision", None), getattr(model, "lm", None)
+    if isinstance(vision, nn.Module) and isinstance(language, nn.Module):  # training/vlm.py
+        return {**held_layers(language), "vision_layers": held_layers(vision)["layers"]}
     blocks = getattr(model, "blocks", None) or {}
     experts = {}
     for key, block in blocks.items():

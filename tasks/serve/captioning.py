@@ -234,10 +234,12 @@ def measure_captioning(
 
 def run_captioning_check(
     serve: ServeConfig, train: TrainConfig, accelerator: str, name: str, out_dir: Path, export_root: str,
-    step: int | None = None, pod_memory_bytes: float | None = None, acceptance: AcceptanceFigures | None = None,
+    step: int | None = None, model_dir: str | None = None, pod_memory_bytes: float | None = None,
+    acceptance: AcceptanceFigures | None = None,
 ) -> CaptioningReport:  # fmt: skip
-    """Export the newest sound (or the given) checkpoint of a vision-language run as a LLaVA folder, serve it,
-    measure it with image requests, stop the server, write the serving check's files into `out_dir`
+    """Export the newest sound (or the given) checkpoint of a vision-language run as a LLaVA folder (or take
+    `model_dir` of checkpoint `step`), serve it, measure it with image requests (greedy parity against our own
+    model of that step), stop the server, write the serving check's files into `out_dir`
     (tasks/serve/report.py: serving.json, junit.xml, the latency histogram, the serving manifests, whose pods get
     `pod_memory_bytes`); `acceptance`: the figures the exported folder's model card shows."""
     import torch
@@ -259,14 +261,18 @@ def run_captioning_check(
             f"{limit} (serve.max_model_len or model.seq_len)", "lower them",
         )  # fmt: skip
     out_dir.mkdir(parents=True, exist_ok=True)
-    exported = export_checkpoint(train, step, export_root=export_root, acceptance=acceptance)
-    if not is_local(exported.model_dir):
-        raise UserError(f"the export went to {exported.model_dir}: vLLM serves a local folder",
-                        "put the deployment folder (deployment_dir) on a local or shared filesystem")  # fmt: skip
-    folder = Path(local_path(exported.model_dir))
+    if model_dir is None:
+        exported = export_checkpoint(train, step, export_root=export_root, acceptance=acceptance)
+        if not is_local(exported.model_dir):
+            raise UserError(f"the export went to {exported.model_dir}: vLLM serves a local folder",
+                            "put the deployment folder (deployment_dir) on a local or shared filesystem")  # fmt: skip
+        folder, served_step = Path(local_path(exported.model_dir)), exported.step
+    else:
+        assert step is not None, "a given model folder comes with its checkpoint step"
+        folder, served_step = Path(model_dir), step
     data = held_out_images(train, max(check.parity_prompts, check.quality_prompts))
     model = VisionLanguageModel(train.model)
-    CheckpointManager(train.checkpoint, train.storage).load_model(exported.step, model)
+    CheckpointManager(train.checkpoint, train.storage).load_model(served_step, model)
     ours = our_captions(model.eval().to(torch.float32), data.images[: check.parity_prompts], check.parity_tokens)
     del model
     server = start_server(folder, serve, name, serve.max_model_len or train.model.seq_len, out_dir / SERVER_LOG,
@@ -278,7 +284,7 @@ def run_captioning_check(
     finally:
         server.stop()
     report = CaptioningReport(
-        model_dir=str(folder), step=exported.step, url=server.url, server_pid=server.pid, accelerator=accelerator,
+        model_dir=str(folder), step=served_step, url=server.url, server_pid=server.pid, accelerator=accelerator,
         model_impl=model_impl(serve, folder_architecture(folder), accelerator), load=load.figures,
         images_per_s=load.images_per_s, parity=parity, quality=quality,
         checks=judge(load.figures, parity, quality, check.thresholds), predictions=predictions,

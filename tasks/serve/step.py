@@ -171,7 +171,7 @@ def run_check(inputs: ServingInputs) -> ServingCheckReport:
                                     inputs.pod_memory_bytes)  # fmt: skip
     if kind == "vlm":
         return run_captioning_check(inputs.serve, inputs.train, inputs.accelerator, inputs.name, out_dir,
-                                    inputs.export_root, inputs.step, inputs.pod_memory_bytes,
+                                    inputs.export_root, inputs.step, inputs.model_dir, inputs.pod_memory_bytes,
                                     inputs.acceptance)  # fmt: skip
     return run_serving_check(inputs.serve, inputs.train, inputs.accelerator, inputs.name, out_dir,
                              inputs.export_root, inputs.step, inputs.model_dir, inputs.quantization_json,

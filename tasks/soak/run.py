@@ -43,7 +43,7 @@ from tasks.launch.base import Capabilities, JobState
 from tasks.launch.cluster import ClusterConfig
 from tasks.launch.environment import JobEnvironment
 from tasks.soak.config import FailureKind, SoakConfig
-from tasks.soak.memory import MemorySampler, job_processes
+from tasks.soak.memory import JobProcess, MemorySampler, job_processes, rank_step_times
 from tasks.soak.result import NO_RESTART, REQUEUE, FailureOutcome, LossBand, SoakResult
 from tasks.soak.schedule import Injection, failure_schedule
 from training.checkpoint.memory import node_folder
@@ -404,7 +404,7 @@ def run_soak(
         goodput = goodput_of_run(soak.train.run.output_url, ended_unix_s=t_end)
     except (GoodputError, OSError, ValueError) as err:
         problems.append(f"goodput: {err}")
-    processes = sampler.verdicts()
+    processes = sampler.verdicts(rank_step_times(soak.out))
     band = loss_band(soak.out)
     problems += [f"{f.kind} at {f.injected_at_s:.0f}s: {f.problem or 'not recovered'}" for f in outcomes
                  if not f.recovered]  # fmt: skip
@@ -422,7 +422,7 @@ def run_soak(
     )  # fmt: skip
 
 
-def _processes(soak: Soak) -> dict[int, str]:
+def _processes(soak: Soak) -> dict[int, JobProcess]:
     """The soak job's processes on this machine, now (none before its ranks are recorded)."""
     try:
         ranks = soak.out.ranks()
