@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from training.layout import MESH_GROUPS
@@ -142,6 +143,10 @@ class TrafficCounter(TorchDispatchMode):
         super().__init__()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204 - torch's protocol
+        if any(issubclass(t, DTensor) for t in types):
+            # A mode runs before subclasses: let DTensor run the op, so that the collectives it desugars into (the
+            # redistributions sharding propagation asks for, loss_parallel's) come back here on plain tensors.
+            return NotImplemented
         started = time.perf_counter()
         out = func(*args, **(kwargs or {}))
         if getattr(func, "namespace", None) in _NAMESPACES:

@@ -4,7 +4,11 @@ vocabulary-sharded logits (`loss_parallel`).
 Megatron's layout, as torchtitan applies it: each block's Q/K/V and MLP up/gate
 projections are split by output columns (each rank holds whole heads), the
 attention output and MLP down projections by input rows, so a block costs one
-all-reduce per branch in forward and one in backward. The embedding is split by
+all-reduce per branch in forward and one in backward: each branch's input becomes
+one DTensor (`PrepareModuleInput`) that its column-wise projections share, so
+autograd sums their partial input gradients before the single all-reduce (a plain
+tensor per projection would all-reduce q, k, v, gate and up separately: five in
+backward instead of two). The embedding is split by
 vocabulary rows and the output layer by vocabulary columns; its logits stay
 sharded and `loss_context` computes the cross-entropy on the shards.
 
@@ -98,16 +102,19 @@ def _block_plan(block: nn.Module, sequence_parallel: bool) -> dict[str, Parallel
         "attn.wo": RowwiseParallel(output_layouts=residual),
         "mlp_norm": SequenceParallel() if sequence_parallel else ReplicateParallel(),
     }
-    if sequence_parallel:
-        # (x, cos, sin): the RoPE tables are plain tensors every rank holds whole.
-        plan["attn"] = PrepareModuleInput(
-            input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
-        )
+    # Each branch's input as one replicated DTensor (gathered from the sequence shard under sequence parallelism)
+    # that its column-wise projections share: their partial input gradients add up as a DTensor and reach the
+    # residual stream in one all-reduce (or reduce-scatter) per branch, Megatron's count.
+    # (x, cos, sin): the RoPE tables are plain tensors every rank holds whole.
+    plan["attn"] = PrepareModuleInput(
+        input_layouts=(residual, None, None), desired_input_layouts=(Replicate(), None, None), use_local_output=False
+    )
     if isinstance(block.mlp, MoE):
         # training/layout.py rejects tensor_parallel with MoE: experts are sharded by expert parallelism instead.
         return plan
-    if sequence_parallel:
-        plan["mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    plan["mlp"] = PrepareModuleInput(
+        input_layouts=(residual,), desired_input_layouts=(Replicate(),), use_local_output=False
+    )
     plan["mlp.w1"] = ColwiseParallel()
     if hasattr(block.mlp, "w3"):  # SwiGLU's gate; GeluMLP has none
         plan["mlp.w3"] = ColwiseParallel()

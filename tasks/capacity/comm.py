@@ -48,6 +48,17 @@ def _bandwidth(acc: Accelerator, span_ranks: int, gpus_per_node: int) -> float:
     return gb_s * 1e9
 
 
+def tensor_parallel_block_reduces(layout: Layout) -> float:
+    """All-reduces of the hidden states (or their bytes in all-gathers and reduce-scatters) one block sends per
+    micro-batch under tensor parallelism, forward, backward and recompute together (see `communication`)."""
+    if layout.tp <= 1:
+        return 0.0
+    recompute = 0.0
+    if layout.recompute == "full":
+        recompute = 1.5 if layout.sequence_parallel else 1.0
+    return 4 + recompute
+
+
 def communication(
     arch: Architecture,
     pc: ParamCount,
@@ -108,19 +119,21 @@ def communication(
         + expert_bytes / _bandwidth(acc, tp * dp * cp, gpus_per_node)
     )
 
-    # Tensor parallel, per block and micro-batch, in all-reduces of the hidden states: without sequence
-    # parallelism two in forward (after the row-wise output and down projections) and in backward one per
-    # column-wise projection, each all-reducing its own input gradient (wq, wk, wv; w1 and the SwiGLU gate w3);
-    # with it an all-gather and a reduce-scatter per region and direction (two all-reduces' bytes each way).
-    # A full recompute repeats the forward's. Per micro-batch the vocabulary-parallel embedding (forward) and the
-    # output layer's input gradient (backward) add one each, on the stages that hold them.
+    # Tensor parallel, per block and micro-batch, in all-reduces of the hidden states (Megatron's count,
+    # Narayanan et al. 2021 section 3.2): one per region (attention, MLP) in forward, after the row-wise output
+    # and down projections, and one per region in backward, where the column-wise projections' partial input
+    # gradients, summed first, reach the residual stream; with sequence parallelism an all-gather and a
+    # reduce-scatter in place of each (the same bytes). A full recompute repeats the forward's only as far as
+    # the backward needs (torch's checkpoint stops once the saved tensors are back): the attention's all-reduce,
+    # not the MLP's; with sequence parallelism the attention's gather and reduce-scatter and the MLP's gather.
+    # Per micro-batch the vocabulary-parallel embedding (forward) and the output layer's input gradient
+    # (backward) add one each on the stages that hold them, and the cross-entropy on the vocabulary shards
+    # all-reduces three fp32 values per token (the logits' maximum, the sum of exponentials, the target's logit).
     per_block = tokens * arch.d_model * precision.act_bytes
-    if lo.sequence_parallel:
-        block_reduces = 4 + (2 if lo.recompute == "full" else 0)
-    else:
-        block_reduces = 2 + 3 + (2 if arch.mlp == "swiglu" else 1) + (2 if lo.recompute == "full" else 0)
+    block_reduces = tensor_parallel_block_reduces(lo)
     ends = 2 if pp == 1 else 1
-    tp_bytes = m * (layers * block_reduces + ends) * per_block * _ring(tp, "all-reduce")
+    loss_values = 3 * tokens * 4
+    tp_bytes = m * ((layers * block_reduces + ends) * per_block + loss_values) * _ring(tp, "all-reduce")
     sent["tensor_parallel"] = tp_bytes
     secs["tensor_parallel"] = tp_bytes / _bandwidth(acc, tp, gpus_per_node)
 

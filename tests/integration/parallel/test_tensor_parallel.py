@@ -7,11 +7,13 @@ runs each layout in `LAYOUTS` as the trainer does: `apply_model_parallel`, forwa
 data-parallel rank's share of a fixed global batch under `loss_context(tp > 1)` (in micro-steps without
 gradient sync where the layout accumulates), clipping by the global norm (training/grad_clip.py), one AdamW
 step and a second forward. Rank 0 saves the data-parallel mean losses, the whole gradients of a few sharded
-weights and the gradient norms; the test computes the same in one process.
+weights, the gradient norms and the tensor-parallel collectives of the first micro-batch (training/comm_counter.py);
+the test computes the same in one process.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
@@ -61,9 +63,10 @@ def _tokens(cfg: ModelConfig) -> torch.Tensor:
     return torch.randint(0, cfg.vocab_size, (GLOBAL_BATCH, cfg.seq_len + 1), generator=generator)
 
 
-def _run_layout(layout: dict[str, Any], meshes_for: Any) -> dict[str, Any]:
+def _run_layout(layout: dict[str, Any], meshes_for: Any, labels: dict[str, tuple[str, ...]]) -> dict[str, Any]:
     import torch.distributed as dist
 
+    from training.comm_counter import TrafficCounter, group_labels
     from training.config import ParallelConfig
     from training.grad_clip import clip_grad_norm
     from training.metrics import CommTimer
@@ -92,9 +95,13 @@ def _run_layout(layout: dict[str, Any], meshes_for: Any) -> dict[str, Any]:
         return value.item() / meshes.dims.dp
 
     local = torch.zeros(())
+    # DTensor caches its plans by mesh, and meshes of the same ranks compare equal: a layout's collectives may run
+    # on the groups of an earlier layout's mesh, so every mesh built so far names its groups.
+    labels.update(group_labels(meshes))
+    counter = TrafficCounter(labels=labels)
     for i, micro in enumerate(rows.chunk(accum)):
         wrapped.set_requires_gradient_sync(i == accum - 1)  # the trainer's accumulation pattern
-        with loss_context(tp > 1):
+        with loss_context(tp > 1), counter if i == 0 else contextlib.nullcontext():
             logits, aux = wrapped(micro[:, :-1])
             loss = _loss(logits, aux, micro[:, 1:], cfg) / accum
             loss.backward()
@@ -110,6 +117,7 @@ def _run_layout(layout: dict[str, Any], meshes_for: Any) -> dict[str, Any]:
         "clipped_norm": clip_grad_norm(wrapped, float("inf"), meshes).item(),
         "comm_s": timer.take(),
         "tied": cfg.tie_embeddings and wrapped.lm_head.weight is wrapped.tok_emb.weight,
+        "tp_ops": {op: n for op, n in counter.ops.items() if op.startswith("tp:")},
         "params": sorted(params),
     }
     optimizer.step()
@@ -136,7 +144,8 @@ def _worker(out: Path) -> None:
             built[dims] = dims.build("cpu")
         return built[dims]
 
-    results = {name: _run_layout(layout, meshes_for) for name, layout in LAYOUTS.items()}
+    labels: dict[str, tuple[str, ...]] = {}
+    results = {name: _run_layout(layout, meshes_for, labels) for name, layout in LAYOUTS.items()}
     if dist.get_rank() == 0:
         torch.save(results, out / "results.pt")
     dist.destroy_process_group()
@@ -224,6 +233,31 @@ def test_clipping_uses_the_global_gradient_norm(results: dict[str, dict[str, Any
 def test_tied_embeddings_stay_one_parameter_under_tensor_parallelism(results: dict[str, dict[str, Any]]) -> None:
     assert results["fsdp2xtp2_sp_tied_gelu"]["tied"]
     assert "lm_head.weight" not in results["fsdp2xtp2_sp_tied_gelu"]["params"]
+
+
+# TP collectives of one micro-batch's forward and backward with 2 blocks: Megatron's one per region (attention,
+# MLP) each way, the embedding's (forward) and the output layer's (backward), and loss_parallel's three small
+# all-reduces. A plain input per column-wise projection made it 5 per block in backward (q, k, v, gate, up).
+# With sequence parallelism each all-reduce is an all-gather and a reduce-scatter (and the 5 norms' weight
+# gradients, d_model values each, are summed over the sequence shards); a full recompute adds the attention's
+# gather and reduce-scatter and the MLP's gather (the checkpoint stops before the MLP's output).
+TP_OPS = {
+    "tp2xdp2": {"tp:all_reduce": 2 * 4 + 2 + 3},
+    "fsdp2xtp2": {"tp:all_reduce": 2 * 4 + 2 + 3},
+    "tp2xdp2_sp": {"tp:all_gather_into_tensor": 2 * (4 + 2) + 2, "tp:reduce_scatter_tensor": 2 * (4 + 1) + 2,
+                   "tp:all_reduce": 3 + 5},
+    "fsdp2xtp2_sp_tied_gelu": {"tp:all_gather_into_tensor": 2 * 4 + 2, "tp:reduce_scatter_tensor": 2 * 4 + 2,
+                               "tp:all_reduce": 3 + 5},
+    "ep2_fsdp4_moe": {},
+}  # fmt: skip
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_each_block_sends_megatrons_count_of_tensor_parallel_collectives(
+    results: dict[str, dict[str, Any]], layout: str
+) -> None:
+    assert results[layout]["tp_ops"] == TP_OPS[layout]
 
 
 @pytest.mark.timeout(600)

@@ -4,7 +4,8 @@
   bytes of one GPT layer.
 - DeepSpeed's estimate_zero2_model_states_mem_needs / estimate_zero3_model_states_mem_needs: model-state bytes per
   GPU and per node's CPU memory.
-- Narayanan et al. 2021 ("Efficient Large-Scale Language Model Training on GPU Clusters") eq. 4: training days.
+- Narayanan et al. 2021 ("Efficient Large-Scale Language Model Training on GPU Clusters") eq. 4: training days;
+  section 3.2: tensor-parallel bytes per layer.
 """
 
 from __future__ import annotations
@@ -79,3 +80,9 @@ def deepspeed_estimate(
 def narayanan_training_days(params: float, tokens: float, gpus: int, achieved_flops_per_gpu: float) -> float:
     """Narayanan et al. 2021 eq. 4: end-to-end training time 8TP / (nX) with activation recompute, in days."""
     return budget_time(8 * tokens * params, gpus, achieved_flops_per_gpu, 1.0).days
+
+
+def narayanan_tp_bytes_per_layer(b: int, s: int, h: int, tp: int, bytes_per_value: int) -> float:
+    """Narayanan et al. 2021 section 3.2: each device sends 8bsh(t-1)/t values per layer and micro-batch under
+    tensor parallelism (two all-reduces of the (b, s, h) hidden states in forward and two in backward)."""
+    return 8 * b * s * h * (tp - 1) / tp * bytes_per_value

@@ -20,7 +20,7 @@ from tasks.capacity.compute import (
 from tasks.capacity.memory import Precision
 from tasks.capacity.params import PRESETS, count_params
 from training.layout import Layout
-from tests.unit.capacity.papers import narayanan_training_days
+from tests.unit.capacity.papers import narayanan_tp_bytes_per_layer, narayanan_training_days
 
 
 def test_gpt3_175b_on_300b_tokens_with_1024_a100_at_140_tflops_takes_about_34_days() -> None:
@@ -103,14 +103,32 @@ def test_tensor_parallel_traffic_counts_the_payloads_all_reduces_and_pipeline_ad
     lo = Layout(dp=1, tp=8, micro_batch=1, grad_accum=4)
     comm = communication(arch, pc, precision, lo, CATALOGUE["h100-sxm"], 8, compute_seconds=1.0)
     per_block = arch.seq_len * arch.d_model * 2
-    # Per block 2 forward + 5 backward (wq, wk, wv, w1, w3 each all-reduce their input gradient); embedding and
-    # output layer one each: what benchmarks/parallel_comm.py counts in the trainer.
-    reduces = 7 * arch.n_layers + 2
-    assert comm.bytes["tensor_parallel"] == pytest.approx(4 * reduces * per_block * 2 * 7 / 8)
+    loss = 3 * arch.seq_len * 4  # loss_parallel's fp32 max, sum of exponentials and target logit per token
+    # Per block 2 forward + 2 backward (one per region each way); embedding and output layer one each: what
+    # benchmarks/parallel_comm.py counts in the trainer.
+    reduces = 4 * arch.n_layers + 2
+    assert comm.bytes["tensor_parallel"] == pytest.approx(4 * (reduces * per_block + loss) * 2 * 7 / 8)
     sp = communication(arch, pc, precision, replace(lo, sequence_parallel=True), CATALOGUE["h100-sxm"], 8, 1.0)
-    assert sp.bytes["tensor_parallel"] == pytest.approx(4 * (4 * arch.n_layers + 2) * per_block * 2 * 7 / 8)
+    assert sp.bytes["tensor_parallel"] == pytest.approx(comm.bytes["tensor_parallel"])
     piped = communication(arch, pc, precision, Layout(dp=1, pp=4, grad_accum=8), CATALOGUE["h100-sxm"], 8, 1.0)
     assert piped.bubble_seconds == pytest.approx(3 / 8)
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_tensor_parallel_bytes_per_layer_are_narayanans_8bsh(sequence_parallel: bool) -> None:
+    # GPT-3 175B, b=1, TP 8, bf16: 3.52e8 bytes per layer and micro-batch (the payload sent 5.28e8 when each
+    # column-wise projection all-reduced its own input gradient: 2 + 3 + 1 all-reduces instead of 4).
+    arch = PRESETS["gpt3-175b"]
+    precision = Precision.of("bf16", "master-weights")
+    lo = Layout(dp=1, tp=8, micro_batch=1, grad_accum=1, sequence_parallel=sequence_parallel)
+
+    def tp_bytes(a: object) -> float:
+        return communication(a, count_params(a), precision, lo, CATALOGUE["h100-sxm"], 8, 1.0).bytes["tensor_parallel"]
+
+    per_layer = tp_bytes(arch) - tp_bytes(replace(arch, n_layers=arch.n_layers - 1))
+    oracle = narayanan_tp_bytes_per_layer(b=1, s=arch.seq_len, h=arch.d_model, tp=8, bytes_per_value=2)
+    assert oracle == pytest.approx(3.52e8, rel=1e-3)
+    assert per_layer == pytest.approx(oracle)
 
 
 def test_pipeline_bytes_are_the_busiest_ranks_and_experts_sync_over_the_ranks_that_share_them() -> None:

@@ -13,19 +13,20 @@ spec's default 40% of peak, memory-bound kernels at 80% of the memory bandwidth,
 the search evaluates a layout; attention "math", the score matrices Megatron's fused softmax keeps) where the two
 agree, and within a stated tolerance:
 
-- Full recompute adds one forward pass. In the planner it adds a third to every term of a layer (the paper's
-  "expected 33%"); measured, the backward grows by 7.6 ms for a 7.7 ms forward, and the 39% follows from Megatron's
-  backward being only 1.55x its forward (it overlaps its all-reduces with the weight-gradient GEMMs), not 2x.
+- Full recompute adds one forward pass. In the planner it adds a third to the matmuls and memory-bound kernels of
+  a layer and a quarter to its all-reduces (torch's checkpoint stops replaying before the MLP's), 33% in all (the
+  paper's "expected 33%"); measured, the backward grows by 7.6 ms for a 7.7 ms forward, and the 39% follows from
+  Megatron's backward being only 1.55x its forward (it overlaps its all-reduces with the weight-gradient GEMMs),
+  not 2x.
 - Selective recompute adds the attention core: the planner's overhead (eq. 8's FLOPs and the recomputed softmax and
   dropout bytes) is 6.1%, the table's 20.9 / 19.6 is 6.6% (printed 7%; its rounding alone spans 6.1% to 7.2%).
 - Sequence parallelism leaves the matmuls alone and saves time, and its saving adds to selective recompute's.
 
 Not checked, because the planner disagrees: how much sequence parallelism saves. Table 4 measures 3% (0.5 ms of
-the forward); the planner's layer is 11% shorter, and selective + sequence 5% shorter than the baseline where
-Table 4 measures 4% longer. The planner times its own payload, whose tensor parallelism all-reduces q, k, v and the
-MLP input gradients separately (6 all-reduces per layer without sequence parallelism against 4 with it; Megatron's
-fused QKV makes both 4) and whose norm, two residual adds and two dropouts are separate kernels (184 kB per token
-of a 22B layer's forward, split 8 ways by sequence parallelism; Megatron fuses bias, dropout and add).
+the forward); the planner's layer is 8% shorter, and selective + sequence 1% shorter than the baseline where
+Table 4 measures 4% longer. The planner times its own payload (Megatron's 4 all-reduces per layer with and without
+sequence parallelism), whose norm, two residual adds and two dropouts are separate kernels (184 kB per token of a
+22B layer's forward, split 8 ways by sequence parallelism; Megatron fuses bias, dropout and add).
 """
 
 from __future__ import annotations
@@ -107,11 +108,14 @@ def test_table4_combined_is_forward_plus_backward_and_overhead_is_over_the_basel
         assert round(100 * (row.combined_ms / BASELINE.combined_ms - 1)) == row.overhead_pct
 
 
-def test_full_recompute_adds_one_forward_to_every_term_of_the_planners_layer() -> None:
-    # Backward is twice the forward in FLOPs, bytes and all-reduces, so the forward again is a third of the layer.
+def test_full_recompute_adds_one_forward_to_the_planners_layer_and_the_attentions_all_reduce() -> None:
+    # Backward is twice the forward in FLOPs and bytes, so the forward again is a third of the layer; of the
+    # forward's two all-reduces torch's checkpoint replays the attention's only (it stops once the tensors the
+    # backward saved are back), one more to the layer's four.
     none, full = _layer(BASELINE), _layer(FULL)
+    growth = {"matmul": 4 / 3, "memory_bound": 4 / 3, "tensor_parallel": 5 / 4}
     for term in TERMS:
-        assert full[term] == pytest.approx(none[term] * 4 / 3, rel=1e-6), term
+        assert full[term] == pytest.approx(none[term] * growth[term], rel=1e-6), term
     assert round(100 * (full["total"] / none["total"] - 1)) == 33  # section 6.2: "as opposed to the expected 33%"
 
 
