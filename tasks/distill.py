@@ -9,7 +9,6 @@ anything is launched. The payload checks the teacher it loads against the same a
 from __future__ import annotations
 
 from training.config import DistillConfig, Problem
-from training.distill import TeacherError, teacher_architecture
 from training.storage import StorageConfig
 
 
@@ -17,6 +16,8 @@ def with_teacher_model(distill: DistillConfig, storage: StorageConfig) -> tuple[
     """`distill` with teacher_model filled in from the teacher's own record, or the problems that kept it out."""
     if distill.teacher_model is not None:
         return distill, []
+    from training.distill import TeacherError, teacher_architecture  # torch: only for a teacher to read
+
     try:
         model = teacher_architecture(distill, storage)
     except TeacherError as err:

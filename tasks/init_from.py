@@ -20,18 +20,14 @@ from typing import Any
 
 from tasks.errors import TransientError, UserError, is_connection_error
 from training.config import MAX_SEQ_LEN, TrainConfig
-from training.hf_load import (
+from training.hf_config import (
     HF_CONFIG,
-    HF_INIT_CHECK,
     HF_WEIGHTS_INDEX,
     HFLoadError,
-    InitCheck,
-    check_prompt,
     read_hf_config,
     tensor_index,
     unmapped_tensors,
     weight_files,
-    write_init_check,
 )
 from training.storage import StorageConfig, check_storage_url, filesystem, is_local, join, local_path
 
@@ -158,6 +154,8 @@ def with_init_check(train: TrainConfig) -> TrainConfig:
     model = train.model
     if model.init_from is None:
         return train
+    from training.hf_load import HF_INIT_CHECK, InitCheck, check_prompt, write_init_check  # torch: a job's input
+
     prompt = check_prompt(model.vocab_size, model.seq_len)
     try:
         logits, version = transformers_logits(model.init_from, prompt, train.storage)

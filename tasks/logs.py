@@ -14,10 +14,10 @@ PREFECT_RUN_LOGGERS = ("prefect.task_runs", "prefect.flow_runs", "prefect.engine
 # sys.modules when a record arrives, since an exception of a class implies its module is loaded.
 _LAZY_USER_ERRORS = (
     ("training.dataset", "DatasetError"),
-    ("training.checkpoint", "CheckpointFormatError"),
+    ("training.checkpoint.errors", "CheckpointFormatError"),
     ("training.lease", "LeaseHeld"),
-    ("training.checkpoint", "UnsafeCheckpointError"),
-    ("training.checkpoint", "CheckpointKeyError"),
+    ("training.checkpoint.trust", "UnsafeCheckpointError"),
+    ("training.signing", "CheckpointKeyError"),
 )
 _SEEN_LIMIT = 256
 _SEE_ABOVE = "(the error above)"

@@ -27,7 +27,8 @@ import torch.nn.functional as F
 
 from training.checkpoint import CheckpointManager, CheckpointStore
 from training.config import MAX_SEQ_LEN, CheckpointConfig, DistillConfig, ModelConfig
-from training.hf_load import load_into, read_hf_config
+from training.hf_config import read_hf_config
+from training.hf_load import load_into
 from training.model import Transformer
 from training.storage import StorageConfig
 

@@ -1,10 +1,11 @@
 """Drill points: where the production drills (tasks/acceptance/drills.py) stop a job's ranks to strike.
 
 The rank_kill and node_loss drills hold every rank after a step (`StepHold`) and strike while the job still
-has steps to run; the kill_during_save drill stops every rank at one phase of one checkpoint save
-(`SavePause`); the hang drill stops one rank short of a step's collective (`HangPoint`) while the others block
-in it. Each stopped rank leaves a marker (`PausedRank`) that the drill waits for. The soak's test plants a memory
-leak in every rank (`LeakPoint`) that the soak must catch.
+has steps to run (the storage_outage drill holds twice: before its outage and after the save it failed); the
+kill_during_save drill stops every rank at one phase of one checkpoint save (`SavePause`); the hang drill stops
+one rank short of a step's collective (`HangPoint`) while the others block in it. Each stopped rank leaves a
+marker (`PausedRank`) that the drill waits for. The soak's test plants a memory leak in every rank (`LeakPoint`)
+that the soak must catch.
 
 The points are read from the job variable TDEPLOY_DRILL_POINTS (JSON of `DrillPoints`), which only the
 drills set, on their own jobs (tasks/launch/environment.py `JobEnvironment`); it is never a spec field,
@@ -21,7 +22,6 @@ import os
 import time
 from typing import Literal, get_args
 
-import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict, Field
 
 from training.watchdog import deliberate_hold
@@ -129,6 +129,11 @@ class DrillPoints(BaseModel):
     hold_after_step: StepHold | None = Field(
         default=None, description="Every rank waits after this step until the drill releases it (rank_kill, node_loss)."
     )
+    hold_again_after_step: StepHold | None = Field(
+        default=None,
+        description="A second hold, at a later step and released apart (its own marker folder): the storage_outage "
+        "drill's ranks wait once before its outage and once after the save it made fail.",
+    )
     pause_in_save: SavePause | None = Field(
         default=None, description="Every rank stops at this point of one save (the kill_during_save drill's jobs)."
     )
@@ -155,13 +160,20 @@ def active() -> DrillPoints:
 
 
 def _rank() -> int:
+    import torch.distributed as dist  # the spec reads this module's phases: torch only when a drill runs
+
     return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _hold_at(step: int) -> StepHold | None:
+    """The job's StepHold after `step` (the first or the second), if any."""
+    points = active()
+    return next((h for h in (points.hold_after_step, points.hold_again_after_step) if h and h.step == step), None)
 
 
 def holds_after(step: int) -> bool:
     """Whether this rank waits for the drill's release after `step` (see StepHold)."""
-    hold = active().hold_after_step
-    return hold is not None and hold.step == step
+    return _hold_at(step) is not None
 
 
 def poisons_loss(step: int) -> bool:
@@ -182,8 +194,8 @@ def leak() -> None:
 
 def hold(step: int) -> None:
     """Write this rank's marker and wait until the drill releases the job (or the hold's timeout passes)."""
-    spec = active().hold_after_step
-    assert spec is not None and spec.step == step
+    spec = _hold_at(step)
+    assert spec is not None
     rank = _leave_marker(spec.marker_dir, HOLD_MARKER_PREFIX, "held", step)
     log.warning("drill point: rank %d holds after step %d until the drill releases it", rank, step)
     release = os.path.join(spec.marker_dir, RELEASE_FILE)

@@ -25,16 +25,8 @@ from torch import nn
 
 from training import hf_vision_names
 from training.config import ModelConfig, VisionConfig
-from training.hf_load import (
-    HF_CONFIG,
-    HFLoadError,
-    _local_part,
-    _plain_name,
-    _read,
-    _read_json,
-    tensor_index,
-    weight_files,
-)
+from training.hf_config import HF_CONFIG, HFLoadError, _read_json, tensor_index, weight_files
+from training.hf_load import _local_part, _plain_name, _read
 from training.storage import StorageConfig
 
 FIELD = "model.vision.init_from"

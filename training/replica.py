@@ -41,19 +41,13 @@ import torch.distributed as dist
 from torch import nn
 
 from training.config import FaultToleranceConfig
+from training.job_env import HOST_ENV, LIGHTHOUSE_ENV, REPLICA_GROUP_ENV
 from training.recovery_record import RecoveryEvent, Refusal, append_event
 from training.replica_integrity import PeerStateRefused, open_sealed, seal
 from training.storage import StorageConfig, filesystem, join, read_control_file, write_bytes_atomic
 
 log = logging.getLogger(__name__)
 
-REPLICA_GROUP_ENV = "TDEPLOY_REPLICA_GROUP"
-"""The index of this process's replica group (0 .. replica_groups-1), set by the launcher."""
-LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
-"""The lighthouse's address (http://host:port), set by the launcher; torchft reads the same name."""
-HOST_ENV = "TDEPLOY_REPLICA_HOST"
-"""The address this node's replica-group servers listen on and advertise (the one its rendezvous uses), set by
-the launcher."""
 REPLICA_FILE = "replica.jsonl"
 MAX_REFUSALS = 3
 """Refused copies in a row after which the group stops (ReplicaGroupError) instead of trying its peers again."""

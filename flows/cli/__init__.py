@@ -28,8 +28,8 @@ from flows.cli.common import EXIT_TRANSIENT, EXIT_USER_ERROR, console, err_conso
 # classes can only exist once its module is loaded, so the handler looks them up in sys.modules.
 _USER_FAILURES: tuple[tuple[str, str], ...] = (
     ("tasks.errors", "DeployError"), ("training.dataset", "DatasetError"),
-    ("training.checkpoint", "CheckpointFormatError"), ("training.lease", "LeaseHeld"),
-    ("training.checkpoint", "UnsafeCheckpointError"), ("training.checkpoint", "CheckpointKeyError"),
+    ("training.checkpoint.errors", "CheckpointFormatError"), ("training.lease", "LeaseHeld"),
+    ("training.checkpoint.trust", "UnsafeCheckpointError"), ("training.signing", "CheckpointKeyError"),
 )  # fmt: skip
 
 # The log level of each command's library loggers (the rest: WARNING); set once, in _root.

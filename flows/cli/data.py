@@ -73,11 +73,12 @@ def data_step(inputs: DataInputs) -> DataResult:
     return result
 
 
-def training_config_prepared(parsed: DeploymentSpec) -> TrainConfig:
-    """The training config on the spec's dataset, prepared first (with a progress bar) if the spec says how."""
+def training_config_prepared(parsed: DeploymentSpec, validate_data: bool = True) -> TrainConfig:
+    """The training config on the spec's dataset, prepared first (with a progress bar) if the spec says how;
+    without `validate_data`, a finished dataset is found but not validated again (its checkpoints vouch for it)."""
     from tasks.prepare.step import data_and_training
 
-    return data_and_training(parsed, data_step)[1]
+    return data_and_training(parsed, data_step, validate_data)[1]
 
 
 def model_card_figures(parsed: DeploymentSpec) -> AcceptanceFigures | None:

@@ -34,7 +34,7 @@ def history(spec: str = typer.Argument(..., help=SPEC_HELP)) -> None:
     ones marked."""
     from tasks.ledger.registry import cluster_key_of
 
-    parsed = load(spec)
+    parsed = load(spec, check_paths=False)  # reads the ledger only: the other paths are not its inputs
     ledger = _ledger_of(parsed)
     entries = [e for e in ledger.entries() if e.spec_name in (parsed.name, "")]
     if not entries:
@@ -75,7 +75,7 @@ def baseline(
     from tasks.ledger.registry import cluster_key_of
     from tasks.run_id import RUN_ID
 
-    parsed = load(spec)
+    parsed = load(spec, check_paths=False)  # as history: the ledger is all it reads
     ledger = _ledger_of(parsed)
     cluster_key = cluster_key_of(parsed.cluster)
     figures, curve_key = None, None

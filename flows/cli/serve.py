@@ -51,7 +51,7 @@ def export(
 
     check_format(export_format)
     parsed = load(spec)
-    cfg = training_config_prepared(parsed)
+    cfg = training_config_prepared(parsed, validate_data=False)  # the checkpoint's commit vouches for its data
     if export_format == "onnx":
         result, onnx = run_onnx(ExportInputs.of(parsed, cfg, step, None, tokenizer, model_card_figures(parsed)), out)
     else:
@@ -104,8 +104,8 @@ def serve(
         from tasks.export.step import ExportInputs
         from tasks.export.step import run as export_step
 
-        result = export_step(ExportInputs.of(parsed, training_config_prepared(parsed), step,
-                                                 acceptance=model_card_figures(parsed)))
+        cfg = training_config_prepared(parsed, validate_data=False)  # the checkpoint's commit vouches for its data
+        result = export_step(ExportInputs.of(parsed, cfg, step, acceptance=model_card_figures(parsed)))
         console.print(f"exported {result.summary()}", markup=False, highlight=False)
         if not is_local(result.model_dir):
             err_console.print(f"{result.model_dir}: the server serves a local folder; export to one", markup=False)
@@ -164,7 +164,8 @@ def serve(
 @app.command(
     "check-serving",
     epilog=example(
-        "tdeploy check-serving examples/local.yaml", "tdeploy check-serving examples/local.yaml --step 150"
+        "tdeploy check-serving examples/local.yaml", "tdeploy check-serving examples/local.yaml --step 150",
+        "tdeploy check-serving examples/local.yaml --step 20 --model-dir runs/local/export/step-20",
     ),
 )
 def check_serving(
@@ -175,6 +176,9 @@ def check_serving(
     out: Path | None = typer.Option(
         None, "--out", help="Folder for serving.json and the rest; default runs/<name>/serving."
     ),
+    model_dir: Path | None = typer.Option(
+        None, "--model-dir", help="Check this model folder of checkpoint --step as it is, without exporting."
+    ),
 ) -> None:
     """The pipeline's serving check of the model's kind: export, serve (vLLM, or the classifier server for a ViT),
     load-test, parity and quality (or accuracy and macro F1); exit 1 on a miss."""
@@ -184,10 +188,16 @@ def check_serving(
     if parsed.serve is None:
         err_console.print("the spec has no serve section: serving is off; add `serve: {}` to check it", markup=False)
         raise typer.Exit(EXIT_USER_ERROR)
+    if model_dir is not None and step is None:
+        err_console.print(f"--model-dir={model_dir} needs --step: the checkpoint step it was exported from (greedy "
+                          "parity compares with our model of that step)", markup=False)  # fmt: skip
+        raise typer.Exit(EXIT_USER_ERROR)
     from tasks.capacity.step import serving_pod_memory
 
-    inputs = ServingInputs.of(parsed, training_config_prepared(parsed), str(out) if out else None, step,
-                              acceptance=model_card_figures(parsed), pod_memory_bytes=serving_pod_memory(parsed))
+    cfg = training_config_prepared(parsed, validate_data=False)  # the checkpoint's commit vouches for its data
+    inputs = ServingInputs.of(parsed, cfg, str(out) if out else None, step,
+                              model_dir=str(model_dir) if model_dir else None, acceptance=model_card_figures(parsed),
+                              pod_memory_bytes=serving_pod_memory(parsed))  # fmt: skip
     try:
         run(inputs, _print_serving)
     except ServingCheckFailed:  # the table said which figure missed

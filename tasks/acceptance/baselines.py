@@ -30,7 +30,7 @@ import tempfile
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -38,8 +38,10 @@ from tasks.acceptance.config import AcceptanceConfig
 from tasks.errors import UserError
 from tasks.paths import baselines_dir
 from training.config import TrainConfig, first_problem
-from training.workload import DataManifest, workload_of
 from validation.quality import LossCurve, QualityResult, check_quality, loss_curve, not_measured
+
+if TYPE_CHECKING:
+    from training.workload import DataManifest
 
 log = logging.getLogger(__name__)
 
@@ -240,6 +242,8 @@ def judge_quality(
     curve = loss_curve(output_dir)
     if curve is None:
         return QualityGate(not_measured(f"the distributed run wrote no result ({output_dir})"), registry)
+    from training.workload import workload_of  # torch: the dataset's manifest, read by the acceptance run only
+
     identity = curve_identity(run_train, world_size, workload_of(run_train).manifest())
     key = baseline_key(identity)
     evidence: dict[str, Any] = {"baseline_file": str(registry.path(key)), "recorded": False}

@@ -25,7 +25,6 @@ from tasks.ledger.registry import (
 )
 from tasks.run_id import new_run_id
 from training.config import TrainConfig
-from training.workload import workload_of
 from validation.goodput import Goodput
 from validation.plan_accuracy import PlanAccuracy
 
@@ -54,6 +53,8 @@ def figures_of_workspace(root: Path) -> tuple[GoldenFigures, str | None]:
 
 def run_identity(cluster: ClusterConfig, run_train: TrainConfig, world_size: int) -> tuple[str, str, str]:
     """The curve key, cluster key and dataset key of an acceptance run's config (`run_train`)."""
+    from training.workload import workload_of  # torch: `tdeploy baseline` reads figures, not datasets
+
     manifest = workload_of(run_train).manifest()
     return (
         baseline_key(curve_identity(run_train, world_size, manifest)),

@@ -27,7 +27,6 @@ from tasks.hosts import NodeHost
 from tasks.launch.base import Launcher
 from tasks.launch.cluster import ClusterConfig
 from tasks.recovery.quarantine import NodeMemory
-from training.checkpoint.memory import DEFAULT_MEMORY_DIR
 from training.config import TrainConfig
 from training.health_gate import (
     GATE_DIR,
@@ -39,6 +38,7 @@ from training.health_gate import (
     storage_folders,
     write_health_gate,
 )
+from training.job_env import DEFAULT_MEMORY_DIR
 from training.storage import StorageConfig, filesystem, is_local, local_path, write_bytes_atomic
 
 log = logging.getLogger(__name__)

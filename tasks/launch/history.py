@@ -19,7 +19,6 @@ from typing import Any, Literal
 from tasks.errors import UserError
 from tasks.launch.base import JobHandle, JobState, JobStatus, Launcher
 from tasks.launch.goodput import job_goodput
-from training.checkpoint import CheckpointManager
 from training.config import TrainConfig
 from training.preemption import PreemptionFileError, PreemptionRecord, read_records
 from training.run_output import RunOutput, StepRecord
@@ -165,6 +164,8 @@ class StepsLost:
 def steps_lost(train: TrainConfig, output_dir: str | Path) -> StepsLost:
     """The steps a failed, cancelled or preempted job of `train` loses: from its run output (the last step rank 0
     recorded) and its checkpoint folder (the newest commit at or before that step)."""
+    from training.checkpoint import CheckpointManager  # torch: `tdeploy status` reads no checkpoint
+
     trained = RunOutput(output_dir).last_step()
     manager = CheckpointManager(train.checkpoint, train.storage)
     return StepsLost(trained, max((s for s in manager.committed_steps() if s <= trained), default=None))

@@ -56,12 +56,11 @@ from tasks.launch.trainjob import (
     render_trainjob,
     validate_custom_object,
 )
-from training.checkpoint import KEY_ENV as CHECKPOINT_KEY_ENV
-from training.checkpoint.memory import DEFAULT_MEMORY_DIR
 from training.config import TrainConfig, first_problem
 from training.health_gate import GATE_NODE_ENV
+from training.job_env import DEFAULT_MEMORY_DIR, HOST_ENV, LIGHTHOUSE_ENV, REPLICA_GROUP_ENV
 from training.preemption import PREEMPTED_EXIT_CODE
-from training.replica import HOST_ENV, LIGHTHOUSE_ENV, REPLICA_GROUP_ENV
+from training.signing import KEY_ENV as CHECKPOINT_KEY_ENV
 
 if TYPE_CHECKING:
     from tasks.launch.cluster import ClusterConfig

@@ -36,7 +36,7 @@ from tasks.errors import UserError
 from tasks.launch.torchrun import WORKER_ENV, free_port
 from training.config import TrainConfig
 from training.process import parent_death_signal, start_time
-from training.replica import HOST_ENV, LIGHTHOUSE_ENV, REPLICA_GROUP_ENV
+from training.job_env import HOST_ENV, LIGHTHOUSE_ENV, REPLICA_GROUP_ENV
 from training.run_output import RunOutput
 from training.storage import join
 

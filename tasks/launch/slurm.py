@@ -62,11 +62,10 @@ from tasks.launch.local import REPLICAS_DIR
 from tasks.launch.network import ENV_NAME
 from tasks.launch.replica_step import EXIT_FILE
 from tasks.launch.torchrun import LOG_ARGS, agent_args, job_env, payload_args, preemption_args
-from training.checkpoint.memory import DEFAULT_MEMORY_DIR
 from training.config import TrainConfig
 from training.health_gate import GATE_DIR, HEALTH_GATE_EXIT_CODE, storage_folders
+from training.job_env import DEFAULT_MEMORY_DIR, HOST_ENV, LIGHTHOUSE_ENV, REPLICA_GROUP_ENV
 from training.preemption import PREEMPTED_EXIT_CODE, PREEMPTIONS_FILE
-from training.replica import HOST_ENV, LIGHTHOUSE_ENV, REPLICA_GROUP_ENV
 from training.run_output import RESULT
 from training.spares import AGENT_KEY, NODE_KEY
 from training.storage import is_local, local_path

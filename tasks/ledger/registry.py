@@ -50,18 +50,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from tasks.errors import UserError
 from tasks.launch.cluster import ClusterConfig
 from tasks.run_id import RUN_ID
-from training.checkpoint import (
-    KEY_ENV,
-    SIGNATURE_FIELD,
-    CheckpointManager,
-    checkpoint_key,
-    commit_digest,
-    copy_step,
-    sign_commit,
-)
 from training.config import TrainConfig, first_problem
-from training.workload import DataManifest
 from training.run_output import RunOutput
+from training.signing import KEY_ENV, SIGNATURE_FIELD, checkpoint_key, sign_commit
 from training.storage import (
     ControlFileError,
     StorageConfig,
@@ -77,6 +68,7 @@ from validation.quality import LossCurve, loss_curve
 if TYPE_CHECKING:
     from tasks.image.step import ImageStepResult
     from tasks.spec import DeploymentSpec
+    from training.workload import DataManifest
 
 log = logging.getLogger(__name__)
 
@@ -540,6 +532,8 @@ class Ledger:
         pinned where it is; without one, the acceptance run's (`accepted`, in a workspace that pruning deletes)
         is copied into the ledger's checkpoints/<entry-id>/ first.
         """
+        from training.checkpoint import CheckpointManager, commit_digest, copy_step  # torch: only when accepting
+
         own = CheckpointManager(deployment.checkpoint, deployment.storage)
         found = own.latest_sound()
         if found is not None:

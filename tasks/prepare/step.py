@@ -38,6 +38,9 @@ class DataInputs(BaseModel):
     vocab_size: int
     storage: StorageConfig
     reports_dir: str
+    validate_data: bool = True
+    """False: find the prepared (or reused) dataset without running the data suite over it again, for a command
+    that reads what a verified checkpoint was trained on (`tdeploy export`) rather than training on it."""
 
     @property
     def prepare(self) -> PrepareConfig | None:
@@ -45,9 +48,10 @@ class DataInputs(BaseModel):
         return self.data.prepare
 
     @classmethod
-    def of(cls, spec: DeploymentSpec) -> DataInputs:
+    def of(cls, spec: DeploymentSpec, validate_data: bool = True) -> DataInputs:
         """The data step of `spec`."""
-        return cls(data=spec.data, vocab_size=spec.model.vocab_size, storage=spec.storage, reports_dir=spec.reports_dir)
+        return cls(data=spec.data, vocab_size=spec.model.vocab_size, storage=spec.storage, reports_dir=spec.reports_dir,
+                   validate_data=validate_data)  # fmt: skip
 
 
 class DataResult(StepResult):
@@ -128,9 +132,9 @@ def run(
     """Prepare data.prepare's corpus (or reuse the finished dataset), else run the token suite over the spec's own
     dataset (or reuse the verdict of an identical check); hand the result to `publish`. A bad dataset raises."""
     if inputs.prepare is not None and inputs.prepare.images is not None:
-        result = DataResult.of(prepare_images(inputs.prepare, inputs.storage, progress))
+        result = DataResult.of(prepare_images(inputs.prepare, inputs.storage, progress, inputs.validate_data))
     elif inputs.prepare is not None:
-        result = DataResult.of(prepare_dataset(inputs.prepare, inputs.storage, progress))
+        result = DataResult.of(prepare_dataset(inputs.prepare, inputs.storage, progress, inputs.validate_data))
     else:
         assert inputs.data.given, "a spec without data.prepare has data.dataset_url or data.blend"
         checked = check_dataset_url(inputs.data, inputs.vocab_size, inputs.storage, inputs.reports_dir)
@@ -150,11 +154,11 @@ def training_config(spec: DeploymentSpec, data: DataResult) -> TrainConfig:
 
 
 def data_and_training(
-    spec: DeploymentSpec, step: Callable[[DataInputs], DataResult] = run
+    spec: DeploymentSpec, step: Callable[[DataInputs], DataResult] = run, validate_data: bool = True
 ) -> tuple[DataResult, TrainConfig]:
     """The data step's result (by `step`: the flows pass their Prefect task, the CLI `run` with a progress bar)
     and the training config on its dataset: what every flow and CLI command that trains or accepts starts with."""
-    data = step(DataInputs.of(spec))
+    data = step(DataInputs.of(spec, validate_data))
     return data, training_config(spec, data)
 
 

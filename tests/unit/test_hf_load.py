@@ -14,12 +14,11 @@ from tasks.init_from import fill_model
 from tasks.spec import SpecError, parse_spec
 from tests.conftest import TINY_SPEC, deep_merge
 from training.config import ModelConfig
+from training.hf_config import HFLoadError, read_hf_config
 from training.hf_load import (
-    HFLoadError,
     InitCheck,
     check_prompt,
     load_hf_state,
-    read_hf_config,
     read_init_check,
     write_init_check,
 )

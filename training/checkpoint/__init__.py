@@ -57,29 +57,59 @@ readers, signed commits), memory.py (the in-memory tier: host-memory copies of
 every rank's state, one kept on a peer's node, restored before storage).
 """
 
-from training.checkpoint.card import CardTokenizer, ModelCard
-from training.checkpoint.commit import commit_digest, copy_step
-from training.checkpoint.errors import (
-    CheckpointAbortedError,
-    CheckpointCommitError,
-    CheckpointCopyError,
-    CheckpointFormatError,
-    CheckpointSaveError,
-    is_storage_error,
-)
-from training.checkpoint.files import COMMIT, DCP_METADATA, MODEL_CARD, TRAIN_STATE, rng_file, step_dir_name
-from training.checkpoint.manager import CheckpointManager, Restored
-from training.checkpoint.rng import capture_rng, restore_rng
-from training.checkpoint.store import CheckpointStore, TensorInfo
-from training.checkpoint.trust import (
-    KEY_ENV,
-    SIGNATURE_FIELD,
-    CheckpointKeyError,
-    UnsafeCheckpointError,
-    checkpoint_key,
-    sign_commit,
-)
-from training.checkpoint.writer import SavedCheckpoint
+from importlib import import_module
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from training.checkpoint.card import CardTokenizer, ModelCard
+    from training.checkpoint.commit import commit_digest, copy_step
+    from training.checkpoint.errors import (
+        CheckpointAbortedError,
+        CheckpointCommitError,
+        CheckpointCopyError,
+        CheckpointFormatError,
+        CheckpointSaveError,
+        is_storage_error,
+    )
+    from training.checkpoint.files import COMMIT, DCP_METADATA, MODEL_CARD, TRAIN_STATE, rng_file, step_dir_name
+    from training.checkpoint.manager import CheckpointManager, Restored
+    from training.checkpoint.rng import capture_rng, restore_rng
+    from training.checkpoint.store import CheckpointStore, TensorInfo
+    from training.checkpoint.trust import (
+        KEY_ENV,
+        SIGNATURE_FIELD,
+        CheckpointKeyError,
+        UnsafeCheckpointError,
+        checkpoint_key,
+        sign_commit,
+    )
+    from training.checkpoint.writer import SavedCheckpoint
+
+# Each name's submodule, imported on first use: the light ones (card, files, commit records, memory_auto) are read
+# by the planner and the CLI, which must not pay for torch and DCP that the manager, store and writer import.
+_HOMES = {
+    "card": ("CardTokenizer", "ModelCard"),
+    "commit": ("commit_digest", "copy_step"),
+    "errors": ("CheckpointAbortedError", "CheckpointCommitError", "CheckpointCopyError", "CheckpointFormatError",
+               "CheckpointSaveError", "is_storage_error"),
+    "files": ("COMMIT", "DCP_METADATA", "MODEL_CARD", "TRAIN_STATE", "rng_file", "step_dir_name"),
+    "manager": ("CheckpointManager", "Restored"),
+    "rng": ("capture_rng", "restore_rng"),
+    "store": ("CheckpointStore", "TensorInfo"),
+    "trust": ("KEY_ENV", "SIGNATURE_FIELD", "CheckpointKeyError", "UnsafeCheckpointError", "checkpoint_key",
+              "sign_commit"),
+    "writer": ("SavedCheckpoint",),
+}  # fmt: skip
+_HOME_OF = {name: module for module, names in _HOMES.items() for name in names}
+
+
+def __getattr__(name: str) -> object:
+    if name not in _HOME_OF:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(import_module(f"{__name__}.{_HOME_OF[name]}"), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "COMMIT",

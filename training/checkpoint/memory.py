@@ -70,11 +70,11 @@ from training.checkpoint.memory_auto import KEPT_STEPS, StallWindow, TierDecisio
 from training.checkpoint.rng import capture_rng, check_rng, restore_rng
 from training.checkpoint.trust import CheckpointKeyError, checkpoint_key, sign_commit, untrusted_reason
 from training.config import CheckpointConfig
+from training.job_env import DEFAULT_MEMORY_DIR
 from training.recovery_record import Refusal
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MEMORY_DIR = "/dev/shm/tdeploy-memory"
 KEEP_STEPS = KEPT_STEPS
 FORMAT = "tdeploy-memory-copy/1"
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)  # the keys storage checkpoints use

@@ -23,11 +23,8 @@ and loads believe a record only when that signature matches:
 
 from __future__ import annotations
 
-import hashlib
-import hmac
+import copy
 import io
-import json
-import os
 import pickle
 import posixpath
 from typing import IO, Any
@@ -40,9 +37,21 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem
 
-KEY_ENV = "TDEPLOY_CHECKPOINT_KEY"
-SIGNATURE_FIELD = "hmac_sha256"
-MIN_KEY_CHARS = 16
+from training.signing import (
+    KEY_ENV,
+    MIN_KEY_CHARS,
+    SIGNATURE_FIELD,
+    CheckpointKeyError,
+    checkpoint_key,
+    sign_commit,
+    untrusted_reason,
+)
+
+__all__ = [  # the signing names live in training/signing.py (no torch) and are re-exported here
+    "KEY_ENV", "MIN_KEY_CHARS", "SIGNATURE_FIELD", "CheckpointKeyError", "SafeFileSystemReader", "SafeFsspecReader",
+    "SafeLoadPlanner", "UnsafeCheckpointError", "checkpoint_key", "load_metadata", "sign_commit", "untrusted_reason",
+]
+
 
 # Every global a torch 2.13 DCP `.metadata` names (found by unpickling real DDP and FSDP2 checkpoints);
 # matched exactly, so `PosixPath.touch` and the like stay out. torch dtypes are allowed by type below.
@@ -78,61 +87,6 @@ class UnsafeCheckpointError(RuntimeError):
 
     def __reduce__(self) -> tuple[Any, ...]:  # crosses ranks inside DCP's CheckpointException
         return (type(self), (self.path, self.global_name, self.reason))
-
-
-class CheckpointKeyError(RuntimeError):
-    """The checkpoint signing key is missing for a signed checkpoint, or too short to be a key."""
-
-    def __init__(self, path: str, problem: str) -> None:
-        super().__init__(f"{path}: {problem}")
-        self.path, self.problem = path, problem
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.path, self.problem))
-
-
-def checkpoint_key() -> bytes | None:
-    """The HMAC key from TDEPLOY_CHECKPOINT_KEY (None when unset); a set but short key is an error."""
-    raw = os.environ.get(KEY_ENV)
-    if raw is None:
-        return None
-    if len(raw) < MIN_KEY_CHARS:
-        raise CheckpointKeyError(
-            KEY_ENV,
-            f"is set but has {len(raw)} characters; use at least {MIN_KEY_CHARS} random ones "
-            f"(e.g. `openssl rand -hex 32`), or unset it to save unsigned checkpoints",
-        )
-    return raw.encode()
-
-
-def _canonical(record: dict[str, Any]) -> bytes:
-    unsigned = {k: v for k, v in record.items() if k != SIGNATURE_FIELD}
-    return json.dumps(unsigned, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
-
-
-def sign_commit(record: dict[str, Any], key: bytes) -> dict[str, Any]:
-    """`record` with its HMAC-SHA256 signature added."""
-    return {**record, SIGNATURE_FIELD: hmac.new(key, _canonical(record), hashlib.sha256).hexdigest()}
-
-
-def untrusted_reason(record: dict[str, Any], key: bytes | None, where: str) -> str | None:
-    """Why a commit record must not be believed under `key` (None: believe it); see the module table."""
-    signature = record.get(SIGNATURE_FIELD)
-    if key is None:
-        if signature is not None:
-            raise CheckpointKeyError(
-                where,
-                f"its COMMIT.json is signed ({SIGNATURE_FIELD}) but {KEY_ENV} is not set; set {KEY_ENV} to the key "
-                "the run saved it with (the task layer passes it from the Prefect Secret block), or move the "
-                "checkpoint away to start without it",
-            )
-        return None
-    if signature is None:
-        return f"its COMMIT.json is not signed while {KEY_ENV} is set (saved without a key, or the signature removed)"
-    expected = hmac.new(key, _canonical(record), hashlib.sha256).hexdigest()
-    if not isinstance(signature, str) or not hmac.compare_digest(signature, expected):
-        return f"its COMMIT.json signature does not match {KEY_ENV} (saved with another key, or altered)"
-    return None
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -201,15 +155,23 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         super().__init__()
         self.where = where
         self.refused: UnsafeCheckpointError | None = None
+        # Optimizer state keyed by parameter name repeats each hyper-parameter once per parameter: the same bytes,
+        # unpickled once (torch.load of a small entry costs about a millisecond), then copied.
+        self._unpickled: dict[bytes, Any] = {}
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         """Unpickle one non-tensor entry (an optimizer hyper-parameter) with torch's weights-only unpickler."""
         fqn = read_item.dest_index.fqn
-        try:
-            obj = torch.load(value, weights_only=True)
-        except pickle.UnpicklingError as err:
-            self.refused = UnsafeCheckpointError(self.where, fqn, f"entry {fqn!r} is not plain data: {err}")
-            raise self.refused from err
+        raw = value.getvalue()
+        if raw in self._unpickled:
+            obj = copy.deepcopy(self._unpickled[raw])
+        else:
+            try:
+                obj = torch.load(value, weights_only=True)
+            except pickle.UnpicklingError as err:
+                self.refused = UnsafeCheckpointError(self.where, fqn, f"entry {fqn!r} is not plain data: {err}")
+                raise self.refused from err
+            self._unpickled[raw] = copy.deepcopy(obj)
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[fqn], obj)
         else:
