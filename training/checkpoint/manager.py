@@ -29,6 +29,13 @@ from training.checkpoint.collective import StorageFailure, agree, all_gather, ba
 from training.checkpoint.commit import check_train_state, parse_json
 from training.checkpoint.errors import CheckpointCommitError, CheckpointFormatError, CheckpointSaveError
 from training.checkpoint.files import COMMIT, MODEL_CARD, TRAIN_STATE, loader_files, rng_file
+from training.checkpoint.reader import (
+    DATA_SUFFIX,
+    CheckpointDigestError,
+    VerifyingFileSystemReader,
+    VerifyingFsspecReader,
+    share,
+)
 from training.checkpoint.rng import capture_rng, check_rng, restore_rng
 from training.checkpoint.space import MAX_IO_THREADS, Space, estimate, write_threads
 from training.checkpoint.store import CheckpointStore, dcp_load
@@ -313,12 +320,16 @@ class CheckpointManager(CheckpointStore):
         """
         step, group = job.step, job.group
         digests = Digests()
+        synced_by_writer: set[str] = set()  # DCP's writer fsynced each of these as it closed it
 
         def write_dcp() -> None:
             writer = self._writer(self._url(path), digests, threads)
+            synced = bool(getattr(writer, "sync_files", False))
             if drill_points.pauses_a_save():  # a drill's job: it may stop this save mid-DCP
                 writer = PhaseWriter(writer, step)
             dcp.save(job.state, storage_writer=writer, process_group=group)
+            if synced:
+                synced_by_writer.update(digests.files())
 
         agree(write_dcp, disk_full, group)
         drill_points.at_save_phase("after_dcp", step)
@@ -327,9 +338,11 @@ class CheckpointManager(CheckpointStore):
             if job.problem is not None:
                 raise job.problem
             for rel, data in job.files.items():
-                write_bytes_atomic(self.fs, join(path, rel), data)
+                write_bytes_atomic(self.fs, join(path, rel), data)  # fsynced before its rename
                 digests.add(rel, hashlib.sha256(data).hexdigest(), len(data))
-            self._flush(path, digests.files())  # this rank's files reach the disk before anyone commits
+            # this rank's files reach the disk before anyone commits: each is fsynced once, here or by its writer
+            done = synced_by_writer | set(job.files)
+            self._flush(path, {rel: entry for rel, entry in digests.files().items() if rel not in done})
 
         agree(extras, disk_full, group)
         drill_points.at_save_phase("after_extras", step)
@@ -493,11 +506,12 @@ class CheckpointManager(CheckpointStore):
 
     # ---- load -------------------------------------------------------------------------------
 
-    def verify(self, step: int, commit: dict[str, Any]) -> str | None:
+    def verify(self, step: int, commit: dict[str, Any], digests_on_read: bool = False) -> str | None:
         """Why checkpoint `step` cannot be used (None when it is sound). Every rank checks a share of the files,
-        several at a time."""
+        several at a time. `digests_on_read`: the DCP data files' sha256 are left to the load that reads them
+        (reader.py); their sizes are still checked here."""
         path = self._dir(step)
-        mine = {rel: commit["files"][rel] for rel in _share(commit["files"], self.rank, self.world)}
+        mine = {rel: commit["files"][rel] for rel in share(commit["files"], self.rank, self.world)}
         checksums = self.cfg.verify_checksums or self.key is not None
         found = self._listing(path) if mine else {}
         problems: dict[str, str] = {}
@@ -506,7 +520,12 @@ class CheckpointManager(CheckpointStore):
                 problems[rel] = f"{rel} is missing"
             elif found[rel] != expected["bytes"]:
                 problems[rel] = f"{rel} has {found[rel]} bytes, COMMIT.json says {expected['bytes']}"
-        to_hash = {join(path, rel): rel for rel in mine if checksums and rel not in problems}
+        deferred = digests_on_read and checksums
+        to_hash = {
+            join(path, rel): rel
+            for rel in mine
+            if checksums and rel not in problems and not (deferred and rel.endswith(DATA_SUFFIX))
+        }
         for full, digest in sha256_files(self.fs, to_hash, MAX_IO_THREADS).items():
             if digest != mine[to_hash[full]]["sha256"]:
                 problems[to_hash[full]] = f"{to_hash[full]} fails its sha256 check"
@@ -539,16 +558,21 @@ class CheckpointManager(CheckpointStore):
 
         Each skipped checkpoint is appended to `skipped` (when given) with its reason.
         """
-        steps = broadcast_from_rank0(self.steps_on_storage() if self.rank == 0 else None)
-        for step in reversed(steps):
+        for step in reversed(self._steps_everywhere()):
             commit = self.sound(step, skipped)
             if commit is not None:
                 return step, commit
         return None
 
-    def sound(self, step: int, skipped: list[SkippedCheckpoint] | None = None) -> dict[str, Any] | None:
+    def _steps_everywhere(self) -> list[int]:
+        return broadcast_from_rank0(self.steps_on_storage() if self.rank == 0 else None)
+
+    def sound(
+        self, step: int, skipped: list[SkippedCheckpoint] | None = None, digests_on_read: bool = False
+    ) -> dict[str, Any] | None:
         """The commit record of checkpoint `step` if it is committed, trusted and verified (collective), else None
-        with the reason appended to `skipped` (when given) and logged. A missing folder counts as partial."""
+        with the reason appended to `skipped` (when given) and logged. A missing folder counts as partial.
+        `digests_on_read`: the data files' sha256 are left to the caller's load (see `verify`)."""
         passed_over = skipped if skipped is not None else []
         kind, detail = broadcast_from_rank0(self._inspect(step) if self.rank == 0 else None)
         name = self._url(self._dir(step))
@@ -564,7 +588,7 @@ class CheckpointManager(CheckpointStore):
                 log.warning("skipping %s checkpoint %s: %s", kind, name, detail)
             passed_over.append(SkippedCheckpoint(step, name, kind, str(detail)))
             return None
-        problem = self.verify(step, detail)
+        problem = self.verify(step, detail, digests_on_read)
         if problem:
             if self.rank == 0:
                 log.warning("skipping corrupt checkpoint %s: %s", name, problem)
@@ -599,17 +623,44 @@ class CheckpointManager(CheckpointStore):
         Rank 0 records what it loaded and what it skipped, and why, in `out` (resume.json).
         """
         skipped: list[SkippedCheckpoint] = []
-        found = self.latest_sound(skipped)
-        if found is None:
-            self._record_resume(out, ResumeRecord(self.cfg.url, world_size=self.world, skipped=skipped))
-            return None
-        step, commit = found
+        checksums = self.cfg.verify_checksums or self.key is not None
+        fresh_optimizer = not optimizer.state
+        for step in reversed(self._steps_everywhere()):
+            # The commit record and its signature first, then sizes and the small files; the data files' sha256
+            # are checked in the pass that reads them, before any of their bytes reach the state.
+            commit = self.sound(step, skipped, digests_on_read=True)
+            if commit is None:
+                continue
+            try:
+                return self._load_step(step, commit, model, optimizer, out, skipped, checksums)
+            except CheckpointDigestError as err:
+                name = self._url(self._dir(step))
+                if self.rank == 0:
+                    log.warning("skipping corrupt checkpoint %s: %s", name, err.problem)
+                skipped.append(SkippedCheckpoint(step, name, "corrupt", err.problem))
+                if fresh_optimizer:  # DCP's get_state_dict gave it zero state to load into: fresh again
+                    optimizer.state.clear()
+        self._record_resume(out, ResumeRecord(self.cfg.url, world_size=self.world, skipped=skipped))
+        return None
+
+    def _load_step(
+        self,
+        step: int,
+        commit: dict[str, Any],
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        out: RunOutputWriter | None,
+        skipped: list[SkippedCheckpoint],
+        checksums: bool,
+    ) -> Restored:
+        """Load checkpoint `step` (its commit record and small files checked); CheckpointDigestError on every rank,
+        with nothing loaded, when a data file fails its check while being read."""
         path = self._dir(step)
         url = self._url(path)
         saved_world, saved_layout = int(commit["world_size"]), commit.get("layout", "")
         rng_restored = saved_world == self.world and saved_layout == self.layout
         train_state, rng = self._read_small_files(step, rng_restored)
-        reader, planner = self._reader(url), SafeLoadPlanner(url)
+        reader, planner = self._verifying_reader(url, commit if checksums else None), SafeLoadPlanner(url)
         refused, options = None, _OPTIONS
         try:
             metadata = reader.read_metadata()
@@ -658,18 +709,20 @@ class CheckpointManager(CheckpointStore):
         )
         return Restored(step, url, train_state, saved_world, rng_restored)
 
+    def _verifying_reader(
+        self, url: str, commit: dict[str, Any] | None
+    ) -> VerifyingFileSystemReader | VerifyingFsspecReader:
+        """DCP's reader for the step folder `url`, checking the data files against `commit` (None: unchecked)."""
+        reader: VerifyingFileSystemReader | VerifyingFsspecReader
+        if is_local(self.cfg.url):
+            reader = VerifyingFileSystemReader(local_path(url))
+        else:
+            reader = VerifyingFsspecReader(url, **self.storage.fsspec_options(self.cfg.url))
+        if commit is not None:
+            reader.expect(commit["files"], url)
+        return reader
+
     def _record_resume(self, out: RunOutputWriter | None, record: ResumeRecord) -> None:
         if out is not None and self.rank == 0:
             out.write_resume(record)
 
-
-def _share(files: dict[str, dict[str, Any]], rank: int, world: int) -> list[str]:
-    """The files of a commit record that `rank` verifies: the largest first, each to the rank with the fewest
-    bytes so far (every rank computes the same split)."""
-    load = [0] * world
-    shares: list[list[str]] = [[] for _ in range(world)]
-    for rel in sorted(files, key=lambda r: (-files[r]["bytes"], r)):
-        least = load.index(min(load))
-        shares[least].append(rel)
-        load[least] += files[rel]["bytes"]
-    return sorted(shares[rank])

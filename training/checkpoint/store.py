@@ -35,6 +35,7 @@ from training.checkpoint.files import (
     loader_files,
     step_dir_name,
 )
+from training.checkpoint.reader import CheckpointDigestError
 from training.checkpoint.trust import (
     CheckpointKeyError,
     SafeFileSystemReader,
@@ -304,15 +305,16 @@ class CheckpointStore:
 
 
 def dcp_load(state: dict[str, Any], reader: Any, planner: SafeLoadPlanner) -> None:
-    """dcp.load into `state`; a refusal of the trust checks is raised as itself, not inside DCP's exception."""
+    """dcp.load into `state`; a refusal of the trust checks, or a data file failing its sha256 check while read
+    (reader.py), is raised as itself, not inside DCP's exception."""
     try:
         dcp.load(state, storage_reader=reader, planner=planner)
     except (Exception, CheckpointException) as err:  # DCP's exception is a BaseException
-        refusal = planner.refused or _refusal_in(err)
+        refusal = planner.refused or _leaf_in(err, UnsafeCheckpointError) or _leaf_in(err, CheckpointDigestError)
         if refusal is not None:
             raise refusal from err
         raise
 
 
-def _refusal_in(err: BaseException) -> UnsafeCheckpointError | None:
-    return next((leaf for _, leaf in leaves(err) if isinstance(leaf, UnsafeCheckpointError)), None)
+def _leaf_in(err: BaseException, kind: type[Exception]) -> Exception | None:
+    return next((leaf for _, leaf in leaves(err) if isinstance(leaf, kind)), None)
