@@ -107,6 +107,8 @@ class DrillConfig(StrictModel):
         default=3,
         ge=1,
         le=MAX_STEPS,
-        description="kill_during_save: steps each relaunch trains past its resume point (compared with the "
-        "uninterrupted run).",
+        description="Steps a drill's job trains past the point its check needs before it stops (compared with "
+        "the uninterrupted run): kill_during_save's relaunches and corrupt_checkpoint's past their resume point, "
+        "hang's restart past the hung step, preemption's resubmission past a save interval after its signal, "
+        "storage_outage past the save after the outage.",
     )

@@ -115,6 +115,13 @@ class DrillContext:
         """The drill job `name`'s config."""
         return variant(self.base, self.root, name, **sections)
 
+    def stop_after(self, step: int) -> dict[str, int]:
+        """The `run` section of a drill job that stops drills.relaunch_steps past `step`, the last step its drill
+        needs before the recovery is compared (a resume point, a save after an outage), schedule unchanged: a
+        drill's check compares the steps after its recovery with the uninterrupted run's, and every later step
+        would only repeat the acceptance run (capped at acceptance.steps)."""
+        return {"stop_after_steps": min(self.base.run.steps, step + self.drills.relaunch_steps)}
+
     def reference(self) -> RunOutcome:
         """The same job, never interrupted (run on first use)."""
         if self._reference is None:
@@ -216,12 +223,13 @@ def kill_victim(ranks: list[dict[str, Any]]) -> tuple[int, dict[str, int] | None
 
 
 def _past_first_checkpoint(
-    ctx: DrillContext, name: str, cluster: ClusterConfig | None = None
+    ctx: DrillContext, name: str, cluster: ClusterConfig | None = None, stop_after: int | None = None
 ) -> tuple[TrainConfig, Job, Callable[[], None]]:
-    """Start drill job `name` (on `cluster`, default the context's) and wait until every rank holds one step past
-    its first committed checkpoint (training.drill_points.StepHold); returns the job and what releases it, to be called
-    once the drill has struck."""
-    train = ctx.train(name)
+    """Start drill job `name` (on `cluster`, default the context's; stopping drills.relaunch_steps past step
+    `stop_after`, None: at acceptance.steps) and wait until every rank holds one step past its first committed
+    checkpoint (training.drill_points.StepHold); returns the job and what releases it, to be called once the drill
+    has struck."""
+    train = ctx.train(name) if stop_after is None else ctx.train(name, run=ctx.stop_after(stop_after))
     first_save = ctx.acceptance.save_every_steps
     markers = ctx.root / name / "hold"
     hold = {"step": first_save + 1, "marker_dir": str(markers), "timeout_s": ctx.acceptance.job_timeout_s}
@@ -273,7 +281,10 @@ def drill_preemption(ctx: DrillContext) -> DrillResult:
                            "deliver signals (preempt such jobs through the scheduler)")  # fmt: skip
     name = "drill-preemption"
     no_restart = ctx.cluster.model_copy(update={"max_restarts": 0})
-    train, job, release = _past_first_checkpoint(ctx, name, cluster=no_restart)
+    # The ranks are released as the signal leaves: a save interval past the hold gives it room to reach them
+    # before the job would end by itself, and the resubmission trains drills.relaunch_steps past that.
+    every = ctx.acceptance.save_every_steps
+    train, job, release = _past_first_checkpoint(ctx, name, cluster=no_restart, stop_after=2 * every + 1)
     held_at = last_step(job.output_dir)
     job.launcher.signal(job.handle, signal.SIGTERM)
     t_fail = time.time()
@@ -508,6 +519,7 @@ def drill_corrupt_checkpoint(ctx: DrillContext) -> DrillResult:
     steps = _copy_reference_checkpoints(ctx, train)
     if len(steps) < 2:
         return DrillResult("corrupt_checkpoint", False, message="the reference run left fewer than 2 checkpoints")
+    train = ctx.train("drill-corrupt", run=ctx.stop_after(steps[-2]))  # the same folders, stopping past the resume
     newest = Path(train.checkpoint.url) / step_dir_name(steps[-1])
     shard = sorted(newest.glob("*.distcp"))[0]
     data = bytearray(shard.read_bytes())
@@ -598,7 +610,11 @@ def drill_reshard(ctx: DrillContext) -> DrillResult:
 
 
 def drill_storage_outage(ctx: DrillContext) -> DrillResult:
-    """Cut the object store during a save: retried, then lost loudly; training goes on; the next save succeeds."""
+    """Cut the object store during a save: retried, then lost loudly; training goes on; the next save succeeds.
+
+    The job holds twice (training.drill_points.StepHold): after its first save, committed, while the store goes
+    down, and after the save of the next one, failed, while it comes back; it stops drills.relaunch_steps past
+    the save after that, and every step it trained must match the uninterrupted run."""
     import boto3
     from moto.server import ThreadedMotoServer
 
@@ -608,36 +624,56 @@ def drill_storage_outage(ctx: DrillContext) -> DrillResult:
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     proxy = TcpProxy(*server.get_host_and_port())
+    name, every, timeout_s = "drill-storage-outage", ctx.acceptance.save_every_steps, ctx.acceptance.job_timeout_s
+    before, after = ctx.root / name / "hold-before-outage", ctx.root / name / "hold-after-outage"
+
+    def held(markers: Path) -> bool:
+        return len(paused_ranks(str(markers), HOLD_MARKER_PREFIX)) == ctx.cluster.world_size
+
     try:
         boto3.client("s3", endpoint_url=proxy.url, region_name="us-east-1").create_bucket(Bucket="tdeploy-drill")
         train = ctx.train(
-            "drill-storage-outage",
+            name,
             checkpoint={"url": "s3://tdeploy-drill/checkpoints", "continue_on_save_failure": True,
                         "save_retries": 1, "save_retry_backoff_s": 0.5},
             storage={"s3_endpoint_url": proxy.url, "options": {"config_kwargs": {"retries": {"max_attempts": 1}}}},
+            run=ctx.stop_after(3 * every),
         )  # fmt: skip
-        job = ctx.job(train, "drill-storage-outage")
-        every = ctx.acceptance.save_every_steps
-        job.wait_until(
-            lambda: every in committed_steps(train), "the first checkpoint on S3", ctx.acceptance.job_timeout_s
+        holds = ctx.environment.with_drill_points(
+            hold_after_step={"step": every, "marker_dir": str(before), "timeout_s": timeout_s},
+            hold_again_after_step={"step": 2 * every, "marker_dir": str(after), "timeout_s": timeout_s},
         )
+        job = ctx.job(train, name, environment=holds)
+        job.wait_until(lambda: held(before), f"every rank past the first save (step {every})", timeout_s)
+        if every not in committed_steps(train):
+            job.cancel()
+            return DrillResult("storage_outage", False, message=f"the first save (step {every}) did not commit "
+                               f"before the outage: see the job's checkpoint events in {job.output_dir}")  # fmt: skip
         proxy.down()
         t_down = time.time()
+        (before / RELEASE_FILE).touch()
 
         def failed_saves() -> list[CheckpointEvent]:
             return [e for e in job.run.checkpoints() if e.error is not None and e.step > every]
 
-        job.wait_until(lambda: bool(failed_saves()), "a save to fail during the outage", ctx.acceptance.job_timeout_s)
-        lost = failed_saves()[0].step
+        job.wait_until(lambda: held(after), f"every rank past the save of step {2 * every}", timeout_s)
+        failed = failed_saves()
+        lost = failed[0].step if failed else None
         proxy.up()
         t_up = time.time()
-        job.wait_until(lambda: any(s > lost for s in committed_steps(train)), "a save after the outage",
-                       ctx.acceptance.job_timeout_s)  # fmt: skip
+        (after / RELEASE_FILE).touch()
+        if lost is None:
+            job.wait(timeout_s)
+            return DrillResult("storage_outage", False, message=f"the save of step {2 * every} did not fail "
+                               "during the outage (checkpoints.jsonl records no error)")  # fmt: skip
+        job.wait_until(lambda: any(s > lost for s in committed_steps(train)), "a save after the outage", timeout_s)
         t_back = time.time()
-        outcome = job.wait(ctx.acceptance.job_timeout_s)
+        outcome = job.wait(timeout_s)
         ref = ctx.reference().metrics()
         got = outcome.metrics()
-        matched = outcome.ok and all(got[s].loss == ref[s].loss for s in ref if s in got) and set(got) == set(ref)
+        last = train.run.stop_after_steps or train.run.steps
+        trained = {s for s in ref if s <= last}
+        matched = outcome.ok and all(got[s].loss == ref[s].loss for s in ref if s in got) and set(got) == trained
         lost_committed = lost in committed_steps(train)
         return DrillResult(
             "storage_outage",
@@ -647,8 +683,8 @@ def drill_storage_outage(ctx: DrillContext) -> DrillResult:
             state_matched=matched,
             message="" if outcome.ok and matched and not lost_committed else
             f"job {outcome.status.describe()}; losses match: {matched}; lost save committed: {lost_committed}",
-            evidence={"outage_s": t_up - t_down, "failed_save_step": lost,
-                      "error": (failed_saves()[0].error or "")[:300]},
+            evidence={"outage_s": t_up - t_down, "failed_save_step": lost, "steps_trained": last,
+                      "error": (failed[0].error or "")[:300]},
         )  # fmt: skip
     finally:
         proxy.close()

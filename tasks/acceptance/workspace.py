@@ -307,9 +307,9 @@ class Job:
             elif stall_timeout_s and seen > 0 and time.monotonic() - progress_at > stall_timeout_s:
                 silent = self.unreachable_hosts()
                 where = f"; not answering: {', '.join(silent)}" if silent else ""
-                log.warning("job %s made no progress for %.0fs after step %d%s: cancelling it", self.handle.ref,
+                log.warning("job %s made no progress for %.0fs after step %d%s: stopping it", self.handle.ref,
                             stall_timeout_s, seen, where)  # fmt: skip
-                self.launcher.cancel(self.handle)
+                self.launcher.stop_stalled(self.handle)
                 status = self.status()
                 return RunOutcome(self.handle, status, self.output_dir, stalled_after_step=seen,
                                   unreachable_hosts=silent, steps_lost=self._lost(status),

@@ -232,6 +232,12 @@ class Launcher(Protocol):
         """Stop the job and every process it started."""
         ...
 
+    def stop_stalled(self, handle: JobHandle) -> None:
+        """Stop a job whose ranks made no step progress for the stall timeout (a hang, a cut link): none of them
+        will reach the step boundary a stop's grace is for, so a launcher that can skip that grace does; by
+        default `cancel`."""
+        self.cancel(handle)
+
     def signal(self, handle: JobHandle, sig: int) -> None:
         """Deliver a preemption signal (SIGTERM or SIGUSR1) to the job as its scheduler would: the trainer
         checkpoints at its step boundary and the job ends PREEMPTED. Launchers that can do so override this."""

@@ -64,6 +64,10 @@ REPLICAS_DIR = "replicas"  # a replica-groups job's group configs and logs, and 
 AGENTS_DIR = "agents"  # node<N>.json: where agent N runs (host, pid, start time), written by the agent itself
 SUPERVISOR_ENV = ("TDEPLOY_SUPERVISOR_PID", "TDEPLOY_SUPERVISOR_START")
 STOP_GRACE_S = 30  # what `cancel` gives a job too
+STALLED_STOP_GRACE_S = 3.0
+"""What `stop_stalled` gives a stalled job's agents between SIGTERM and SIGKILL: its ranks made no progress for the
+stall timeout, so none reaches the step boundary where SIGTERM would checkpoint, and torchrun would otherwise wait
+its whole shutdown timeout (30 s) for them; a few seconds let an agent that can still exit do so."""
 # Records torchrun's exit code; on SIGTERM (SIGUSR1) it passes SIGTERM (SIGUSR1) on and stays until torchrun has
 # stopped its workers.
 # Supervised, a watchdog stops torchrun once the supervisor (pid + start time) is gone, or the wrapper itself:
@@ -542,6 +546,10 @@ class LocalLauncher(Launcher):
         deadline = time.monotonic() + 10
         while any(alive(*p) for p in processes) and time.monotonic() < deadline:
             time.sleep(0.1)
+
+    def stop_stalled(self, handle: JobHandle) -> None:
+        """`cancel` with STALLED_STOP_GRACE_S: the stalled ranks are SIGKILLed instead of waited for."""
+        self.cancel(handle, grace_s=STALLED_STOP_GRACE_S, reason="stalled: no step progress for the stall timeout")
 
     @staticmethod
     def _replica_processes(out: Path) -> list[tuple[int, str | None]]:

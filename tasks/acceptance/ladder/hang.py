@@ -47,7 +47,8 @@ def drill_hang(ctx: DrillContext) -> DrillResult:
     hang_step = ctx.acceptance.save_every_steps + 2  # one full step after the first checkpoint's step
     floor = drill_timeout_s(ctx)
     name = "drill-hang"
-    train = ctx.train(name, watchdog={"step_timeout_s": None, "step_timeout_floor_s": floor})
+    stop = ctx.stop_after(hang_step)  # the restart trains drills.relaunch_steps past the hang, then stops
+    train = ctx.train(name, watchdog={"step_timeout_s": None, "step_timeout_floor_s": floor}, run=stop)
     markers = ctx.root / name / "hang"
     point = {"step": hang_step, "rank": victim, "marker_dir": str(markers)}
     job = ctx.job(train, name, cluster=cluster, environment=ctx.environment.with_drill_points(hang_in_step=point))
