@@ -7,10 +7,15 @@ per token (Narayanan et al. 2021 eq. 3, the capacity planner's `flops_per_token`
 accelerator's dense bf16 peak (the planner's catalogue, or --peak-tflops). Goal: MFU >= 50% on an H100/H200
 (torchtitan reports 33-39% for Llama 3 8B without float8).
 
+--fp8 converts the blocks' Linear layers to float8 first, with the trainer's own function (training/float8.py:
+torchao, rowwise scaling, precision.dtype fp8); its MFU is still over the dense bf16 peak, so that the two runs
+compare (bf16 first, then --fp8, on the same GPU). fp8 needs CUDA compute capability 8.9+: elsewhere, --smoke
+included, it prints the trainer's refusal and exits 1.
+
 On a machine without a GPU it says so and measures nothing, unless --smoke runs a tiny model on the CPU (to
 check that the script itself works; its MFU means nothing).
 
-Usage: python benchmarks/gpu_mfu.py [--steps 30] [--micro-batch 4] [--seq 2048] [--no-compile] [--smoke]
+Usage: python benchmarks/gpu_mfu.py [--steps 30] [--micro-batch 4] [--seq 2048] [--no-compile] [--fp8] [--smoke]
 """
 
 from __future__ import annotations
@@ -27,7 +32,8 @@ from tasks.capacity.catalogue import CATALOGUE
 from tasks.capacity.compute import flops_per_token
 from tasks.capacity.params import Architecture
 from training.config import ModelConfig, OptimConfig
-from training.model import Transformer
+from training.float8 import Float8Unavailable, convert_blocks, require_float8_device
+from training.model import Transformer, blocks_of
 from training.train import build_optimizer
 
 GOAL_MFU = 0.50
@@ -53,6 +59,7 @@ def main() -> int:
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--sync-every", type=int, default=10, help="host reads of the loss, every N steps")
     parser.add_argument("--no-compile", action="store_true", help="eager blocks")
+    parser.add_argument("--fp8", action="store_true", help="the blocks' Linear layers in float8 (precision fp8)")
     parser.add_argument("--peak-tflops", type=float, default=None, help="the GPU's dense bf16 peak, if unknown")
     parser.add_argument("--smoke", action="store_true", help="a tiny model on the CPU: checks the script only")
     args = parser.parse_args()
@@ -65,9 +72,16 @@ def main() -> int:
     cfg = ModelConfig(**shape, seq_len=seq)
     torch.manual_seed(0)
     model = Transformer(cfg).to(device)
+    if args.fp8:  # as the trainer does: refused below compute capability 8.9, converted before compile
+        try:
+            require_float8_device(device)
+        except Float8Unavailable as err:
+            print(f"fp8 refused: {err}")
+            return 1
+        convert_blocks(blocks_of(model))
     compiled = not args.no_compile and device.type == "cuda"
     if compiled:
-        for block in model.blocks.values():
+        for block in blocks_of(model):
             block.compile()
     optimizer = build_optimizer(model, OptimConfig(lr_peak=3e-4), device.type)
     tokens = torch.randint(0, cfg.vocab_size, (args.micro_batch, seq + 1), device=device)
@@ -113,7 +127,8 @@ def main() -> int:
     mfu = per_token * tok_s / peak if peak else float("nan")
     print(
         f"{name} ({entry or 'unknown: give --peak-tflops'}): {params / 1e9:.2f}B params, micro-batch "
-        f"{args.micro_batch} x {seq} tokens, bf16 autocast, {'compiled' if compiled else 'eager'} blocks, "
+        f"{args.micro_batch} x {seq} tokens, bf16 autocast{' + fp8 blocks' if args.fp8 else ''}, "
+        f"{'compiled' if compiled else 'eager'} blocks, "
         f"fused AdamW={optimizer.defaults.get('fused')}"
     )
     print(

@@ -12,7 +12,7 @@ import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from tasks.acceptance.config import AcceptanceConfig, DrillConfig
-from tasks.capacity.catalogue import CATALOGUE
+from tasks.capacity.catalogue import CATALOGUE, resolve_accelerator
 from tasks.capacity.config import CapacityConfig, capacity_problems
 from tasks.distill import with_teacher_model
 from tasks.errors import TransientError, UserError, is_connection_error
@@ -225,10 +225,25 @@ class DeploymentSpec(StrictModel):
         capacity = capacity_problems(self.capacity, c.accelerator, c.nodes, c.procs_per_node, self.model, self.parallel)
         capacity += self.capacity.spec_problems(self.precision.dtype, self.parallel.sharding)
         problems = training_problems(self) + self._cluster_problems() + capacity + self._serve_problems()
+        problems += self._fp8_problems()
         if self.quantize is not None:
             problems += quantize_problems(self.quantize, self.serve, self.cluster.accelerator, self.model.seq_len)
         raise_problems("DeploymentSpec", problems)
         return self
+
+    def _fp8_problems(self) -> list[Problem]:
+        """precision.dtype fp8 on an accelerator that is not a GPU (float8 matmuls need CUDA capability 8.9+)."""
+        if self.precision.dtype != "fp8":
+            return []
+        try:
+            kind = resolve_accelerator(self.cluster.accelerator, self.capacity.accelerator_overrides()).kind
+        except (KeyError, TypeError):  # an unknown accelerator: capacity_problems names it
+            return []
+        if kind == "gpu":
+            return []
+        return [(("precision", "dtype"), "fp8", f"float8 training needs a GPU, and cluster.accelerator="
+                 f"{self.cluster.accelerator} is a {kind}; set precision.dtype: bf16 on CPU (fp8 needs H100-class "
+                 "GPUs, CUDA compute capability 8.9+: sm_89)")]  # fmt: skip
 
     def _serve_problems(self) -> list[Problem]:
         """Why the trained model could not be served as the serve section says (checked before training)."""

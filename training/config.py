@@ -532,10 +532,12 @@ class ParallelConfig(StrictModel):
 class PrecisionConfig(StrictModel):
     """Numeric precision of the forward and backward passes (parameters stay fp32)."""
 
-    dtype: Literal["fp32", "bf16", "fp16"] = Field(
+    dtype: Literal["fp32", "bf16", "fp16", "fp8"] = Field(
         default="fp32",
-        description="fp32; bf16 autocast; fp16 autocast with dynamic loss scaling. A deployment spec that leaves it "
-        "out gets bf16 on a GPU accelerator, fp32 on CPU.",
+        description="fp32; bf16 autocast; fp16 autocast with dynamic loss scaling; fp8: bf16 autocast with the "
+        "transformer blocks' Linear layers in float8 (torchao, rowwise scaling; embeddings and output head in bf16; "
+        "GPUs of compute capability 8.9+ only, no tensor parallelism; exports are bf16). A deployment spec that "
+        "leaves it out gets bf16 on a GPU accelerator, fp32 on CPU.",
     )
     fp16_init_scale: float = Field(default=2.0**16, gt=0, le=2.0**64, description="fp16: initial loss scale.")
     fp16_growth_interval_steps: int = Field(
@@ -544,8 +546,9 @@ class PrecisionConfig(StrictModel):
 
     @property
     def torch_name(self) -> str:
-        """The torch dtype the forward runs in (float32, bfloat16, float16): the one to serve an export in."""
-        return {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[self.dtype]
+        """The torch dtype the forward runs in (float32, bfloat16, float16): the one to serve an export in (fp8:
+        bfloat16, the autocast dtype around the float8 matmuls and what its weights are exported in)."""
+        return {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp8": "bfloat16"}[self.dtype]
 
 
 class OptimConfig(StrictModel):
@@ -727,10 +730,11 @@ class RunConfig(StrictModel):
         "when the step's figures are read: every run.metrics_sync_every_steps): a workload error (failure.json), "
         "which the restart policy does not retry. false: log it and train on.",
     )
-    compile: bool = Field(
-        default=False,
+    compile: bool | None = Field(
+        default=None,
         description="torch.compile each transformer block (in place: checkpoints keep their keys); data-parallel "
-        "layouts (ddp, fsdp, hsdp) only. The first steps pay the compilation.",
+        "layouts (ddp, fsdp, hsdp) only. The first steps pay the compilation. None = on for GPU jobs with a "
+        "data-parallel layout, off on CPU and with tensor, pipeline or expert parallelism.",
     )
     metrics_sync_every_steps: int | None = Field(
         default=None,
@@ -1022,6 +1026,17 @@ def training_problems(cfg: TrainConfig | Any) -> list[Problem]:
                 "use bf16 with fsdp/hsdp",
             )
         )
+    if cfg.precision.dtype == "fp8" and par.tensor_parallel > 1:
+        problems.append(
+            (
+                ("precision", "dtype"),
+                "fp8",
+                f"float8 training is not supported with parallel.tensor_parallel={par.tensor_parallel} (torchao's "
+                "float8 tensor-parallel styles are tensorwise-only, and this payload's tensor-parallel regions are "
+                "not float8-aware); set parallel.tensor_parallel: 1 (fp8 runs with ddp, fsdp and hsdp), or "
+                "precision.dtype: bf16",
+            )
+        )
     if par.ddp_grad_compression is not None and par.sharding != "ddp":
         problems.append(
             (
@@ -1062,6 +1077,15 @@ def training_problems(cfg: TrainConfig | Any) -> list[Problem]:
     if cfg.optim.warmup_steps > cfg.run.steps:
         problems.append((("optim", "warmup_steps"), cfg.optim.warmup_steps, f"must be <= run.steps={cfg.run.steps}"))
     return problems
+
+
+def resolve_compile(run: RunConfig, parallel: ParallelConfig, device_type: str) -> bool:
+    """Whether the blocks are compiled: run.compile where the spec sets it, else on for a GPU ("cuda") job with a
+    data-parallel layout and off on CPU (compilation costs more there than it gains) and under tensor, pipeline or
+    expert parallelism (the layouts run.compile does not support)."""
+    if run.compile is not None:
+        return run.compile
+    return device_type == "cuda" and not parallel.model_parallel
 
 
 def vision_layout_problems(cfg: TrainConfig | Any) -> list[Problem]:

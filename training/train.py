@@ -40,7 +40,7 @@ from training.checkpoint.memory import MemoryTier
 from training.checkpoint.memory_auto import record_decision
 from training.checkpoint.save_auto import SaveSchedule
 from training.comm_probe import probe_record
-from training.config import OptimConfig, TrainConfig
+from training.config import OptimConfig, TrainConfig, resolve_compile
 from training.distill import load_teacher
 from training.distill_report import distillation_record, gathered_student
 from training.grad_clip import clip_grad_norm
@@ -70,7 +70,7 @@ from training.workload import LossInputs, workload_of
 
 log = logging.getLogger("training.train")  # not __main__ under `python -m`
 
-_AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+_AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
 
 
 @dataclass(frozen=True)
@@ -272,7 +272,14 @@ class Trainer:
         seed_everything(seed)  # identical initial weights on every rank
         model = self.workload.build_model(par.activation_recompute).to(self.device)
         self.n_params = model.num_params()
-        if cfg.run.compile:  # per block and in place, as torchtitan does: FSDP2 then wraps the compiled blocks
+        if cfg.precision.dtype == "fp8":  # the blocks' Linear layers in float8 before compile and the layouts
+            from training.float8 import convert_blocks, require_float8_device  # noqa: PLC0415 - torchao, fp8 only
+
+            require_float8_device(self.device)
+            convert_blocks(blocks_of(model))
+        # run.compile (None: on for GPUs with a data-parallel layout): per block and in place, as torchtitan does;
+        # FSDP2 then wraps the compiled blocks
+        if resolve_compile(cfg.run, par, self.device.type):
             for block in blocks_of(model):
                 block.compile()
         if model_cfg.moe is not None:
@@ -683,17 +690,20 @@ class Trainer:
         self.watchdog.beat("loss_sync")
         if compute_events is not None:
             compute_events[1].record()
-        if self.backend == "nccl":
+        if self.world == 1:  # nothing to agree on: the collective would hand back this rank's own figures
+            global_loss, loss_sync_s, loss_sync_cpu_s = local_loss.reshape(1), 0.0, 0.0
+        elif self.backend == "nccl":
             global_loss = local_loss.reshape(1).clone()
             loss_work = dist.all_reduce(global_loss, op=dist.ReduceOp.AVG, async_op=True)
             synced, synced_cpu = time.perf_counter(), time.process_time()  # waiting for a slower rank is no compute
             dist.all_reduce(flags, group=self.host_group)
+            loss_sync_s, loss_sync_cpu_s = time.perf_counter() - synced, time.process_time() - synced_cpu
         else:
             synced, synced_cpu = time.perf_counter(), time.process_time()
             reduced = torch.cat([local_loss.reshape(1), flags])
             dist.all_reduce(reduced)  # gloo has no average: the sum is divided when the record is read
             global_loss, flags = reduced[:1], reduced[1:]
-        loss_sync_s, loss_sync_cpu_s = time.perf_counter() - synced, time.process_time() - synced_cpu
+            loss_sync_s, loss_sync_cpu_s = time.perf_counter() - synced, time.process_time() - synced_cpu
         self.preempt_signal = self.preempt_signal or preemption.agreed_signal(flags.tolist())
         self.step += 1
         tokens_step = self.sampler.global_batch * self.workload.units_per_sample

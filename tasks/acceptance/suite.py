@@ -14,9 +14,11 @@ from pydantic import BaseModel, ConfigDict
 
 from tasks.acceptance.baselines import judge_quality
 from tasks.acceptance.checks import Judged, dimension_names, in_report_order, judge_runs, not_started, rows
+from tasks.acceptance.compiled import compiled_on, with_compile_note
 from tasks.acceptance.config import DRILLS, AcceptanceConfig, DrillConfig
 from tasks.acceptance.drill_table import run_drills
 from tasks.acceptance.drills import DrillContext, drill_rank_kill, reuse_acceptance, stopped_drill
+from tasks.acceptance.fp8_parity import run_fp8_parity, with_fp8_parity
 from tasks.acceptance.ledger_entry import record_entry, run_identity
 from tasks.acceptance.mode import Mode
 from tasks.acceptance.record import AcceptanceReport, DrillResult
@@ -220,6 +222,11 @@ def run_acceptance(inputs: AcceptanceInputs, root: Path) -> AcceptanceReport:
     )
     gate = judge_quality(acceptance, train, dist_train, world, dist.output_dir, golden)
     dimensions = [with_quality(d, gate.result) if d.name == "correctness" else d for d in dimensions]
+    compiled = compiled_on(train, pair or dist)  # the run correctness compared with the (eager) reference
+    dimensions = [with_compile_note(d, compiled) if d.name == "correctness" else d for d in dimensions]
+    if train.precision.dtype == "fp8" and "correctness" in dimension_names(mode) and dist.ok:
+        parity = run_fp8_parity(cluster, dist_train, acceptance, root, dist, environment, image)
+        dimensions = [with_fp8_parity(d, parity) if d.name == "correctness" else d for d in dimensions]
     ctx = DrillContext(
         cluster,
         train,

@@ -31,6 +31,7 @@ RUNTIME_DEPENDENCIES = ("torch", "numpy", "fsspec", "pydantic", "safetensors")
 # Imported only where a feature is used, inside a guard; wheel extras. s3 is pinned into the image with S3 URLs.
 OPTIONAL_DEPENDENCIES = {
     "s3": ("s3fs",), "telemetry": ("prometheus-client", "nvidia-ml-py"), "live_recovery": ("torchft",),
+    "fp8": ("torchao",),  # precision.dtype fp8 (training/float8.py)
 }  # fmt: skip
 S3_DEPENDENCIES = OPTIONAL_DEPENDENCIES["s3"]
 FROM_BASE_IMAGE = ("torch",)

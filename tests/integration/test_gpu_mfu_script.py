@@ -1,5 +1,5 @@
 """benchmarks/gpu_mfu.py, prepared for a GPU machine, runs here: without a GPU it says so and exits 1; --smoke
-runs its step on a tiny model on the CPU and prints tokens/s and MFU."""
+runs its step on a tiny model on the CPU and prints tokens/s and MFU; --fp8 there prints the trainer's refusal."""
 
 from __future__ import annotations
 
@@ -22,3 +22,5 @@ def test_the_gpu_benchmark_says_no_gpu_and_its_smoke_run_reports_tokens_per_seco
     smoke = run_group([sys.executable, str(SCRIPT), "--smoke", "--steps", "4", "--warmup", "1"], timeout=300, cwd=root)
     assert smoke.returncode == 0, smoke.stderr[-2000:]
     assert "tokens/s" in smoke.stdout and "MFU " in smoke.stdout and "fused AdamW" in smoke.stdout
+    fp8 = run_group([sys.executable, str(SCRIPT), "--smoke", "--fp8"], timeout=120, cwd=root)
+    assert fp8.returncode == 1 and "fp8 refused: precision.dtype=fp8: the job runs on cpu" in fp8.stdout

@@ -33,7 +33,8 @@ BAD_SPECS = [
     ({"optim": {"lr_min": 1.0}}, "optim.lr_min=1.0: must be <= lr_peak=0.003"),
     ({"optim": {"schedule": "step"}}, "optim.schedule=step: must be one of 'cosine', 'linear' or 'constant'"),
     ({"optim": {"warmup_steps": 50}}, "optim.warmup_steps=50: must be <= run.steps=20"),
-    ({"precision": {"dtype": "fp8"}}, "precision.dtype=fp8: must be one of 'fp32', 'bf16' or 'fp16'"),
+    ({"precision": {"dtype": "int4"}}, "precision.dtype=int4: must be one of 'fp32', 'bf16', 'fp16' or 'fp8'"),
+    ({"precision": {"dtype": "fp8"}}, "precision.dtype=fp8: float8 training needs a GPU"),
     (
         {"precision": {"dtype": "fp16"}, "parallel": {"sharding": "fsdp"}},
         "precision.dtype=fp16: fp16 loss scaling is supported with parallel.sharding=ddp only",

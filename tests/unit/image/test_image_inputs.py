@@ -95,9 +95,9 @@ def test_payload_wheel_is_byte_reproducible_and_holds_only_the_training_package(
     )
     requires = [re.split(r"[<>=!;\s]", r)[0] for r in metadata.get_all("Requires-Dist")]
     assert requires == ["torch", "numpy", "fsspec", "pydantic", "safetensors", "s3fs", "prometheus-client",
-                        "nvidia-ml-py", "torchft"]  # fmt: skip
+                        "nvidia-ml-py", "torchft", "torchao"]  # fmt: skip
     assert 'extra == "s3"' in metadata.get_all("Requires-Dist")[5]
-    assert metadata.get_all("Provides-Extra") == ["s3", "telemetry", "live_recovery"]
+    assert metadata.get_all("Provides-Extra") == ["s3", "telemetry", "live_recovery", "fp8"]
 
     (payload_copy / "model.py").write_text((payload_copy / "model.py").read_text() + "# one more line\n")
     assert build_wheel(payload_copy).sha256 != first.sha256
