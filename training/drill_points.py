@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import sys
 import time
 from typing import Literal, get_args
 
@@ -160,9 +161,13 @@ def active() -> DrillPoints:
 
 
 def _rank() -> int:
-    import torch.distributed as dist  # the spec reads this module's phases: torch only when a drill runs
-
-    return dist.get_rank() if dist.is_initialized() else 0
+    # The spec reads this module's phases, so torch is not imported here. A process whose torch is not loaded
+    # yet has no process group either: it is rank 0 without paying torch's import inside a timed hold.
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return 0
+    dist = torch.distributed
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def _hold_at(step: int) -> StepHold | None:
