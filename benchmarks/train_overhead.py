@@ -17,6 +17,10 @@ For a tiny and a ~20M-parameter model, in one process on the CPU:
   host memory) against a blocking save of the same state. Goal: <= 0.10.
   Each kind runs once unmeasured first (first-touch costs: page cache, staging
   buffers), then the kinds alternate and the medians of the repeats are used.
+- the same two loads each in a fresh process, as a resume does (one load per
+  process, nothing of an earlier load in the heap): the verified load into the
+  trainer's model and optimizer against `torch.load` of the same state, only
+  the load timed, the two alternating; the median of --checkpoint-repeats.
 
 Usage: python benchmarks/train_overhead.py [--repeats 3] [--checkpoint-repeats 7] [--quick] [--checkpoint-only]
 """
@@ -28,6 +32,8 @@ import logging
 import os
 import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -117,7 +123,49 @@ def bare_tokens_per_s(cfg: TrainConfig) -> float:
     return cfg.run.steps * cfg.parallel.micro_batch * cfg.model.seq_len / elapsed
 
 
-GOALS = {"trainer": (">=", 0.97), "save": (">=", 0.8), "load": (">=", 0.5), "stall": ("<=", 0.10)}
+GOALS = {
+    "trainer": (">=", 0.97),
+    "save": (">=", 0.8),
+    "load": (">=", 0.5),
+    "stall": ("<=", 0.10),
+}
+
+
+def load_child(kind: str, path: str, config_json: str) -> None:
+    """In a fresh process: time one load of `path` (`plain`: torch.load; `verified`: the manager's load into a
+    new trainer's model and optimizer, as a resume does) and print the seconds."""
+    if kind == "plain":
+        started = time.perf_counter()
+        torch.load(path, weights_only=True)
+    else:
+        cfg = TrainConfig.model_validate_json(Path(config_json).read_text())
+        trainer = Trainer(cfg)  # its own checkpoint folder is empty: nothing is resumed here
+        manager = CheckpointManager(cfg.checkpoint.model_copy(update={"url": path}), StorageConfig())
+        started = time.perf_counter()
+        loaded = manager.load_latest(trainer.model, trainer.optimizer)
+        assert loaded is not None, f"nothing loaded from {path}"
+    print(f"{time.perf_counter() - started:.6f}")
+
+
+def fresh_process_loads(work: Path, cfg: TrainConfig, plain: Path, dcp_dir: Path, repeats: int) -> dict[str, float]:
+    """Median seconds of torch.load and of the verified load, each alone in a fresh process, alternating."""
+    config_json = work / "child-config.json"
+    child_cfg = cfg.model_copy(update={"checkpoint": cfg.checkpoint.model_copy(update={"url": str(work / "empty")})})
+    config_json.write_text(child_cfg.model_dump_json())
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+
+    def run(kind: str, path: Path) -> float:
+        done = subprocess.run([sys.executable, __file__, "--load-child", kind, str(path), str(config_json)],
+                              capture_output=True, text=True, env=env, check=True)  # fmt: skip
+        return float(done.stdout.strip().splitlines()[-1])
+
+    times: dict[str, list[float]] = {"plain": [], "verified": []}
+    for r in range(repeats + 1):
+        for kind, path in (("plain", plain), ("verified", dcp_dir)):
+            seconds = run(kind, path)
+            if r > 0:
+                times[kind].append(seconds)
+    return {f"fresh_{k}": statistics.median(v) for k, v in times.items()}
 
 
 def goal(name: str, ratio: float) -> str:
@@ -197,6 +245,7 @@ def checkpoint_throughput(work: Path, cfg: TrainConfig, repeats: int) -> dict[st
     out["MB"] = saves[-1].nbytes / 1e6
     out["threads"] = threads
     out["plain_MB"] = plain.stat().st_size / 1e6
+    out.update(fresh_process_loads(work, cfg, plain, work / "dcp", repeats))
     return out
 
 
@@ -211,6 +260,12 @@ def report_checkpoint(ck: dict[str, float], size: str) -> None:
         f"{plain_load:.0f} MB/s: ratio {goal('load', load / plain_load)}"
     )
     print(f"  load without the sha256 check: ratio {ck['MB'] / ck['load_unverified'] / plain_load:.2f} of torch.load")
+    fresh = (ck["MB"] / ck["fresh_verified"]) / (ck["plain_MB"] / ck["fresh_plain"])  # throughputs, as above
+    print(
+        f"  in a fresh process each, as a resume loads: verified {ck['MB'] / ck['fresh_verified']:.0f} MB/s vs "
+        f"torch.load {ck['plain_MB'] / ck['fresh_plain']:.0f} MB/s: ratio {fresh:.2f} (for the record: a fresh "
+        f"optimizer's state is first made by DCP with a zero-lr step, which torch.load does not do)"
+    )
     print(
         f"  durable save (sha256 taken while writing, fsync per file, commit) {save:.0f} MB/s vs DCP's "
         f"FileSystemWriter with fsync ({int(ck['threads'])} threads, no hashing or commit) {stock:.0f} MB/s: "
@@ -235,7 +290,11 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="tiny model only, 1 repeat (smoke test)")
     parser.add_argument("--checkpoint-repeats", type=int, default=7, help="alternating runs of each checkpoint kind")
     parser.add_argument("--checkpoint-only", action="store_true", help="skip the trainer tokens/s comparison")
+    parser.add_argument("--load-child", nargs=3, metavar=("KIND", "PATH", "CONFIG"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.load_child:
+        load_child(*args.load_child)
+        return
     logging.basicConfig(level=logging.WARNING)
     work = Path(tempfile.mkdtemp(prefix="tdeploy-bench-"))
     try:
