@@ -16,7 +16,7 @@ from tasks.errors import UserError
 from tasks.progress import report as report_progress
 from tasks.quantize.config import QuantizeConfig, quantize_problems
 from tasks.quantize.quantizer import QuantizedFolder, quantize_folder, weight_bytes
-from tasks.serve.check import decode, forced_top1, prompt_logprobs, served_greedy
+from tasks.serve.check import Judged, decode, forced_top1, prompt_logprobs, served_greedy
 from validation.quantization import (
     AgreementFigures,
     QuantizationCheck,
@@ -105,7 +105,7 @@ def measure_served(
 
 
 @dataclass(frozen=True)
-class QuantizationReport:
+class QuantizationReport(Judged):
     """Everything the quantize step made, measured and judged."""
 
     quantized: QuantizedFolder
@@ -116,16 +116,6 @@ class QuantizationReport:
     agreement: AgreementFigures
     checks: list[QuantizationCheck]
     files: dict[str, str]
-
-    @property
-    def passed(self) -> bool:
-        """No gated figure failed."""
-        return all(c.passed is not False for c in self.checks)
-
-    @property
-    def failed(self) -> list[str]:
-        """Names of the failed figures."""
-        return [c.name for c in self.checks if c.passed is False]
 
     def to_json(self) -> dict[str, Any]:
         """quantization.json's content."""

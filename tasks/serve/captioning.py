@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from tasks.errors import UserError
 from tasks.results import StepResult
-from tasks.serve.check import Judged, LatencyPlot, decode, p99_threshold, post_json
+from tasks.serve.check import Judged, LatencyPlot, decode, p99_threshold, post_json, served_folder
 from tasks.serve.report import write_reports
 from validation.serving import (
     LatencyFigures,
@@ -244,10 +244,8 @@ def run_captioning_check(
     `pod_memory_bytes`); `acceptance`: the figures the exported folder's model card shows."""
     import torch
 
-    from tasks.export.step import export_checkpoint
     from tasks.serve.server import SERVER_LOG, folder_architecture, model_impl, start_server, with_folder_dtype
     from training.checkpoint import CheckpointManager
-    from training.storage import is_local, local_path
     from training.vlm import VisionLanguageModel
 
     check = serve.check
@@ -261,15 +259,7 @@ def run_captioning_check(
             f"{limit} (serve.max_model_len or model.seq_len)", "lower them",
         )  # fmt: skip
     out_dir.mkdir(parents=True, exist_ok=True)
-    if model_dir is None:
-        exported = export_checkpoint(train, step, export_root=export_root, acceptance=acceptance)
-        if not is_local(exported.model_dir):
-            raise UserError(f"the export went to {exported.model_dir}: vLLM serves a local folder",
-                            "put the deployment folder (deployment_dir) on a local or shared filesystem")  # fmt: skip
-        folder, served_step = Path(local_path(exported.model_dir)), exported.step
-    else:
-        assert step is not None, "a given model folder comes with its checkpoint step"
-        folder, served_step = Path(model_dir), step
+    folder, served_step = served_folder(train, step, model_dir, export_root, acceptance, "vLLM")
     data = held_out_images(train, max(check.parity_prompts, check.quality_prompts))
     model = VisionLanguageModel(train.model)
     CheckpointManager(train.checkpoint, train.storage).load_model(served_step, model)

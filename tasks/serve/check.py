@@ -9,9 +9,10 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from pydantic import Field
 
@@ -339,11 +340,18 @@ def p99_threshold(checks: list[ServingCheck], name: str) -> float | None:
     return next((c.threshold for c in checks if c.name == name), None)
 
 
-class Judged:
-    """A serving check's report by its judged figures (`checks`): passed and the names that failed; shared by the
-    language model's, the classifier's and the captioning check's reports."""
+class Verdict(Protocol):
+    """One judged figure of a report: its name and whether it passed (None: a figure only, not gated)."""
 
-    checks: list[ServingCheck]
+    name: str
+    passed: bool | None
+
+
+class Judged:
+    """A report by its judged figures (`checks`): passed and the names that failed; shared by the language
+    model's, the classifier's and the captioning check's reports and the quantize step's."""
+
+    checks: Sequence[Verdict]
 
     @property
     def passed(self) -> bool:
@@ -400,6 +408,32 @@ class ServingReport(Judged):
         return data
 
 
+def served_folder(
+    train: TrainConfig,
+    step: int | None,
+    model_dir: str | None,
+    export_root: str | None,
+    acceptance: AcceptanceFigures | None,
+    server: str,
+) -> tuple[Path, int]:
+    """The local folder to serve and its checkpoint step: the newest sound (or the given) checkpoint exported under
+    `export_root` (as `tdeploy export` does), or `model_dir`, a finished folder of checkpoint `step`. `server` names
+    what serves it in the message about a non-local export."""
+    from tasks.export.step import export_checkpoint
+
+    if model_dir is not None:
+        assert step is not None, "a given model folder comes with its checkpoint step"
+        return Path(model_dir), step
+    report_progress("serving", "exporting the checkpoint")
+    exported = export_checkpoint(train, step, export_root=export_root, acceptance=acceptance)
+    if not is_local(exported.model_dir):
+        raise UserError(
+            f"the export went to {exported.model_dir}: {server} serves a local folder",
+            "put the deployment folder (deployment_dir) on a local or shared filesystem",
+        )
+    return Path(local_path(exported.model_dir)), exported.step
+
+
 def run_serving_check(
     serve: ServeConfig,
     train: TrainConfig,
@@ -420,7 +454,6 @@ def run_serving_check(
     greedy parity still compares with our own model of that step, and `quantization_json` (the quantize step's
     gate report) is the quantized hop of the parity chain; `acceptance`: the figures the model card shows;
     `pod_memory_bytes`: the serving plan's pod memory, the manifests' memory request and limit."""
-    from tasks.export.step import export_checkpoint
     from tasks.serve.config import unservable
     from tasks.serve.report import write_reports
     from tasks.serve.server import SERVER_LOG, start_server, with_folder_dtype
@@ -430,18 +463,7 @@ def run_serving_check(
         raise UserError("; ".join(problems))
     check = serve.check
     out_dir.mkdir(parents=True, exist_ok=True)
-    if model_dir is None:
-        report_progress("serving", "exporting the checkpoint")
-        exported = export_checkpoint(train, step, export_root=export_root, acceptance=acceptance)
-        if not is_local(exported.model_dir):
-            raise UserError(
-                f"the export went to {exported.model_dir}: vLLM serves a local folder",
-                "put the deployment folder (deployment_dir) on a local or shared filesystem",
-            )
-        served, served_step = Path(local_path(exported.model_dir)), exported.step
-    else:
-        assert step is not None, "a given model folder comes with its checkpoint step"
-        served, served_step = Path(model_dir), step
+    served, served_step = served_folder(train, step, model_dir, export_root, acceptance, "vLLM")
     serve = with_folder_dtype(serve, served)  # the dtype the run trained in, unless the spec names one
     count = max(check.parity_prompts, check.quality_prompts, check.num_prompts)
     data = held_out(train, check, count)

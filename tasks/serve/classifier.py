@@ -31,13 +31,19 @@ import numpy as np
 from tasks.errors import TransientError, UserError
 from tasks.progress import report as report_progress
 from tasks.results import StepResult
-from tasks.serve.check import REQUEST_TIMEOUT_S, Judged, LatencyPlot, MetricsSampler, p99_threshold
+from tasks.serve.check import (
+    REQUEST_TIMEOUT_S,
+    Judged,
+    LatencyPlot,
+    MetricsSampler,
+    p99_threshold,
+    served_folder,
+)
 from tasks.serve.report import write_reports
 from tasks.serve.server import (
     REQUEST_LATENCY_BUCKETS_S, SERVER_ENV, SERVER_LOG, Server, ServerStartFailed, ServerStartTimeout, check_port_free,
     first_error, log_tail, serve_python, with_folder_dtype,
 )  # fmt: skip
-from training.storage import is_local, local_path
 from validation.classifier_serving import (
     ClassificationFigures, ClassifierParityFigures, ImageLoadFigures, classification_figures, compare_predictions,
     judge_classifier,
@@ -408,19 +414,8 @@ def run_classifier_check(
     `step`), serve it, load-test it with held-out images, stop the server, write the serving check's files into
     `out_dir` (tasks/serve/report.py: serving.json, junit.xml, the latency histogram, the classifier's serving
     manifests, whose pods get `pod_memory_bytes`); the report says whether it passed."""
-    from tasks.export.step import export_checkpoint
-
     out_dir.mkdir(parents=True, exist_ok=True)
-    if model_dir is None:
-        report_progress("serving", "exporting the checkpoint")
-        exported = export_checkpoint(train, step, export_root=export_root, acceptance=acceptance)
-        if not is_local(exported.model_dir):
-            raise UserError(f"the export went to {exported.model_dir}: the classifier server serves a local folder",
-                            "put the deployment folder (deployment_dir) on a local or shared filesystem")  # fmt: skip
-        served, served_step = Path(local_path(exported.model_dir)), exported.step
-    else:
-        assert step is not None, "a given model folder comes with its checkpoint step"
-        served, served_step = Path(model_dir), step
+    served, served_step = served_folder(train, step, model_dir, export_root, acceptance, "the classifier server")
     serve = with_folder_dtype(serve, served)
     data = held_out_images(train, serve.classifier.check.num_images)
     local = local_predictions(served, data.pngs, serve.dtype or "float32")

@@ -512,7 +512,7 @@ class CheckpointManager(CheckpointStore):
         (reader.py); their sizes are still checked here."""
         path = self._dir(step)
         mine = {rel: commit["files"][rel] for rel in share(commit["files"], self.rank, self.world)}
-        checksums = self.cfg.verify_checksums or self.key is not None
+        checksums = self.checks_digests
         found = self._listing(path) if mine else {}
         problems: dict[str, str] = {}
         for rel, expected in mine.items():
@@ -623,7 +623,7 @@ class CheckpointManager(CheckpointStore):
         Rank 0 records what it loaded and what it skipped, and why, in `out` (resume.json).
         """
         skipped: list[SkippedCheckpoint] = []
-        checksums = self.cfg.verify_checksums or self.key is not None
+        checksums = self.checks_digests
         fresh_optimizer = not optimizer.state
         for step in reversed(self._steps_everywhere()):
             # The commit record and its signature first, then sizes and the small files; the data files' sha256
@@ -713,11 +713,8 @@ class CheckpointManager(CheckpointStore):
         self, url: str, commit: dict[str, Any] | None
     ) -> VerifyingFileSystemReader | VerifyingFsspecReader:
         """DCP's reader for the step folder `url`, checking the data files against `commit` (None: unchecked)."""
-        reader: VerifyingFileSystemReader | VerifyingFsspecReader
-        if is_local(self.cfg.url):
-            reader = VerifyingFileSystemReader(local_path(url))
-        else:
-            reader = VerifyingFsspecReader(url, **self.storage.fsspec_options(self.cfg.url))
+        reader = self._reader(url, VerifyingFileSystemReader, VerifyingFsspecReader)
+        assert isinstance(reader, (VerifyingFileSystemReader, VerifyingFsspecReader))
         if commit is not None:
             reader.expect(commit["files"], url)
         return reader

@@ -95,10 +95,22 @@ class CheckpointStore:
     def _dir(self, step: int) -> str:
         return join(self.root, step_dir_name(step))
 
-    def _reader(self, path: str) -> SafeFileSystemReader | SafeFsspecReader:
+    def _reader(
+        self,
+        path: str,
+        local: type[SafeFileSystemReader] = SafeFileSystemReader,
+        remote: type[SafeFsspecReader] = SafeFsspecReader,
+    ) -> SafeFileSystemReader | SafeFsspecReader:
+        """DCP's reader for the step folder `path`: `local` on a local filesystem, else `remote` over fsspec."""
         if is_local(self.cfg.url):
-            return SafeFileSystemReader(local_path(path))
-        return SafeFsspecReader(path, **self.storage.fsspec_options(self.cfg.url))
+            return local(local_path(path))
+        return remote(path, **self.storage.fsspec_options(self.cfg.url))
+
+    @property
+    def checks_digests(self) -> bool:
+        """Whether loads check the files' sha256: checkpoint.verify_checksums, or a signing key (a signed record's
+        digests vouch for nothing unchecked)."""
+        return self.cfg.verify_checksums or self.key is not None
 
     def _url(self, path: str) -> str:
         """Full URL of a protocol-less path (for fsspec readers/writers and messages)."""
