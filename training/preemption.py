@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 from types import FrameType
 from typing import Any
 
-from training import process
+from training import process, worker_start
 from training.storage import StorageConfig, append_control_line, read_control_lines
 
 PREEMPTED_EXIT_CODE = 75
@@ -245,6 +245,28 @@ def _kill_stopped_workers_on_close() -> None:
 
     close.tdeploy_kills_stopped = True  # type: ignore[attr-defined]
     handler_class.close = close
+    _kill_stopped_forked_workers_on_close()
+
+
+def _kill_stopped_forked_workers_on_close() -> None:
+    """The same for workers forked from the agent (training/worker_start.py: torchrun's MultiprocessContext)."""
+    from torch.distributed.elastic.multiprocessing.api import MultiprocessContext  # noqa: PLC0415
+
+    original = MultiprocessContext._close
+    if getattr(original, "tdeploy_kills_stopped", False):
+        return
+
+    def _close(self: Any, death_sig: signal.Signals, timeout: int = 30) -> None:
+        procs = self._pc.processes if self._pc is not None else []
+        stopped = [p.pid for p in procs if death_sig != signal.SIGKILL and p.is_alive() and process.stopped(p.pid)]
+        for pid in stopped:  # before the wait: a stopped worker cannot act on death_sig
+            print(f"worker pid {pid} is stopped (it cannot act on {death_sig}): killed", flush=True)  # noqa: T201
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)
+        original(self, death_sig, timeout)
+
+    _close.tdeploy_kills_stopped = True  # type: ignore[attr-defined]
+    MultiprocessContext._close = _close
 
 
 def run_torchrun(argv: list[str]) -> int:
@@ -266,6 +288,7 @@ def run_torchrun(argv: list[str]) -> int:
 
     _one_preemption_signal()
     _kill_stopped_workers_on_close()
+    worker_start.install()
     started = time.time()
     sys.argv = ["torch.distributed.run", *argv]
     try:

@@ -27,6 +27,15 @@ _PR_SET_PDEATHSIG = 1
 _PARENT_AT_IMPORT = os.getppid()
 
 
+def _parent_is_the_forker() -> None:
+    """A forked child (a worker forked from its agent: training/worker_start.py) was started by its forker."""
+    global _PARENT_AT_IMPORT  # noqa: PLW0603 - the one module-level fact a fork changes
+    _PARENT_AT_IMPORT = os.getppid()
+
+
+os.register_at_fork(after_in_child=_parent_is_the_forker)
+
+
 def _stat_fields(pid: int) -> list[str] | None:
     """/proc/PID/stat's fields from the state on (field 3), or None where it cannot be read."""
     try:

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from training import drill_points, failure, hf_load, preemption, process, replica, spares
+from training import drill_points, failure, hf_load, preemption, process, replica, spares, worker_start
 from training.checkpoint import CheckpointManager, CheckpointSaveError, SavedCheckpoint
 from training.checkpoint.memory import MemoryTier
 from training.checkpoint.memory_auto import record_decision
@@ -550,6 +550,7 @@ class Trainer:
             "device": str(self.device),
             "backend": self.backend,
             "restart_count": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
+            "worker_start": worker_start.how_started(),  # fork: forked from its agent (training/worker_start.py)
             "resumed_from_step": self.resumed_from,
             "collective": self._collective_check(),
             "mesh": self._mesh_record(),

@@ -434,7 +434,8 @@ def _error_file_message(path: str | None) -> str | None:
         text = message["message"] if isinstance(message, dict) else str(message)
     except (ValueError, KeyError, TypeError):
         return None
-    return text.strip().splitlines()[-1] if text.strip() else None
+    text = text.split("\n\nAt:\n", 1)[0].strip()  # a C++ error's Python frames ("At:"), not its message
+    return text.splitlines()[-1] if text else None
 
 
 def _last_traceback_line(body: str) -> str | None:

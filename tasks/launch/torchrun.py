@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 from tasks.launch.network import network_env
 from tasks.launch.spares import SPARE_KEEP_ALIVE
 from training.network import listen_port
+from training.worker_start import WORKER_START_ENV
 
 if TYPE_CHECKING:
     from tasks.launch.cluster import ClusterConfig
@@ -91,9 +92,12 @@ def job_env(
 ) -> dict[str, str]:
     """The job's environment: `inherited` (where its processes start from), the workers' defaults where unset
     there, then the spec's cluster.env and cluster.network (which never set the same name), then `environment`'s
-    variables (a drill's points, a test plugin: tasks/launch/environment.py)."""
+    variables (a drill's points, a test plugin: tasks/launch/environment.py). A CPU job's agents fork their
+    workers with the payload imported (training/worker_start.py); a GPU job's start each as a new interpreter."""
     env = dict(inherited or {})
     for key, value in WORKER_ENV.items():
         env.setdefault(key, value)
+    if cluster.accelerator == "cpu":  # workers forked from their agent, the payload imported (worker_start.py)
+        env.setdefault(WORKER_START_ENV, "fork")
     extra = environment.variables() if environment is not None else {}
     return {**env, **cluster.env, **network_env(cluster.network), **extra}

@@ -44,6 +44,8 @@ def test_two_process_run_learns(make_spec) -> None:
     ranks = RunOutput(out).ranks()
     assert ranks.world_size == 2 and sorted(r["rank"] for r in ranks.ranks) == [0, 1]
     assert {r["backend"] for r in ranks.ranks} == {"gloo"}
+    # a CPU job's workers are forked from their agent with the payload imported (training/worker_start.py)
+    assert {r["worker_start"] for r in ranks.ranks} == {"fork"}, ranks.ranks
     for rank in ranks.ranks:  # each rank records the network it ran with, from the spec's cluster.network
         ran_with = rank["network"]
         assert ran_with["collective_timeout_s"] == 900.0, ran_with

@@ -11,11 +11,31 @@ The tests set these in one job's environment only, so the reference job beside i
 import importlib
 import os
 
-if os.environ.get("TDEPLOY_TEST_FAULTS") and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0:
-    from tests.faults.bugs import TestFaults
-    from tests.faults.payload import install
 
-    install(TestFaults.model_validate_json(os.environ["TDEPLOY_TEST_FAULTS"]))
+
+def _install_faults() -> None:
+    """The trainer bugs, in a job's first attempt only."""
+    if os.environ.get("TDEPLOY_TEST_FAULTS") and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0:
+        from tests.faults.bugs import TestFaults
+        from tests.faults.payload import install
+
+        install(TestFaults.model_validate_json(os.environ["TDEPLOY_TEST_FAULTS"]))
+
+
+if os.environ.get("TDEPLOY_TEST_FAULTS") and os.environ.get("TDEPLOY_WORKER_START") == "fork" and "RANK" not in os.environ:
+    # An agent that forks its workers (training/worker_start.py): the bugs go into each forked worker as it
+    # starts, where its attempt is known, and not into the agent, whose every fork would inherit them.
+    from training import worker_start
+
+    _run_forked = worker_start.run_forked
+
+    def _run_forked_with_faults(module: str, argv: list) -> None:
+        _install_faults()
+        _run_forked(module, argv)
+
+    worker_start.run_forked = _run_forked_with_faults
+else:
+    _install_faults()
 
 _target = os.environ.get("TDEPLOY_TEST_PATCH")
 if _target:

@@ -212,3 +212,25 @@ def test_bad_kubernetes_settings_are_refused_by_the_spec(make_spec, kubernetes, 
     with pytest.raises(SpecError) as caught:
         make_spec({"cluster": {"scheduler": "kubernetes", "kubernetes": kubernetes}})
     assert any(expected in problem for problem in caught.value.problems), caught.value.problems
+
+
+def test_a_peer_echo_in_an_error_file_is_seen_past_the_python_frames_torch_appends(tmp_path) -> None:
+    # a collective's C++ error carries the Python frames it was called from ("At:"); its message comes first
+    echo = tmp_path / "error0.json"
+    message = (
+        "RuntimeError: [/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+        "[127.0.0.1]:31642.\n\nAt:\n  /venv/torch/ddp_comm_hooks/default_hooks.py(31): <lambda>\n\n\nAt:\n"
+        "  /work/training/metrics.py(71): finished\n"
+    )
+    echo.write_text(json.dumps({"message": {"message": message, "extraInfo": {"timestamp": "1"}}}))
+    crash = tmp_path / "error1.json"
+    crash.write_text(json.dumps({"message": {"message": "RuntimeError: boom on rank 5", "extraInfo": {}}}))
+    summary = (
+        TORCHRUN_SUMMARY.replace("rank      : 4 (local_rank: 0)\n  exitcode  : 1 (pid: 1233)\n  error_file: <N/A>",
+                                 f"rank      : 4 (local_rank: 0)\n  exitcode  : 1 (pid: 1233)\n  error_file: {echo}")
+        .replace("rank      : 5 (local_rank: 1)\n  exitcode  : 1 (pid: 1234)\n  error_file: <N/A>",
+                 f"rank      : 5 (local_rank: 1)\n  exitcode  : 1 (pid: 1234)\n  error_file: {crash}")
+    )  # fmt: skip
+    assert str(echo) in summary and str(crash) in summary
+    report = parse_root_cause(summary)
+    assert report is not None and report.rank == 5 and report.error == "RuntimeError: boom on rank 5"
