@@ -18,7 +18,7 @@ launches trained 1720 steps before the drills stopped past their recovery point 
 (the drills' 16 launches 1300 and 824: storage_outage 200 -> 63, preemption's resubmission 178 -> 22, hang
 201 -> 26, corrupt_checkpoint 20 -> 3); the launches, and so their start-up seconds, stayed 20.
 
-Usage: python benchmarks/pipeline_overhead.py [--quick] [--keep]
+Usage: python benchmarks/pipeline_overhead.py [--quick] [--keep] [--worker-start fork|exec]
 """
 
 from __future__ import annotations
@@ -164,7 +164,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="60 steps and one drill instead of the full default")
     parser.add_argument("--keep", action="store_true", help="keep the work folder")
+    parser.add_argument("--worker-start", choices=["fork", "exec"], default="fork",
+                        help="how the local jobs' workers start (training/worker_start.py): fork, the default "
+                             "for CPU jobs, or exec, a new interpreter each (before)")  # fmt: skip
     args = parser.parse_args()
+    os.environ["TDEPLOY_WORKER_START"] = args.worker_start  # the launchers' job_env keeps an operator's choice
+    print(f"workers start by {args.worker_start}")
     work = Path(tempfile.mkdtemp(prefix="tdeploy-bench-pipeline-"))
     os.environ.update(
         {
