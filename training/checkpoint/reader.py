@@ -25,12 +25,14 @@ import warnings
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import _weights_only_unpickler
 from torch.distributed._shard._utils import narrow_tensor_by_index
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.utils import _create_file_view
 from torch.futures import Future
@@ -94,6 +96,17 @@ class _DigestCheckingRead:
 
     expected: dict[str, dict[str, Any]] | None = None  # data file -> {"sha256", "bytes"}; None: nothing checked
     where = ""  # the step folder, for messages
+    _metadata: Metadata | None = None
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """The checkpoint's metadata, unpickled once per reader (the manager reads it before dcp.load, which reads it
+        again), with this load's id. DCP looks for `kwargs` in this signature."""
+        if args or kwargs:
+            return super().read_metadata(*args, **kwargs)  # type: ignore[misc]
+        if self._metadata is None:
+            self._metadata = super().read_metadata()  # type: ignore[misc]
+        self._metadata.storage_meta.load_id = self.load_id  # type: ignore[attr-defined,union-attr]
+        return self._metadata
 
     def expect(self, files: dict[str, dict[str, Any]], where: str) -> None:
         """Check the data files among `files` (a commit record's "files") as they are read; `where` names them."""
@@ -110,9 +123,9 @@ class _DigestCheckingRead:
         held, ready, rest, problems = self._take(by_file)
         if self.expected is not None:
             self._agree(sorted(by_file), problems)  # raises on every rank alike, before anything is copied
-        rest += self._copy(ready, planner)
+        rest = self._copy(ready, planner) + self._load_bytes_entries(rest, held, planner)
         inner = self.fs  # type: ignore[attr-defined]
-        self.fs = _Served(inner, held)  # what is left (bytes entries, transformed items): DCP's own way
+        self.fs = _Served(inner, held)  # what is left (transformed or unusual items): DCP's own way
         try:
             return super().read_data(LoadPlan(rest, plan.storage_data), planner)  # type: ignore[misc]
         finally:
@@ -128,6 +141,7 @@ class _DigestCheckingRead:
         ready: list[tuple[ReadItem, torch.Tensor, torch.Tensor]] = []
         rest: list[ReadItem] = []
         problems: dict[str, str] = {}
+        layouts: dict[bytes, _Layout | None] = {}  # what each distinct tensor pickle says, for every file
         workers = max(1, min(MAX_IO_THREADS, len(by_file)))
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="load-read") as pool:
             reads = [(rel, pool.submit(self._read_whole, rel)) for rel in sorted(by_file)]
@@ -138,7 +152,7 @@ class _DigestCheckingRead:
                     held[self._key(rel)] = data
                     if self.expected is not None:
                         digests.append((rel, len(data), pool.submit(_sha256, data)))
-                    found, left = self._parse(by_file[rel], data)  # meanwhile the pool reads and hashes
+                    found, left = self._parse(by_file[rel], data, layouts)  # meanwhile the pool reads and hashes
                     ready += found
                     rest += left
                 for rel, nbytes, digest in digests:
@@ -175,7 +189,7 @@ class _DigestCheckingRead:
             raise CheckpointDigestError(self.where, found[0][1])
 
     def _parse(
-        self, reqs: list[ReadItem], data: bytes
+        self, reqs: list[ReadItem], data: bytes, layouts: dict[bytes, _Layout | None]
     ) -> tuple[list[tuple[ReadItem, torch.Tensor, torch.Tensor]], list[ReadItem]]:
         """Each tensor item of one held file as a view of its bytes (nothing copied), and the items left for DCP.
         This runs before the file's digest is known: an item that does not parse is left to DCP, which reads it
@@ -189,7 +203,7 @@ class _DigestCheckingRead:
                 saved = None
                 if req.type == LoadItemType.TENSOR and not info.transform_descriptors:
                     try:
-                        saved = _saved_tensor(data, info.offset, info.length)
+                        saved = _saved_tensor(data, info.offset, info.length, layouts)
                     except Exception:  # noqa: BLE001 - bytes not verified yet: DCP reads the item after the check
                         saved = None
                 if saved is None:
@@ -215,6 +229,22 @@ class _DigestCheckingRead:
                 rest.append(req)
                 continue
             planner.commit_tensor(req, target)
+        return rest
+
+    def _load_bytes_entries(self, reqs: list[ReadItem], held: dict[str, bytes], planner: LoadPlanner) -> list[ReadItem]:
+        """Hand each plain bytes entry (an optimizer hyper-parameter) to the planner straight from its held file, as
+        DCP's reader would from a file view; the items left for DCP."""
+        rest: list[ReadItem] = []
+        files: dict[str, bytes | None] = {}
+        for req in reqs:
+            info = self.storage_data[req.storage_index]  # type: ignore[attr-defined]
+            if info.relative_path not in files:
+                files[info.relative_path] = held.get(self._key(info.relative_path))
+            data = files[info.relative_path]
+            if req.type != LoadItemType.BYTE_IO or info.transform_descriptors or data is None:
+                rest.append(req)
+                continue
+            planner.load_bytes(req, io.BytesIO(data[info.offset : info.offset + info.length]))
         return rest
 
     def _key(self, rel: str) -> str:
@@ -247,33 +277,67 @@ def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()  # releases the GIL: the pool reads and this thread parses meanwhile
 
 
-def _saved_tensor(data: bytes, offset: int, length: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+@dataclass(frozen=True)
+class _Layout:
+    """What the pickle of a tensor saved alone by torch.save says: its one storage's record, dtype and byte count, and
+    the tensor's view of it."""
+
+    key: str
+    dtype: torch.dtype
+    nbytes: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    storage_offset: int
+
+
+def _saved_tensor(
+    data: bytes, offset: int, length: int, layouts: dict[bytes, _Layout | None]
+) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The tensor DCP wrote with torch.save at `offset` of a file held as `data`, viewing its bytes in place, and
     those bytes as uint8 (None where that cannot be done: the caller reads it with torch.load). Its pickle is read
-    with torch's weights-only unpickler, as torch.load would. The tensor's data may be misaligned for its dtype:
-    only its shape is used then, and its bytes copied as bytes."""
+    with torch's weights-only unpickler, as torch.load would, once per distinct pickle: `layouts` keeps what each
+    said (tensors of one shape and dtype pickle alike), and a tensor whose pickle was read before is rebuilt from
+    that. The tensor's data may be misaligned for its dtype: only its shape is used then, and its bytes copied as
+    bytes."""
     view = _create_file_view(io.BytesIO(data), offset, length)
     archive = torch._C.PyTorchFileReader(view)
     if not archive.has_record("byteorder") or archive.get_record("byteorder") != sys.byteorder.encode():
         return None
-    found: list[torch.Tensor] = []
+    pickled = archive.get_record("data.pkl")
+    if pickled not in layouts:
+        layouts[pickled] = _unpickled_layout(pickled)
+    layout = layouts[pickled]
+    if layout is None:
+        return None
+    start = offset + archive.get_record_offset(f"data/{layout.key}")
+    raw = torch.frombuffer(data, dtype=torch.uint8, count=layout.nbytes, offset=start)
+    tensor = torch.empty(0, dtype=layout.dtype).set_(
+        raw.untyped_storage(), layout.storage_offset, layout.size, layout.stride
+    )
+    return tensor, raw
+
+
+def _unpickled_layout(pickled: bytes) -> _Layout | None:
+    """The layout a tensor's data.pkl describes, read with torch's weights-only unpickler over an empty stand-in
+    storage (None: not one plain tensor of one storage)."""
+    keys: list[tuple[str, torch.dtype, int]] = []
 
     def storage(saved_id: tuple[Any, ...]) -> torch.TypedStorage:
         typename, storage_type, key, _, numel = saved_id
         if _as_str(typename) != "storage":
             raise pickle.UnpicklingError(f"unknown persistent id {typename!r}")
         dtype = torch.uint8 if storage_type is torch.UntypedStorage else storage_type.dtype
-        start = offset + archive.get_record_offset(f"data/{_as_str(key)}")
-        raw = torch.frombuffer(data, dtype=torch.uint8, count=numel * dtype.itemsize, offset=start)
-        found.append(raw)
-        return torch.TypedStorage(wrap_storage=raw.untyped_storage(), dtype=dtype, _internal=True)
+        keys.append((_as_str(key), dtype, numel * dtype.itemsize))
+        return torch.TypedStorage(wrap_storage=torch.UntypedStorage(numel * dtype.itemsize, device="meta"),
+                                  dtype=dtype, _internal=True)  # fmt: skip
 
-    unpickler = _weights_only_unpickler.Unpickler(io.BytesIO(archive.get_record("data.pkl")), encoding="utf-8")
+    unpickler = _weights_only_unpickler.Unpickler(io.BytesIO(pickled), encoding="utf-8")
     unpickler.persistent_load = storage  # type: ignore[method-assign]
     tensor = unpickler.load()
-    if not isinstance(tensor, torch.Tensor) or len(found) != 1 or tensor.is_quantized or not tensor.is_cpu:
+    if type(tensor) is not torch.Tensor or len(keys) != 1 or tensor.is_quantized or tensor.dtype != keys[0][1]:
         return None
-    return tensor, found[0]
+    key, dtype, nbytes = keys[0]
+    return _Layout(key, dtype, nbytes, tuple(tensor.size()), tuple(tensor.stride()), tensor.storage_offset())
 
 
 def _whole_and_dense(source: torch.Tensor, raw: torch.Tensor, target: torch.Tensor) -> bool:

@@ -319,8 +319,12 @@ class CheckpointStore:
 def dcp_load(state: dict[str, Any], reader: Any, planner: SafeLoadPlanner) -> None:
     """dcp.load into `state`; a refusal of the trust checks, or a data file failing its sha256 check while read
     (reader.py), is raised as itself, not inside DCP's exception."""
+    alone = not dist.is_initialized() or dist.get_world_size() == 1
     try:
-        dcp.load(state, storage_reader=reader, planner=planner)
+        with warnings.catch_warnings():
+            if alone:  # one process (or a group of one): DCP's plan exchange would only pickle the plan to itself
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+            dcp.load(state, storage_reader=reader, planner=planner, no_dist=alone)
     except (Exception, CheckpointException) as err:  # DCP's exception is a BaseException
         refusal = planner.refused or _leaf_in(err, UnsafeCheckpointError) or _leaf_in(err, CheckpointDigestError)
         if refusal is not None:
