@@ -151,7 +151,10 @@ def test_a_variable_set_in_cluster_env_and_the_network_section_is_refused_naming
 def test_without_a_network_section_the_environment_and_torchrun_arguments_are_unchanged() -> None:
     cluster = ClusterConfig(procs_per_node=2, env={"NCCL_DEBUG": "WARN"})
     assert cluster.network == NetworkConfig()
-    assert job_env(cluster) == {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1", "NCCL_DEBUG": "WARN"}
+    assert job_env(cluster) == {
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1", "NCCL_DEBUG": "WARN",
+        "TDEPLOY_WORKER_START": "fork",  # a CPU job's workers fork from their agent (training/worker_start.py)
+    }  # fmt: skip
     assert not [a for a in torchrun_args(cluster, "127.0.0.1:29500", "job", "/run.json") if "rdzv-conf" in a]
 
 
