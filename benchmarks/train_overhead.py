@@ -264,7 +264,7 @@ def report_checkpoint(ck: dict[str, float], size: str) -> None:
     print(
         f"  in a fresh process each, as a resume loads: verified {ck['MB'] / ck['fresh_verified']:.0f} MB/s vs "
         f"torch.load {ck['plain_MB'] / ck['fresh_plain']:.0f} MB/s: ratio {fresh:.2f} (for the record: a fresh "
-        f"optimizer's state is first made by DCP with a zero-lr step, which torch.load does not do)"
+        f"optimizer's state is allocated for the load, without DCP's zero-lr step: training/checkpoint/optim_state.py)"
     )
     print(
         f"  durable save (sha256 taken while writing, fsync per file, commit) {save:.0f} MB/s vs DCP's "
