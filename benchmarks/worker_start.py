@@ -38,6 +38,7 @@ from tasks.launch.local import start_local  # noqa: E402
 from tasks.prepare.config import PrepareConfig  # noqa: E402
 from tasks.prepare.pipeline import prepare_dataset  # noqa: E402
 from tasks.spec import DeploymentSpec, parse_spec  # noqa: E402
+from tests.conftest import TINY_SPEC, deep_merge  # noqa: E402 - the tests' tiny model
 from training.run_output import RunOutput  # noqa: E402
 from training.storage import StorageConfig  # noqa: E402
 from training.worker_start import WORKER_START_ENV  # noqa: E402
@@ -52,8 +53,6 @@ def _dataset(root: Path) -> str:
 
 
 def _spec(root: Path, dataset: str, name: str, steps: int, restarts: int = 0) -> DeploymentSpec:
-    from tests.conftest import TINY_SPEC, deep_merge
-
     paths = {"data": {"dataset_url": dataset}, "checkpoint": {"url": str(root / name / "ckpt"), "save_every_steps": 2},
              "run": {"output_url": str(root / name / "out"), "steps": steps},
              "deployment_dir": str(root / name / "deployment"), "cluster": {"max_restarts": restarts}}  # fmt: skip

@@ -136,8 +136,13 @@ def exit_now(code: int) -> None:
     written; a job pays that in every worker and in its agent before its exit is seen. Call it only where
     everything the process owes is on disk: the trainer's files are closed and its process group destroyed.
     """
+    flush_output()
+    os._exit(code)
+
+
+def flush_output() -> None:
+    """Flush the logging handlers and the standard streams: what a process owes its logs before it ends."""
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
-    os._exit(code)

@@ -26,13 +26,14 @@ from __future__ import annotations
 import contextlib
 import gc
 import importlib
-import logging
 import os
 import signal
 import sys
 import traceback
 from collections.abc import Callable
 from typing import Any
+
+from training import process
 
 WORKER_START_ENV = "TDEPLOY_WORKER_START"
 """'fork': the agent forks its workers with the payload imported; unset or 'exec': a new interpreter each."""
@@ -106,12 +107,9 @@ def run_forked(module: str, argv: list[str]) -> None:
         traceback.print_exc()  # process context only hands the first failure's to the agent)
         sys.stderr.flush()
         raise
-    logging.shutdown()
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
     if code:
-        os._exit(code)  # the payload's code as the worker's exit status; torchrun reads it as a failure's
+        process.exit_now(code)  # the payload's code as the worker's exit status; torchrun reads it as a failure's
+    process.flush_output()  # a zero returns: torchrun collects the worker's return value
 
 
 def fork_workers(launch_agent: Callable[..., Any]) -> Callable[..., Any]:

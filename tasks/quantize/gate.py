@@ -16,7 +16,7 @@ from tasks.errors import UserError
 from tasks.progress import report as report_progress
 from tasks.quantize.config import QuantizeConfig, quantize_problems
 from tasks.quantize.quantizer import QuantizedFolder, quantize_folder, weight_bytes
-from tasks.serve.check import Judged, decode, forced_top1, prompt_logprobs, served_greedy
+from tasks.serve.check import Judged, decode, forced_top1, prompt_logprobs, served_folder, served_greedy
 from validation.quantization import (
     AgreementFigures,
     QuantizationCheck,
@@ -169,25 +169,17 @@ def run_quantization(
 ) -> QuantizationReport:  # fmt: skip
     """Export the newest sound (or the given) checkpoint (its model card with the `acceptance` figures),
     quantize it beside the export, gate it; the report says whether it passed."""
-    from tasks.export.step import export_checkpoint
-    from training.storage import is_local, local_path
-
     problems = quantize_problems(cfg, serve, accelerator, train.model.seq_len)
     if problems:
         raise UserError("; ".join(f"{'.'.join(map(str, at))}={value}: {why}" for at, value, why in problems))
     out_dir.mkdir(parents=True, exist_ok=True)
-    report_progress("quantize", "exporting the checkpoint")
-    exported = export_checkpoint(train, step, export_root=export_root, acceptance=acceptance)
-    if not is_local(exported.model_dir):
-        raise UserError(
-            f"the export went to {exported.model_dir}: LLM Compressor and vLLM read a local folder",
-            "put the deployment folder (deployment_dir) on a local or shared filesystem",
-        )
-    export_dir = Path(local_path(exported.model_dir))
+    export_dir, exported_step = served_folder(
+        train, step, None, export_root, acceptance, "LLM Compressor and vLLM read", stage="quantize"
+    )
     data = gate_data(train, cfg, serve.check.prompt_tokens)
     report_progress("quantize", f"quantizing with LLM Compressor ({cfg.scheme}, {cfg.method})")
     started = time.monotonic()
     quantized = quantize_folder(export_dir, cfg, data.calibration, log_dir=out_dir)
     log.info("quantized %s to %s in %.0f s", export_dir, quantized.model_dir, time.monotonic() - started)
     max_model_len = serve.max_model_len or train.model.seq_len
-    return gate(export_dir, quantized, cfg, serve, name, data, accelerator, max_model_len, out_dir, exported.step)
+    return gate(export_dir, quantized, cfg, serve, name, data, accelerator, max_model_len, out_dir, exported_step)

@@ -259,7 +259,7 @@ def run_captioning_check(
             f"{limit} (serve.max_model_len or model.seq_len)", "lower them",
         )  # fmt: skip
     out_dir.mkdir(parents=True, exist_ok=True)
-    folder, served_step = served_folder(train, step, model_dir, export_root, acceptance, "vLLM")
+    folder, served_step = served_folder(train, step, model_dir, export_root, acceptance, "vLLM serves")
     data = held_out_images(train, max(check.parity_prompts, check.quality_prompts))
     model = VisionLanguageModel(train.model)
     CheckpointManager(train.checkpoint, train.storage).load_model(served_step, model)

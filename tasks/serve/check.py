@@ -415,20 +415,22 @@ def served_folder(
     export_root: str | None,
     acceptance: AcceptanceFigures | None,
     server: str,
+    stage: str = "serving",
 ) -> tuple[Path, int]:
     """The local folder to serve and its checkpoint step: the newest sound (or the given) checkpoint exported under
     `export_root` (as `tdeploy export` does), or `model_dir`, a finished folder of checkpoint `step`. `server` names
-    what serves it in the message about a non-local export."""
+    what reads it (as "vLLM serves", "LLM Compressor and vLLM read") in the message about a non-local export;
+    `stage` is the progress line's."""
     from tasks.export.step import export_checkpoint
 
     if model_dir is not None:
         assert step is not None, "a given model folder comes with its checkpoint step"
         return Path(model_dir), step
-    report_progress("serving", "exporting the checkpoint")
+    report_progress(stage, "exporting the checkpoint")
     exported = export_checkpoint(train, step, export_root=export_root, acceptance=acceptance)
     if not is_local(exported.model_dir):
         raise UserError(
-            f"the export went to {exported.model_dir}: {server} serves a local folder",
+            f"the export went to {exported.model_dir}: {server} a local folder",
             "put the deployment folder (deployment_dir) on a local or shared filesystem",
         )
     return Path(local_path(exported.model_dir)), exported.step
@@ -463,7 +465,7 @@ def run_serving_check(
         raise UserError("; ".join(problems))
     check = serve.check
     out_dir.mkdir(parents=True, exist_ok=True)
-    served, served_step = served_folder(train, step, model_dir, export_root, acceptance, "vLLM")
+    served, served_step = served_folder(train, step, model_dir, export_root, acceptance, "vLLM serves")
     serve = with_folder_dtype(serve, served)  # the dtype the run trained in, unless the spec names one
     count = max(check.parity_prompts, check.quality_prompts, check.num_prompts)
     data = held_out(train, check, count)

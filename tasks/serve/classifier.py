@@ -415,7 +415,7 @@ def run_classifier_check(
     `out_dir` (tasks/serve/report.py: serving.json, junit.xml, the latency histogram, the classifier's serving
     manifests, whose pods get `pod_memory_bytes`); the report says whether it passed."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    served, served_step = served_folder(train, step, model_dir, export_root, acceptance, "the classifier server")
+    served, served_step = served_folder(train, step, model_dir, export_root, acceptance, "the classifier server serves")
     serve = with_folder_dtype(serve, served)
     data = held_out_images(train, serve.classifier.check.num_images)
     local = local_predictions(served, data.pngs, serve.dtype or "float32")

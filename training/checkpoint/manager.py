@@ -653,17 +653,15 @@ class CheckpointManager(CheckpointStore):
             try:
                 with _gc_paused():
                     return self._load_step(step, commit, model, optimizer, out, skipped, checksums)
-            except CheckpointDigestError as err:
+            except Exception as err:
+                if fresh_optimizer:  # it was given state to load into (unfilled, see optim_state.py): fresh again
+                    optimizer.state.clear()
+                if not isinstance(err, CheckpointDigestError):
+                    raise
                 name = self._url(self._dir(step))
                 if self.rank == 0:
                     log.warning("skipping corrupt checkpoint %s: %s", name, err.problem)
                 skipped.append(SkippedCheckpoint(step, name, "corrupt", err.problem))
-                if fresh_optimizer:  # it was given state to load into (unfilled, see optim_state.py): fresh again
-                    optimizer.state.clear()
-            except Exception:
-                if fresh_optimizer:  # as above: no unfilled state survives a failed load
-                    optimizer.state.clear()
-                raise
         self._record_resume(out, ResumeRecord(self.cfg.url, world_size=self.world, skipped=skipped))
         return None
 
